@@ -1,0 +1,83 @@
+"""AdamW on the CPU: one fused Numba pass over a unit's tile, plus the LR schedule.
+
+The arithmetic mirrors torch.optim.AdamW (single-tensor path) operation by operation in fp32, so
+the two agree to rounding: decoupled decay p *= 1 - lr*wd; m = lerp(m, g, 1-b1); v = b2 v + (1-b2) g^2;
+p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps). Global-norm clipping enters as a gradient scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from megatrain.configbase import opt
+
+
+@dataclass
+class OptimConfig:
+    lr: float = opt(1e-3, "Peak learning rate.")
+    betas: tuple[float, float] = opt((0.9, 0.95), "Adam beta1, beta2.")
+    eps: float = opt(1e-8, "Adam epsilon (added to sqrt(v_hat)).")
+    weight_decay: float = opt(0.0, "Decoupled weight decay (AdamW).")
+    no_decay_1d: bool = opt(True, "Exempt 1-D tensors (norms, biases) from weight decay.")
+    max_grad_norm: float = opt(1.0, "Clip the global gradient norm to this; 0 disables clipping.")
+    schedule: str = opt("cosine", "LR schedule after warmup: constant, linear or cosine (decay to min_lr_ratio).")
+    warmup_steps: int = opt(0, "Linear warmup steps from 0 to lr.")
+    min_lr_ratio: float = opt(0.1, "Final LR as a fraction of lr for linear/cosine.")
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0 or self.eps <= 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
+            raise ValueError("optim: lr and eps must be > 0, weight_decay and max_grad_norm >= 0")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"optim.betas {self.betas} must lie in [0, 1)")
+        if self.schedule not in ("constant", "linear", "cosine"):
+            raise ValueError(f"optim.schedule must be constant, linear or cosine, not '{self.schedule}'")
+        if self.warmup_steps < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError("optim.warmup_steps must be >= 0 and optim.min_lr_ratio in [0, 1]")
+
+
+def lr_at(cfg: OptimConfig, step: int, total_steps: int) -> float:
+    """LR for optimizer step `step` (0-based) of `total_steps`."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(total_steps - cfg.warmup_steps - 1, 1)
+    frac = min((step - cfg.warmup_steps) / span, 1.0)
+    shape = 1 - frac if cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape)
+
+
+def clip_scale(total_norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), never above 1."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _adamw(p, g, m, v, lr, b1, b2, eps, wd, bc1, bc2_sqrt, gscale):  # pragma: no cover - compiled
+    one = np.float32(1.0)
+    decay = one - lr * wd
+    w = one - b1
+    step = lr / bc1
+    for i in numba.prange(p.size):
+        gi = g[i] * gscale
+        mi = m[i] + w * (gi - m[i])
+        vi = v[i] * b2 + (one - b2) * gi * gi
+        m[i] = mi
+        v[i] = vi
+        p[i] = p[i] * decay - step * (mi / (np.sqrt(vi) / bc2_sqrt + eps))
+
+
+def adamw_update(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, step: int, lr: float,
+                 cfg: OptimConfig, weight_decay: float, grad_scale: float = 1.0) -> None:
+    """One AdamW step in place over fp32 arrays; `step` is 1-based (bias correction)."""
+    f = np.float32
+    b1, b2 = cfg.betas
+    bc1 = 1 - b1**step
+    bc2_sqrt = math.sqrt(1 - b2**step)
+    _adamw(p, g, m, v, f(lr), f(b1), f(b2), f(cfg.eps), f(weight_decay), f(bc1), f(bc2_sqrt), f(grad_scale))

@@ -1,0 +1,215 @@
+"""Machinery for the one config tree: documented fields, YAML + `key=value` loading, validation.
+
+Each component owns its dataclass (ModelConfig in model.py, IpcConfig in ipc/protocol.py, ...);
+megatrain/config.py assembles the tree. YAML and command-line overrides only fill it: every key is
+checked against the dataclasses, and a wrong one is reported with its file and line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from megatrain.errors import ConfigError
+
+
+def opt(default: Any, doc: str, **kw: Any) -> Any:
+    """A config field with its documentation (shown by `megatrain-launch --config-reference`)."""
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata={"doc": doc}, **kw)
+    return dataclasses.field(default=default, metadata={"doc": doc}, **kw)
+
+
+def section(cls: type, doc: str) -> Any:
+    return dataclasses.field(default_factory=cls, metadata={"doc": doc})
+
+
+class _Where:
+    """Maps dotted key paths to 'file:line' using the YAML node tree."""
+
+    def __init__(self, source: str, text: str | None):
+        self.source, self.lines = source, {}
+        if text:
+            self._walk(yaml.compose(text), "")
+
+    def _walk(self, node: Any, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                path = f"{prefix}{key.value}"
+                self.lines[path] = key.start_mark.line + 1
+                self._walk(value, path + ".")
+
+    def __call__(self, path: str) -> str:
+        line = self.lines.get(path)
+        return f"{self.source}:{line}" if line else self.source
+
+
+def _fail(where: _Where | None, path: str, msg: str) -> ConfigError:
+    loc = where(path) if where else "command line"
+    return ConfigError(f"{loc}: config key '{path}': {msg}")
+
+
+def _coerce(tp: Any, value: Any, path: str, where: _Where | None) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, path, where)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise _fail(where, path, f"expected a mapping, got {value!r}")
+        return build(tp, value, path + ".", where)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _fail(where, path, f"expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _fail(where, path, f"expected an integer, got {value!r}")
+    if tp is float:
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        except (TypeError, ValueError):
+            raise _fail(where, path, f"expected a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise _fail(where, path, f"expected a string, got {value!r}")
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise _fail(where, path, f"expected a list, got {value!r}")
+        if origin is tuple and args and args[-1] is not Ellipsis and len(args) != len(value):
+            raise _fail(where, path, f"expected {len(args)} items, got {len(value)}")
+        item_t = args[0] if args else Any
+        return origin(_coerce(item_t, v, f"{path}[{i}]", where) for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _fail(where, path, f"expected a mapping, got {value!r}")
+        return dict(value)
+    raise _fail(where, path, f"unsupported field type {tp}")
+
+
+def build(cls: type, data: dict, prefix: str = "", where: _Where | None = None) -> Any:
+    """Instantiate dataclass `cls` from a nested dict, rejecting unknown keys with a suggestion."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
+            raise _fail(where, path, "unknown key" + hint)
+        kwargs[key] = _coerce(hints[key], value, path, where)
+    try:
+        obj = cls(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where.source if where else 'config'}: section '{prefix[:-1]}': {exc}") from None
+    return obj
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"command-line override '{item}' is not of the form dotted.key=value")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def merge_overrides(data: dict, overrides: list[str]) -> dict:
+    for item in overrides:
+        keys, value = parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"command-line override '{item}': '{k}' is not a section")
+        node[keys[-1]] = value
+    return data
+
+
+def load(cls: type, path: str | Path | None, overrides: list[str] | None = None) -> Any:
+    """Load `cls` from a YAML file plus dotted overrides; every error names key and location."""
+    text, source = None, "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{p}' does not exist")
+        text, source = p.read_text(), str(p)
+    try:
+        data = yaml.safe_load(text) if text else {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    where = _Where(source, text)
+    file_keys = set(where.lines)
+    data = merge_overrides(data, overrides or [])
+    return _build_with_cli(cls, data, where, file_keys)
+
+
+def _build_with_cli(cls: type, data: dict, where: _Where, file_keys: set[str]) -> Any:
+    try:
+        return build(cls, data, "", where)
+    except ConfigError as exc:
+        msg = str(exc)
+        # A key that came only from the command line has no line in the file: say so.
+        for key in _paths(data):
+            if key not in file_keys and f"'{key}'" in msg and msg.startswith(where.source):
+                msg = "command line" + msg[len(where.source):]
+        raise ConfigError(msg) from None
+
+
+def _paths(data: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in data.items():
+        out.append(prefix + str(k))
+        if isinstance(v, dict):
+            out += _paths(v, f"{prefix}{k}.")
+    return out
+
+
+def to_dict(obj: Any) -> dict:
+    return dataclasses.asdict(obj)
+
+
+def dump_yaml(obj: Any) -> str:
+    def plain(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+
+    return yaml.safe_dump(plain(to_dict(obj)), sort_keys=False)
+
+
+def reference(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, doc) rows for every leaf field, for the README and --config-reference."""
+    rows = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        doc = f.metadata.get("doc", "")
+        if dataclasses.is_dataclass(hints[f.name]):
+            rows += reference(hints[f.name], f"{prefix}{f.name}.")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        rows.append((prefix + f.name, repr(default), doc))
+    return rows

@@ -1,0 +1,228 @@
+"""The step: streaming forward, block-wise recompute + backward, chunked loss. Device-agnostic.
+
+The engine never owns weights. It asks a WeightSource for each unit's flat weight vector in a fixed
+order (`fetch_order`), binds views of it into stateless HF layer templates, and hands each unit's
+flat gradient to a GradSink the moment it is complete (`grad_order`). The executor actor plugs in
+the shared-memory source and sink; tests plug in plain tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from megatrain.configbase import opt
+from megatrain.model import ModelSpec, meta_model
+
+IGNORE = -100
+
+
+@dataclass
+class EngineConfig:
+    device: str = opt("auto", "Where the layers compute: auto (cuda if present), cuda or cpu.")
+    compute_dtype: str = opt("auto", "Compute and weight-streaming dtype: auto (bf16 on cuda, fp32 on cpu), "
+                                     "bf16 or fp32. Master weights and Adam state are fp32 regardless.")
+    checkpoint_interval: int = opt(2, "K: keep the activation at the input of every K-th layer; a block of "
+                                      "K layers is recomputed once, with grad, right before its backward.")
+    loss_chunk_tokens: int = opt(2048, "Tokens per LM-head/loss chunk; [chunk, vocab] logits is the largest "
+                                       "head activation.")
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"engine.device must be auto, cpu or cuda, not '{self.device}'")
+        if self.compute_dtype not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"engine.compute_dtype must be auto, bf16 or fp32, not '{self.compute_dtype}'")
+        if self.checkpoint_interval < 1:
+            raise ValueError("engine.checkpoint_interval must be >= 1")
+        if self.loss_chunk_tokens < 1:
+            raise ValueError("engine.loss_chunk_tokens must be >= 1")
+
+
+def resolve_device(cfg: EngineConfig) -> torch.device:
+    if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def resolve_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
+    if cfg.compute_dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.compute_dtype]
+
+
+def blocks(num_layers: int, k: int) -> list[list[int]]:
+    """Unit indices of each checkpoint block (layers are units 1..N)."""
+    return [list(range(s, min(s + k, num_layers + 1))) for s in range(1, num_layers + 1, k)]
+
+
+def fetch_order(num_layers: int, k: int) -> list[int]:
+    """Units in the order the engine fetches weights: forward, head, then blocks recomputed in reverse.
+
+    The last block runs with grad in the forward and keeps its graphs, so it is never recomputed.
+    """
+    order = [0, *range(1, num_layers + 1), num_layers + 1]
+    for blk in reversed(blocks(num_layers, k)[:-1]):
+        order += blk
+    return order
+
+
+def grad_order(num_layers: int) -> list[int]:
+    """Units in the order their gradients complete: head, layers last to first, embedding."""
+    return [num_layers + 1, *range(num_layers, 0, -1), 0]
+
+
+class WeightSource(Protocol):
+    def fetch(self, unit: int) -> torch.Tensor:
+        """The unit's flat weights on the compute device, in compute dtype, owned by the caller."""
+
+
+class GradSink(Protocol):
+    def emit(self, unit: int, grad: torch.Tensor) -> None:
+        """Take the unit's complete flat gradient (on the device); may copy it out asynchronously."""
+
+
+class Templates:
+    """Stateless HF modules on the meta device; weights are bound per call as views of a flat vector."""
+
+    def __init__(self, spec: ModelSpec, device: torch.device):
+        model = meta_model(spec.family, spec.hf_config)
+        self.spec, self.layout = spec, spec.layout
+        types = getattr(spec.hf_config, "layer_types", None)
+        cache: dict[tuple, torch.nn.Module] = {}
+        self.layers: dict[int, torch.nn.Module] = {}
+        for i, layer in enumerate(model.model.layers):
+            u = self.layout.units[i + 1]
+            key = (u.structure, types[i] if types else None)
+            self.layers[u.index] = cache.setdefault(key, layer)
+        self.norm = model.model.norm
+        with torch.device(device):  # transformers versions differ on whether __init__ takes device=
+            self.rotary = type(model.model.rotary_emb)(config=spec.hf_config)
+        self.pad_id = getattr(spec.hf_config, "pad_token_id", None)
+
+    def views(self, unit: int, flat: torch.Tensor, strip: str = "") -> dict[str, torch.Tensor]:
+        st = self.layout.structure_of(unit)
+        return {s.name[len(strip):]: flat[s.offset: s.offset + s.numel].view(s.shape)
+                for s in st.slots if s.name.startswith(strip)}
+
+    def layer(self, unit: int, flat: torch.Tensor, x: torch.Tensor, pos: tuple, pos_ids: torch.Tensor) -> torch.Tensor:
+        out = functional_call(self.layers[unit], self.views(unit, flat), (x,),
+                              {"position_embeddings": pos, "position_ids": pos_ids, "attention_mask": None})
+        return out[0] if isinstance(out, tuple) else out
+
+    def embed_weight(self, flat: torch.Tensor) -> torch.Tensor:
+        return self.views(0, flat)["weight"]
+
+    def head(self, head_flat: torch.Tensor, emb_flat: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        head_unit = self.layout.num_layers + 1
+        normed = functional_call(self.norm, self.views(head_unit, head_flat, "norm."), (x,))
+        w = self.embed_weight(emb_flat) if self.layout.tied else self.views(head_unit, head_flat)["lm_head.weight"]
+        return F.linear(normed, w)
+
+
+@dataclass
+class _Act:
+    unit: int
+    flat: torch.Tensor
+    x: torch.Tensor
+    out: torch.Tensor
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # mean token loss of the step (device scalar)
+    tokens: torch.Tensor  # tokens that carried a label (device scalar)
+
+
+class StepEngine:
+    def __init__(self, spec: ModelSpec, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
+        self.spec, self.cfg, self.device, self.dtype = spec, cfg, device, dtype
+        self.t = Templates(spec, device)
+        self.n = spec.layout.num_layers
+        self.blocks = blocks(self.n, cfg.checkpoint_interval)
+
+    def step(self, ids: torch.Tensor, labels: torch.Tensor, src: WeightSource, sink: GradSink) -> StepResult:
+        ids, labels = ids.to(self.device), labels.to(self.device)
+        emb_flat = src.fetch(0)
+        with torch.no_grad():
+            h = F.embedding(ids, self.t.embed_weight(emb_flat), self.t.pad_id)
+        pos_ids = torch.arange(ids.shape[1], device=self.device).unsqueeze(0)
+        with torch.no_grad():
+            pos = self.t.rotary(h, pos_ids)
+        ctx = (pos, pos_ids)
+        checkpoints, last = self._forward(h, ctx, src)
+        if not self.spec.layout.tied:
+            emb_flat = None  # the untied embedding's backward needs only the token ids
+        loss, tokens, g, tied_grad = self._head(last[-1].out, src.fetch(self.n + 1), emb_flat, labels, sink)
+        g = self._backward(last, g, sink)
+        for b in range(len(self.blocks) - 2, -1, -1):
+            g = self._backward(self._block_with_grad(self.blocks[b], checkpoints[b], ctx, src), g, sink)
+        self._embed_backward(ids, g, tied_grad, sink)
+        return StepResult(loss, tokens)
+
+    def _forward(self, h: torch.Tensor, ctx: tuple, src: WeightSource) -> tuple[list[torch.Tensor], list[_Act]]:
+        checkpoints = []
+        for blk in self.blocks[:-1]:
+            checkpoints.append(h)
+            with torch.no_grad():
+                for u in blk:
+                    h = self.t.layer(u, src.fetch(u), h, *ctx)
+        return checkpoints, self._block_with_grad(self.blocks[-1], h, ctx, src)
+
+    def _block_with_grad(self, units: list[int], h: torch.Tensor, ctx: tuple, src: WeightSource) -> list[_Act]:
+        acts = []
+        for u in units:
+            flat = src.fetch(u).requires_grad_(True)
+            x = h.detach().requires_grad_(True)
+            h = self.t.layer(u, flat, x, *ctx)
+            acts.append(_Act(u, flat, x, h))
+        return acts
+
+    def _backward(self, acts: list[_Act], g: torch.Tensor, sink: GradSink) -> torch.Tensor:
+        while acts:
+            a = acts.pop()
+            torch.autograd.backward(a.out, g)
+            sink.emit(a.unit, a.flat.grad)
+            g = a.x.grad
+        return g
+
+    def _head(self, h: torch.Tensor, head_flat: torch.Tensor, emb_flat: torch.Tensor | None,
+              labels: torch.Tensor, sink: GradSink):
+        """Norm + LM head + loss in token chunks, backward per chunk: [tokens, vocab] never exists."""
+        shape = h.shape
+        x_all = h.detach().reshape(-1, shape[-1])
+        tgt = F.pad(labels[:, 1:], (0, 1), value=IGNORE).reshape(-1)
+        tokens = (tgt != IGNORE).sum()
+        denom = tokens.clamp(min=1).float()
+        head_flat.requires_grad_(True)
+        leaves = [head_flat] + ([emb_flat.requires_grad_(True)] if emb_flat is not None else [])
+        sums = [torch.zeros(t.numel(), dtype=torch.float32, device=self.device) for t in leaves]
+        grad_x = torch.empty_like(x_all)
+        loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        step = self.cfg.loss_chunk_tokens
+        for c in range(0, x_all.shape[0], step):
+            xc = x_all[c: c + step].detach().requires_grad_(True)
+            logits = self.t.head(head_flat, emb_flat, xc)
+            lc = F.cross_entropy(logits.float(), tgt[c: c + step], ignore_index=IGNORE, reduction="sum") / denom
+            lc.backward()
+            grad_x[c: c + step] = xc.grad
+            for acc, leaf in zip(sums, leaves):
+                acc += leaf.grad.float()  # fp32 sum over chunks, whatever the compute dtype
+                leaf.grad = None
+            loss += lc.detach()
+        sink.emit(self.n + 1, sums[0])
+        return loss, tokens, grad_x.view(shape), (sums[1] if len(sums) > 1 else None)
+
+    def _embed_backward(self, ids: torch.Tensor, g: torch.Tensor, tied: torch.Tensor | None,
+                        sink: GradSink) -> None:
+        vocab, hidden = self.spec.layout.structure_of(0).slots[0].shape
+        grad = tied if tied is not None else torch.zeros(vocab * hidden, dtype=torch.float32, device=self.device)
+        rows = grad.view(vocab, hidden)
+        g = g.reshape(-1, hidden).float()
+        if self.t.pad_id is not None:  # F.embedding(padding_idx=...) sends no gradient through pad lookups
+            g = g.masked_fill(ids.reshape(-1, 1) == self.t.pad_id, 0.0)
+        rows.index_add_(0, ids.reshape(-1), g)
+        sink.emit(0, grad)

@@ -1,0 +1,36 @@
+"""Typed errors. User mistakes are ValueError subclasses; everything the CLI prints is one of these."""
+
+from __future__ import annotations
+
+
+class MegatrainError(RuntimeError):
+    """Base for errors that the launcher reports as one line without a traceback."""
+
+
+class ConfigError(MegatrainError, ValueError):
+    """A config key or value is wrong; the message names the key and, when known, file and line."""
+
+
+class ResourceError(MegatrainError, ValueError):
+    """Not enough memory (host RAM, /dev/shm, GPU); the message carries the numbers."""
+
+
+class AbortError(MegatrainError):
+    """A data-plane wait gave up because the run was aborted (a peer failed or the driver asked)."""
+
+
+class WaitTimeout(MegatrainError):
+    """A data-plane wait ran past its deadline: a peer is stuck or much slower than configured for."""
+
+
+class LayoutMismatch(MegatrainError):
+    """A shared-memory segment's header does not match what the attaching process expects."""
+
+
+class ActorFailure(MegatrainError):
+    """An actor died or raised; names the actor and carries the root cause."""
+
+    def __init__(self, actor: str, cause: str, pid: int | None = None):
+        self.actor, self.cause, self.pid = actor, cause, pid
+        where = f"actor '{actor}'" + (f" (pid {pid})" if pid else "")
+        super().__init__(f"{where} failed: {cause}")

@@ -1,0 +1,134 @@
+"""HF causal-LM families split into streamable units, built from configs without any hub access."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from megatrain.configbase import opt
+from megatrain.errors import ConfigError
+from megatrain.layout import StoreLayout, build_layout
+
+FAMILIES: dict[str, tuple[type, type]] = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+@dataclass
+class ModelConfig:
+    family: str = opt("llama", "Model family: llama, qwen2 or mistral (taken from config.json with `pretrained`).")
+    pretrained: str | None = opt(None, "Local directory written by save_pretrained (config.json + safetensors) "
+                                       "to start from; never a hub name.")
+    hf: dict = opt({}, "HF config fields (hidden_size, num_hidden_layers, vocab_size, tie_word_embeddings, ...) "
+                       "set over the family's defaults or the pretrained config.")
+    init_seed: int = opt(0, "Seed of the fresh initialization (HF's init scheme, drawn unit by unit).")
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"model.family '{self.family}' is not one of {sorted(FAMILIES)}")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything a process needs to know about the model; small and picklable."""
+
+    family: str
+    hf_config: PretrainedConfig
+    layout: StoreLayout
+
+    @property
+    def model_class(self) -> type:
+        return FAMILIES[self.family][1]
+
+
+def resolve_hf_config(cfg: ModelConfig) -> tuple[str, PretrainedConfig]:
+    family, base = cfg.family, {}
+    if cfg.pretrained:
+        path = Path(cfg.pretrained) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"model.pretrained: '{cfg.pretrained}' has no config.json (expected a save_pretrained dir)")
+        base = json.loads(path.read_text())
+        family = base.get("model_type", family)
+        if family not in FAMILIES:
+            raise ConfigError(f"model.pretrained: model_type '{family}' is not supported; use one of {sorted(FAMILIES)}")
+    conf_cls = FAMILIES[family][0]
+    merged = {**base, **cfg.hf}
+    merged.pop("architectures", None)
+    try:
+        hf = conf_cls(**merged)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"model.hf: {exc}") from None
+    hf._attn_implementation = "sdpa"
+    hf.use_cache = False
+    return family, hf
+
+
+def meta_model(family: str, hf: PretrainedConfig) -> torch.nn.Module:
+    """The model's structure with no storage: templates and shapes come from here."""
+    with torch.device("meta"):
+        return FAMILIES[family][1](hf)
+
+
+def _unit_modules(model: torch.nn.Module) -> list[tuple[str, str, dict[str, torch.nn.Module | torch.Tensor]]]:
+    inner = model.model
+    units: list[tuple[str, str, dict]] = [("embed", "model.embed_tokens.", {"": inner.embed_tokens})]
+    for i, layer in enumerate(inner.layers):
+        units.append(("layer", f"model.layers.{i}.", {"": layer}))
+    head: dict[str, Any] = {"norm.": inner.norm}
+    if not model.config.tie_word_embeddings:
+        head["lm_head."] = model.lm_head
+    units.append(("head", "model.", head))
+    return units
+
+
+def build_spec(cfg: ModelConfig, no_decay_1d: bool = True) -> ModelSpec:
+    family, hf = resolve_hf_config(cfg)
+    model = meta_model(family, hf)
+    for name, buf in model.named_buffers():
+        if "rotary_emb" not in name:
+            raise ConfigError(f"model: buffer '{name}' outside the rotary embedding is not supported")
+    tied = bool(hf.tie_word_embeddings)
+    unit_tensors, hf_names = [], {}
+    for index, (kind, prefix, mods) in enumerate(_unit_modules(model)):
+        tensors = []
+        for sub, mod in mods.items():
+            for pname, p in mod.named_parameters():
+                name = sub + pname
+                tensors.append((name, tuple(p.shape), not (no_decay_1d and p.dim() < 2)))
+                if kind == "head" and sub == "lm_head.":
+                    hf_names[f"{index}:{name}"] = name  # lm_head.weight lives outside model.
+        unit_tensors.append((kind, prefix, tensors))
+    return ModelSpec(family, hf, build_layout(unit_tensors, tied, hf_names))
+
+
+def init_unit(spec: ModelSpec, model: torch.nn.Module, unit: int, seed: int) -> dict[str, torch.Tensor]:
+    """Fresh HF-style init of one unit (normal(0, initializer_range) matrices, unit norms), on the CPU.
+
+    Drawn unit by unit from a per-unit seed, so a 9B model never has to exist whole in one process.
+    """
+    kind, _, mods = _unit_modules(model)[unit]
+    torch.manual_seed(seed * 1_000_003 + unit)
+    out: dict[str, torch.Tensor] = {}
+    for sub, mod in mods.items():
+        real = copy.deepcopy(mod).to_empty(device="cpu")  # the meta model stays storage-free
+        for m in real.modules():
+            model._init_weights(m)
+        for pname, p in real.named_parameters():
+            out[sub + pname] = p.detach().float()
+    return out

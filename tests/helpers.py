@@ -1,0 +1,51 @@
+"""Shared test helpers: tiny HF models built from configs (no hub), direct weight sources and sinks."""
+
+from __future__ import annotations
+
+import torch
+
+from megatrain.model import FAMILIES, ModelConfig, ModelSpec, build_spec
+from megatrain.weights import flat_unit
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def tiny_hf(family: str, tied: bool, layers: int = 3, seed: int = 0) -> torch.nn.Module:
+    conf_cls, model_cls = FAMILIES[family]
+    extra = {"sliding_window": None} if family == "mistral" else {}
+    conf = conf_cls(**{**TINY, "num_hidden_layers": layers, "tie_word_embeddings": tied, **extra})
+    conf._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return model_cls(conf).float()
+
+
+def spec_for(model: torch.nn.Module, family: str) -> ModelSpec:
+    hf = model.config.to_dict()
+    for k in ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype"):
+        hf.pop(k, None)
+    return build_spec(ModelConfig(family=family, hf=hf))
+
+
+class DictSource:
+    """Serves unit weights from an HF state dict, checking the fetch order against the protocol."""
+
+    def __init__(self, spec: ModelSpec, state: dict, order: list[int] | None = None):
+        self.spec, self.state, self.order, self.seen = spec, state, order, []
+
+    def fetch(self, unit: int) -> torch.Tensor:
+        if self.order is not None:
+            assert unit == self.order[len(self.seen)], (unit, len(self.seen))
+        self.seen.append(unit)
+        return flat_unit(self.spec, unit, self.state)
+
+
+class DictSink:
+    def __init__(self):
+        self.grads: dict[int, torch.Tensor] = {}
+        self.order: list[int] = []
+
+    def emit(self, unit: int, grad: torch.Tensor) -> None:
+        assert unit not in self.grads, f"unit {unit} emitted twice"
+        self.order.append(unit)
+        self.grads[unit] = grad.detach().float().clone()
