@@ -94,7 +94,7 @@ def _coerce(tp: Any, value: Any, path: str, where: _Where | None) -> Any:
             raise _fail(where, path, f"expected {len(args)} items, got {len(value)}")
         item_t = args[0] if args else Any
         return origin(_coerce(item_t, v, f"{path}[{i}]", where) for i, v in enumerate(value))
-    if origin is dict:
+    if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise _fail(where, path, f"expected a mapping, got {value!r}")
         return dict(value)

@@ -1,0 +1,48 @@
+"""Adam updater: global-norm clipping and the fused Numba AdamW, unit by unit in forward order.
+
+Each unit's version counter is bumped right after its update, so packers for the next step start on
+the embedding and first layers while later layers are still being updated.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+
+from megatrain.actors.base import Role, guarded
+from megatrain.adamw import OptimConfig, adamw_update, clip_scale
+from megatrain.ipc.protocol import PLANES, Store, StoreSpec
+
+
+class AdamUpdater(Role):
+    def __init__(self, spec: StoreSpec, cfg: OptimConfig, threads: int = 0):
+        super().__init__("adam-updater")
+        if threads > 0:
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        self.cfg = cfg
+        self.store = Store.attach(spec, PLANES)
+
+    @guarded
+    def step(self, step: int, lr: float) -> dict:
+        store = self.store
+        units = store.spec.num_units
+        for i in range(units):
+            store.wait("grads_ready", f"gradients of step {step} ({i} of {units} units arrived)")
+        norm = math.sqrt(float(store.sqnorms.sum()))
+        finite = math.isfinite(norm)
+        scale = clip_scale(norm, self.cfg.max_grad_norm)
+        for unit in range(units):
+            if finite:
+                self._update(unit, step + 1, lr, scale)
+            store.versions[unit] = step + 1
+        return {"grad_norm": norm, "clip_scale": scale, "skipped": not finite}
+
+    def _update(self, unit: int, t: int, lr: float, scale: float) -> None:
+        store = self.store
+        p, g, m, v = (store.tile(part, unit) for part in ("params", "grads", "exp_avg", "exp_avg_sq"))
+        split = store.spec.layout.structure_of(unit).decay_split()
+        for sl, wd in ((slice(0, split), self.cfg.weight_decay), (slice(split, None), 0.0)):
+            if p[sl].size:
+                adamw_update(p[sl], g[sl], m[sl], v[sl], step=t, lr=lr, cfg=self.cfg, weight_decay=wd,
+                             grad_scale=scale)

@@ -1,0 +1,46 @@
+"""What every actor shares: a name, its pid, and abort-on-error so peers stop waiting at once."""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from megatrain.errors import AbortError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def guarded(fn: F) -> F:
+    """Any failure inside a data-plane method raises the shared abort flag before propagating."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Role, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(self, *args, **kwargs)
+        except AbortError:
+            raise
+        except BaseException as exc:
+            if self.store is not None:
+                self.store.abort(f"{self.name}: {type(exc).__name__}: {exc}")
+            raise
+
+    return wrapper  # type: ignore[return-value]
+
+
+class Role:
+    """Base of the actor classes. Plain Python objects: Ray wraps them, tests may use them directly."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.store: Any = None
+
+    def info(self) -> dict:
+        return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname()}
+
+    def abort(self, reason: str) -> None:
+        """Callable while a step is blocked (actors run with max_concurrency=2)."""
+        if self.store is not None:
+            self.store.abort(reason)

@@ -1,0 +1,42 @@
+"""Gradient-accumulation worker: drains gradient slabs into the fp32 gradient plane.
+
+On the GPU it first synchronizes the slab's interprocess CUDA event (opened from the executor's
+handle), so it reads only after the D2H copy has finished, while the executor never blocks on it.
+It records each unit's squared norm for global-norm clipping, then frees the slab (back-pressure).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatrain.actors.base import Role, guarded
+from megatrain.ipc.protocol import Store, StoreSpec
+
+
+class GradAccumulator(Role):
+    def __init__(self, spec: StoreSpec, index: int, threads: int = 1):
+        super().__init__(f"grad-accumulator-{index}")
+        torch.set_num_threads(max(threads, 1))
+        self.index = index
+        self.items = spec.grad_items(index)
+        self.store = Store.attach(spec, ("grads", "staging"))
+        self.events: list | None = None
+
+    def open_events(self, handles: list[bytes]) -> None:
+        from megatrain.ipc.cuda_events import open_ipc_events
+
+        self.events = open_ipc_events(handles, torch.device("cuda", torch.cuda.current_device()))
+
+    @guarded
+    def step(self, step: int) -> dict:
+        store, layout = self.store, self.store.spec.layout
+        for unit, slab in self.items:
+            store.wait(f"g_full{slab}", f"gradient of unit {unit} (step {step})")
+            if self.events is not None:
+                self.events[slab].synchronize()
+            grad = store.grad_slab(slab)[: layout.structure_of(unit).numel]
+            store.sqnorms[unit] = float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
+            store.torch_tile("grads", unit).copy_(grad)
+            store.post(f"g_free{slab}")
+            store.post("grads_ready")
+        return {"drained": len(self.items)}

@@ -1,0 +1,33 @@
+"""Pinned-packing worker: casts fp32 master tiles into the compute-dtype slabs that the DMA reads.
+
+Runs ahead of the executor by up to S slabs, and never packs a unit before Adam's update of it for
+the previous step has landed (version counter), so the next forward can start while Adam still works
+on later units.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatrain.actors.base import Role, guarded
+from megatrain.ipc.protocol import Store, StoreSpec
+
+
+class Packer(Role):
+    def __init__(self, spec: StoreSpec, index: int, threads: int = 1):
+        super().__init__(f"packer-{index}")
+        torch.set_num_threads(max(threads, 1))
+        self.index = index
+        self.items = spec.weight_items(index)
+        self.store = Store.attach(spec, ("params", "staging"))
+
+    @guarded
+    def step(self, step: int) -> dict:
+        store, layout = self.store, self.store.spec.layout
+        for unit, slab in self.items:
+            store.wait(f"w_free{slab}", f"weight slab {slab} to be free (unit {unit}, step {step})")
+            store.wait_version(unit, step, f"Adam's update of unit {unit} before step {step}")
+            n = layout.structure_of(unit).numel
+            store.weight_slab(slab)[:n].copy_(store.torch_tile("params", unit))
+            store.post(f"w_full{slab}")
+        return {"packed": len(self.items)}

@@ -1,0 +1,76 @@
+"""Store owner: creates the run's shared memory on the GPU's node, fills it, and unlinks it at the end.
+
+The only process that creates or unlinks. It also starts the reaper, a watchdog that unlinks for it
+if it is killed without running any code (SIGKILL from ray.kill or the OOM killer).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from megatrain.actors.base import Role, guarded
+from megatrain.ipc.protocol import StoreSpec, Store
+from megatrain.ipc.shm import start_ticks, sweep
+from megatrain.model import ModelConfig, build_spec, meta_model, init_unit
+from megatrain.weights import checkpoint_index, fill_tile, read_unit, save_units
+
+
+class StoreOwner(Role):
+    def __init__(self, name: str = "store-owner"):
+        super().__init__(name)
+        self.reaper: subprocess.Popen | None = None
+
+    def create(self, run_id: str, model_cfg: ModelConfig, no_decay_1d: bool, staging_dtype: str,
+               checkpoint_interval: int, num_packers: int, num_accumulators: int, ipc_cfg) -> StoreSpec:
+        removed = sweep(shm_dir=ipc_cfg.shm_dir)
+        if removed:
+            print(f"[{self.name}] swept {len(removed)} objects of dead runs from {ipc_cfg.shm_dir}", flush=True)
+        spec = StoreSpec(run_id, build_spec(model_cfg, no_decay_1d), staging_dtype, checkpoint_interval,
+                         num_packers, num_accumulators, ipc_cfg)
+        self.store = Store.create(spec)
+        self._start_reaper(run_id)
+        self._fill(model_cfg)
+        return spec
+
+    def _start_reaper(self, run_id: str) -> None:
+        pid = os.getpid()
+        self.reaper = subprocess.Popen(
+            [sys.executable, "-m", "megatrain.ipc.reaper", run_id, str(pid), str(start_ticks(pid))],
+            start_new_session=True, stdin=subprocess.DEVNULL)
+
+    def _fill(self, cfg: ModelConfig) -> None:
+        spec = self.store.spec.model
+        if cfg.pretrained:
+            where = checkpoint_index(cfg.pretrained)
+            tensors_of = lambda u: read_unit(spec, u, where)  # noqa: E731
+        else:
+            model = meta_model(spec.family, spec.hf_config)
+            tensors_of = lambda u: init_unit(spec, model, u, cfg.init_seed)  # noqa: E731
+        for u in range(len(spec.layout.units)):
+            fill_tile(spec, u, self.store.torch_tile("params", u), tensors_of(u))
+
+    @guarded
+    def save(self, directory: str) -> str:
+        """Write the fp32 master weights as an HF save_pretrained directory."""
+        tiles = ((u, self.store.torch_tile("params", u)) for u in range(self.store.spec.num_units))
+        with torch.no_grad():
+            return str(save_units(self.store.spec.model, tiles, directory))
+
+    def versions(self) -> list[int]:
+        return [int(v) for v in self.store.versions]
+
+    def shutdown(self) -> None:
+        """Unlink every name of the run (idempotent); processes still attached keep their mappings."""
+        if self.store is not None:
+            self.store.unlink()
+        if self.reaper is not None:
+            try:
+                self.reaper.wait(timeout=5)  # it exits once the ctl segment is gone
+            except subprocess.TimeoutExpired:
+                self.reaper.kill()
+                self.reaper.wait()
+            self.reaper = None

@@ -1,0 +1,259 @@
+"""The data-plane protocol: what lives where in shared memory, who waits on what, in which order.
+
+Segments of a run (all /megatrain-<run_id>-<part>):
+  ctl         abort flag + reason, per-unit version counters (Adam updates applied), per-unit grad norms
+  params, exp_avg, exp_avg_sq, grads   fp32 planes, one 4 KiB-aligned tile per unit (grads: the
+              fp32 gradient of the step, held until the global norm is known)
+  staging     S weight slabs (compute dtype) then G gradient slabs (fp32), each sized to the largest
+              unit; the executor pins (cudaHostRegister) exactly this segment, nothing else.
+
+Weights, per step, follow engine.fetch_order: item j uses weight slab j % S, and slab s is always
+filled by packer s % P, so one packer handles a slab's uses in order:
+  packer:   wait w_free[s]; wait version[unit] >= step; cast fp32 tile -> slab; post w_full[s]
+  executor: wait w_full[s]; copy slab -> device; (copy done) post w_free[s]
+Gradients follow engine.grad_order: item k uses grad slab k % G, drained by accumulator (k % G) % A:
+  executor:    wait g_free[s]; copy grad -> slab (GPU: record the slab's IPC event); post g_full[s]
+  accumulator: wait g_full[s]; (GPU: synchronize the opened IPC event); norm^2 -> ctl; slab -> grads
+               tile; post g_free[s]; post grads_ready
+  adam:        wait grads_ready once per unit; clip scale from the norms; update units in forward
+               order, bumping version[unit] after each, which releases the next step's packers.
+Every wait is timed (ipc.wait_timeout_s) and polls the abort flag, so a dead peer never hangs a run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+import posix_ipc
+import torch
+
+from megatrain.configbase import opt
+from megatrain.engine import fetch_order, grad_order
+from megatrain.errors import AbortError, WaitTimeout
+from megatrain.ipc.shm import HEADER_BYTES, Header, Segment, check_space, sem_name, seg_name
+from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
+from megatrain.model import ModelSpec
+
+PLANES = ("params", "exp_avg", "exp_avg_sq", "grads")
+STAGING = {"bf16": (torch.bfloat16, 2), "fp32": (torch.float32, 4)}
+_REASON_BYTES = 1024
+_CTL_FIXED = 64 + _REASON_BYTES
+
+
+@dataclass
+class IpcConfig:
+    weight_slabs: int = opt(4, "S: weight staging slabs (compute dtype, each the size of the largest unit).")
+    grad_slabs: int = opt(4, "G: gradient staging slabs (fp32); back-pressure when all are in flight.")
+    wait_timeout_s: float = opt(600.0, "Longest any data-plane wait may block before the run fails.")
+    poll_s: float = opt(0.05, "How often a blocked wait re-checks the abort flag.")
+    shm_dir: str = opt("/dev/shm", "Where POSIX shared memory lives (checked for free space before creating).")
+
+    def __post_init__(self) -> None:
+        if self.weight_slabs < 1 or self.grad_slabs < 1:
+            raise ValueError("ipc.weight_slabs and ipc.grad_slabs must be >= 1")
+        if self.wait_timeout_s <= 0 or self.poll_s <= 0:
+            raise ValueError("ipc.wait_timeout_s and ipc.poll_s must be > 0")
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Everything a process needs to attach to a run's store; picklable, built by the store owner."""
+
+    run_id: str
+    model: ModelSpec
+    staging_dtype: str
+    checkpoint_interval: int
+    num_packers: int
+    num_accumulators: int
+    ipc: IpcConfig = field(default_factory=IpcConfig)
+
+    @property
+    def layout(self) -> StoreLayout:
+        return self.model.layout
+
+    @property
+    def num_units(self) -> int:
+        return len(self.layout.units)
+
+    @cached_property
+    def slab_elems(self) -> int:
+        return round_up(self.layout.max_unit_numel, TILE_ALIGN)
+
+    @cached_property
+    def fetch_order(self) -> list[int]:
+        return fetch_order(self.layout.num_layers, self.checkpoint_interval)
+
+    @cached_property
+    def grad_order(self) -> list[int]:
+        return grad_order(self.layout.num_layers)
+
+    def weight_items(self, packer: int) -> list[tuple[int, int]]:
+        """(unit, slab) pairs that packer `packer` fills, in order."""
+        s = self.ipc.weight_slabs
+        return [(u, j % s) for j, u in enumerate(self.fetch_order) if (j % s) % self.num_packers == packer]
+
+    def grad_items(self, acc: int) -> list[tuple[int, int]]:
+        """(unit, slab) pairs that accumulator `acc` drains, in order."""
+        g = self.ipc.grad_slabs
+        return [(u, k % g) for k, u in enumerate(self.grad_order) if (k % g) % self.num_accumulators == acc]
+
+    def part_bytes(self) -> dict[str, int]:
+        plane = self.layout.total * 4
+        staging = self.slab_elems * (self.ipc.weight_slabs * STAGING[self.staging_dtype][1] + self.ipc.grad_slabs * 4)
+        ctl = _CTL_FIXED + self.num_units * 16
+        return {**dict.fromkeys(PLANES, plane), "staging": staging, "ctl": ctl}
+
+    def layout_hash(self) -> bytes:
+        extra = f"{self.staging_dtype}:{self.slab_elems}:{self.ipc.weight_slabs}:{self.ipc.grad_slabs}"
+        return hashlib.sha256(self.layout.digest() + extra.encode()).digest()[:16]
+
+    def sem_names(self) -> dict[str, tuple[str, int]]:
+        """Semaphore key -> (name, initial value)."""
+        out = {"grads_ready": (sem_name(self.run_id, "grads-ready"), 0)}
+        for kind, n in (("w", self.ipc.weight_slabs), ("g", self.ipc.grad_slabs)):
+            for i in range(n):
+                out[f"{kind}_free{i}"] = (sem_name(self.run_id, f"{kind}free{i}"), 1)
+                out[f"{kind}_full{i}"] = (sem_name(self.run_id, f"{kind}full{i}"), 0)
+        return out
+
+
+class Store:
+    """A process's view of the run's shared memory: planes, slabs, control block, semaphores."""
+
+    def __init__(self, spec: StoreSpec, segments: dict[str, Segment], sems: dict[str, posix_ipc.Semaphore]):
+        self.spec, self.segments, self.sems = spec, segments, sems
+        ctl = segments["ctl"].mm
+        u = spec.num_units
+        self._flags = np.frombuffer(ctl, np.int64, 8, HEADER_BYTES)
+        self._reason = np.frombuffer(ctl, np.uint8, _REASON_BYTES, HEADER_BYTES + 64)
+        self.versions = np.frombuffer(ctl, np.int64, u, HEADER_BYTES + _CTL_FIXED)
+        self.sqnorms = np.frombuffer(ctl, np.float64, u, HEADER_BYTES + _CTL_FIXED + 8 * u)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    @classmethod
+    def create(cls, spec: StoreSpec) -> Store:
+        """Owner only: check space, create every segment (ctl first) and semaphore, zeroed."""
+        parts = spec.part_bytes()
+        check_space(parts, spec.ipc.shm_dir)
+        hdr = Header(spec.layout_hash(), spec.run_id)
+        segments: dict[str, Segment] = {}
+        sems: dict[str, posix_ipc.Semaphore] = {}
+        try:
+            for part in ("ctl", *PLANES, "staging"):  # ctl first: it names the owner for the sweeper
+                segments[part] = Segment.create(seg_name(spec.run_id, part), parts[part], hdr)
+            for key, (name, initial) in spec.sem_names().items():
+                sems[key] = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=initial)
+        except BaseException:
+            for sem in sems.values():
+                sem.unlink()
+            for seg in segments.values():
+                seg.unlink()
+            raise
+        return cls(spec, segments, sems)
+
+    @classmethod
+    def attach(cls, spec: StoreSpec, parts: tuple[str, ...]) -> Store:
+        h = spec.layout_hash()
+        segments = {p: Segment.attach(seg_name(spec.run_id, p), h, spec.run_id) for p in ("ctl", *parts)}
+        sems = {k: posix_ipc.Semaphore(name) for k, (name, _) in spec.sem_names().items()}
+        return cls(spec, segments, sems)
+
+    def unlink(self) -> None:
+        """Owner only. Names go away now; memory goes when the last process unmaps."""
+        for key, (name, _) in self.spec.sem_names().items():
+            try:
+                posix_ipc.unlink_semaphore(name)
+            except posix_ipc.ExistentialError:
+                pass
+            if key in self.sems:
+                self.sems[key].close()
+        for seg in reversed(list(self.segments.values())):  # ctl last: the reaper watches it
+            seg.unlink()
+
+    def close(self) -> None:
+        for s in self.sems.values():
+            try:
+                s.close()
+            except posix_ipc.ExistentialError:
+                pass
+
+    # ---- memory views ----------------------------------------------------------------------
+    def plane(self, part: str) -> np.ndarray:
+        return np.frombuffer(self.segments[part].mm, np.float32, self.spec.layout.total, HEADER_BYTES)
+
+    def tile(self, part: str, unit: int) -> np.ndarray:
+        u = self.spec.layout.units[unit]
+        n = self.spec.layout.structure_of(unit).numel
+        return np.frombuffer(self.segments[part].mm, np.float32, n, HEADER_BYTES + 4 * u.offset)
+
+    def torch_tile(self, part: str, unit: int) -> torch.Tensor:
+        return torch.from_numpy(self.tile(part, unit))
+
+    def weight_slab(self, i: int) -> torch.Tensor:
+        dtype, size = STAGING[self.spec.staging_dtype]
+        off = HEADER_BYTES + i * self.spec.slab_elems * size
+        return torch.frombuffer(self.segments["staging"].mm, dtype=dtype, count=self.spec.slab_elems, offset=off)
+
+    def grad_slab(self, i: int) -> torch.Tensor:
+        w = self.spec.ipc.weight_slabs * self.spec.slab_elems * STAGING[self.spec.staging_dtype][1]
+        off = HEADER_BYTES + w + i * self.spec.slab_elems * 4
+        return torch.frombuffer(self.segments["staging"].mm, dtype=torch.float32, count=self.spec.slab_elems,
+                                offset=off)
+
+    def staging_region(self) -> torch.Tensor:
+        """The whole staging data area as bytes (what the executor pins)."""
+        seg = self.segments["staging"]
+        return torch.frombuffer(seg.mm, dtype=torch.uint8, count=seg.data_bytes, offset=HEADER_BYTES)
+
+    # ---- abort and waits ---------------------------------------------------------------------
+    def abort(self, reason: str) -> None:
+        if self._flags[0]:
+            return  # keep the first (root) cause
+        raw = reason.encode()[: _REASON_BYTES - 1]
+        self._reason[:] = 0
+        self._reason[: len(raw)] = np.frombuffer(raw, np.uint8)
+        self._flags[0] = 1
+
+    @property
+    def aborted(self) -> bool:
+        return bool(self._flags[0])
+
+    def abort_reason(self) -> str:
+        return bytes(self._reason).rstrip(b"\0").decode(errors="replace")
+
+    def check_abort(self) -> None:
+        if self._flags[0]:
+            raise AbortError(f"run aborted: {self.abort_reason()}")
+
+    def wait(self, key: str, what: str) -> None:
+        """Acquire semaphore `key`, polling the abort flag; WaitTimeout past ipc.wait_timeout_s."""
+        sem, cfg = self.sems[key], self.spec.ipc
+        deadline = time.monotonic() + cfg.wait_timeout_s
+        while True:
+            self.check_abort()
+            try:
+                sem.acquire(cfg.poll_s)
+                return
+            except posix_ipc.BusyError:
+                if time.monotonic() > deadline:
+                    raise WaitTimeout(f"waited {cfg.wait_timeout_s:.0f}s for {what}") from None
+
+    def post(self, key: str) -> None:
+        self.sems[key].release()
+
+    def wait_version(self, unit: int, version: int, what: str) -> None:
+        """Wait until unit's Adam version reaches `version` (shared counter; Adam bumps it after writing)."""
+        if self.versions[unit] >= version:
+            return
+        cfg, nap = self.spec.ipc, 1e-4
+        deadline = time.monotonic() + cfg.wait_timeout_s
+        while self.versions[unit] < version:
+            self.check_abort()
+            if time.monotonic() > deadline:
+                raise WaitTimeout(f"waited {cfg.wait_timeout_s:.0f}s for {what}")
+            time.sleep(nap)
+            nap = min(nap * 2, cfg.poll_s)

@@ -1,0 +1,39 @@
+"""Watchdog started by the store owner: if the owner dies without unlinking, unlink for it.
+
+A Ray actor killed with SIGKILL (ray.kill, a crashed job, the OOM killer) runs no cleanup code, so
+the owner starts this tiny process in its own session. It exits as soon as the owner has unlinked
+the run's segments itself (normal shutdown) or right after cleaning up for a dead owner.
+Usage: python -m megatrain.ipc.reaper RUN_ID OWNER_PID OWNER_TICKS
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from megatrain.ipc.shm import PREFIX, pid_alive, run_entries, unlink_entries
+
+POLL_S = 0.2
+
+
+def watch(run_id: str, pid: int, ticks: int, shm_dir: str = "/dev/shm") -> list[str]:
+    ctl = os.path.join(shm_dir, f"{PREFIX}{run_id}-ctl")
+    while True:
+        if not os.path.exists(ctl):
+            return []  # the owner unlinked everything itself
+        if not pid_alive(pid, ticks):
+            return unlink_entries(run_entries(shm_dir).get(run_id, []))
+        time.sleep(POLL_S)
+
+
+def main() -> None:
+    run_id, pid, ticks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    removed = watch(run_id, pid, ticks)
+    if removed:
+        print(f"megatrain reaper: owner pid {pid} of run {run_id} died; removed {len(removed)} objects",
+              file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

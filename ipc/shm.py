@@ -1,0 +1,238 @@
+"""POSIX shared-memory segments with a checked header, free-space checks, and the sweeper.
+
+Every segment of a run is named /megatrain-<run_id>-<part> (semaphores /megatrain-<run_id>-sem-...),
+created with mode 0600 by the one owner, and starts with a 4 KiB header (magic, layout version,
+layout hash, run id, owner pid and start time) that every attacher checks. Only the owner unlinks;
+attachers never register anything with Python's resource tracker (posix_ipc does not).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import posix_ipc
+
+from megatrain.errors import LayoutMismatch, ResourceError
+
+MAGIC = b"MEGATRN\x01"
+LAYOUT_VERSION = 1
+HEADER_BYTES = 4096
+_HEADER = struct.Struct("<8sII16s32sQQQ")
+PREFIX = "megatrain-"
+_RUN_ID = re.compile(r"^[a-z0-9]{1,32}$")
+_ENTRY = re.compile(r"^(?:sem\.)?megatrain-([a-z0-9]{1,32})-(.+)$")
+
+
+def check_run_id(run_id: str) -> str:
+    if not _RUN_ID.match(run_id):
+        raise ValueError(f"run id '{run_id}' must be 1-32 lowercase letters and digits")
+    return run_id
+
+
+def seg_name(run_id: str, part: str) -> str:
+    return f"/{PREFIX}{run_id}-{part}"
+
+
+def sem_name(run_id: str, what: str) -> str:
+    return f"/{PREFIX}{run_id}-sem-{what}"
+
+
+def start_ticks(pid: int) -> int:
+    """Process start time in clock ticks since boot (guards against pid reuse); 0 if unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def pid_alive(pid: int, ticks: int = 0) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not ticks or start_ticks(pid) in (0, ticks)
+
+
+@dataclass(frozen=True)
+class Header:
+    layout_hash: bytes
+    run_id: str
+    owner_pid: int = 0
+    owner_ticks: int = 0
+    data_bytes: int = 0
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(MAGIC, LAYOUT_VERSION, HEADER_BYTES, self.layout_hash, self.run_id.encode(),
+                            self.owner_pid, self.owner_ticks, self.data_bytes)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> tuple[bytes, int, Header]:
+        magic, version, _, lhash, rid, pid, ticks, nbytes = _HEADER.unpack_from(raw)
+        return magic, version, cls(lhash, rid.rstrip(b"\0").decode(errors="replace"), pid, ticks, nbytes)
+
+
+class Segment:
+    """One mapped segment; `mm` covers header + data, data starts at HEADER_BYTES."""
+
+    def __init__(self, name: str, mm: mmap.mmap, header: Header, owner: bool):
+        self.name, self.mm, self.header, self.owner = name, mm, header, owner
+
+    @property
+    def data_bytes(self) -> int:
+        return self.header.data_bytes
+
+    @classmethod
+    def create(cls, name: str, data_bytes: int, header: Header) -> Segment:
+        hdr = Header(header.layout_hash, header.run_id, os.getpid(), start_ticks(os.getpid()), data_bytes)
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=HEADER_BYTES + data_bytes)
+        try:
+            mm = mmap.mmap(shm.fd, HEADER_BYTES + data_bytes)
+        finally:
+            shm.close_fd()
+        mm[: _HEADER.size] = hdr.pack()
+        return cls(name, mm, hdr, owner=True)
+
+    @classmethod
+    def attach(cls, name: str, layout_hash: bytes, run_id: str) -> Segment:
+        try:
+            shm = posix_ipc.SharedMemory(name)
+        except posix_ipc.ExistentialError:
+            raise LayoutMismatch(f"shared-memory segment {name} does not exist (owner gone?)") from None
+        try:
+            size = shm.size
+            mm = mmap.mmap(shm.fd, size)
+        finally:
+            shm.close_fd()
+        magic, version, hdr = Header.unpack(mm[: _HEADER.size])
+        problem = (
+            "bad magic" if magic != MAGIC else
+            f"layout version {version}, expected {LAYOUT_VERSION}" if version != LAYOUT_VERSION else
+            f"run id '{hdr.run_id}', expected '{run_id}'" if hdr.run_id != run_id else
+            "layout hash differs (the model or store plan changed)" if hdr.layout_hash != layout_hash else
+            f"size {size} < header + {hdr.data_bytes}" if size < HEADER_BYTES + hdr.data_bytes else None
+        )
+        if problem:
+            mm.close()
+            raise LayoutMismatch(f"cannot attach {name}: {problem}")
+        return cls(name, mm, hdr, owner=False)
+
+    def unlink(self) -> None:
+        assert self.owner, "only the owner unlinks"
+        try:
+            posix_ipc.unlink_shared_memory(self.name)
+        except posix_ipc.ExistentialError:
+            pass
+
+    def close(self) -> None:
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # tensors still view it; the mapping goes with the process
+
+
+def shm_free_bytes(shm_dir: str = "/dev/shm") -> int:
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+def mem_available_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def check_space(parts: dict[str, int], shm_dir: str = "/dev/shm") -> None:
+    """Refuse, with the numbers, a store that would not fit in /dev/shm or in available RAM."""
+    need = sum(parts.values()) + len(parts) * HEADER_BYTES
+    detail = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
+    free = shm_free_bytes(shm_dir)
+    if need > free:
+        raise ResourceError(f"the host store needs {gib(need)} in {shm_dir} ({detail}) but only {gib(free)} "
+                            f"is free; free space there, enlarge it, or train a smaller model")
+    avail = mem_available_bytes()
+    if avail and need > avail:
+        raise ResourceError(f"the host store needs {gib(need)} of RAM ({detail}) but only {gib(avail)} is "
+                            f"available (MemAvailable)")
+
+
+def run_entries(shm_dir: str = "/dev/shm") -> dict[str, list[str]]:
+    """Entries in shm_dir per run id (file names as listed, semaphores with their 'sem.' prefix)."""
+    runs: dict[str, list[str]] = {}
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return runs
+    for name in names:
+        m = _ENTRY.match(name)
+        if m:
+            runs.setdefault(m.group(1), []).append(name)
+    return runs
+
+
+def read_owner(run_id: str) -> tuple[int, int] | None:
+    """(pid, start ticks) of the run's owner from its control segment, None if unreadable."""
+    try:
+        shm = posix_ipc.SharedMemory(seg_name(run_id, "ctl"))
+    except posix_ipc.ExistentialError:
+        return None
+    try:
+        with mmap.mmap(shm.fd, HEADER_BYTES, prot=mmap.PROT_READ) as mm:
+            magic, _, hdr = Header.unpack(mm[: _HEADER.size])
+    except (OSError, ValueError, struct.error):
+        return None
+    finally:
+        shm.close_fd()
+    return (hdr.owner_pid, hdr.owner_ticks) if magic == MAGIC else None
+
+
+def unlink_entries(entries: list[str]) -> list[str]:
+    removed = []
+    for name in entries:
+        try:
+            if name.startswith("sem."):
+                posix_ipc.unlink_semaphore("/" + name[4:])
+            else:
+                posix_ipc.unlink_shared_memory("/" + name)
+            removed.append(name)
+        except posix_ipc.ExistentialError:
+            pass
+    return removed
+
+
+def _young(shm_dir: str, name: str, seconds: float = 30.0) -> bool:
+    try:
+        return time.time() - os.stat(os.path.join(shm_dir, name)).st_mtime < seconds
+    except OSError:
+        return False
+
+
+def sweep(run_id: str | None = None, shm_dir: str = "/dev/shm") -> list[str]:
+    """Remove every segment and semaphore of runs whose owner process is dead; returns what went."""
+    removed = []
+    for rid, entries in run_entries(shm_dir).items():
+        if run_id is not None and rid != run_id:
+            continue
+        owner = read_owner(rid)
+        if owner is not None and pid_alive(*owner):
+            continue
+        if owner is None and _young(shm_dir, f"{PREFIX}{rid}-ctl"):
+            continue  # a run being created right now: its owner has not written the header yet
+        removed += unlink_entries(entries)
+    return removed

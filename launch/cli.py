@@ -1,0 +1,96 @@
+"""`megatrain-launch CONFIG.yaml [dotted.key=value ...]`: the one entry point users run."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import traceback
+from pathlib import Path
+
+from megatrain.errors import MegatrainError
+
+USAGE = "megatrain-launch CONFIG.yaml [dotted.key=value ...] [--address ADDR] | --cleanup | --config-reference"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatrain-launch", usage=USAGE,
+                                description="Train a HF causal LM with MegaTrain's multi-process actor system.")
+    p.add_argument("config", nargs="?", help="YAML config file (see examples/)")
+    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. optim.lr=3e-4")
+    p.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
+    p.add_argument("--cleanup", action="store_true", help="remove shared memory of runs whose owner is dead")
+    p.add_argument("--config-reference", action="store_true", help="print every config key with its doc")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return p
+
+
+def _sigterm(*_: object) -> None:
+    raise KeyboardInterrupt  # `ray job stop` and kill(1) get the same cleanup as Ctrl-C
+
+
+def cleanup() -> int:
+    from megatrain.ipc.shm import sweep
+
+    removed = sweep()
+    print(f"megatrain-launch: removed {len(removed)} shared-memory objects of dead runs"
+          + (":\n  " + "\n  ".join(sorted(removed)) if removed else ""))
+    return 0
+
+
+def reference() -> int:
+    from megatrain.config import Config
+    from megatrain.configbase import reference as rows
+
+    for key, default, doc in rows(Config):
+        print(f"{key} = {default}\n    {doc}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.cleanup:
+        return cleanup()
+    if args.config_reference:
+        return reference()
+    if not args.config:
+        _parser().error("a CONFIG file is required")
+    signal.signal(signal.SIGTERM, _sigterm)
+    out_dir: Path | None = None
+    try:
+        from megatrain.config import load_config
+        from megatrain.configbase import dump_yaml
+
+        overrides = list(args.overrides) + ([f"launch.address={args.address}"] if args.address else [])
+        cfg = load_config(args.config, overrides)
+        if args.print_config:
+            print(dump_yaml(cfg), end="")
+            return 0
+        from megatrain.launch.driver import Trainer
+
+        trainer = Trainer(cfg)
+        out_dir = trainer.out
+        summary = trainer.run()
+        print(f"megatrain-launch: done, {len(summary['metrics'])} steps; metrics in {out_dir / 'metrics.jsonl'}")
+        return 0
+    except KeyboardInterrupt:
+        print("megatrain-launch: interrupted; the run's processes and shared memory were released",
+              file=sys.stderr)
+        return 130
+    except MegatrainError as exc:
+        return _report(str(exc), out_dir)
+    except Exception as exc:  # a bug of ours: still one line, the traceback goes to error.log
+        return _report(f"internal error: {type(exc).__name__}: {exc}", out_dir)
+
+
+def _report(message: str, out_dir: Path | None) -> int:
+    where = ""
+    if out_dir is not None and out_dir.is_dir():
+        (out_dir / "error.log").write_text(message + "\n\n" + traceback.format_exc())
+        where = f" (details in {out_dir / 'error.log'})"
+    print(f"megatrain-launch: error: {message}{where}", file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,238 @@
+"""The driver: plans the run, places the actors, runs the step loop (one call per actor per step),
+logs, and shuts everything down on every path.
+
+It owns no host memory of the run: the store lives in the store owner's actor on the GPU's node, so
+the driver can run anywhere (a laptop attached to a cluster, a `ray job submit` entrypoint).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import secrets
+import signal
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from megatrain.actors.adam_updater import AdamUpdater
+from megatrain.actors.gpu_executor import GpuExecutor
+from megatrain.actors.grad_accumulator import GradAccumulator
+from megatrain.actors.packer import Packer
+from megatrain.actors.store_owner import StoreOwner
+from megatrain.adamw import lr_at
+from megatrain.config import Config
+from megatrain.configbase import dump_yaml
+from megatrain.data import batch
+from megatrain.errors import AbortError, ActorFailure, MegatrainError
+from megatrain.ipc.protocol import StoreSpec
+from megatrain.ipc.shm import check_run_id, gib
+from megatrain.launch.placement import bundle, demands
+from megatrain.launch.runners import Handle, Pending, make_runner
+
+SHUTDOWN_S = 15.0
+
+
+def log(msg: str) -> None:
+    print(f"[megatrain] {msg}", flush=True)
+
+
+@contextmanager
+def sigint_deferred():
+    """Cleanup must finish: a second Ctrl-C during it is reported, not obeyed."""
+    try:
+        old = signal.signal(signal.SIGINT, lambda *_: log("cleaning up, please wait"))
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+class Trainer:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.run_id = check_run_id(cfg.train.run_id or secrets.token_hex(5))
+        self.out = Path(cfg.train.output_dir.replace("{run_id}", self.run_id))
+        self.runner = make_runner(cfg.launch)
+        self.actors: dict[str, Handle] = {}
+        self.pids: dict[str, int] = {}
+        self.spec: StoreSpec | None = None
+        self.metrics: list[dict] = []
+        self._closed = False
+
+    # ---- public -----------------------------------------------------------------------------
+    def run(self) -> dict:
+        atexit.register(self.shutdown)
+        try:
+            self.setup()
+            self.train()
+            if self.cfg.train.save_final:
+                path = self._call_one("store-owner", "save", str(self.out / "final"))
+                log(f"saved final fp32 weights to {path}")
+            return {"run_id": self.run_id, "output_dir": str(self.out), "metrics": self.metrics,
+                    "pids": dict(self.pids)}
+        finally:
+            self.shutdown()
+            atexit.unregister(self.shutdown)
+
+    # ---- setup ------------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        dem = demands(cfg.actors, cuda=False)
+        self.runner.connect(bundle(dem)["CPU"])
+        cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and self.runner.has_gpu())
+        self.engine_cfg = dataclasses.replace(cfg.engine, device="cuda" if cuda else "cpu", compute_dtype=(
+            cfg.engine.compute_dtype if cfg.engine.compute_dtype != "auto" else ("bf16" if cuda else "fp32")))
+        resolved = dataclasses.replace(cfg, engine=self.engine_cfg,
+                                       train=dataclasses.replace(cfg.train, run_id=self.run_id))
+        text = dump_yaml(resolved)
+        (self.out / "config.yaml").write_text(text)
+        log(f"run {self.run_id}, resolved config (also in {self.out / 'config.yaml'}):\n{text}")
+        dem = demands(cfg.actors, cuda)
+        self.runner.place(bundle(dem))
+        self._start_store(dem)
+        self._start_workers(dem)
+        self._describe()
+
+    def _start_store(self, dem: dict) -> None:
+        cfg = self.cfg
+        self.actors["store-owner"] = self.runner.spawn("store-owner", StoreOwner, (), dem["store-owner"])
+        self.spec = self._call_one("store-owner", "create", self.run_id, cfg.model, cfg.optim.no_decay_1d,
+                                   self.engine_cfg.compute_dtype, self.engine_cfg.checkpoint_interval,
+                                   cfg.actors.num_packers, cfg.actors.num_accumulators, cfg.ipc)
+
+    def _start_workers(self, dem: dict) -> None:
+        a, spec = self.cfg.actors, self.spec
+        plan: list[tuple[str, type, tuple]] = [("gpu-executor", GpuExecutor, (spec, self.engine_cfg,
+                                                                              a.executor_threads))]
+        plan += [(f"packer-{i}", Packer, (spec, i, a.packer_threads)) for i in range(a.num_packers)]
+        plan += [(f"grad-accumulator-{i}", GradAccumulator, (spec, i, a.accumulator_threads))
+                 for i in range(a.num_accumulators)]
+        plan += [("adam-updater", AdamUpdater, (spec, self.cfg.optim, a.adam_threads))]
+        for name, cls, args in plan:
+            self.actors[name] = self.runner.spawn(name, cls, args, dem[name])
+        infos = self._gather({n: self.runner.call(h, "info") for n, h in self.actors.items()},
+                             self.cfg.train.setup_timeout_s, "starting the actors")
+        self.pids = {n: i["pid"] for n, i in infos.items()}
+        self.runner.pids = self.pids
+        handles = self._call_one("gpu-executor", "event_handles")
+        if handles is not None:
+            self._gather({n: self.runner.call(self.actors[n], "open_events", handles)
+                          for n in self.actors if n.startswith("grad-accumulator")}, 120, "opening CUDA IPC events")
+
+    def _describe(self) -> None:
+        spec = self.spec
+        parts = spec.part_bytes()
+        n = spec.layout.num_params
+        device = self._call_one("gpu-executor", "device_name")
+        log(f"model: {spec.model.family}, {spec.layout.num_layers} layers, {n / 1e6:.2f}M params, "
+            f"tied={spec.layout.tied}; executor on {device} ({self.engine_cfg.compute_dtype})")
+        log(f"host store: {gib(sum(parts.values()))} in shared memory = {sum(parts.values()) / n:.2f} bytes/param "
+            f"({', '.join(f'{k} {gib(v)}' for k, v in parts.items())})")
+        log("actors: " + ", ".join(f"{k} pid {v}" for k, v in self.pids.items()))
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def train(self) -> None:
+        cfg = self.cfg
+        with open(self.out / "metrics.jsonl", "w", buffering=1) as f:
+            for t in range(cfg.train.steps):
+                row = self._step(t)
+                self.metrics.append(row)
+                f.write(json.dumps(row) + "\n")
+                if t % cfg.train.log_every == 0 or t == cfg.train.steps - 1:
+                    log(f"step {t + 1}/{cfg.train.steps} loss {row['loss']:.4f} lr {row['lr']:.2e} "
+                        f"grad_norm {row['grad_norm']:.3f} {row['tokens_per_s']:.0f} tok/s "
+                        f"{row['step_time_s']:.3f} s/step")
+
+    def _step(self, t: int) -> dict:
+        cfg = self.cfg
+        ids, labels = batch(cfg.data, t)
+        lr = lr_at(cfg.optim, t, cfg.train.steps)
+        t0 = time.perf_counter()
+        calls = {"gpu-executor": self.runner.call(self.actors["gpu-executor"], "step", t, ids, labels),
+                 "adam-updater": self.runner.call(self.actors["adam-updater"], "step", t, lr)}
+        for name, h in self.actors.items():
+            if name.startswith(("packer", "grad-accumulator")):
+                calls[name] = self.runner.call(h, "step", t)
+        res = self._gather(calls, cfg.train.step_timeout_s, f"step {t}")
+        dt = time.perf_counter() - t0
+        ex, ad = res["gpu-executor"], res["adam-updater"]
+        return {"step": t + 1, "loss": ex["loss"], "lr": lr, "grad_norm": ad["grad_norm"],
+                "tokens": ex["tokens"], "step_time_s": dt, "tokens_per_s": ids.numel() / dt,
+                "clip_scale": ad["clip_scale"], "skipped": ad["skipped"],
+                **{k: v for k, v in ex.items() if k not in ("loss", "tokens")}}
+
+    # ---- calls and failures -----------------------------------------------------------------
+    def _call_one(self, name: str, method: str, *args: Any) -> Any:
+        return self._gather({name: self.runner.call(self.actors[name], method, *args)},
+                            self.cfg.train.setup_timeout_s, f"{name}.{method}")[name]
+
+    def _gather(self, calls: dict[str, Pending], timeout: float, what: str) -> dict[str, Any]:
+        results: dict[str, Any] = {}
+        pending = dict(calls)
+        deadline = time.monotonic() + timeout
+        while pending:
+            done = self.runner.wait_any(list(pending.values()), max(deadline - time.monotonic(), 0.0))
+            if not done:
+                self._abort(f"{what} timed out")
+                raise MegatrainError(f"{what} did not finish within {timeout:.0f}s; still waiting on: "
+                                     f"{', '.join(pending)}")
+            for p in done:
+                del pending[p.actor]
+                try:
+                    results[p.actor] = self.runner.result(p)
+                except (ActorFailure, AbortError) as exc:
+                    raise self._root_cause(exc, p.actor, pending) from None
+        return results
+
+    def _root_cause(self, first: Exception, actor: str, pending: dict[str, Pending]) -> MegatrainError:
+        """Abort the run, let the others fail fast, and report the failure that started it all."""
+        self._abort(f"{actor} failed")
+        failures: list[Exception] = [first]
+        deadline = time.monotonic() + 10
+        for p in pending.values():
+            try:
+                self.runner.result(p, timeout=max(deadline - time.monotonic(), 0.1))
+            except (ActorFailure, AbortError) as exc:
+                failures.append(exc)
+            except MegatrainError:
+                pass
+        real = [f for f in failures if isinstance(f, ActorFailure)]
+        deaths = [f for f in real if "died" in f.cause or "killed" in f.cause]
+        root = (deaths or real or failures)[0]
+        return root if isinstance(root, MegatrainError) else MegatrainError(str(root))
+
+    def _abort(self, reason: str) -> None:
+        """Raise the shared abort flag through any actor that still answers."""
+        for name, h in self.actors.items():
+            if name == "store-owner" or name not in self.pids:
+                continue
+            try:
+                self.runner.result(self.runner.call(h, "abort", reason), timeout=2)
+                return
+            except Exception:
+                continue
+
+    # ---- shutdown ---------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Idempotent: unlink the store, end every actor, release Ray. Runs on every exit path."""
+        if self._closed:
+            return
+        self._closed = True
+        with sigint_deferred():
+            owner = self.actors.get("store-owner")
+            if owner is not None:
+                try:
+                    self.runner.result(self.runner.call(owner, "shutdown"), timeout=SHUTDOWN_S)
+                except Exception as exc:  # the reaper unlinks if the owner is gone
+                    print(f"[megatrain] store owner did not shut down cleanly: {exc}", file=sys.stderr)
+            for h in self.actors.values():
+                self.runner.kill(h)
+            self.runner.close()

@@ -1,0 +1,25 @@
+"""The driver's own section of the config tree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatrain.configbase import opt
+
+
+@dataclass
+class TrainConfig:
+    steps: int = opt(100, "Optimizer steps to run.")
+    output_dir: str = opt("runs/{run_id}", "Where metrics.jsonl, config.yaml and saved weights go; "
+                                           "{run_id} is replaced.")
+    run_id: str = opt("", "Names the run's shared memory (lowercase letters and digits); empty = random.")
+    log_every: int = opt(1, "Print a progress line every this many steps (metrics.jsonl gets every step).")
+    save_final: bool = opt(False, "Write the final fp32 weights to OUTPUT_DIR/final as an HF model directory.")
+    step_timeout_s: float = opt(1800.0, "A step that takes longer than this fails the run.")
+    setup_timeout_s: float = opt(600.0, "Starting and attaching all actors must finish within this.")
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.log_every < 1:
+            raise ValueError("train.steps must be >= 0 and train.log_every >= 1")
+        if self.step_timeout_s <= 0 or self.setup_timeout_s <= 0:
+            raise ValueError("train.step_timeout_s and train.setup_timeout_s must be > 0")

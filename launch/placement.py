@@ -1,0 +1,51 @@
+"""How many of each actor, with how many threads, and what each asks of the scheduler."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatrain.configbase import opt
+
+
+@dataclass
+class ActorsConfig:
+    num_packers: int = opt(1, "Pinned-packing worker processes (fp32 master -> compute-dtype slabs).")
+    num_accumulators: int = opt(1, "Gradient-accumulation worker processes (gradient slabs -> fp32 plane).")
+    packer_threads: int = opt(1, "Torch threads per packing worker.")
+    accumulator_threads: int = opt(1, "Torch threads per accumulation worker.")
+    adam_threads: int = opt(0, "Numba threads of the Adam updater; 0 = all cores of the node.")
+    executor_threads: int = opt(0, "Torch intra-op threads of the executor (matters on the CPU device); 0 = default.")
+
+    def __post_init__(self) -> None:
+        if self.num_packers < 1 or self.num_accumulators < 1:
+            raise ValueError("actors.num_packers and actors.num_accumulators must be >= 1")
+        if min(self.packer_threads, self.accumulator_threads) < 1 or min(self.adam_threads,
+                                                                          self.executor_threads) < 0:
+            raise ValueError("actors: thread counts must be >= 1 (adam/executor threads >= 0)")
+
+
+@dataclass(frozen=True)
+class Demand:
+    """Scheduler resources of one actor."""
+
+    cpus: float
+    gpus: float
+
+
+def demands(cfg: ActorsConfig, cuda: bool) -> dict[str, Demand]:
+    """Per role. On CUDA the accumulators need a sliver of the GPU: Ray hides GPUs from actors that
+    ask for none, and they must open the executor's IPC events on the same device."""
+    acc_gpu = 0.01 if cuda else 0.0
+    out = {"store-owner": Demand(0.0, 0.0),
+           "gpu-executor": Demand(1.0, round(1.0 - acc_gpu * cfg.num_accumulators, 4) if cuda else 0.0),
+           "adam-updater": Demand(1.0, 0.0)}
+    out.update({f"packer-{i}": Demand(1.0, 0.0) for i in range(cfg.num_packers)})
+    out.update({f"grad-accumulator-{i}": Demand(1.0, acc_gpu) for i in range(cfg.num_accumulators)})
+    return out
+
+
+def bundle(d: dict[str, Demand]) -> dict[str, float]:
+    """One placement-group bundle holding every actor that shares the store: one node by construction."""
+    cpus = sum(x.cpus for x in d.values())
+    gpus = round(sum(x.gpus for x in d.values()), 4)
+    return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}

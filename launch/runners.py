@@ -1,0 +1,194 @@
+"""One interface, two transports: Ray actors (each its own process) or threads in this process.
+
+The driver speaks only this interface. The in-process runner lets tests drive the whole pipeline,
+shared memory and semaphores included, without process start-up costs; the Ray runner is what
+`megatrain-launch` and `ray job submit` use.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from megatrain.configbase import opt
+from megatrain.errors import AbortError, ActorFailure, MegatrainError, ResourceError
+from megatrain.launch.placement import Demand
+
+
+@dataclass
+class LaunchConfig:
+    runner: str = opt("ray", "'ray' (one OS process per actor) or 'inprocess' (threads; for tests and debugging).")
+    address: str | None = opt(None, "Ray cluster to join (else RAY_ADDRESS, else start a local instance).")
+    num_cpus: int = opt(0, "Logical CPUs of a locally started Ray instance; 0 = enough for the actors.")
+    object_store_mb: int = opt(128, "Object store of a locally started Ray (tensors never go through it).")
+    placement_timeout_s: float = opt(60.0, "How long to wait for the placement group before failing.")
+
+    def __post_init__(self) -> None:
+        if self.runner not in ("ray", "inprocess"):
+            raise ValueError(f"launch.runner must be 'ray' or 'inprocess', not '{self.runner}'")
+
+
+@dataclass
+class Handle:
+    name: str
+    obj: Any  # Ray actor handle or the plain object
+
+
+@dataclass(eq=False)
+class Pending:
+    actor: str
+    ref: Any  # ObjectRef or Future
+
+
+class InProcessRunner:
+    def __init__(self, cfg: LaunchConfig):
+        self.cfg = cfg
+        self.pools: dict[str, cf.ThreadPoolExecutor] = {}
+
+    def connect(self, cpus_needed: float) -> None:
+        pass
+
+    def has_gpu(self) -> bool:
+        import torch
+
+        return torch.cuda.is_available()
+
+    def place(self, bundle: dict[str, float]) -> None:
+        pass
+
+    def spawn(self, name: str, cls: type, args: tuple, demand: Demand) -> Handle:
+        self.pools[name] = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix=name)
+        return Handle(name, cls(*args))
+
+    def call(self, h: Handle, method: str, *args: Any) -> Pending:
+        return Pending(h.name, self.pools[h.name].submit(getattr(h.obj, method), *args))
+
+    def wait_any(self, pending: list[Pending], timeout: float) -> list[Pending]:
+        done, _ = cf.wait([p.ref for p in pending], timeout=timeout, return_when=cf.FIRST_COMPLETED)
+        return [p for p in pending if p.ref in done]
+
+    def result(self, p: Pending, timeout: float | None = None) -> Any:
+        try:
+            return p.ref.result(timeout=timeout)
+        except cf.TimeoutError:
+            raise MegatrainError(f"actor '{p.actor}' did not answer within {timeout}s") from None
+        except AbortError:
+            raise
+        except Exception as exc:
+            raise ActorFailure(p.actor, f"{type(exc).__name__}: {exc}") from exc
+
+    def kill(self, h: Handle) -> None:
+        pool = self.pools.pop(h.name, None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        for name in list(self.pools):
+            self.kill(Handle(name, None))
+
+
+class RayRunner:
+    def __init__(self, cfg: LaunchConfig):
+        import ray
+
+        self.ray, self.cfg = ray, cfg
+        self.started_ray = False
+        self.pg = None
+        self.pids: dict[str, int] = {}
+
+    def connect(self, cpus_needed: float) -> None:
+        ray = self.ray
+        address = self.cfg.address or os.environ.get("RAY_ADDRESS")
+        if not ray.is_initialized():
+            if address:
+                ray.init(address=address, log_to_driver=True)
+            else:
+                cpus = self.cfg.num_cpus or max(os.cpu_count() or 1, int(cpus_needed + 0.999))
+                ray.init(num_cpus=cpus, include_dashboard=False,
+                         object_store_memory=self.cfg.object_store_mb * 2**20, log_to_driver=True)
+                self.started_ray = True
+
+    def has_gpu(self) -> bool:
+        return any(n.get("Resources", {}).get("GPU", 0) > 0 for n in self.ray.nodes() if n.get("Alive"))
+
+    def place(self, bundle: dict[str, float]) -> None:
+        from ray.util.placement_group import placement_group
+
+        self.pg = placement_group([bundle], strategy="STRICT_PACK")
+        ready, _ = self.ray.wait([self.pg.ready()], timeout=self.cfg.placement_timeout_s)
+        if not ready:
+            have = {k: v for k, v in self.ray.available_resources().items() if k in ("CPU", "GPU")}
+            raise ResourceError(f"cannot place the store's actors on one node: they need {bundle}, the "
+                                f"cluster has {have} available (waited {self.cfg.placement_timeout_s:.0f}s)")
+
+    def spawn(self, name: str, cls: type, args: tuple, demand: Demand) -> Handle:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        remote = self.ray.remote(cls).options(
+            name=None, num_cpus=demand.cpus, num_gpus=demand.gpus, max_concurrency=2, max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
+            runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}})
+        return Handle(name, remote.remote(*args))
+
+    def call(self, h: Handle, method: str, *args: Any) -> Pending:
+        return Pending(h.name, getattr(h.obj, method).remote(*args))
+
+    def wait_any(self, pending: list[Pending], timeout: float) -> list[Pending]:
+        ready, _ = self.ray.wait([p.ref for p in pending], num_returns=1, timeout=timeout)
+        return [p for p in pending if p.ref in ready]
+
+    def result(self, p: Pending, timeout: float | None = None) -> Any:
+        from ray import exceptions as rex
+
+        try:
+            return self.ray.get(p.ref, timeout=timeout)
+        except rex.GetTimeoutError:
+            raise MegatrainError(f"actor '{p.actor}' did not answer within {timeout}s") from None
+        except rex.RayTaskError as exc:
+            cause = exc.cause if exc.cause is not None else exc
+            if isinstance(cause, AbortError):
+                raise AbortError(str(cause)) from None
+            raise ActorFailure(p.actor, f"{type(cause).__name__}: {cause}", self.pids.get(p.actor)) from None
+        except rex.RayActorError as exc:
+            why = "the process died (killed or crashed)"
+            if getattr(exc, "error_msg", None) and "OOM" in exc.error_msg:
+                why = "killed by the out-of-memory monitor"
+            raise ActorFailure(p.actor, why, self.pids.get(p.actor)) from None
+
+    def kill(self, h: Handle) -> None:
+        try:
+            self.ray.kill(h.obj, no_restart=True)
+        except Exception:  # already gone
+            pass
+
+    def close(self) -> None:
+        if self.pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+            self.pg = None
+        if self.started_ray:
+            self.ray.shutdown()
+            self.started_ray = False
+
+
+def make_runner(cfg: LaunchConfig) -> InProcessRunner | RayRunner:
+    return RayRunner(cfg) if cfg.runner == "ray" else InProcessRunner(cfg)
+
+
+def wait_pids_gone(pids: list[int], timeout: float) -> list[int]:
+    """Pids (on this node) still alive after `timeout` seconds."""
+    from megatrain.ipc.shm import pid_alive
+
+    deadline = time.monotonic() + timeout
+    alive = [p for p in pids if pid_alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [p for p in alive if pid_alive(p)]
+    return alive
