@@ -43,6 +43,6 @@ def train_reference(model: torch.nn.Module, optim: OptimConfig, data: DataConfig
             g["lr"] = lr_at(optim, t, steps)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     state = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
     return ReferenceResult(losses, norms, state)
