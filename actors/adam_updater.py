@@ -21,7 +21,7 @@ class AdamUpdater(Role):
         if threads > 0:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         self.cfg = cfg
-        self.store = Store.attach(spec, PLANES)
+        self.store = Store.attach(spec, PLANES, role=self.name)
 
     @guarded
     def step(self, step: int, lr: float) -> dict:

@@ -93,7 +93,7 @@ class GpuExecutor(Role):
         super().__init__("gpu-executor")
         if threads > 0:
             torch.set_num_threads(threads)
-        self.store = Store.attach(spec, ("staging",))
+        self.store = Store.attach(spec, ("staging",), role=self.name)
         self.device = resolve_device(cfg)
         dtype = resolve_dtype(cfg, self.device)
         if self.device.type == "cuda":

@@ -19,7 +19,7 @@ class GradAccumulator(Role):
         torch.set_num_threads(max(threads, 1))
         self.index = index
         self.items = spec.grad_items(index)
-        self.store = Store.attach(spec, ("grads", "staging"))
+        self.store = Store.attach(spec, ("grads", "staging"), role=self.name)
         self.events: list | None = None
 
     def open_events(self, handles: list[bytes]) -> None:

@@ -19,7 +19,7 @@ class Packer(Role):
         torch.set_num_threads(max(threads, 1))
         self.index = index
         self.items = spec.weight_items(index)
-        self.store = Store.attach(spec, ("params", "staging"))
+        self.store = Store.attach(spec, ("params", "staging"), role=self.name)
 
     @guarded
     def step(self, step: int) -> dict:

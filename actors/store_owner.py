@@ -14,7 +14,7 @@ import torch
 
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import StoreSpec, Store
-from megatrain.ipc.shm import start_ticks, sweep
+from megatrain.ipc.shm import remove_cuda_ipc_files, start_ticks, sweep
 from megatrain.model import ModelConfig, build_spec, meta_model, init_unit
 from megatrain.weights import checkpoint_index, fill_tile, read_unit, save_units
 
@@ -64,8 +64,12 @@ class StoreOwner(Role):
         return [int(v) for v in self.store.versions]
 
     def shutdown(self) -> None:
-        """Unlink every name of the run (idempotent); processes still attached keep their mappings."""
+        """Unlink every name of the run (idempotent); processes still attached keep their mappings.
+
+        The driver kills the workers first; what the CUDA driver left for them goes once they are dead.
+        """
         if self.store is not None:
+            remove_cuda_ipc_files([int(p) for p in self.store.pids if p > 0], self.store.spec.ipc.shm_dir)
             self.store.unlink()
         if self.reaper is not None:
             try:

@@ -23,6 +23,7 @@ Every wait is timed (ipc.wait_timeout_s) and polls the abort flag, so a dead pee
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -34,14 +35,23 @@ import torch
 from megatrain.configbase import opt
 from megatrain.engine import fetch_order, grad_order
 from megatrain.errors import AbortError, WaitTimeout
-from megatrain.ipc.shm import HEADER_BYTES, Header, Segment, check_space, sem_name, seg_name
+from megatrain.ipc.shm import (
+    CTL_PIDS_OFFSET,
+    HEADER_BYTES,
+    MAX_PIDS,
+    Header,
+    Segment,
+    check_space,
+    sem_name,
+    seg_name,
+)
 from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
 from megatrain.model import ModelSpec
 
 PLANES = ("params", "exp_avg", "exp_avg_sq", "grads")
 STAGING = {"bf16": (torch.bfloat16, 2), "fp32": (torch.float32, 4)}
 _REASON_BYTES = 1024
-_CTL_FIXED = 64 + _REASON_BYTES
+_CTL_FIXED = CTL_PIDS_OFFSET + 8 * MAX_PIDS + _REASON_BYTES
 
 
 @dataclass
@@ -111,6 +121,14 @@ class StoreSpec:
         extra = f"{self.staging_dtype}:{self.slab_elems}:{self.ipc.weight_slabs}:{self.ipc.grad_slabs}"
         return hashlib.sha256(self.layout.digest() + extra.encode()).digest()[:16]
 
+    def pid_slot(self, role: str) -> int:
+        """Where a worker records its pid in ctl, so cleanup can find what the CUDA driver left for it."""
+        kind, _, idx = role.rpartition("-")
+        slots = {"gpu-executor": 0, "adam-updater": 1, "packer": 2, "grad-accumulator": 2 + self.num_packers}
+        slot = slots[role] if role in slots else slots[kind] + int(idx)
+        assert slot < MAX_PIDS, role
+        return slot
+
     def sem_names(self) -> dict[str, tuple[str, int]]:
         """Semaphore key -> (name, initial value)."""
         out = {"grads_ready": (sem_name(self.run_id, "grads-ready"), 0)}
@@ -129,7 +147,8 @@ class Store:
         ctl = segments["ctl"].mm
         u = spec.num_units
         self._flags = np.frombuffer(ctl, np.int64, 8, HEADER_BYTES)
-        self._reason = np.frombuffer(ctl, np.uint8, _REASON_BYTES, HEADER_BYTES + 64)
+        self.pids = np.frombuffer(ctl, np.int64, MAX_PIDS, HEADER_BYTES + CTL_PIDS_OFFSET)
+        self._reason = np.frombuffer(ctl, np.uint8, _REASON_BYTES, HEADER_BYTES + CTL_PIDS_OFFSET + 8 * MAX_PIDS)
         self.versions = np.frombuffer(ctl, np.int64, u, HEADER_BYTES + _CTL_FIXED)
         self.sqnorms = np.frombuffer(ctl, np.float64, u, HEADER_BYTES + _CTL_FIXED + 8 * u)
 
@@ -156,11 +175,15 @@ class Store:
         return cls(spec, segments, sems)
 
     @classmethod
-    def attach(cls, spec: StoreSpec, parts: tuple[str, ...]) -> Store:
+    def attach(cls, spec: StoreSpec, parts: tuple[str, ...], role: str | None = None) -> Store:
+        """Attach (never create); a worker `role` records its pid for cleanup after a crash."""
         h = spec.layout_hash()
         segments = {p: Segment.attach(seg_name(spec.run_id, p), h, spec.run_id) for p in ("ctl", *parts)}
         sems = {k: posix_ipc.Semaphore(name) for k, (name, _) in spec.sem_names().items()}
-        return cls(spec, segments, sems)
+        store = cls(spec, segments, sems)
+        if role is not None:
+            store.pids[spec.pid_slot(role)] = os.getpid()
+        return store
 
     def unlink(self) -> None:
         """Owner only. Names go away now; memory goes when the last process unmaps."""

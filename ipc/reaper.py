@@ -12,7 +12,14 @@ import os
 import sys
 import time
 
-from megatrain.ipc.shm import PREFIX, pid_alive, run_entries, unlink_entries
+from megatrain.ipc.shm import (
+    PREFIX,
+    pid_alive,
+    read_worker_pids,
+    remove_cuda_ipc_files,
+    run_entries,
+    unlink_entries,
+)
 
 POLL_S = 0.2
 
@@ -23,7 +30,8 @@ def watch(run_id: str, pid: int, ticks: int, shm_dir: str = "/dev/shm") -> list[
         if not os.path.exists(ctl):
             return []  # the owner unlinked everything itself
         if not pid_alive(pid, ticks):
-            return unlink_entries(run_entries(shm_dir).get(run_id, []))
+            removed = remove_cuda_ipc_files(read_worker_pids(run_id), shm_dir)
+            return removed + unlink_entries(run_entries(shm_dir).get(run_id, []))
         time.sleep(POLL_S)
 
 

@@ -24,6 +24,8 @@ MAGIC = b"MEGATRN\x01"
 LAYOUT_VERSION = 1
 HEADER_BYTES = 4096
 _HEADER = struct.Struct("<8sII16s32sQQQ")
+CTL_PIDS_OFFSET = 64  # bytes into the ctl data area: worker pids (int64), fixed so the reaper finds them
+MAX_PIDS = 64
 PREFIX = "megatrain-"
 _RUN_ID = re.compile(r"^[a-z0-9]{1,32}$")
 _ENTRY = re.compile(r"^(?:sem\.)?megatrain-([a-z0-9]{1,32})-(.+)$")
@@ -202,6 +204,45 @@ def read_owner(run_id: str) -> tuple[int, int] | None:
     return (hdr.owner_pid, hdr.owner_ticks) if magic == MAGIC else None
 
 
+def read_worker_pids(run_id: str) -> list[int]:
+    """Worker pids recorded in the run's ctl segment (empty if it is gone)."""
+    try:
+        shm = posix_ipc.SharedMemory(seg_name(run_id, "ctl"))
+    except posix_ipc.ExistentialError:
+        return []
+    try:
+        with mmap.mmap(shm.fd, HEADER_BYTES + CTL_PIDS_OFFSET + 8 * MAX_PIDS, prot=mmap.PROT_READ) as mm:
+            raw = mm[HEADER_BYTES + CTL_PIDS_OFFSET: HEADER_BYTES + CTL_PIDS_OFFSET + 8 * MAX_PIDS]
+    except (OSError, ValueError):
+        return []
+    finally:
+        shm.close_fd()
+    return [p for p in struct.unpack(f"<{MAX_PIDS}q", raw) if p > 0]
+
+
+def remove_cuda_ipc_files(pids: list[int], shm_dir: str = "/dev/shm", wait_s: float = 10.0) -> list[str]:
+    """Remove the cuda.shm.<dev>.<pid hex>.<n> files that the CUDA driver makes for interprocess events.
+
+    The driver deletes them when the creating process destroys its events; a process killed with
+    SIGKILL leaves them behind. Only files of pids that are (or, within wait_s, become) dead go.
+    """
+    deadline = time.monotonic() + wait_s
+    pids = [p for p in pids if p != os.getpid()]
+    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    dead = {f"{p:x}" for p in pids if not pid_alive(p)}
+    removed = []
+    for name in os.listdir(shm_dir):
+        parts = name.split(".")
+        if name.startswith("cuda.shm.") and len(parts) >= 4 and parts[3] in dead:
+            try:
+                os.unlink(os.path.join(shm_dir, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
 def unlink_entries(entries: list[str]) -> list[str]:
     removed = []
     for name in entries:
@@ -234,5 +275,6 @@ def sweep(run_id: str | None = None, shm_dir: str = "/dev/shm") -> list[str]:
             continue
         if owner is None and _young(shm_dir, f"{PREFIX}{rid}-ctl"):
             continue  # a run being created right now: its owner has not written the header yet
+        removed += remove_cuda_ipc_files(read_worker_pids(rid), shm_dir, wait_s=0)
         removed += unlink_entries(entries)
     return removed

@@ -228,11 +228,13 @@ class Trainer:
         self._closed = True
         with sigint_deferred():
             owner = self.actors.get("store-owner")
+            for name, h in self.actors.items():
+                if h is not owner:
+                    self.runner.kill(h)
             if owner is not None:
-                try:
+                try:  # waits for the workers to be gone, then unlinks everything of the run
                     self.runner.result(self.runner.call(owner, "shutdown"), timeout=SHUTDOWN_S)
                 except Exception as exc:  # the reaper unlinks if the owner is gone
                     print(f"[megatrain] store owner did not shut down cleanly: {exc}", file=sys.stderr)
-            for h in self.actors.values():
-                self.runner.kill(h)
+                self.runner.kill(owner)
             self.runner.close()
