@@ -9,10 +9,10 @@ from __future__ import annotations
 import math
 
 import numba
-
 from megatrain.actors.base import Role, guarded
-from megatrain.adamw import OptimConfig, adamw_update, clip_scale
 from megatrain.ipc.protocol import PLANES, Store, StoreSpec
+
+from megatrain.adamw import OptimConfig, adamw_update, clip_scale
 
 
 class AdamUpdater(Role):

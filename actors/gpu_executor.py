@@ -8,10 +8,10 @@ from __future__ import annotations
 import time
 
 import torch
-
 from megatrain.actors.base import Role, guarded
-from megatrain.engine import EngineConfig, StepEngine, resolve_device, resolve_dtype
 from megatrain.ipc.protocol import Store, StoreSpec
+
+from megatrain.engine import EngineConfig, StepEngine, resolve_device, resolve_dtype
 
 
 class SlabSource:

@@ -8,7 +8,6 @@ It records each unit's squared norm for global-norm clipping, then frees the sla
 from __future__ import annotations
 
 import torch
-
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
 

@@ -8,7 +8,6 @@ on later units.
 from __future__ import annotations
 
 import torch
-
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 
 import torch
-
 from megatrain.actors.base import Role, guarded
-from megatrain.ipc.protocol import StoreSpec, Store
+from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.shm import remove_cuda_ipc_files, start_ticks, sweep
-from megatrain.model import ModelConfig, build_spec, meta_model, init_unit
+
+from megatrain.model import ModelConfig, build_spec, init_unit, meta_model
 from megatrain.weights import checkpoint_index, fill_tile, read_unit, save_units
 
 
@@ -23,6 +24,12 @@ class StoreOwner(Role):
     def __init__(self, name: str = "store-owner"):
         super().__init__(name)
         self.reaper: subprocess.Popen | None = None
+        self.done = threading.Event()
+
+    def serve(self) -> None:
+        """Held open by the driver for the whole run: if this process dies, the call fails at once,
+        which is how the driver learns of the owner's death while it waits on a step."""
+        self.done.wait()
 
     def create(self, run_id: str, model_cfg: ModelConfig, no_decay_1d: bool, staging_dtype: str,
                checkpoint_interval: int, num_packers: int, num_accumulators: int, ipc_cfg) -> StoreSpec:
@@ -68,6 +75,7 @@ class StoreOwner(Role):
 
         The driver kills the workers first; what the CUDA driver left for them goes once they are dead.
         """
+        self.done.set()
         if self.store is not None:
             remove_cuda_ipc_files([int(p) for p in self.store.pids if p > 0], self.store.spec.ipc.shm_dir)
             self.store.unlink()

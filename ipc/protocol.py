@@ -31,10 +31,6 @@ from functools import cached_property
 import numpy as np
 import posix_ipc
 import torch
-
-from megatrain.configbase import opt
-from megatrain.engine import fetch_order, grad_order
-from megatrain.errors import AbortError, WaitTimeout
 from megatrain.ipc.shm import (
     CTL_PIDS_OFFSET,
     HEADER_BYTES,
@@ -42,9 +38,13 @@ from megatrain.ipc.shm import (
     Header,
     Segment,
     check_space,
-    sem_name,
     seg_name,
+    sem_name,
 )
+
+from megatrain.configbase import opt
+from megatrain.engine import fetch_order, grad_order
+from megatrain.errors import AbortError, WaitTimeout
 from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
 from megatrain.model import ModelSpec
 

@@ -23,15 +23,17 @@ from megatrain.actors.gpu_executor import GpuExecutor
 from megatrain.actors.grad_accumulator import GradAccumulator
 from megatrain.actors.packer import Packer
 from megatrain.actors.store_owner import StoreOwner
-from megatrain.adamw import lr_at
-from megatrain.config import Config
-from megatrain.configbase import dump_yaml
-from megatrain.data import batch
-from megatrain.errors import AbortError, ActorFailure, MegatrainError
 from megatrain.ipc.protocol import StoreSpec
 from megatrain.ipc.shm import check_run_id, gib
 from megatrain.launch.placement import bundle, demands
 from megatrain.launch.runners import Handle, Pending, make_runner
+
+from megatrain.adamw import lr_at
+from megatrain.config import Config
+from megatrain.configbase import dump_yaml
+from megatrain.data import batch
+from megatrain.engine import resolve_engine
+from megatrain.errors import AbortError, ActorFailure, MegatrainError
 
 SHUTDOWN_S = 15.0
 
@@ -63,6 +65,7 @@ class Trainer:
         self.actors: dict[str, Handle] = {}
         self.pids: dict[str, int] = {}
         self.spec: StoreSpec | None = None
+        self.sentinel: Pending | None = None
         self.metrics: list[dict] = []
         self._closed = False
 
@@ -88,8 +91,7 @@ class Trainer:
         dem = demands(cfg.actors, cuda=False)
         self.runner.connect(bundle(dem)["CPU"])
         cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and self.runner.has_gpu())
-        self.engine_cfg = dataclasses.replace(cfg.engine, device="cuda" if cuda else "cpu", compute_dtype=(
-            cfg.engine.compute_dtype if cfg.engine.compute_dtype != "auto" else ("bf16" if cuda else "fp32")))
+        self.engine_cfg = resolve_engine(cfg.engine, cuda)
         resolved = dataclasses.replace(cfg, engine=self.engine_cfg,
                                        train=dataclasses.replace(cfg.train, run_id=self.run_id))
         text = dump_yaml(resolved)
@@ -104,6 +106,7 @@ class Trainer:
     def _start_store(self, dem: dict) -> None:
         cfg = self.cfg
         self.actors["store-owner"] = self.runner.spawn("store-owner", StoreOwner, (), dem["store-owner"])
+        self.sentinel = self.runner.call(self.actors["store-owner"], "serve")
         self.spec = self._call_one("store-owner", "create", self.run_id, cfg.model, cfg.optim.no_decay_1d,
                                    self.engine_cfg.compute_dtype, self.engine_cfg.checkpoint_interval,
                                    cfg.actors.num_packers, cfg.actors.num_accumulators, cfg.ipc)
@@ -179,18 +182,31 @@ class Trainer:
         pending = dict(calls)
         deadline = time.monotonic() + timeout
         while pending:
-            done = self.runner.wait_any(list(pending.values()), max(deadline - time.monotonic(), 0.0))
+            watch = list(pending.values()) + ([self.sentinel] if self.sentinel else [])
+            done = self.runner.wait_any(watch, max(deadline - time.monotonic(), 0.0))
             if not done:
                 self._abort(f"{what} timed out")
                 raise MegatrainError(f"{what} did not finish within {timeout:.0f}s; still waiting on: "
                                      f"{', '.join(pending)}")
             for p in done:
+                if p is self.sentinel:
+                    self.sentinel = None
+                    self._owner_died(p, pending)
                 del pending[p.actor]
                 try:
                     results[p.actor] = self.runner.result(p)
                 except (ActorFailure, AbortError) as exc:
                     raise self._root_cause(exc, p.actor, pending) from None
         return results
+
+    def _owner_died(self, serve: Pending, pending: dict[str, Pending]) -> None:
+        """The owner's serve() call ended before shutdown: its process is gone."""
+        try:
+            self.runner.result(serve)
+            exc: Exception = ActorFailure("store-owner", "stopped serving the store", self.pids.get("store-owner"))
+        except (ActorFailure, AbortError) as failure:
+            exc = failure
+        raise self._root_cause(exc, "store-owner", pending)
 
     def _root_cause(self, first: Exception, actor: str, pending: dict[str, Pending]) -> MegatrainError:
         """Abort the run, let the others fail fast, and report the failure that started it all."""
@@ -228,7 +244,7 @@ class Trainer:
         self._closed = True
         with sigint_deferred():
             owner = self.actors.get("store-owner")
-            for name, h in self.actors.items():
+            for h in self.actors.values():
                 if h is not owner:
                     self.runner.kill(h)
             if owner is not None:

@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from megatrain.launch.placement import Demand
+
 from megatrain.configbase import opt
 from megatrain.errors import AbortError, ActorFailure, MegatrainError, ResourceError
-from megatrain.launch.placement import Demand
 
 
 @dataclass

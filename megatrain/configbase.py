@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -28,6 +29,24 @@ def opt(default: Any, doc: str, **kw: Any) -> Any:
 
 def section(cls: type, doc: str) -> Any:
     return dataclasses.field(default_factory=cls, metadata={"doc": doc})
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that also reads 1e-6 and 3e+4 as floats (YAML 1.1 insists on a dot)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+][0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""", re.X),
+    list("-+0123456789."))
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 class _Where:
@@ -125,7 +144,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"command-line override '{item}' is not of the form dotted.key=value")
     key, raw = item.split("=", 1)
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = _yaml(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
     return key.strip().split("."), value
@@ -152,7 +171,7 @@ def load(cls: type, path: str | Path | None, overrides: list[str] | None = None)
             raise ConfigError(f"config file '{p}' does not exist")
         text, source = p.read_text(), str(p)
     try:
-        data = yaml.safe_load(text) if text else {}
+        data = _yaml(text) if text else {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None
     if data is None:

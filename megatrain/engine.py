@@ -8,6 +8,7 @@ the shared-memory source and sink; tests plug in plain tensors.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -40,6 +41,12 @@ class EngineConfig:
             raise ValueError("engine.checkpoint_interval must be >= 1")
         if self.loss_chunk_tokens < 1:
             raise ValueError("engine.loss_chunk_tokens must be >= 1")
+
+
+def resolve_engine(cfg: EngineConfig, cuda: bool) -> EngineConfig:
+    """`auto` settings made concrete, once the driver knows whether the executor's node has a GPU."""
+    dtype = cfg.compute_dtype if cfg.compute_dtype != "auto" else ("bf16" if cuda else "fp32")
+    return dataclasses.replace(cfg, device="cuda" if cuda else "cpu", compute_dtype=dtype)
 
 
 def resolve_device(cfg: EngineConfig) -> torch.device:

@@ -62,11 +62,13 @@ def resolve_hf_config(cfg: ModelConfig) -> tuple[str, PretrainedConfig]:
     if cfg.pretrained:
         path = Path(cfg.pretrained) / "config.json"
         if not path.is_file():
-            raise ConfigError(f"model.pretrained: '{cfg.pretrained}' has no config.json (expected a save_pretrained dir)")
+            raise ConfigError(f"model.pretrained: '{cfg.pretrained}' has no config.json "
+                              "(expected a save_pretrained directory)")
         base = json.loads(path.read_text())
         family = base.get("model_type", family)
         if family not in FAMILIES:
-            raise ConfigError(f"model.pretrained: model_type '{family}' is not supported; use one of {sorted(FAMILIES)}")
+            raise ConfigError(f"model.pretrained: model_type '{family}' is not supported; "
+                              f"use one of {sorted(FAMILIES)}")
     conf_cls = FAMILIES[family][0]
     merged = {**base, **cfg.hf}
     merged.pop("architectures", None)
@@ -100,7 +102,7 @@ def _unit_modules(model: torch.nn.Module) -> list[tuple[str, str, dict[str, torc
 def build_spec(cfg: ModelConfig, no_decay_1d: bool = True) -> ModelSpec:
     family, hf = resolve_hf_config(cfg)
     model = meta_model(family, hf)
-    for name, buf in model.named_buffers():
+    for name, _ in model.named_buffers():
         if "rotary_emb" not in name:
             raise ConfigError(f"model: buffer '{name}' outside the rotary embedding is not supported")
     tied = bool(hf.tie_word_embeddings)

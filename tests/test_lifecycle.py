@@ -1,0 +1,166 @@
+"""The launcher as users run it: separate processes, clean exits, clear errors, nothing left behind
+after success, bad input, a killed actor, or Ctrl-C."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import ROOT, run_leftovers
+
+SMALL = ["model.hf.hidden_size=32", "model.hf.intermediate_size=64", "model.hf.num_hidden_layers=2",
+         "data.seq_len=32", "data.batch_size=2"]
+
+
+class Cli:
+    """megatrain-launch in its own session (so a Ctrl-C can hit its whole process group)."""
+
+    def __init__(self, tmp_path: Path, *args: str, steps: int = 4):
+        self.run_id = "t" + secrets.token_hex(4)
+        self.out = tmp_path / "out"
+        cmd = [sys.executable, "-m", "megatrain.launch.cli", str(ROOT / "examples/default.yaml"), *SMALL,
+               f"train.steps={steps}", f"train.run_id={self.run_id}", f"train.output_dir={self.out}", *args]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     start_new_session=True)
+        self.stdout: list[str] = []
+        self.stderr: list[str] = []
+        self.tree: set[int] = set()
+        for stream, sink in ((self.proc.stdout, self.stdout), (self.proc.stderr, self.stderr)):
+            threading.Thread(target=self._pump, args=(stream, sink), daemon=True).start()
+
+    def _pump(self, stream, sink: list[str]) -> None:
+        for line in stream:
+            sink.append(line)
+
+    def wait_for(self, pattern: str, timeout: float = 120) -> re.Match:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in list(self.stdout):
+                m = re.search(pattern, line)
+                if m:
+                    return m
+            if self.proc.poll() is not None and not any(re.search(pattern, ln) for ln in self.stdout):
+                raise AssertionError(f"exited {self.proc.returncode} before '{pattern}':\n{self.text()}")
+            time.sleep(0.05)
+        raise AssertionError(f"no '{pattern}' within {timeout}s:\n{self.text()}")
+
+    def actor_pids(self) -> dict[str, int]:
+        line = self.wait_for(r"actors: (.*)").group(1)
+        pids = {name: int(pid) for name, pid in re.findall(r"([\w-]+) pid (\d+)", line)}
+        self.snapshot()
+        return pids
+
+    def snapshot(self) -> None:
+        """Every process the launcher has started so far (Ray, actors, the reaper)."""
+        try:
+            self.tree |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+        self.tree |= {p.pid for p in psutil.process_iter(["cmdline"])
+                      if self.run_id in " ".join(p.info["cmdline"] or [])}
+
+    def finish(self, timeout: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            raise AssertionError(f"launcher hung:\n{self.text()}") from None
+
+    def text(self) -> str:
+        return "".join(self.stdout[-40:]) + "\n--- stderr ---\n" + "".join(self.stderr[-40:])
+
+    def assert_clean(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        alive = set(self.tree)
+        while time.monotonic() < deadline:
+            alive = {p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"}
+            if not alive and not run_leftovers(self.run_id):
+                break
+            time.sleep(0.2)
+        assert run_leftovers(self.run_id) == [], f"shared memory left: {run_leftovers(self.run_id)}"
+        names = {p: " ".join(psutil.Process(p).cmdline()[:3]) for p in alive if psutil.pid_exists(p)}
+        assert not names, f"processes left running: {names}"
+
+
+def test_trains_in_distinct_processes_and_cleans_up(tmp_path: Path) -> None:
+    cli = Cli(tmp_path, "actors.num_packers=2", "actors.num_accumulators=2")
+    pids = cli.actor_pids()
+    rc = cli.finish()
+    assert rc == 0, cli.text()
+    roles = ["gpu-executor", "packer-0", "packer-1", "grad-accumulator-0", "grad-accumulator-1", "adam-updater"]
+    assert set(roles) <= set(pids)
+    assert len({pids[r] for r in roles} | {cli.proc.pid}) == len(roles) + 1, pids
+    rows = [json.loads(line) for line in (cli.out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens", "step_time_s"):
+        assert all(key in r for r in rows), key
+    assert "run_id: " + cli.run_id in (cli.out / "config.yaml").read_text()
+    cli.assert_clean()
+
+
+def test_bad_config_key_is_one_clear_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim:\n  lr: 1.0e-3\n  lrr: 2.0e-3\n")
+    proc = subprocess.run([sys.executable, "-m", "megatrain.launch.cli", str(bad)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert f"{bad}:3" in proc.stderr and "optim.lrr" in proc.stderr and "did you mean 'optim.lr'" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_bad_override_names_the_command_line(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "megatrain.launch.cli", str(ROOT / "examples/default.yaml"),
+                           "engine.checkpoint_interval=0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "checkpoint_interval" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["packer-0", "grad-accumulator-0", "adam-updater", "gpu-executor",
+                                    "store-owner"])
+def test_killed_actor_is_named_and_everything_is_released(tmp_path: Path, victim: str) -> None:
+    cli = Cli(tmp_path, steps=100000)
+    pids = cli.actor_pids()
+    cli.wait_for(r"step \d+/")
+    cli.snapshot()
+    os.kill(pids[victim], signal.SIGKILL)
+    t0 = time.monotonic()
+    rc = cli.finish(timeout=90)
+    took = time.monotonic() - t0
+    assert rc == 1, cli.text()
+    err = "".join(cli.stderr)
+    assert f"actor '{victim}'" in err and "died" in err, cli.text()
+    assert took < 30, f"took {took:.1f}s to report the death of {victim}"
+    cli.assert_clean()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_interrupt_releases_everything(tmp_path: Path, how: str) -> None:
+    cli = Cli(tmp_path, steps=100000)
+    cli.actor_pids()
+    cli.wait_for(r"step \d+/")
+    cli.snapshot()
+    if how == "ctrl-c":
+        os.killpg(cli.proc.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
+    else:
+        os.kill(cli.proc.pid, signal.SIGTERM)
+    rc = cli.finish(timeout=90)
+    assert rc == 130, cli.text()
+    cli.assert_clean()
+
+
+def test_cleanup_command_runs(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "megatrain.launch.cli", "--cleanup"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "removed" in proc.stdout
