@@ -144,6 +144,7 @@ class Store:
 
     def __init__(self, spec: StoreSpec, segments: dict[str, Segment], sems: dict[str, posix_ipc.Semaphore]):
         self.spec, self.segments, self.sems = spec, segments, sems
+        self._unlinked = False
         ctl = segments["ctl"].mm
         u = spec.num_units
         self._flags = np.frombuffer(ctl, np.int64, 8, HEADER_BYTES)
@@ -186,7 +187,10 @@ class Store:
         return store
 
     def unlink(self) -> None:
-        """Owner only. Names go away now; memory goes when the last process unmaps."""
+        """Owner only, idempotent. Names go away now; memory goes when the last process unmaps."""
+        if self._unlinked:
+            return
+        self._unlinked = True
         for key, (name, _) in self.spec.sem_names().items():
             try:
                 posix_ipc.unlink_semaphore(name)
@@ -263,7 +267,7 @@ class Store:
                 return
             except posix_ipc.BusyError:
                 if time.monotonic() > deadline:
-                    raise WaitTimeout(f"waited {cfg.wait_timeout_s:.0f}s for {what}") from None
+                    raise WaitTimeout(f"waited {cfg.wait_timeout_s:g}s for {what}") from None
 
     def post(self, key: str) -> None:
         self.sems[key].release()
@@ -277,6 +281,6 @@ class Store:
         while self.versions[unit] < version:
             self.check_abort()
             if time.monotonic() > deadline:
-                raise WaitTimeout(f"waited {cfg.wait_timeout_s:.0f}s for {what}")
+                raise WaitTimeout(f"waited {cfg.wait_timeout_s:g}s for {what}")
             time.sleep(nap)
             nap = min(nap * 2, cfg.poll_s)

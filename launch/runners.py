@@ -153,11 +153,11 @@ class RayRunner:
             if isinstance(cause, AbortError):
                 raise AbortError(str(cause)) from None
             raise ActorFailure(p.actor, f"{type(cause).__name__}: {cause}", self.pids.get(p.actor)) from None
-        except rex.RayActorError as exc:
-            why = "the process died (killed or crashed)"
-            if getattr(exc, "error_msg", None) and "OOM" in exc.error_msg:
-                why = "killed by the out-of-memory monitor"
-            raise ActorFailure(p.actor, why, self.pids.get(p.actor)) from None
+        except rex.OutOfMemoryError:
+            raise ActorFailure(p.actor, "the process died: killed by Ray's out-of-memory monitor",
+                               self.pids.get(p.actor)) from None
+        except rex.RayActorError:
+            raise ActorFailure(p.actor, "the process died (killed or crashed)", self.pids.get(p.actor)) from None
 
     def kill(self, h: Handle) -> None:
         try:

@@ -59,15 +59,11 @@ def clip_scale(total_norm: float, max_norm: float) -> float:
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
-def _adamw(p, g, m, v, lr, b1, b2, eps, wd, bc1, bc2_sqrt, gscale):  # pragma: no cover - compiled
-    one = np.float32(1.0)
-    decay = one - lr * wd
-    w = one - b1
-    step = lr / bc1
+def _adamw(p, g, m, v, decay, w1, b2, w2, step, bc2_sqrt, eps, gscale):  # pragma: no cover - compiled
     for i in numba.prange(p.size):
         gi = g[i] * gscale
-        mi = m[i] + w * (gi - m[i])
-        vi = v[i] * b2 + (one - b2) * gi * gi
+        mi = m[i] + w1 * (gi - m[i])
+        vi = v[i] * b2 + w2 * gi * gi
         m[i] = mi
         v[i] = vi
         p[i] = p[i] * decay - step * (mi / (np.sqrt(vi) / bc2_sqrt + eps))
@@ -75,9 +71,14 @@ def _adamw(p, g, m, v, lr, b1, b2, eps, wd, bc1, bc2_sqrt, gscale):  # pragma: n
 
 def adamw_update(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, step: int, lr: float,
                  cfg: OptimConfig, weight_decay: float, grad_scale: float = 1.0) -> None:
-    """One AdamW step in place over fp32 arrays; `step` is 1-based (bias correction)."""
+    """One AdamW step in place over fp32 arrays; `step` is 1-based (bias correction).
+
+    Scalars are formed in double and rounded once to fp32, as torch does (1 - b2 computed in fp32
+    from an fp32 b2 would be off by 1e-5 relative for b2 = 0.999).
+    """
     f = np.float32
     b1, b2 = cfg.betas
     bc1 = 1 - b1**step
     bc2_sqrt = math.sqrt(1 - b2**step)
-    _adamw(p, g, m, v, f(lr), f(b1), f(b2), f(cfg.eps), f(weight_decay), f(bc1), f(bc2_sqrt), f(grad_scale))
+    _adamw(p, g, m, v, f(1 - lr * weight_decay), f(1 - b1), f(b2), f(1 - b2), f(lr / bc1), f(bc2_sqrt),
+           f(cfg.eps), f(grad_scale))

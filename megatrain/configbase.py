@@ -52,8 +52,8 @@ def _yaml(text: str) -> Any:
 class _Where:
     """Maps dotted key paths to 'file:line' using the YAML node tree."""
 
-    def __init__(self, source: str, text: str | None):
-        self.source, self.lines = source, {}
+    def __init__(self, source: str, text: str | None, cli_keys: set[str] | None = None):
+        self.source, self.lines, self.cli_keys = source, {}, cli_keys or set()
         if text:
             self._walk(yaml.compose(text), "")
 
@@ -65,6 +65,11 @@ class _Where:
                 self._walk(value, path + ".")
 
     def __call__(self, path: str) -> str:
+        """Where `path` was set: the command line wins over the file, as it does for the value."""
+        for k in self.cli_keys:
+            inside = path == k or path.startswith(k + ".")  # the key, or within a mapping set on the CLI
+            if inside or (k.startswith(path + ".") and path not in self.lines):  # a section only the CLI names
+                return "command line"
         line = self.lines.get(path)
         return f"{self.source}:{line}" if line else self.source
 
@@ -178,31 +183,9 @@ def load(cls: type, path: str | Path | None, overrides: list[str] | None = None)
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections")
-    where = _Where(source, text)
-    file_keys = set(where.lines)
+    cli_keys = {".".join(parse_override(item)[0]) for item in overrides or []}
     data = merge_overrides(data, overrides or [])
-    return _build_with_cli(cls, data, where, file_keys)
-
-
-def _build_with_cli(cls: type, data: dict, where: _Where, file_keys: set[str]) -> Any:
-    try:
-        return build(cls, data, "", where)
-    except ConfigError as exc:
-        msg = str(exc)
-        # A key that came only from the command line has no line in the file: say so.
-        for key in _paths(data):
-            if key not in file_keys and f"'{key}'" in msg and msg.startswith(where.source):
-                msg = "command line" + msg[len(where.source):]
-        raise ConfigError(msg) from None
-
-
-def _paths(data: dict, prefix: str = "") -> list[str]:
-    out = []
-    for k, v in data.items():
-        out.append(prefix + str(k))
-        if isinstance(v, dict):
-            out += _paths(v, f"{prefix}{k}.")
-    return out
+    return build(cls, data, "", _Where(source, text, cli_keys))
 
 
 def to_dict(obj: Any) -> dict:

@@ -1,0 +1,187 @@
+"""The Numba AdamW against torch.optim.AdamW, the LR schedule, and the clipping factor."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from megatrain.adamw import OptimConfig, adamw_update, clip_scale, lr_at
+
+N = 4099  # a few thousand elements, deliberately not a round number
+STEPS = 20
+
+
+def rel(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a.astype(np.float64) - b.astype(np.float64)) / np.linalg.norm(b.astype(np.float64)))
+
+
+def run_both(cfg: OptimConfig, weight_decay: float, grad_scale: float, foreach: bool, seed: int = 0,
+             total_steps: int = STEPS):
+    """STEPS steps of ours and torch's AdamW on the same random parameters and gradients.
+
+    Torch sees the gradient already multiplied by grad_scale; ours gets the raw gradient plus the scale.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(N, generator=gen)
+    ref = torch.nn.Parameter(p0.clone())
+    opt = torch.optim.AdamW([ref], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=weight_decay,
+                            foreach=foreach)
+    p = p0.numpy().copy()
+    m = np.zeros(N, np.float32)
+    v = np.zeros(N, np.float32)
+    for t in range(total_steps):
+        g = torch.randn(N, generator=gen) * (0.5 + t % 3)  # varying magnitudes
+        lr = lr_at(cfg, t, total_steps)
+        ref.grad = g * grad_scale
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+        g_np = g.numpy().copy()
+        adamw_update(p, g_np, m, v, step=t + 1, lr=lr, cfg=cfg, weight_decay=weight_decay, grad_scale=grad_scale)
+        np.testing.assert_array_equal(g_np, g.numpy())  # the gradient is read, never scaled in place
+    state = opt.state[ref]
+    return (p, m, v), (ref.detach().numpy(), state["exp_avg"].numpy(), state["exp_avg_sq"].numpy())
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("grad_scale", [1.0, 0.3])
+@pytest.mark.parametrize("betas", [(0.9, 0.95), (0.8, 0.9)])
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adamw_matches_torch(weight_decay: float, grad_scale: float, betas: tuple[float, float],
+                             foreach: bool) -> None:
+    cfg = OptimConfig(lr=1e-2, betas=betas, eps=1e-8, weight_decay=weight_decay, schedule="cosine",
+                      warmup_steps=3)
+    ours, theirs = run_both(cfg, weight_decay, grad_scale, foreach)
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), ours, theirs):
+        assert rel(a, b) < 1e-6, (name, rel(a, b))
+    assert rel(ours[0], theirs[0]) < 1e-6
+
+
+@pytest.mark.parametrize("betas", [(0.9, 0.999), (0.9, 0.9999)])
+def test_adamw_matches_torch_with_beta2_near_one(betas: tuple[float, float]) -> None:
+    cfg = OptimConfig(lr=1e-2, betas=betas, eps=1e-8, weight_decay=0.1)
+    ours, theirs = run_both(cfg, 0.1, 1.0, foreach=False)
+    for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), ours, theirs):
+        assert rel(a, b) < 1e-6, (name, rel(a, b))
+
+
+def test_adamw_large_eps_makes_grad_scale_visible_in_params() -> None:
+    # With a large eps the update is not scale-invariant, so a wrongly applied grad_scale shows in p.
+    cfg = OptimConfig(lr=1e-2, eps=1e-1, weight_decay=0.05)
+    ours, theirs = run_both(cfg, 0.05, 0.2, foreach=False)
+    unscaled, _ = run_both(cfg, 0.05, 1.0, foreach=False)
+    assert rel(ours[0], theirs[0]) < 1e-6
+    assert rel(ours[0], unscaled[0]) > 1e-4
+
+
+def test_weight_decay_and_grad_scale_take_effect() -> None:
+    cfg = OptimConfig(lr=1e-2, schedule="constant")
+    (p_nowd, m1, v1), _ = run_both(cfg, 0.0, 1.0, foreach=False)
+    (p_wd, _, _), _ = run_both(cfg, 0.1, 1.0, foreach=False)
+    (_, m_s, v_s), _ = run_both(cfg, 0.0, 0.3, foreach=False)
+    assert rel(p_wd, p_nowd) > 1e-4
+    np.testing.assert_allclose(m_s, 0.3 * m1, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(v_s, 0.09 * v1, rtol=1e-5, atol=1e-9)
+
+
+def test_adamw_single_step_closed_form() -> None:
+    # First step from zero moments: p <- p(1 - lr wd) - lr * g / (|g| + eps) elementwise.
+    cfg = OptimConfig(lr=0.1, betas=(0.9, 0.99), eps=1e-8)
+    p = np.array([1.0, -2.0, 0.5, 3.0], np.float32)
+    g = np.array([0.5, -0.25, 2.0, 0.0], np.float32)
+    m, v = np.zeros(4, np.float32), np.zeros(4, np.float32)
+    want = p * (1 - 0.1 * 0.2) - 0.1 * g / (np.abs(g) + 1e-8)
+    adamw_update(p, g, m, v, step=1, lr=0.1, cfg=cfg, weight_decay=0.2)
+    np.testing.assert_allclose(p, want, rtol=1e-6)
+    np.testing.assert_allclose(m, 0.1 * g, rtol=1e-6)
+    np.testing.assert_allclose(v, 0.01 * g * g, rtol=1e-6)
+
+
+# ---- LR schedule ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_warmup_is_linear_from_lr_over_warmup_to_lr(schedule: str) -> None:
+    cfg = OptimConfig(lr=2e-3, schedule=schedule, warmup_steps=4, min_lr_ratio=0.1)
+    total = 20
+    warm = [lr_at(cfg, t, total) for t in range(4)]
+    assert warm == pytest.approx([2e-3 * (t + 1) / 4 for t in range(4)])
+    assert warm[0] == pytest.approx(cfg.lr / cfg.warmup_steps)
+    assert warm[-1] == pytest.approx(cfg.lr)
+    # The first step after warmup is at the peak.
+    assert lr_at(cfg, 4, total) == pytest.approx(cfg.lr)
+
+
+def test_constant_schedule() -> None:
+    cfg = OptimConfig(lr=5e-4, schedule="constant", min_lr_ratio=0.1)
+    assert [lr_at(cfg, t, 10) for t in range(12)] == pytest.approx([5e-4] * 12)
+
+
+@pytest.mark.parametrize("warmup", [0, 5])
+def test_linear_schedule(warmup: int) -> None:
+    cfg = OptimConfig(lr=1e-3, schedule="linear", warmup_steps=warmup, min_lr_ratio=0.2)
+    total = 25
+    after = [lr_at(cfg, t, total) for t in range(warmup, total)]
+    assert after[0] == pytest.approx(1e-3)
+    assert after[-1] == pytest.approx(1e-3 * 0.2)
+    steps = np.diff(after)
+    assert np.allclose(steps, steps[0]) and steps[0] < 0  # a straight line down
+    assert lr_at(cfg, total + 5, total) == pytest.approx(1e-3 * 0.2)  # clamps past the end
+
+
+@pytest.mark.parametrize("warmup", [0, 3])
+@pytest.mark.parametrize("min_ratio", [0.0, 0.1])
+def test_cosine_schedule(warmup: int, min_ratio: float) -> None:
+    cfg = OptimConfig(lr=3e-3, schedule="cosine", warmup_steps=warmup, min_lr_ratio=min_ratio)
+    total = 23
+    span = total - warmup - 1
+    for t in range(warmup, total):
+        frac = (t - warmup) / span
+        want = 3e-3 * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+        assert lr_at(cfg, t, total) == pytest.approx(want, rel=1e-12, abs=1e-15), t
+    assert lr_at(cfg, warmup, total) == pytest.approx(cfg.lr)
+    assert lr_at(cfg, total - 1, total) == pytest.approx(cfg.lr * min_ratio, abs=1e-15)
+    mid = warmup + span / 2
+    if mid == int(mid):
+        assert lr_at(cfg, int(mid), total) == pytest.approx(cfg.lr * (1 + min_ratio) / 2)
+    after = [lr_at(cfg, t, total) for t in range(warmup, total)]
+    assert all(a >= b for a, b in zip(after, after[1:]))
+    assert min(after) >= cfg.lr * min_ratio - 1e-15
+
+
+def test_schedule_with_a_single_step_after_warmup() -> None:
+    cfg = OptimConfig(lr=1e-3, schedule="cosine", warmup_steps=2)
+    assert lr_at(cfg, 2, 3) == pytest.approx(1e-3)  # no division by zero
+    cfg0 = OptimConfig(lr=1e-3, schedule="linear")
+    assert lr_at(cfg0, 0, 1) == pytest.approx(1e-3)
+
+
+# ---- clipping ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target_norm", [1e-3, 0.5, 0.999999, 1.0, 2.0, 37.0])
+@pytest.mark.parametrize("max_norm", [1.0, 0.25])
+def test_clip_scale_equals_torch_clip_factor(target_norm: float, max_norm: float) -> None:
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in ((13, 7), (5,), (257,))]
+    grads = [torch.randn(p.shape, generator=gen) for p in params]
+    norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads]))
+    for p, g in zip(params, grads):
+        p.grad = g * (target_norm / norm)
+    before = [p.grad.clone() for p in params]
+    total = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    factors = torch.cat([(p.grad / b).flatten() for p, b in zip(params, before)])
+    factor = float(factors.mean())
+    assert torch.allclose(factors, torch.full_like(factors, factor), rtol=1e-6)
+    ours = clip_scale(float(total), max_norm)
+    assert ours == pytest.approx(factor, rel=1e-6)
+    assert ours <= 1.0
+
+
+def test_clip_scale_disabled_and_bounds() -> None:
+    assert clip_scale(123.0, 0.0) == 1.0
+    assert clip_scale(0.0, 1.0) == 1.0
+    assert clip_scale(4.0, 1.0) == pytest.approx(1.0 / (4.0 + 1e-6))

@@ -1,0 +1,312 @@
+"""The config tree: YAML + dotted overrides, errors that name key and location, cross-section checks."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from pathlib import Path
+
+import pytest
+
+from megatrain.config import Config, load_config, validate
+from megatrain.configbase import dump_yaml, reference
+from megatrain.errors import ConfigError
+
+DEFAULT_YAML = Path(__file__).resolve().parents[1] / "examples" / "default.yaml"
+
+
+@pytest.fixture
+def write_yaml(tmp_path: Path):
+    def write(text: str, name: str = "cfg.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(text)
+        return path
+
+    return write
+
+
+def config_error(path: Path | str | None, overrides: list[str] | None = None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value)
+
+
+def leaf_keys(cls: type, prefix: str = "") -> list[str]:
+    """Every leaf key of a config dataclass tree, dotted (a dict-typed field is a leaf)."""
+    out = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            out += leaf_keys(hints[f.name], f"{prefix}{f.name}.")
+        else:
+            out.append(prefix + f.name)
+    return out
+
+
+# ---- loading -----------------------------------------------------------------------------------
+
+
+def test_default_yaml_loads_with_file_values_and_defaults_elsewhere() -> None:
+    cfg = load_config(DEFAULT_YAML)
+    assert isinstance(cfg, Config)
+    assert cfg.model.family == "llama"
+    assert cfg.model.hf["hidden_size"] == 128 and cfg.model.hf["tie_word_embeddings"] is True
+    assert cfg.data.seq_len == 128 and cfg.data.batch_size == 16
+    assert cfg.optim.lr == pytest.approx(3e-3) and isinstance(cfg.optim.lr, float)
+    assert cfg.optim.schedule == "cosine" and cfg.optim.warmup_steps == 5
+    assert cfg.engine.checkpoint_interval == 2
+    assert cfg.train.steps == 60 and cfg.train.output_dir == "runs/default"
+    # Keys the file does not set keep their dataclass defaults.
+    assert cfg.optim.eps == Config().optim.eps
+    assert cfg.ipc == Config().ipc
+    assert cfg.actors == Config().actors
+
+
+def test_no_file_gives_the_defaults() -> None:
+    assert load_config(None) == Config()
+
+
+def test_empty_file_gives_the_defaults(write_yaml) -> None:
+    assert load_config(write_yaml("# nothing here\n")) == Config()
+
+
+def test_missing_file_invalid_yaml_and_non_mapping_top_level(write_yaml, tmp_path: Path) -> None:
+    assert "does not exist" in config_error(tmp_path / "nope.yaml")
+    bad = write_yaml("optim: [1, 2\n", "bad.yaml")
+    msg = config_error(bad)
+    assert str(bad) in msg and "not valid YAML" in msg
+    top = write_yaml("- model\n- data\n", "list.yaml")
+    assert "top level must be a mapping" in config_error(top)
+
+
+# ---- unknown keys ------------------------------------------------------------------------------
+
+
+def test_unknown_key_names_dotted_key_and_file_line(write_yaml) -> None:
+    path = write_yaml("model:\n  family: llama\noptim:\n  lr: 1.0e-3\n  zzqq_unrelated: 3\n")
+    msg = config_error(path)
+    assert "'optim.zzqq_unrelated'" in msg
+    assert f"{path}:5" in msg
+    assert "unknown key" in msg
+    # No close match: the valid keys of the section are listed instead.
+    assert "valid keys" in msg and "weight_decay" in msg
+
+
+@pytest.mark.parametrize(
+    "yaml_text, line, bad, suggestion",
+    [
+        ("optim:\n  lr: 1.0e-3\n  wieght_decay: 0.1\n", 3, "optim.wieght_decay", "optim.weight_decay"),
+        ("data:\n  seqlen: 64\n", 2, "data.seqlen", "data.seq_len"),
+        ("train:\n  steps: 3\nipc:\n  weight_slab: 2\n", 4, "ipc.weight_slab", "ipc.weight_slabs"),
+        ("model:\n  family: llama\noptimizer:\n  lr: 1.0\n", 3, "optimizer", "optim"),
+    ],
+)
+def test_misspelled_key_suggests_the_right_one(write_yaml, yaml_text: str, line: int, bad: str,
+                                               suggestion: str) -> None:
+    path = write_yaml(yaml_text)
+    msg = config_error(path)
+    assert f"{path}:{line}" in msg
+    assert f"'{bad}'" in msg
+    assert f"did you mean '{suggestion}'" in msg
+
+
+# ---- wrong types and values ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "yaml_text, line, key, detail",
+    [
+        ("optim: {lr: abc}\n", 1, "optim.lr", "expected a number"),
+        ("data:\n  batch_size: 2\n  seq_len: 12.5\n", 3, "data.seq_len", "expected an integer"),
+        ("data:\n  seq_len: true\n", 2, "data.seq_len", "expected an integer"),
+        ("train:\n  save_final: 1\n", 2, "train.save_final", "expected true/false"),
+        ("optim:\n  betas: [0.9]\n", 2, "optim.betas", "expected 2 items"),
+        ("optim:\n  betas: 0.9\n", 2, "optim.betas", "expected a list"),
+        ("optim: 3\n", 1, "optim", "expected a mapping"),
+        ("model:\n  hf: 7\n", 2, "model.hf", "expected a mapping"),
+    ],
+)
+def test_wrong_type_names_key_and_line(write_yaml, yaml_text: str, line: int, key: str, detail: str) -> None:
+    path = write_yaml(yaml_text)
+    msg = config_error(path)
+    assert f"'{key}'" in msg
+    assert f"{path}:{line}" in msg
+    assert detail in msg
+
+
+@pytest.mark.parametrize(
+    "yaml_text, words",
+    [
+        ("optim:\n  schedule: step\n", ["optim.schedule", "step"]),
+        ("optim:\n  lr: -1.0\n", ["lr"]),
+        ("data:\n  loss_on: everything\n", ["data.loss_on", "everything"]),
+        ("ipc:\n  weight_slabs: 0\n", ["ipc.weight_slabs"]),
+        ("model:\n  family: gpt2\n", ["model.family", "gpt2"]),
+    ],
+)
+def test_bad_value_in_a_section_is_reported_with_the_file(write_yaml, yaml_text: str,
+                                                          words: list[str]) -> None:
+    path = write_yaml(yaml_text)
+    msg = config_error(path)
+    assert str(path) in msg
+    for w in words:
+        assert w in msg
+
+
+def test_float_written_without_a_dot_is_accepted() -> None:
+    # YAML 1.1 reads 3e-4 (no dot) as a string; a float field must still accept it.
+    cfg = load_config(DEFAULT_YAML, ["optim.lr=3e-4"])
+    assert cfg.optim.lr == pytest.approx(3e-4) and isinstance(cfg.optim.lr, float)
+
+
+# ---- command-line overrides ----------------------------------------------------------------------
+
+
+def test_dotted_overrides_apply_over_the_file() -> None:
+    cfg = load_config(DEFAULT_YAML, ["optim.lr=3e-4", "model.hf.hidden_size=64", "data.batch_size=4",
+                                     "optim.betas=[0.8, 0.9]", "train.save_final=true",
+                                     "model.hf.num_hidden_layers=2", "ipc.poll_s=0.01"])
+    assert cfg.optim.lr == pytest.approx(3e-4)
+    assert cfg.model.hf["hidden_size"] == 64 and cfg.model.hf["num_hidden_layers"] == 2
+    assert cfg.data.batch_size == 4
+    assert cfg.optim.betas == (0.8, 0.9)
+    assert cfg.train.save_final is True
+    assert cfg.ipc.poll_s == pytest.approx(0.01)
+    # Untouched keys keep the file's values.
+    assert cfg.model.hf["intermediate_size"] == 384
+    assert cfg.data.seq_len == 128
+    assert cfg.optim.warmup_steps == 5
+
+
+def test_overrides_without_a_file() -> None:
+    cfg = load_config(None, ["data.seq_len=32", "optim.schedule=linear"])
+    assert cfg.data.seq_len == 32 and cfg.optim.schedule == "linear"
+    assert cfg.optim.lr == Config().optim.lr
+
+
+def test_later_override_wins() -> None:
+    cfg = load_config(DEFAULT_YAML, ["data.batch_size=4", "data.batch_size=6"])
+    assert cfg.data.batch_size == 6
+
+
+@pytest.mark.parametrize("path", [DEFAULT_YAML, None])
+def test_unknown_override_key_is_reported_as_command_line(path: Path | None) -> None:
+    msg = config_error(path, ["optim.lrr=1e-3"])
+    assert msg.startswith("command line")
+    assert "'optim.lrr'" in msg
+    assert "did you mean 'optim.lr'" in msg
+    assert str(DEFAULT_YAML) not in msg
+
+
+def test_unknown_override_section_is_reported_as_command_line() -> None:
+    msg = config_error(DEFAULT_YAML, ["bogus.x=1"])
+    assert msg.startswith("command line") and "'bogus'" in msg
+
+
+def test_wrong_type_in_an_override_of_a_key_the_file_lacks() -> None:
+    msg = config_error(DEFAULT_YAML, ["optim.eps=abc"])  # default.yaml sets no optim.eps
+    assert msg.startswith("command line")
+    assert "'optim.eps'" in msg and "expected a number" in msg
+
+
+def test_wrong_type_in_an_override_of_a_key_the_file_sets() -> None:
+    msg = config_error(DEFAULT_YAML, ["optim.lr=abc"])  # default.yaml:20 has a valid optim.lr
+    assert "'optim.lr'" in msg
+    assert msg.startswith("command line")
+
+
+def test_file_error_stays_with_the_file_when_an_override_is_quoted_in_the_hint(write_yaml) -> None:
+    path = write_yaml("optim:\n  lr: 1.0e-3\n  wieght_decay: 0.1\n")
+    msg = config_error(path, ["optim.weight_decay=0.2"])
+    assert msg.startswith(f"{path}:3")
+
+
+def test_malformed_overrides() -> None:
+    assert "dotted.key=value" in config_error(DEFAULT_YAML, ["optim.lr"])
+    msg = config_error(DEFAULT_YAML, ["optim.lr.x=1"])  # optim.lr is a value, not a section
+    assert "'lr' is not a section" in msg
+
+
+# ---- cross-section validation ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, words",
+    [
+        (["ipc.weight_slabs=1", "actors.num_packers=2"], ["ipc.weight_slabs", "actors.num_packers"]),
+        (["ipc.weight_slabs=3", "actors.num_packers=4"], ["ipc.weight_slabs", "actors.num_packers"]),
+        (["ipc.grad_slabs=2", "actors.num_accumulators=3"], ["ipc.grad_slabs", "actors.num_accumulators"]),
+        (["data.seq_len=513"], ["data.seq_len", "max_position_embeddings", "512"]),
+        (["model.hf.max_position_embeddings=64"], ["data.seq_len", "max_position_embeddings", "64"]),
+        (["model.hf.vocab_size=100"], ["model.hf.vocab_size", "100"]),
+        (["model.family=mistral", "model.hf.sliding_window=64"], ["data.seq_len", "sliding_window"]),
+    ],
+)
+def test_cross_section_validation_names_the_keys(overrides: list[str], words: list[str]) -> None:
+    msg = config_error(DEFAULT_YAML, overrides)
+    for w in words:
+        assert w in msg
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["ipc.weight_slabs=2", "actors.num_packers=2", "ipc.grad_slabs=3", "actors.num_accumulators=3"],
+        ["data.seq_len=512"],  # equal to max_position_embeddings
+        ["model.family=mistral", "model.hf.sliding_window=null"],
+        ["model.family=mistral", "model.hf.sliding_window=128"],
+    ],
+)
+def test_cross_section_validation_accepts_the_boundary(overrides: list[str]) -> None:
+    load_config(DEFAULT_YAML, overrides)
+
+
+def test_validate_directly_on_a_modified_config() -> None:
+    cfg = load_config(DEFAULT_YAML)
+    validate(cfg)
+    cfg.actors.num_packers = cfg.ipc.weight_slabs + 1
+    with pytest.raises(ConfigError, match=r"ipc\.weight_slabs.*actors\.num_packers"):
+        validate(cfg)
+    cfg = load_config(DEFAULT_YAML)
+    cfg.data.seq_len = cfg.model.hf["max_position_embeddings"] * 2
+    with pytest.raises(ConfigError, match=r"data\.seq_len .*max_position_embeddings"):
+        validate(cfg)
+
+
+# ---- dump and reference ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides", [[], ["optim.betas=[0.8, 0.99]", "model.hf.hidden_size=64",
+                                            "train.run_id=abc123", "model.pretrained=null"]])
+def test_dump_yaml_reloads_to_an_equal_config(write_yaml, overrides: list[str]) -> None:
+    cfg = load_config(DEFAULT_YAML, overrides)
+    text = dump_yaml(cfg)
+    again = load_config(write_yaml(text, "dumped.yaml"))
+    assert again == cfg
+    assert dump_yaml(again) == text
+    # Every section is written out, not only the ones the source file set.
+    for section in ("model", "data", "optim", "engine", "ipc", "actors", "train", "launch"):
+        assert re.search(rf"^{section}:$", text, re.M), section
+
+
+def test_dump_yaml_of_the_defaults_reloads() -> None:
+    text = dump_yaml(Config())
+    assert load_config(None) == Config()
+    assert "weight_slabs: 4" in text
+
+
+def test_reference_documents_every_key() -> None:
+    rows = reference(Config)
+    keys = [k for k, _, _ in rows]
+    assert keys == leaf_keys(Config)
+    assert len(set(keys)) == len(keys)
+    for key, default, doc in rows:
+        assert isinstance(doc, str) and doc.strip(), f"{key} has no doc"
+        assert isinstance(default, str)
+    defaults = {k: d for k, d, _ in rows}
+    assert defaults["optim.lr"] == repr(Config().optim.lr)
+    assert defaults["ipc.weight_slabs"] == "4"
+    # Sections carry a doc too.
+    for f in dataclasses.fields(Config):
+        assert f.metadata.get("doc", "").strip(), f.name
