@@ -8,8 +8,12 @@ shared memory and semaphores included, without process start-up costs; the Ray r
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,7 +107,9 @@ class RayRunner:
     def connect(self, cpus_needed: float) -> None:
         ray = self.ray
         address = self.cfg.address or os.environ.get("RAY_ADDRESS")
-        if not ray.is_initialized():
+        if ray.is_initialized():
+            return
+        with _keep_sigterm_handler():
             if address:
                 ray.init(address=address, log_to_driver=True)
             else:
@@ -177,6 +183,19 @@ class RayRunner:
         if self.started_ray:
             self.ray.shutdown()
             self.started_ray = False
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler() -> Iterator[None]:
+    """ray.init replaces the driver's SIGTERM handler with one that just exits; the launcher's own
+    (SIGTERM gets the same cleanup as Ctrl-C) must survive it."""
+    is_main = threading.current_thread() is threading.main_thread()
+    old = signal.getsignal(signal.SIGTERM) if is_main else None
+    try:
+        yield
+    finally:
+        if is_main and old is not None:
+            signal.signal(signal.SIGTERM, old)
 
 
 def make_runner(cfg: LaunchConfig) -> InProcessRunner | RayRunner:
