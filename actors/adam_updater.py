@@ -7,6 +7,7 @@ the embedding and first layers while later layers are still being updated.
 from __future__ import annotations
 
 import math
+import time
 
 import numba
 from megatrain.actors.base import Role, guarded
@@ -29,14 +30,19 @@ class AdamUpdater(Role):
         units = store.spec.num_units
         for i in range(units):
             store.wait("grads_ready", f"gradients of step {step} ({i} of {units} units arrived)")
+        t0 = time.perf_counter()
         norm = math.sqrt(float(store.sqnorms.sum()))
         finite = math.isfinite(norm)
         scale = clip_scale(norm, self.cfg.max_grad_norm)
+        spans = []
         for unit in range(units):
+            start = time.time()
             if finite:
                 self._update(unit, step + 1, lr, scale)
             store.versions[unit] = step + 1
-        return {"grad_norm": norm, "clip_scale": scale, "skipped": not finite}
+            spans.append((unit, start, time.time()))
+        return {"grad_norm": norm, "clip_scale": scale, "skipped": not finite, "adam_s": time.perf_counter() - t0,
+                "unit_spans": spans}
 
     def _update(self, unit: int, t: int, lr: float, scale: float) -> None:
         store = self.store

@@ -79,7 +79,8 @@ class Trainer:
                 path = self._call_one("store-owner", "save", str(self.out / "final"))
                 log(f"saved final fp32 weights to {path}")
             return {"run_id": self.run_id, "output_dir": str(self.out), "metrics": self.metrics,
-                    "pids": dict(self.pids)}
+                    "pids": dict(self.pids), "num_params": self.spec.layout.num_params,
+                    "store_bytes": sum(self.spec.part_bytes().values())}
         finally:
             self.shutdown()
             atexit.unregister(self.shutdown)
@@ -143,34 +144,63 @@ class Trainer:
 
     # ---- the loop ---------------------------------------------------------------------------
     def train(self) -> None:
+        """The step loop. With train.overlap_adam, step t+1 is launched while Adam still updates step
+        t's units: packers wait per unit for its update (version counters), so the next forward
+        starts as soon as the embedding is updated instead of after the whole model."""
         cfg = self.cfg
+        prev: tuple[dict, Pending] | None = None
         with open(self.out / "metrics.jsonl", "w", buffering=1) as f:
             for t in range(cfg.train.steps):
-                row = self._step(t)
-                self.metrics.append(row)
-                f.write(json.dumps(row) + "\n")
-                if t % cfg.train.log_every == 0 or t == cfg.train.steps - 1:
-                    log(f"step {t + 1}/{cfg.train.steps} loss {row['loss']:.4f} lr {row['lr']:.2e} "
-                        f"grad_norm {row['grad_norm']:.3f} {row['tokens_per_s']:.0f} tok/s "
-                        f"{row['step_time_s']:.3f} s/step")
+                calls, row = self._launch(t)
+                adam = calls.pop("adam-updater")
+                if prev is not None:
+                    calls["adam-previous"] = prev[1]
+                if not cfg.train.overlap_adam:
+                    calls["adam-updater"] = adam
+                res = self._gather(calls, cfg.train.step_timeout_s, f"step {t}")
+                row = self._executor_row(row, res["gpu-executor"])
+                if prev is not None:
+                    self._record(f, prev[0], res["adam-previous"])
+                if cfg.train.overlap_adam:
+                    prev = (row, adam)
+                else:
+                    self._record(f, row, res["adam-updater"])
+            if prev is not None:
+                self._record(f, prev[0], self._gather({"adam-previous": prev[1]}, cfg.train.step_timeout_s,
+                                                      "the last Adam update")["adam-previous"])
 
-    def _step(self, t: int) -> dict:
+    def _launch(self, t: int) -> tuple[dict[str, Pending], dict]:
         cfg = self.cfg
         ids, labels = batch(cfg.data, t)
         lr = lr_at(cfg.optim, t, cfg.train.steps)
-        t0 = time.perf_counter()
-        calls = {"gpu-executor": self.runner.call(self.actors["gpu-executor"], "step", t, ids, labels),
+        row = {"step": t + 1, "lr": lr, "t0": time.perf_counter(), "batch_tokens": ids.numel()}
+        timeline = t + 1 == cfg.train.timeline_step
+        calls = {"gpu-executor": self.runner.call(self.actors["gpu-executor"], "step", t, ids, labels, timeline),
                  "adam-updater": self.runner.call(self.actors["adam-updater"], "step", t, lr)}
         for name, h in self.actors.items():
             if name.startswith(("packer", "grad-accumulator")):
                 calls[name] = self.runner.call(h, "step", t)
-        res = self._gather(calls, cfg.train.step_timeout_s, f"step {t}")
-        dt = time.perf_counter() - t0
-        ex, ad = res["gpu-executor"], res["adam-updater"]
-        return {"step": t + 1, "loss": ex["loss"], "lr": lr, "grad_norm": ad["grad_norm"],
-                "tokens": ex["tokens"], "step_time_s": dt, "tokens_per_s": ids.numel() / dt,
-                "clip_scale": ad["clip_scale"], "skipped": ad["skipped"],
+        return calls, row
+
+    @staticmethod
+    def _executor_row(row: dict, ex: dict) -> dict:
+        dt = time.perf_counter() - row.pop("t0")
+        return {"step": row["step"], "loss": ex["loss"], "lr": row["lr"], "tokens": ex["tokens"],
+                "step_time_s": dt, "tokens_per_s": row.pop("batch_tokens") / dt,
                 **{k: v for k, v in ex.items() if k not in ("loss", "tokens")}}
+
+    def _record(self, f, row: dict, adam: dict) -> None:
+        if "timeline" in row:  # kept out of metrics.jsonl: one file per picture
+            timeline = {**row.pop("timeline"), "adam": adam["unit_spans"], "step": row["step"]}
+            (self.out / "timeline.json").write_text(json.dumps(timeline))
+        row = {**row, "grad_norm": adam["grad_norm"], "clip_scale": adam["clip_scale"], "skipped": adam["skipped"],
+               "adam_s": adam["adam_s"]}
+        self.metrics.append(row)
+        f.write(json.dumps(row) + "\n")
+        t, steps = row["step"] - 1, self.cfg.train.steps
+        if t % self.cfg.train.log_every == 0 or t == steps - 1:
+            log(f"step {t + 1}/{steps} loss {row['loss']:.4f} lr {row['lr']:.2e} grad_norm {row['grad_norm']:.3f} "
+                f"{row['tokens_per_s']:.0f} tok/s {row['step_time_s']:.3f} s/step")
 
     # ---- calls and failures -----------------------------------------------------------------
     def _call_one(self, name: str, method: str, *args: Any) -> Any:
@@ -192,9 +222,10 @@ class Trainer:
                 if p is self.sentinel:
                     self.sentinel = None
                     self._owner_died(p, pending)
-                del pending[p.actor]
+                key = next(k for k, v in pending.items() if v is p)
+                del pending[key]
                 try:
-                    results[p.actor] = self.runner.result(p)
+                    results[key] = self.runner.result(p)
                 except (ActorFailure, AbortError) as exc:
                     raise self._root_cause(exc, p.actor, pending) from None
         return results

@@ -12,7 +12,6 @@ import contextlib
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +51,7 @@ class InProcessRunner:
     def __init__(self, cfg: LaunchConfig):
         self.cfg = cfg
         self.pools: dict[str, cf.ThreadPoolExecutor] = {}
+        self.pids: dict[str, int] = {}
 
     def connect(self, cpus_needed: float) -> None:
         pass
@@ -200,15 +200,3 @@ def _keep_sigterm_handler() -> Iterator[None]:
 
 def make_runner(cfg: LaunchConfig) -> InProcessRunner | RayRunner:
     return RayRunner(cfg) if cfg.runner == "ray" else InProcessRunner(cfg)
-
-
-def wait_pids_gone(pids: list[int], timeout: float) -> list[int]:
-    """Pids (on this node) still alive after `timeout` seconds."""
-    from megatrain.ipc.shm import pid_alive
-
-    deadline = time.monotonic() + timeout
-    alive = [p for p in pids if pid_alive(p)]
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.1)
-        alive = [p for p in alive if pid_alive(p)]
-    return alive

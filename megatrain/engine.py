@@ -9,6 +9,7 @@ the shared-memory source and sink; tests plug in plain tensors.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -29,6 +30,8 @@ class EngineConfig:
                                      "bf16 or fp32. Master weights and Adam state are fp32 regardless.")
     checkpoint_interval: int = opt(2, "K: keep the activation at the input of every K-th layer; a block of "
                                       "K layers is recomputed once, with grad, right before its backward.")
+    prefetch: int = opt(2, "CUDA: units whose weights may be loaded ahead of compute (1 = double buffering, "
+                           "2 = triple); 0 copies on the compute stream (the no-double-buffering ablation).")
     loss_chunk_tokens: int = opt(2048, "Tokens per LM-head/loss chunk; [chunk, vocab] logits is the largest "
                                        "head activation.")
 
@@ -39,6 +42,8 @@ class EngineConfig:
             raise ValueError(f"engine.compute_dtype must be auto, bf16 or fp32, not '{self.compute_dtype}'")
         if self.checkpoint_interval < 1:
             raise ValueError("engine.checkpoint_interval must be >= 1")
+        if self.prefetch < 0:
+            raise ValueError("engine.prefetch must be >= 0")
         if self.loss_chunk_tokens < 1:
             raise ValueError("engine.loss_chunk_tokens must be >= 1")
 
@@ -150,8 +155,14 @@ class StepEngine:
         self.t = Templates(spec, device)
         self.n = spec.layout.num_layers
         self.blocks = blocks(self.n, cfg.checkpoint_interval)
+        self.mark: Callable[[str], None] = lambda name: None
 
-    def step(self, ids: torch.Tensor, labels: torch.Tensor, src: WeightSource, sink: GradSink) -> StepResult:
+    def step(self, ids: torch.Tensor, labels: torch.Tensor, src: WeightSource, sink: GradSink,
+             mark: Callable[[str], None] = lambda name: None) -> StepResult:
+        """One step's forward and backward. `mark(name)` is called at phase and layer boundaries
+        (the executor records CUDA events there for the time split and the timeline)."""
+        self.mark = mark
+        mark("forward")
         ids, labels = ids.to(self.device), labels.to(self.device)
         emb_flat = src.fetch(0)
         with torch.no_grad():
@@ -163,11 +174,14 @@ class StepEngine:
         checkpoints, last = self._forward(h, ctx, src)
         if not self.spec.layout.tied:
             emb_flat = None  # the untied embedding's backward needs only the token ids
+        mark("head")
         loss, tokens, g, tied_grad = self._head(last[-1].out, src.fetch(self.n + 1), emb_flat, labels, sink)
+        mark("backward")
         g = self._backward(last, g, sink)
         for b in range(len(self.blocks) - 2, -1, -1):
-            g = self._backward(self._block_with_grad(self.blocks[b], checkpoints[b], ctx, src), g, sink)
+            g = self._backward(self._block_with_grad(self.blocks[b], checkpoints[b], ctx, src, "recompute"), g, sink)
         self._embed_backward(ids, g, tied_grad, sink)
+        mark("end")
         return StepResult(loss, tokens)
 
     def _forward(self, h: torch.Tensor, ctx: tuple, src: WeightSource) -> tuple[list[torch.Tensor], list[_Act]]:
@@ -176,13 +190,17 @@ class StepEngine:
             checkpoints.append(h)
             with torch.no_grad():
                 for u in blk:
-                    h = self.t.layer(u, src.fetch(u), h, *ctx)
+                    w = src.fetch(u)
+                    self.mark(f"fwd:{u}")
+                    h = self.t.layer(u, w, h, *ctx)
         return checkpoints, self._block_with_grad(self.blocks[-1], h, ctx, src)
 
-    def _block_with_grad(self, units: list[int], h: torch.Tensor, ctx: tuple, src: WeightSource) -> list[_Act]:
+    def _block_with_grad(self, units: list[int], h: torch.Tensor, ctx: tuple, src: WeightSource,
+                         phase: str = "fwd") -> list[_Act]:
         acts = []
         for u in units:
             flat = src.fetch(u).requires_grad_(True)
+            self.mark(f"{phase}:{u}")
             x = h.detach().requires_grad_(True)
             h = self.t.layer(u, flat, x, *ctx)
             acts.append(_Act(u, flat, x, h))
@@ -191,6 +209,7 @@ class StepEngine:
     def _backward(self, acts: list[_Act], g: torch.Tensor, sink: GradSink) -> torch.Tensor:
         while acts:
             a = acts.pop()
+            self.mark(f"bwd:{a.unit}")
             torch.autograd.backward(a.out, g)
             sink.emit(a.unit, a.flat.grad)
             g = a.x.grad
