@@ -7,15 +7,18 @@ It records each unit's squared norm for global-norm clipping, then frees the sla
 
 from __future__ import annotations
 
+import numba
 import torch
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
+
+from megatrain.hostops import copy_sqnorm
 
 
 class GradAccumulator(Role):
     def __init__(self, spec: StoreSpec, index: int, threads: int = 1):
         super().__init__(f"grad-accumulator-{index}")
-        torch.set_num_threads(max(threads, 1))
+        numba.set_num_threads(min(max(threads, 1), numba.config.NUMBA_NUM_THREADS))
         self.index = index
         self.items = spec.grad_items(index)
         self.store = Store.attach(spec, ("grads", "staging"), role=self.name)
@@ -33,9 +36,8 @@ class GradAccumulator(Role):
             store.wait(f"g_full{slab}", f"gradient of unit {unit} (step {step})")
             if self.events is not None:
                 self.events[slab].synchronize()
-            grad = store.grad_slab(slab)[: layout.structure_of(unit).numel]
-            store.sqnorms[unit] = float(torch.linalg.vector_norm(grad, dtype=torch.float64)) ** 2
-            store.torch_tile("grads", unit).copy_(grad)
+            grad = store.grad_slab(slab)[: layout.structure_of(unit).numel].numpy()
+            store.sqnorms[unit] = copy_sqnorm(grad, store.tile("grads", unit))
             store.post(f"g_free{slab}")
             store.post("grads_ready")
         return {"drained": len(self.items)}

@@ -39,7 +39,8 @@ def overrides(args: argparse.Namespace, out: Path, extra: list[str]) -> list[str
             f"train.output_dir={out}", "train.log_every=1", "engine.device=cuda",
             f"engine.checkpoint_interval={args.k}", f"actors.num_packers={args.packers}",
             f"actors.packer_threads={args.packer_threads}", f"actors.num_accumulators={args.accumulators}",
-            f"actors.adam_threads={args.adam_threads}", f"ipc.weight_slabs={2 * args.packers}",
+            f"actors.adam_threads={args.adam_threads}", f"actors.accumulator_threads={args.accumulator_threads}",
+            "optim.lr=1e-5", "optim.warmup_steps=0", "optim.schedule=constant", f"ipc.weight_slabs={2 * args.packers}",
             f"ipc.grad_slabs={max(2, 2 * args.accumulators)}", *extra]
 
 
@@ -110,6 +111,7 @@ def main() -> int:
     p.add_argument("--packers", type=int, default=4)
     p.add_argument("--packer-threads", type=int, default=2)
     p.add_argument("--accumulators", type=int, default=2)
+    p.add_argument("--accumulator-threads", type=int, default=4)
     p.add_argument("--adam-threads", type=int, default=8)
     p.add_argument("--peers", default="plain", help="comma list of: " + ",".join(PEERS))
     p.add_argument("--ablations", default="", help="comma list of: " + ",".join(ABLATIONS))

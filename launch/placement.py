@@ -12,7 +12,7 @@ class ActorsConfig:
     num_packers: int = opt(1, "Pinned-packing worker processes (fp32 master -> compute-dtype slabs).")
     num_accumulators: int = opt(1, "Gradient-accumulation worker processes (gradient slabs -> fp32 plane).")
     packer_threads: int = opt(1, "Torch threads per packing worker.")
-    accumulator_threads: int = opt(1, "Torch threads per accumulation worker.")
+    accumulator_threads: int = opt(1, "Numba threads per accumulation worker (copy + norm of each gradient).")
     adam_threads: int = opt(0, "Numba threads of the Adam updater; 0 = all cores of the node.")
     executor_threads: int = opt(0, "Torch intra-op threads of the executor (matters on the CPU device); 0 = default.")
 

@@ -1,0 +1,22 @@
+"""Host-side bulk kernels of the workers (Numba, parallel): memory-bound passes fused into one read."""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _copy_sqnorm(src, dst):  # pragma: no cover - compiled
+    total = 0.0
+    for i in numba.prange(src.size):
+        x = src[i]
+        dst[i] = x
+        total += np.float64(x) * np.float64(x)
+    return total
+
+
+def copy_sqnorm(src: np.ndarray, dst: np.ndarray) -> float:
+    """dst[:] = src and return sum(src**2) accumulated in fp64, in one parallel pass over src."""
+    assert src.shape == dst.shape and src.dtype == dst.dtype == np.float32
+    return float(_copy_sqnorm(src, dst))
