@@ -1,5 +1,8 @@
 """Adam updater: global-norm clipping and the fused Numba AdamW, unit by unit in forward order.
 
+In resident mode it also rewrites the unit's compute-dtype copy right after the update, so the next
+forward streams it with no packing step in between.
+
 Each unit's version counter is bumped right after its update, so packers for the next step start on
 the embedding and first layers while later layers are still being updated.
 """
@@ -10,6 +13,7 @@ import math
 import time
 
 import numba
+import torch
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import PLANES, Store, StoreSpec
 
@@ -21,8 +25,9 @@ class AdamUpdater(Role):
         super().__init__("adam-updater")
         if threads > 0:
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+            torch.set_num_threads(threads)
         self.cfg = cfg
-        self.store = Store.attach(spec, PLANES, role=self.name)
+        self.store = Store.attach(spec, PLANES + (("resident",) if spec.resident else ()), role=self.name)
 
     @guarded
     def step(self, step: int, lr: float) -> dict:
@@ -39,6 +44,8 @@ class AdamUpdater(Role):
             start = time.time()
             if finite:
                 self._update(unit, step + 1, lr, scale)
+                if store.spec.resident:  # the copy the next forward streams, cast (RNE) right after the update
+                    store.resident_tile(unit).copy_(store.torch_tile("params", unit))
             store.versions[unit] = step + 1
             spans.append((unit, start, time.time()))
         return {"grad_norm": norm, "clip_scale": scale, "skipped": not finite, "adam_s": time.perf_counter() - t0,

@@ -21,7 +21,7 @@ class GpuExecutor(Role):
         super().__init__("gpu-executor")
         if threads > 0:
             torch.set_num_threads(threads)
-        self.store = Store.attach(spec, ("staging",), role=self.name)
+        self.store = Store.attach(spec, ("staging", "resident") if spec.resident else ("staging",), role=self.name)
         self.device = resolve_device(cfg)
         dtype = resolve_dtype(cfg, self.device)
         self.cuda = self.device.type == "cuda"
@@ -31,7 +31,8 @@ class GpuExecutor(Role):
             from megatrain.ipc.cuda_events import make_ipc_events, register_host
 
             torch.cuda.set_device(self.device)
-            register_host(self.store.staging_region())
+            for part in ("staging", "resident") if spec.resident else ("staging",):
+                register_host(self.store.region(part))
             events, self.handles = make_ipc_events(spec.ipc.grad_slabs)
             self.source = StreamedSource(self.store, self.device, dtype, cfg.prefetch)
             self.sink = StreamedSink(self.store, self.device, events)
@@ -54,7 +55,7 @@ class GpuExecutor(Role):
         wall0 = time.time()
         marks = Marks(self.device)
         t0 = time.perf_counter()
-        self.source.begin()
+        self.source.begin(step)
         self.sink.begin()
         res = self.engine.step(ids, labels, self.source, self.sink, marks)
         loss, tokens = float(res.loss), int(res.tokens)  # the one host sync of the step

@@ -13,9 +13,10 @@ import threading
 
 import torch
 from megatrain.actors.base import Role, guarded
-from megatrain.ipc.protocol import Store, StoreSpec
+from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, plan_store
 from megatrain.ipc.shm import remove_cuda_ipc_files, start_ticks, sweep
 
+from megatrain.engine import EngineConfig
 from megatrain.model import ModelConfig, build_spec, init_unit, meta_model
 from megatrain.weights import checkpoint_index, fill_tile, read_unit, save_units
 
@@ -31,13 +32,14 @@ class StoreOwner(Role):
         which is how the driver learns of the owner's death while it waits on a step."""
         self.done.wait()
 
-    def create(self, run_id: str, model_cfg: ModelConfig, no_decay_1d: bool, staging_dtype: str,
-               checkpoint_interval: int, num_packers: int, num_accumulators: int, ipc_cfg) -> StoreSpec:
+    def create(self, run_id: str, model_cfg: ModelConfig, no_decay_1d: bool, engine: EngineConfig,
+               num_packers: int, num_accumulators: int, ipc_cfg: IpcConfig) -> StoreSpec:
+        """Plan (resolving the staging mode on this node's memory), create and fill the store."""
         removed = sweep(shm_dir=ipc_cfg.shm_dir)
         if removed:
             print(f"[{self.name}] swept {len(removed)} objects of dead runs from {ipc_cfg.shm_dir}", flush=True)
-        spec = StoreSpec(run_id, build_spec(model_cfg, no_decay_1d), staging_dtype, checkpoint_interval,
-                         num_packers, num_accumulators, ipc_cfg)
+        spec = plan_store(run_id, build_spec(model_cfg, no_decay_1d), engine.compute_dtype, engine.checkpoint_interval,
+                          num_packers, num_accumulators, ipc_cfg, cuda=engine.device == "cuda")
         self.store = Store.create(spec)
         self._start_reaper(run_id)
         self._fill(model_cfg)
@@ -59,6 +61,8 @@ class StoreOwner(Role):
             tensors_of = lambda u: init_unit(spec, model, u, cfg.init_seed)  # noqa: E731
         for u in range(len(spec.layout.units)):
             fill_tile(spec, u, self.store.torch_tile("params", u), tensors_of(u))
+            if self.store.spec.resident:
+                self.store.resident_tile(u).copy_(self.store.torch_tile("params", u))
 
     @guarded
     def save(self, directory: str) -> str:

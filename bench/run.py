@@ -29,7 +29,8 @@ from megatrain.model import resolve_hf_config  # noqa: E402
 QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4,
           "vocab_size": 152064, "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
           "tie_word_embeddings": False, "use_sliding_window": False}
-ABLATIONS = {"no-double-buffering": ["engine.prefetch=0"], "no-adam-overlap": ["train.overlap_adam=false"]}
+ABLATIONS = {"no-double-buffering": ["engine.prefetch=0"], "no-adam-overlap": ["train.overlap_adam=false"],
+             "slabs": ["ipc.staging=slabs"], "resident": ["ipc.staging=resident"]}
 
 
 def overrides(args: argparse.Namespace, out: Path, extra: list[str]) -> list[str]:
@@ -56,7 +57,7 @@ def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str]) -> 
     med = statistics.median(r["step_time_s"] for r in rows)
     pick = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
     h2d_busy = pick("h2d_bytes")
-    res = {"name": f"MegaTrain ({name})", "status": "ok", "step_time_s": med,
+    res = {"name": f"MegaTrain ({name}, {summary['staging']})", "status": "ok", "step_time_s": med,
            "step_times_s": [r["step_time_s"] for r in summary["metrics"]],
            "num_params": summary["num_params"], "host_bytes_per_param": summary["store_bytes"] / summary["num_params"],
            "gpu_peak_bytes": max(r.get("gpu_peak_bytes", 0) for r in rows),

@@ -4,11 +4,14 @@ Segments of a run (all /megatrain-<run_id>-<part>):
   ctl         abort flag + reason, per-unit version counters (Adam updates applied), per-unit grad norms
   params, exp_avg, exp_avg_sq, grads   fp32 planes, one 4 KiB-aligned tile per unit (grads: the
               fp32 gradient of the step, held until the global norm is known)
-  staging     S weight slabs (compute dtype) then G gradient slabs (fp32), each sized to the largest
-              unit; the executor pins (cudaHostRegister) exactly this segment, nothing else.
+  staging     S weight slabs (compute dtype; slabs mode only) then G gradient slabs (fp32), each sized to
+              the largest unit; the executor pins (cudaHostRegister) this segment and `resident`.
+  resident    resident mode only: a compute-dtype copy of every unit's weights, rewritten by Adam's
+              fused pass right after each unit's update; the DMA reads it directly (no packing).
 
-Weights, per step, follow engine.fetch_order: item j uses weight slab j % S, and slab s is always
-filled by packer s % P, so one packer handles a slab's uses in order:
+Weights, per step, follow engine.fetch_order. Resident mode: the executor waits for version[unit]
+>= step and copies the unit's resident tile. Slabs mode: item j uses weight slab j % S, and slab s is
+always filled by packer s % P, so one packer handles a slab's uses in order:
   packer:   wait w_free[s]; wait version[unit] >= step; cast fp32 tile -> slab; post w_full[s]
   executor: wait w_full[s]; copy slab -> device; (copy done) post w_free[s]
 Gradients follow engine.grad_order: item k uses grad slab k % G, drained by accumulator (k % G) % A:
@@ -44,7 +47,7 @@ from megatrain.ipc.shm import (
 
 from megatrain.configbase import opt
 from megatrain.engine import fetch_order, grad_order
-from megatrain.errors import AbortError, WaitTimeout
+from megatrain.errors import AbortError, ResourceError, WaitTimeout
 from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
 from megatrain.model import ModelSpec
 
@@ -60,11 +63,17 @@ class IpcConfig:
     grad_slabs: int = opt(4, "G: gradient staging slabs (fp32); back-pressure when all are in flight.")
     wait_timeout_s: float = opt(600.0, "Longest any data-plane wait may block before the run fails.")
     poll_s: float = opt(0.05, "How often a blocked wait re-checks the abort flag.")
+    staging: str = opt("auto", "How weights reach the DMA: 'resident' (a pinned compute-dtype copy of the whole "
+                               "model, rewritten by Adam; no packing on the critical path), 'slabs' (S slabs "
+                               "filled just in time by the packers; O(layer) pinned memory), or 'auto' "
+                               "(resident on cuda when it fits in memory, else slabs).")
     shm_dir: str = opt("/dev/shm", "Where POSIX shared memory lives (checked for free space before creating).")
 
     def __post_init__(self) -> None:
         if self.weight_slabs < 1 or self.grad_slabs < 1:
             raise ValueError("ipc.weight_slabs and ipc.grad_slabs must be >= 1")
+        if self.staging not in ("auto", "resident", "slabs"):
+            raise ValueError(f"ipc.staging must be auto, resident or slabs, not '{self.staging}'")
         if self.wait_timeout_s <= 0 or self.poll_s <= 0:
             raise ValueError("ipc.wait_timeout_s and ipc.poll_s must be > 0")
 
@@ -80,6 +89,19 @@ class StoreSpec:
     num_packers: int
     num_accumulators: int
     ipc: IpcConfig = field(default_factory=IpcConfig)
+    staging_mode: str = "slabs"  # resolved: "slabs" or "resident"
+
+    @property
+    def resident(self) -> bool:
+        return self.staging_mode == "resident"
+
+    @property
+    def num_weight_slabs(self) -> int:
+        return 0 if self.resident else self.ipc.weight_slabs
+
+    @property
+    def staging_bytes(self) -> int:
+        return STAGING[self.staging_dtype][1]
 
     @property
     def layout(self) -> StoreLayout:
@@ -103,7 +125,9 @@ class StoreSpec:
 
     def weight_items(self, packer: int) -> list[tuple[int, int]]:
         """(unit, slab) pairs that packer `packer` fills, in order."""
-        s = self.ipc.weight_slabs
+        s = self.num_weight_slabs
+        if not s:
+            return []
         return [(u, j % s) for j, u in enumerate(self.fetch_order) if (j % s) % self.num_packers == packer]
 
     def grad_items(self, acc: int) -> list[tuple[int, int]]:
@@ -113,12 +137,14 @@ class StoreSpec:
 
     def part_bytes(self) -> dict[str, int]:
         plane = self.layout.total * 4
-        staging = self.slab_elems * (self.ipc.weight_slabs * STAGING[self.staging_dtype][1] + self.ipc.grad_slabs * 4)
+        staging = self.slab_elems * (self.num_weight_slabs * self.staging_bytes + self.ipc.grad_slabs * 4)
         ctl = _CTL_FIXED + self.num_units * 16
-        return {**dict.fromkeys(PLANES, plane), "staging": staging, "ctl": ctl}
+        resident = {"resident": self.layout.total * self.staging_bytes} if self.resident else {}
+        return {**dict.fromkeys(PLANES, plane), "staging": staging, **resident, "ctl": ctl}
 
     def layout_hash(self) -> bytes:
-        extra = f"{self.staging_dtype}:{self.slab_elems}:{self.ipc.weight_slabs}:{self.ipc.grad_slabs}"
+        extra = (f"{self.staging_mode}:{self.staging_dtype}:{self.slab_elems}:{self.num_weight_slabs}:"
+                 f"{self.ipc.grad_slabs}")
         return hashlib.sha256(self.layout.digest() + extra.encode()).digest()[:16]
 
     def pid_slot(self, role: str) -> int:
@@ -132,11 +158,29 @@ class StoreSpec:
     def sem_names(self) -> dict[str, tuple[str, int]]:
         """Semaphore key -> (name, initial value)."""
         out = {"grads_ready": (sem_name(self.run_id, "grads-ready"), 0)}
-        for kind, n in (("w", self.ipc.weight_slabs), ("g", self.ipc.grad_slabs)):
+        for kind, n in (("w", self.num_weight_slabs), ("g", self.ipc.grad_slabs)):
             for i in range(n):
                 out[f"{kind}_free{i}"] = (sem_name(self.run_id, f"{kind}free{i}"), 1)
                 out[f"{kind}_full{i}"] = (sem_name(self.run_id, f"{kind}full{i}"), 0)
         return out
+
+
+def plan_store(run_id: str, model: ModelSpec, staging_dtype: str, checkpoint_interval: int, num_packers: int,
+               num_accumulators: int, ipc: IpcConfig, cuda: bool) -> StoreSpec:
+    """Resolve ipc.staging: as asked, or for 'auto' resident on cuda when it fits in memory, else slabs."""
+    def make(mode: str) -> StoreSpec:
+        return StoreSpec(run_id, model, staging_dtype, checkpoint_interval, num_packers, num_accumulators, ipc, mode)
+
+    if ipc.staging != "auto":
+        return make(ipc.staging)
+    if not cuda:
+        return make("slabs")  # no DMA to feed: a resident copy would only cost memory
+    resident = make("resident")
+    try:
+        check_space(resident.part_bytes(), ipc.shm_dir)
+        return resident
+    except ResourceError:
+        return make("slabs")
 
 
 class Store:
@@ -162,8 +206,9 @@ class Store:
         hdr = Header(spec.layout_hash(), spec.run_id)
         segments: dict[str, Segment] = {}
         sems: dict[str, posix_ipc.Semaphore] = {}
-        try:
-            for part in ("ctl", *PLANES, "staging"):  # ctl first: it names the owner for the sweeper
+        try:  # ctl first: it names the owner for the sweeper
+            segments["ctl"] = Segment.create(seg_name(spec.run_id, "ctl"), parts["ctl"], hdr)
+            for part in [p for p in parts if p != "ctl"]:
                 segments[part] = Segment.create(seg_name(spec.run_id, part), parts[part], hdr)
             for key, (name, initial) in spec.sem_names().items():
                 sems[key] = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=initial)
@@ -220,20 +265,28 @@ class Store:
     def torch_tile(self, part: str, unit: int) -> torch.Tensor:
         return torch.from_numpy(self.tile(part, unit))
 
+    def resident_tile(self, unit: int) -> torch.Tensor:
+        """The unit's compute-dtype copy (resident mode)."""
+        u = self.spec.layout.units[unit]
+        n = self.spec.layout.structure_of(unit).numel
+        return torch.frombuffer(self.segments["resident"].mm, dtype=STAGING[self.spec.staging_dtype][0], count=n,
+                                offset=HEADER_BYTES + u.offset * self.spec.staging_bytes)
+
     def weight_slab(self, i: int) -> torch.Tensor:
         dtype, size = STAGING[self.spec.staging_dtype]
+        assert i < self.spec.num_weight_slabs, "no weight slabs in resident mode"
         off = HEADER_BYTES + i * self.spec.slab_elems * size
         return torch.frombuffer(self.segments["staging"].mm, dtype=dtype, count=self.spec.slab_elems, offset=off)
 
     def grad_slab(self, i: int) -> torch.Tensor:
-        w = self.spec.ipc.weight_slabs * self.spec.slab_elems * STAGING[self.spec.staging_dtype][1]
+        w = self.spec.num_weight_slabs * self.spec.slab_elems * self.spec.staging_bytes
         off = HEADER_BYTES + w + i * self.spec.slab_elems * 4
         return torch.frombuffer(self.segments["staging"].mm, dtype=torch.float32, count=self.spec.slab_elems,
                                 offset=off)
 
-    def staging_region(self) -> torch.Tensor:
-        """The whole staging data area as bytes (what the executor pins)."""
-        seg = self.segments["staging"]
+    def region(self, part: str) -> torch.Tensor:
+        """A segment's whole data area as bytes (what the executor pins)."""
+        seg = self.segments[part]
         return torch.frombuffer(seg.mm, dtype=torch.uint8, count=seg.data_bytes, offset=HEADER_BYTES)
 
     # ---- abort and waits ---------------------------------------------------------------------

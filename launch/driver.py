@@ -80,7 +80,7 @@ class Trainer:
                 log(f"saved final fp32 weights to {path}")
             return {"run_id": self.run_id, "output_dir": str(self.out), "metrics": self.metrics,
                     "pids": dict(self.pids), "num_params": self.spec.layout.num_params,
-                    "store_bytes": sum(self.spec.part_bytes().values())}
+                    "store_bytes": sum(self.spec.part_bytes().values()), "staging": self.spec.staging_mode}
         finally:
             self.shutdown()
             atexit.unregister(self.shutdown)
@@ -109,14 +109,15 @@ class Trainer:
         self.actors["store-owner"] = self.runner.spawn("store-owner", StoreOwner, (), dem["store-owner"])
         self.sentinel = self.runner.call(self.actors["store-owner"], "serve")
         self.spec = self._call_one("store-owner", "create", self.run_id, cfg.model, cfg.optim.no_decay_1d,
-                                   self.engine_cfg.compute_dtype, self.engine_cfg.checkpoint_interval,
-                                   cfg.actors.num_packers, cfg.actors.num_accumulators, cfg.ipc)
+                                   self.engine_cfg, cfg.actors.num_packers, cfg.actors.num_accumulators, cfg.ipc)
+        log(f"weight staging: {self.spec.staging_mode}")
 
     def _start_workers(self, dem: dict) -> None:
         a, spec = self.cfg.actors, self.spec
         plan: list[tuple[str, type, tuple]] = [("gpu-executor", GpuExecutor, (spec, self.engine_cfg,
                                                                               a.executor_threads))]
-        plan += [(f"packer-{i}", Packer, (spec, i, a.packer_threads)) for i in range(a.num_packers)]
+        if not spec.resident:  # resident mode has nothing to pack per step: Adam writes the copy
+            plan += [(f"packer-{i}", Packer, (spec, i, a.packer_threads)) for i in range(a.num_packers)]
         plan += [(f"grad-accumulator-{i}", GradAccumulator, (spec, i, a.accumulator_threads))
                  for i in range(a.num_accumulators)]
         plan += [("adam-updater", AdamUpdater, (spec, self.cfg.optim, a.adam_threads))]

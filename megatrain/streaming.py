@@ -15,6 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,32 +27,43 @@ _STOP = object()
 
 
 class SyncSource:
-    """CPU device: item j of the step is read from weight slab j % S, then the slab is freed."""
+    """CPU device: item j of the step is read from its slab (then freed) or its resident tile."""
 
     def __init__(self, store: Store, device: torch.device, dtype: torch.dtype):
         self.store, self.device, self.dtype = store, device, dtype
-        self.j, self.wait_s, self.bytes = 0, 0.0, 0
+        self.step, self.j, self.wait_s, self.bytes = 0, 0, 0.0, 0
 
-    def begin(self) -> None:
-        self.j, self.wait_s, self.bytes = 0, 0.0, 0
+    def begin(self, step: int) -> None:
+        self.step, self.j, self.wait_s, self.bytes = step, 0, 0.0, 0
 
     def end(self) -> None:
         pass
 
-    def _item(self, unit: int) -> tuple[int, int]:
+    def _item(self, unit: int) -> int:
         spec = self.store.spec
         assert unit == spec.fetch_order[self.j], f"engine fetched unit {unit} out of protocol order"
-        slab, self.j = self.j % spec.ipc.weight_slabs, self.j + 1
-        return slab, spec.layout.structure_of(unit).numel
+        self.j += 1
+        return self.j - 1
+
+    def acquire(self, j: int, unit: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        """Wait until item j's weights are readable on the host; (host tensor, release)."""
+        spec, store = self.store.spec, self.store
+        if spec.resident:
+            store.wait_version(unit, self.step, f"Adam's update of unit {unit} before step {self.step}")
+            return store.resident_tile(unit), lambda: None
+        slab = j % spec.num_weight_slabs
+        store.wait(f"w_full{slab}", f"weights of unit {unit} in slab {slab}")
+        n = spec.layout.structure_of(unit).numel
+        return store.weight_slab(slab)[:n], lambda: store.post(f"w_free{slab}")
 
     def fetch(self, unit: int) -> torch.Tensor:
-        slab, n = self._item(unit)
+        j = self._item(unit)
         t0 = time.perf_counter()
-        self.store.wait(f"w_full{slab}", f"weights of unit {unit} in slab {slab}")
+        host, release = self.acquire(j, unit)
         self.wait_s += time.perf_counter() - t0
-        out = self.store.weight_slab(slab)[:n].to(self.device, self.dtype, copy=True)
+        out = host.to(self.device, self.dtype, copy=True)
         self.bytes += out.numel() * out.element_size()
-        self.store.post(f"w_free{slab}")
+        release()
         return out
 
 
@@ -141,8 +153,8 @@ class StreamedSource(SyncSource):
         self.credits = threading.Semaphore(self.prefetch)
         self.timeline: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
 
-    def begin(self) -> None:
-        super().begin()
+    def begin(self, step: int) -> None:
+        super().begin(step)
         self.credits = threading.Semaphore(self.prefetch)
         self.ready = queue.Queue()
         self.timeline = []
@@ -152,22 +164,20 @@ class StreamedSource(SyncSource):
         self.worker.join()
 
     def _load(self) -> None:
-        spec = self.store.spec
         try:
-            for j, unit in enumerate(spec.fetch_order):
+            for j, unit in enumerate(self.store.spec.fetch_order):
                 self._credit()
-                slab, n = j % spec.ipc.weight_slabs, spec.layout.structure_of(unit).numel
-                self.store.wait(f"w_full{slab}", f"weights of unit {unit} in slab {slab}")
+                host, release = self.acquire(j, unit)
                 start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 with torch.cuda.stream(self.h2d):
                     start.record(self.h2d)
-                    out = torch.empty(n, dtype=self.dtype, device=self.device)
-                    out.copy_(self.store.weight_slab(slab)[:n], non_blocking=True)
+                    out = torch.empty(host.numel(), dtype=self.dtype, device=self.device)
+                    out.copy_(host, non_blocking=True)
                     done.record(self.h2d)
                 self.ready.put((unit, out, done))
                 self.timeline.append((unit, start, done))
-                done.synchronize()  # the slab may be refilled once this copy has read it
-                self.store.post(f"w_free{slab}")
+                done.synchronize()  # a slab may be refilled once this copy has read it
+                release()
         finally:
             self.ready.put(_STOP)
 

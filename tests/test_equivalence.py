@@ -33,10 +33,32 @@ def tiny_config(family: str, tied: bool, k: int, tmp_path, steps: int = 10, extr
     return load_config(None, overrides)
 
 
+VARIANTS = {
+    "resident": ["ipc.staging=resident"],
+    "2packers-2accumulators-3slabs": ["actors.num_packers=2", "actors.num_accumulators=2", "ipc.weight_slabs=3",
+                                      "ipc.grad_slabs=3"],
+    "no-adam-overlap": ["train.overlap_adam=false"],
+}
+VARIANT_CASES = [("llama", True, 2, "resident"), ("qwen2", False, 1, "resident"), ("mistral", False, 3, "resident"),
+                 ("llama", False, 1, "2packers-2accumulators-3slabs"), ("qwen2", True, 2, "no-adam-overlap")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family,tied,k,variant", VARIANT_CASES, ids=[c[3] + "-" + c[0] for c in VARIANT_CASES])
+def test_staging_and_worker_variants_match_plain_pytorch(ray_cluster, tmp_path, family: str, tied: bool, k: int,
+                                                         variant: str) -> None:
+    rep = compare(tiny_config(family, tied, k, tmp_path, extra=VARIANTS[variant]), tmp_path)
+    check(rep, tied)
+    assert rep["summary"]["staging"] == ("resident" if variant == "resident" else "slabs")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family,tied,k", CASES, ids=[f"{f}-{'tied' if t else 'untied'}-k{k}" for f, t, k in CASES])
 def test_actor_system_matches_plain_pytorch(ray_cluster, tmp_path, family: str, tied: bool, k: int) -> None:
-    rep = compare(tiny_config(family, tied, k, tmp_path), tmp_path)
+    check(compare(tiny_config(family, tied, k, tmp_path), tmp_path), tied)
+
+
+def check(rep: dict, tied: bool) -> None:
     assert len(rep["losses"]) == 10
     for step, (ours, ref) in enumerate(zip(rep["losses"], rep["ref_losses"])):
         assert abs(ours - ref) <= 1e-5 * abs(ref), f"step {step + 1}: {ours} vs {ref}"

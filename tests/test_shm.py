@@ -425,7 +425,7 @@ def test_tiles_and_slabs_are_page_aligned(rid: str, model_spec, staging: str) ->
         assert ends[-1] <= base + HEADER_BYTES + spec.part_bytes()["staging"]
         assert slabs[0].data_ptr() - base == HEADER_BYTES
         assert slabs[3].data_ptr() - base == HEADER_BYTES + 3 * spec.slab_elems * elem
-        region = store.staging_region()
+        region = store.region("staging")
         assert region.data_ptr() - base == HEADER_BYTES and region.numel() == spec.part_bytes()["staging"]
     finally:
         store.unlink()
