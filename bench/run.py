@@ -38,7 +38,7 @@ def overrides(args: argparse.Namespace, out: Path, extra: list[str]) -> list[str
     return ["model.family=qwen2", f"model.hf={json.dumps(hf)}", f"data.seq_len={args.seq}",
             f"data.batch_size={args.batch}", f"train.steps={args.steps}", f"train.timeline_step={args.steps}",
             f"train.output_dir={out}", "train.log_every=1", "engine.device=cuda",
-            f"engine.checkpoint_interval={args.k}", f"actors.num_packers={args.packers}",
+            f"engine.checkpoint_interval={args.k}", f"engine.loss_chunk_tokens={args.loss_chunk}", f"actors.num_packers={args.packers}",
             f"actors.packer_threads={args.packer_threads}", f"actors.num_accumulators={args.accumulators}",
             f"actors.adam_threads={args.adam_threads}", f"actors.accumulator_threads={args.accumulator_threads}",
             "optim.lr=1e-5", "optim.warmup_steps=0", "optim.schedule=constant", f"ipc.weight_slabs={2 * args.packers}",
@@ -109,11 +109,12 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--k", type=int, default=1, help="checkpoint interval")
+    p.add_argument("--loss-chunk", type=int, default=8192, help="tokens per LM-head/loss chunk")
     p.add_argument("--packers", type=int, default=4)
     p.add_argument("--packer-threads", type=int, default=2)
     p.add_argument("--accumulators", type=int, default=2)
     p.add_argument("--accumulator-threads", type=int, default=4)
-    p.add_argument("--adam-threads", type=int, default=8)
+    p.add_argument("--adam-threads", type=int, default=14)
     p.add_argument("--peers", default="plain", help="comma list of: " + ",".join(PEERS))
     p.add_argument("--ablations", default="", help="comma list of: " + ",".join(ABLATIONS))
     p.add_argument("--out", required=True)
