@@ -1,10 +1,13 @@
-"""Adam updater: global-norm clipping and the fused Numba AdamW, unit by unit in forward order.
+"""Adam updater: the fused Numba AdamW, unit by unit, with global-norm clipping.
 
+With clipping (optim.max_grad_norm > 0) it waits for every unit's gradient in the fp32 grads plane,
+computes the global norm, then updates units in forward order, bumping each unit's version counter
+right after its update, so the next step's forward starts while later units are still updated.
+Without clipping there is no grads plane: it drains the gradient slabs itself, in the order the
+backward produces them, and updates each unit while the GPU is still running the backward of the
+units below it (12 bytes per parameter: params, m, v).
 In resident mode it also rewrites the unit's compute-dtype copy right after the update, so the next
 forward streams it with no packing step in between.
-
-Each unit's version counter is bumped right after its update, so packers for the next step start on
-the embedding and first layers while later layers are still being updated.
 """
 
 from __future__ import annotations
@@ -13,11 +16,13 @@ import math
 import time
 
 import numba
+import numpy as np
 import torch
 from megatrain.actors.base import Role, guarded
-from megatrain.ipc.protocol import PLANES, Store, StoreSpec
+from megatrain.ipc.protocol import Store, StoreSpec
 
 from megatrain.adamw import OptimConfig, adamw_update, clip_scale
+from megatrain.hostops import sqnorm
 
 
 class AdamUpdater(Role):
@@ -27,15 +32,20 @@ class AdamUpdater(Role):
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
             torch.set_num_threads(threads)
         self.cfg = cfg
-        self.store = Store.attach(spec, PLANES + (("resident",) if spec.resident else ()), role=self.name)
+        parts = spec.planes + (("resident",) if spec.resident else ()) + (() if spec.clip else ("staging",))
+        self.store = Store.attach(spec, parts, role=self.name)
 
     @guarded
     def step(self, step: int, lr: float) -> dict:
+        t0 = time.perf_counter()
+        out = self._clipped(step, lr) if self.store.spec.clip else self._unclipped(step, lr)
+        return {**out, "adam_s": time.perf_counter() - t0}
+
+    def _clipped(self, step: int, lr: float) -> dict:
         store = self.store
         units = store.spec.num_units
         for i in range(units):
             store.wait("grads_ready", f"gradients of step {step} ({i} of {units} units arrived)")
-        t0 = time.perf_counter()
         norm = math.sqrt(float(store.sqnorms.sum()))
         finite = math.isfinite(norm)
         scale = clip_scale(norm, self.cfg.max_grad_norm)
@@ -43,19 +53,38 @@ class AdamUpdater(Role):
         for unit in range(units):
             start = time.time()
             if finite:
-                self._update(unit, step + 1, lr, scale)
-                if store.spec.resident:  # the copy the next forward streams, cast (RNE) right after the update
-                    store.resident_tile(unit).copy_(store.torch_tile("params", unit))
+                self._update(unit, store.tile("grads", unit), step + 1, lr, scale)
             store.versions[unit] = step + 1
             spans.append((unit, start, time.time()))
-        return {"grad_norm": norm, "clip_scale": scale, "skipped": not finite, "adam_s": time.perf_counter() - t0,
+        return {"grad_norm": norm, "clip_scale": scale, "skipped": not finite, "unit_spans": spans}
+
+    def _unclipped(self, step: int, lr: float) -> dict:
+        store, layout = self.store, self.store.spec.layout
+        spans, skipped = [], False
+        for unit, slab in store.spec.grad_items(None):
+            store.wait(f"g_full{slab}", f"gradient of unit {unit} (step {step})")
+            if self.events is not None:
+                self.events[slab].synchronize()
+            start = time.time()
+            grad = store.grad_slab(slab)[: layout.structure_of(unit).numel].numpy()
+            store.sqnorms[unit] = sqnorm(grad)
+            if math.isfinite(store.sqnorms[unit]):
+                self._update(unit, grad, step + 1, lr, 1.0)
+            else:
+                skipped = True  # this unit keeps its weights; the others are already updated
+            store.versions[unit] = step + 1
+            store.post(f"g_free{slab}")
+            spans.append((unit, start, time.time()))
+        return {"grad_norm": math.sqrt(float(store.sqnorms.sum())), "clip_scale": 1.0, "skipped": skipped,
                 "unit_spans": spans}
 
-    def _update(self, unit: int, t: int, lr: float, scale: float) -> None:
+    def _update(self, unit: int, g: np.ndarray, t: int, lr: float, scale: float) -> None:
         store = self.store
-        p, g, m, v = (store.tile(part, unit) for part in ("params", "grads", "exp_avg", "exp_avg_sq"))
+        p, m, v = (store.tile(part, unit) for part in ("params", "exp_avg", "exp_avg_sq"))
         split = store.spec.layout.structure_of(unit).decay_split()
         for sl, wd in ((slice(0, split), self.cfg.weight_decay), (slice(split, None), 0.0)):
             if p[sl].size:
                 adamw_update(p[sl], g[sl], m[sl], v[sl], step=t, lr=lr, cfg=self.cfg, weight_decay=wd,
                              grad_scale=scale)
+        if store.spec.resident:  # the copy the next forward streams, cast (RNE) right after the update
+            store.resident_tile(unit).copy_(store.torch_tile("params", unit))

@@ -36,6 +36,14 @@ class Role:
     def __init__(self, name: str):
         self.name = name
         self.store: Any = None
+        self.events: list | None = None
+
+    def open_events(self, handles: list[bytes]) -> None:
+        """Open the executor's interprocess events of the gradient slabs (workers that drain them)."""
+        import torch
+        from megatrain.ipc.cuda_events import open_ipc_events
+
+        self.events = open_ipc_events(handles, torch.device("cuda", torch.cuda.current_device()))
 
     def info(self) -> dict:
         return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname()}

@@ -8,7 +8,6 @@ It records each unit's squared norm for global-norm clipping, then frees the sla
 from __future__ import annotations
 
 import numba
-import torch
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
 
@@ -22,12 +21,6 @@ class GradAccumulator(Role):
         self.index = index
         self.items = spec.grad_items(index)
         self.store = Store.attach(spec, ("grads", "staging"), role=self.name)
-        self.events: list | None = None
-
-    def open_events(self, handles: list[bytes]) -> None:
-        from megatrain.ipc.cuda_events import open_ipc_events
-
-        self.events = open_ipc_events(handles, torch.device("cuda", torch.cuda.current_device()))
 
     @guarded
     def step(self, step: int) -> dict:

@@ -30,7 +30,8 @@ QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads"
           "vocab_size": 152064, "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
           "tie_word_embeddings": False, "use_sliding_window": False}
 ABLATIONS = {"no-double-buffering": ["engine.prefetch=0"], "no-adam-overlap": ["train.overlap_adam=false"],
-             "slabs": ["ipc.staging=slabs"], "resident": ["ipc.staging=resident"]}
+             "slabs": ["ipc.staging=slabs"], "resident": ["ipc.staging=resident"],
+             "no-clip": ["optim.max_grad_norm=0"]}
 
 
 def overrides(args: argparse.Namespace, out: Path, extra: list[str]) -> list[str]:
@@ -119,11 +120,12 @@ def main() -> int:
     p.add_argument("--peers", default="plain", help="comma list of: " + ",".join(PEERS))
     p.add_argument("--ablations", default="", help="comma list of: " + ",".join(ABLATIONS))
     p.add_argument("--out", required=True)
+    p.add_argument("--extra", nargs="*", default=[], help="config overrides for the default variant")
     p.add_argument("--machine", default="")
     args = p.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     _, hf = resolve_hf_config(load_config(None, overrides(args, Path(args.out), [])).model)
-    results = [megatrain_variant(args, "default", [])]
+    results = [megatrain_variant(args, "default", args.extra)]
     results += [megatrain_variant(args, a, ABLATIONS[a]) for a in filter(None, args.ablations.split(","))]
     from megatrain.data import DataConfig
 

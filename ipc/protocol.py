@@ -51,7 +51,7 @@ from megatrain.errors import AbortError, ResourceError, WaitTimeout
 from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
 from megatrain.model import ModelSpec
 
-PLANES = ("params", "exp_avg", "exp_avg_sq", "grads")
+PLANES = ("params", "exp_avg", "exp_avg_sq", "grads")  # "grads" only when clipping needs the whole step
 STAGING = {"bf16": (torch.bfloat16, 2), "fp32": (torch.float32, 4)}
 _REASON_BYTES = 1024
 _CTL_FIXED = CTL_PIDS_OFFSET + 8 * MAX_PIDS + _REASON_BYTES
@@ -90,6 +90,12 @@ class StoreSpec:
     num_accumulators: int
     ipc: IpcConfig = field(default_factory=IpcConfig)
     staging_mode: str = "slabs"  # resolved: "slabs" or "resident"
+    clip: bool = True  # global-norm clipping: gradients wait in the grads plane until the norm is known
+
+    @property
+    def planes(self) -> tuple[str, ...]:
+        """fp32 planes of this run: without clipping Adam consumes gradient slabs directly (12 B/param)."""
+        return PLANES if self.clip else PLANES[:3]
 
     @property
     def resident(self) -> bool:
@@ -130,20 +136,22 @@ class StoreSpec:
             return []
         return [(u, j % s) for j, u in enumerate(self.fetch_order) if (j % s) % self.num_packers == packer]
 
-    def grad_items(self, acc: int) -> list[tuple[int, int]]:
-        """(unit, slab) pairs that accumulator `acc` drains, in order."""
+    def grad_items(self, acc: int | None) -> list[tuple[int, int]]:
+        """(unit, slab) pairs that accumulator `acc` drains, in order; None: all of them (without
+        clipping the Adam updater drains every slab itself)."""
         g = self.ipc.grad_slabs
-        return [(u, k % g) for k, u in enumerate(self.grad_order) if (k % g) % self.num_accumulators == acc]
+        return [(u, k % g) for k, u in enumerate(self.grad_order)
+                if acc is None or (k % g) % self.num_accumulators == acc]
 
     def part_bytes(self) -> dict[str, int]:
         plane = self.layout.total * 4
         staging = self.slab_elems * (self.num_weight_slabs * self.staging_bytes + self.ipc.grad_slabs * 4)
         ctl = _CTL_FIXED + self.num_units * 16
         resident = {"resident": self.layout.total * self.staging_bytes} if self.resident else {}
-        return {**dict.fromkeys(PLANES, plane), "staging": staging, **resident, "ctl": ctl}
+        return {**dict.fromkeys(self.planes, plane), "staging": staging, **resident, "ctl": ctl}
 
     def layout_hash(self) -> bytes:
-        extra = (f"{self.staging_mode}:{self.staging_dtype}:{self.slab_elems}:{self.num_weight_slabs}:"
+        extra = (f"{self.clip}:{self.staging_mode}:{self.staging_dtype}:{self.slab_elems}:{self.num_weight_slabs}:"
                  f"{self.ipc.grad_slabs}")
         return hashlib.sha256(self.layout.digest() + extra.encode()).digest()[:16]
 
@@ -166,10 +174,11 @@ class StoreSpec:
 
 
 def plan_store(run_id: str, model: ModelSpec, staging_dtype: str, checkpoint_interval: int, num_packers: int,
-               num_accumulators: int, ipc: IpcConfig, cuda: bool) -> StoreSpec:
+               num_accumulators: int, ipc: IpcConfig, cuda: bool, clip: bool = True) -> StoreSpec:
     """Resolve ipc.staging: as asked, or for 'auto' resident on cuda when it fits in memory, else slabs."""
     def make(mode: str) -> StoreSpec:
-        return StoreSpec(run_id, model, staging_dtype, checkpoint_interval, num_packers, num_accumulators, ipc, mode)
+        return StoreSpec(run_id, model, staging_dtype, checkpoint_interval, num_packers, num_accumulators, ipc, mode,
+                         clip)
 
     if ipc.staging != "auto":
         return make(ipc.staging)

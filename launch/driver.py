@@ -98,7 +98,7 @@ class Trainer:
         text = dump_yaml(resolved)
         (self.out / "config.yaml").write_text(text)
         log(f"run {self.run_id}, resolved config (also in {self.out / 'config.yaml'}):\n{text}")
-        dem = demands(cfg.actors, cuda)
+        dem = demands(cfg.actors, cuda, clip=cfg.optim.max_grad_norm > 0)
         self.runner.place(bundle(dem))
         self._start_store(dem)
         self._start_workers(dem)
@@ -109,8 +109,10 @@ class Trainer:
         self.actors["store-owner"] = self.runner.spawn("store-owner", StoreOwner, (), dem["store-owner"])
         self.sentinel = self.runner.call(self.actors["store-owner"], "serve")
         self.spec = self._call_one("store-owner", "create", self.run_id, cfg.model, cfg.optim.no_decay_1d,
-                                   self.engine_cfg, cfg.actors.num_packers, cfg.actors.num_accumulators, cfg.ipc)
-        log(f"weight staging: {self.spec.staging_mode}")
+                                   cfg.optim.max_grad_norm > 0, self.engine_cfg, cfg.actors.num_packers,
+                                   cfg.actors.num_accumulators, cfg.ipc)
+        log(f"weight staging: {self.spec.staging_mode}; gradients: "
+            + ("fp32 plane, global-norm clipping" if self.spec.clip else "straight to Adam (no clipping)"))
 
     def _start_workers(self, dem: dict) -> None:
         a, spec = self.cfg.actors, self.spec
@@ -119,7 +121,7 @@ class Trainer:
         if not spec.resident:  # resident mode has nothing to pack per step: Adam writes the copy
             plan += [(f"packer-{i}", Packer, (spec, i, a.packer_threads)) for i in range(a.num_packers)]
         plan += [(f"grad-accumulator-{i}", GradAccumulator, (spec, i, a.accumulator_threads))
-                 for i in range(a.num_accumulators)]
+                 for i in range(a.num_accumulators if spec.clip else 0)]
         plan += [("adam-updater", AdamUpdater, (spec, self.cfg.optim, a.adam_threads))]
         for name, cls, args in plan:
             self.actors[name] = self.runner.spawn(name, cls, args, dem[name])
@@ -129,8 +131,9 @@ class Trainer:
         self.runner.pids = self.pids
         handles = self._call_one("gpu-executor", "event_handles")
         if handles is not None:
-            self._gather({n: self.runner.call(self.actors[n], "open_events", handles)
-                          for n in self.actors if n.startswith("grad-accumulator")}, 120, "opening CUDA IPC events")
+            drainers = [n for n in self.actors if n.startswith("grad-accumulator")] if spec.clip else ["adam-updater"]
+            self._gather({n: self.runner.call(self.actors[n], "open_events", handles) for n in drainers}, 120,
+                         "opening CUDA IPC events")
 
     def _describe(self) -> None:
         spec = self.spec

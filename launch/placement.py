@@ -32,15 +32,17 @@ class Demand:
     gpus: float
 
 
-def demands(cfg: ActorsConfig, cuda: bool) -> dict[str, Demand]:
-    """Per role. On CUDA the accumulators need a sliver of the GPU: Ray hides GPUs from actors that
-    ask for none, and they must open the executor's IPC events on the same device."""
-    acc_gpu = 0.01 if cuda else 0.0
+def demands(cfg: ActorsConfig, cuda: bool, clip: bool = True) -> dict[str, Demand]:
+    """Per role. On CUDA the processes that drain gradient slabs (the accumulators, or the Adam updater
+    without clipping) need a sliver of the GPU: Ray hides GPUs from actors that ask for none, and they
+    must open the executor's IPC events on the same device."""
+    sliver = 0.01 if cuda else 0.0
+    drainers = cfg.num_accumulators if clip else 1
     out = {"store-owner": Demand(0.0, 0.0),
-           "gpu-executor": Demand(1.0, round(1.0 - acc_gpu * cfg.num_accumulators, 4) if cuda else 0.0),
-           "adam-updater": Demand(1.0, 0.0)}
+           "gpu-executor": Demand(1.0, round(1.0 - sliver * drainers, 4) if cuda else 0.0),
+           "adam-updater": Demand(1.0, 0.0 if clip else sliver)}
     out.update({f"packer-{i}": Demand(1.0, 0.0) for i in range(cfg.num_packers)})
-    out.update({f"grad-accumulator-{i}": Demand(1.0, acc_gpu) for i in range(cfg.num_accumulators)})
+    out.update({f"grad-accumulator-{i}": Demand(1.0, sliver) for i in range(cfg.num_accumulators if clip else 0)})
     return out
 
 

@@ -20,3 +20,16 @@ def copy_sqnorm(src: np.ndarray, dst: np.ndarray) -> float:
     """dst[:] = src and return sum(src**2) accumulated in fp64, in one parallel pass over src."""
     assert src.shape == dst.shape and src.dtype == dst.dtype == np.float32
     return float(_copy_sqnorm(src, dst))
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _sqnorm(src):  # pragma: no cover - compiled
+    total = 0.0
+    for i in numba.prange(src.size):
+        total += np.float64(src[i]) * np.float64(src[i])
+    return total
+
+
+def sqnorm(src: np.ndarray) -> float:
+    """sum(src**2) accumulated in fp64, one parallel pass."""
+    return float(_sqnorm(src))
