@@ -13,6 +13,7 @@ forward streams it with no packing step in between.
 from __future__ import annotations
 
 import math
+import threading
 import time
 
 import numba
@@ -34,12 +35,30 @@ class AdamUpdater(Role):
         self.cfg = cfg
         parts = spec.planes + (("resident",) if spec.resident else ()) + (() if spec.clip else ("staging",))
         self.store = Store.attach(spec, parts, role=self.name)
+        self.turn = threading.Condition()
+        self.next_step = 0
 
     @guarded
     def step(self, step: int, lr: float) -> dict:
-        t0 = time.perf_counter()
-        out = self._clipped(step, lr) if self.store.spec.clip else self._unclipped(step, lr)
-        return {**out, "adam_s": time.perf_counter() - t0}
+        """With overlap the driver launches step t+1's call while step t's still runs (the actor is
+        threaded): the data plane must still see the steps one after the other, in order."""
+        self._wait_turn(step)
+        try:
+            t0 = time.perf_counter()
+            out = self._clipped(step, lr) if self.store.spec.clip else self._unclipped(step, lr)
+            return {**out, "adam_s": time.perf_counter() - t0}
+        finally:
+            with self.turn:
+                self.next_step = step + 1
+                self.turn.notify_all()
+
+    def _wait_turn(self, step: int) -> None:
+        with self.turn:
+            while self.next_step != step:
+                self.store.check_abort()
+                if self.next_step > step:
+                    raise RuntimeError(f"Adam step {step} requested after step {self.next_step - 1}")
+                self.turn.wait(self.store.spec.ipc.poll_s)
 
     def _clipped(self, step: int, lr: float) -> dict:
         store = self.store

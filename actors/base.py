@@ -49,6 +49,6 @@ class Role:
         return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname()}
 
     def abort(self, reason: str) -> None:
-        """Callable while a step is blocked (actors run with max_concurrency=2)."""
+        """Callable while a step is blocked (actors run with max_concurrency=3: Adam may hold two overlapping steps)."""
         if self.store is not None:
             self.store.abort(reason)

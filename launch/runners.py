@@ -65,7 +65,7 @@ class InProcessRunner:
         pass
 
     def spawn(self, name: str, cls: type, args: tuple, demand: Demand) -> Handle:
-        self.pools[name] = cf.ThreadPoolExecutor(max_workers=2, thread_name_prefix=name)
+        self.pools[name] = cf.ThreadPoolExecutor(max_workers=3, thread_name_prefix=name)
         return Handle(name, cls(*args))
 
     def call(self, h: Handle, method: str, *args: Any) -> Pending:
@@ -135,7 +135,7 @@ class RayRunner:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         remote = self.ray.remote(cls).options(
-            name=None, num_cpus=demand.cpus, num_gpus=demand.gpus, max_concurrency=2, max_restarts=0,
+            name=None, num_cpus=demand.cpus, num_gpus=demand.gpus, max_concurrency=3, max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
             runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}})
         return Handle(name, remote.remote(*args))
