@@ -20,6 +20,9 @@ Gradients follow engine.grad_order: item k uses grad slab k % G, drained by accu
                tile; post g_free[s]; post grads_ready
   adam:        wait grads_ready once per unit; clip scale from the norms; update units in forward
                order, bumping version[unit] after each, which releases the next step's packers.
+Without clipping there is no grads plane and no accumulator: the Adam updater itself waits
+g_full[s] (and the slab's IPC event), updates the unit straight from the slab, bumps its version and
+posts g_free[s], all while the executor is still running the backward.
 Every wait is timed (ipc.wait_timeout_s) and polls the abort flag, so a dead peer never hangs a run.
 """
 
