@@ -28,6 +28,22 @@ def _timed_steps(step: Callable[[int], None], steps: int) -> list[float]:
     return times
 
 
+def _trainer(model: torch.nn.Module, opt: torch.optim.Optimizer, data: DataConfig,
+             autocast: bool) -> Callable[[int], None]:
+    """One optimizer step on batch t: the same loss, clipping and AdamW as MegaTrain's default."""
+
+    def step(t: int) -> None:
+        ids, labels = (x.cuda() for x in batch(data, t))
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
 def _guard(name: str, fn: Callable[[], dict]) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -58,17 +74,7 @@ def plain_pytorch(hf, data: DataConfig, steps: int) -> dict:
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
-        def step(t: int) -> None:
-            ids, labels = (x.cuda() for x in batch(data, t))
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        times = _timed_steps(step, steps)
-        return {"step_times_s": times}
+        return {"step_times_s": _timed_steps(_trainer(model, opt, data, autocast=True), steps)}
 
     return _guard("plain PyTorch (GPU-resident)", run)
 
@@ -93,16 +99,8 @@ def fsdp2_offload(hf, data: DataConfig, steps: int) -> dict:
             fully_shard(model, offload_policy=CPUOffloadPolicy(), mp_policy=mp)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-            def step(t: int) -> None:
-                ids, labels = (x.cuda() for x in batch(data, t))
-                loss = model(input_ids=ids, labels=labels).loss
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-
-            times = _timed_steps(step, steps)
-            return {"step_times_s": times}
+            # FSDP2's MixedPrecisionPolicy does the bf16 casting, so no autocast here
+            return {"step_times_s": _timed_steps(_trainer(model, opt, data, autocast=False), steps)}
         finally:
             dist.destroy_process_group()
 
