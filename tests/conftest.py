@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -27,3 +28,24 @@ def ray_cluster():
 
 def run_leftovers(run_id: str) -> list[str]:
     return [n for n in os.listdir("/dev/shm") if f"megatrain-{run_id}-" in n]
+
+
+@pytest.fixture
+def rid():
+    """A fresh run id; fails the test if anything of that run is left in /dev/shm."""
+    from tests.shm_fixtures import leftovers, remove_all
+
+    run_id = "test" + secrets.token_hex(4)
+    try:
+        yield run_id
+    finally:
+        left = leftovers(run_id)
+        remove_all(run_id)
+        assert not left, f"test left {left} in /dev/shm"
+
+
+@pytest.fixture(scope="module")
+def model_spec():
+    from tests.helpers import spec_for, tiny_hf
+
+    return spec_for(tiny_hf("llama", tied=False, layers=3), "llama")

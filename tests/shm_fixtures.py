@@ -1,0 +1,26 @@
+"""Helpers shared by the shared-memory tests (test_shm.py, test_store.py)."""
+
+from __future__ import annotations
+
+import os
+
+from megatrain.ipc import shm
+from megatrain.ipc.protocol import PLANES, IpcConfig, StoreSpec
+
+SHM = "/dev/shm"
+HASH = bytes(range(16))
+ALL_PARTS = (*PLANES, "staging")
+
+
+def leftovers(rid: str) -> list[str]:
+    return sorted(n for n in os.listdir(SHM) if rid in n)
+
+
+def remove_all(rid: str) -> None:
+    shm.unlink_entries(shm.run_entries(SHM).get(rid, []))
+
+
+def make_spec(rid: str, model_spec, staging: str = "bf16", k: int = 2, packers: int = 2, accs: int = 2,
+              **ipc) -> StoreSpec:
+    ipc = {"weight_slabs": 3, "grad_slabs": 2, **ipc}
+    return StoreSpec(rid, model_spec, staging, k, packers, accs, IpcConfig(**ipc))
