@@ -256,7 +256,7 @@ class Trainer:
             except MegatrainError:
                 pass
         real = [f for f in failures if isinstance(f, ActorFailure)]
-        deaths = [f for f in real if "died" in f.cause or "killed" in f.cause]
+        deaths = [f for f in real if f.died]
         root = (deaths or real or failures)[0]
         return root if isinstance(root, MegatrainError) else MegatrainError(str(root))
 

@@ -161,9 +161,10 @@ class RayRunner:
             raise ActorFailure(p.actor, f"{type(cause).__name__}: {cause}", self.pids.get(p.actor)) from None
         except rex.OutOfMemoryError:
             raise ActorFailure(p.actor, "the process died: killed by Ray's out-of-memory monitor",
-                               self.pids.get(p.actor)) from None
+                               self.pids.get(p.actor), died=True) from None
         except rex.RayActorError:
-            raise ActorFailure(p.actor, "the process died (killed or crashed)", self.pids.get(p.actor)) from None
+            raise ActorFailure(p.actor, "the process died (killed or crashed)", self.pids.get(p.actor),
+                               died=True) from None
 
     def kill(self, h: Handle) -> None:
         try:

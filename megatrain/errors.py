@@ -30,7 +30,7 @@ class LayoutMismatch(MegatrainError):
 class ActorFailure(MegatrainError):
     """An actor died or raised; names the actor and carries the root cause."""
 
-    def __init__(self, actor: str, cause: str, pid: int | None = None):
-        self.actor, self.cause, self.pid = actor, cause, pid
+    def __init__(self, actor: str, cause: str, pid: int | None = None, died: bool = False):
+        self.actor, self.cause, self.pid, self.died = actor, cause, pid, died
         where = f"actor '{actor}'" + (f" (pid {pid})" if pid else "")
         super().__init__(f"{where} failed: {cause}")

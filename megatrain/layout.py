@@ -51,12 +51,6 @@ class Structure:
             off += math.prod(shape)
         return cls(tuple(slots), off)
 
-    def slot(self, name: str) -> Slot:
-        for s in self.slots:
-            if s.name == name:
-                return s
-        raise KeyError(name)
-
     def decay_split(self) -> int:
         """Elements [0, split) take weight decay, [split, numel) do not (decayed slots come first)."""
         return next((s.offset for s in self.slots if not s.decay), self.numel)

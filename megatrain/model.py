@@ -52,10 +52,6 @@ class ModelSpec:
     hf_config: PretrainedConfig
     layout: StoreLayout
 
-    @property
-    def model_class(self) -> type:
-        return FAMILIES[self.family][1]
-
 
 def resolve_hf_config(cfg: ModelConfig) -> tuple[str, PretrainedConfig]:
     family, base = cfg.family, {}
