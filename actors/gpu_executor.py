@@ -72,9 +72,15 @@ class GpuExecutor(Role):
 
     @staticmethod
     def _phases(marks: Marks) -> dict:
-        at = dict(marks.seconds())
-        return {"forward_s": at["head"] - at["forward"], "head_s": at["backward"] - at["head"],
-                "backward_s": at["end"] - at["backward"]}
+        """Seconds per phase: each interval between marks counts for the phase of the mark opening it
+        (the last block's forward, head and backward interleave, chunk by chunk)."""
+        out = {"forward_s": 0.0, "head_s": 0.0, "backward_s": 0.0}
+        at = marks.seconds()
+        for (name, t0), (_, t1) in zip(at, at[1:]):
+            kind = name.split(":")[0]
+            phase = "forward_s" if kind in ("forward", "fwd") else "head_s" if kind == "head" else "backward_s"
+            out[phase] += t1 - t0
+        return out
 
     def _timeline(self, marks: Marks) -> dict:
         """Per-unit lanes for the timeline picture: compute marks, H2D and D2H copy intervals."""

@@ -33,14 +33,17 @@ class StoreOwner(Role):
         self.done.wait()
 
     def create(self, run_id: str, model_cfg: ModelConfig, no_decay_1d: bool, clip: bool, engine: EngineConfig,
-               num_packers: int, num_accumulators: int, ipc_cfg: IpcConfig) -> StoreSpec:
-        """Plan (resolving the staging mode on this node's memory), create and fill the store."""
+               num_packers: int, num_accumulators: int, ipc_cfg: IpcConfig,
+               ram_only: dict[str, int] | None = None) -> StoreSpec:
+        """Plan (resolving the staging mode on this node's memory), create and fill the store.
+        `ram_only`: host memory other processes will take outside the store, for the fit check."""
         removed = sweep(shm_dir=ipc_cfg.shm_dir)
         if removed:
             print(f"[{self.name}] swept {len(removed)} objects of dead runs from {ipc_cfg.shm_dir}", flush=True)
         spec = plan_store(run_id, build_spec(model_cfg, no_decay_1d), engine.compute_dtype, engine.checkpoint_interval,
-                          num_packers, num_accumulators, ipc_cfg, cuda=engine.device == "cuda", clip=clip)
-        self.store = Store.create(spec)
+                          num_packers, num_accumulators, ipc_cfg, cuda=engine.device == "cuda", clip=clip,
+                          ram_only=ram_only)
+        self.store = Store.create(spec, ram_only)
         self._start_reaper(run_id)
         self._fill(model_cfg)
         return spec

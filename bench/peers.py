@@ -1,6 +1,7 @@
 """Peers measured in the same run as MegaTrain: the same model, batch and step count.
 
-DeepSpeed ZeRO-3 offload is not among them yet (it needs the bundle built with --with-deepspeed).
+DeepSpeed ZeRO-3 offload runs when deepspeed is importable (../shared/device/make-bundle.sh
+--with-deepspeed bundles it); otherwise it is reported as "not installed", never skipped silently.
 
 Each returns {"name", "step_time_s", "gpu_peak_bytes"} or {"name", "status": "OOM" | "error: ..."}.
 """
@@ -107,4 +108,58 @@ def fsdp2_offload(hf, data: DataConfig, steps: int) -> dict:
     return _guard("FSDP2 CPU offload", run)
 
 
-PEERS = {"plain": plain_pytorch, "fsdp2": fsdp2_offload}
+def _ds_config(data: DataConfig, torch_adam: bool) -> dict:
+    """ZeRO-3 with parameters and optimizer offloaded to pinned CPU memory; bf16 compute, fp32 master
+    and Adam state on the CPU; the same clipping and learning rate as the other peers."""
+    cfg = {"train_micro_batch_size_per_gpu": data.batch_size, "gradient_accumulation_steps": 1,
+           "gradient_clipping": 1.0, "bf16": {"enabled": True}, "steps_per_print": 10**9,
+           "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
+                                 "offload_param": {"device": "cpu", "pin_memory": True},
+                                 "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    if torch_adam:
+        cfg["zero_force_ds_cpu_optimizer"] = False
+    else:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}}
+    return cfg
+
+
+def deepspeed_zero3(hf, data: DataConfig, steps: int) -> dict:
+    """DeepSpeed ZeRO-3, parameters and optimizer offloaded to the CPU, at world size 1.
+
+    Its own CPU Adam is a C++ extension built on first use; where that build fails (no compiler on
+    the machine) the peer runs with torch's AdamW on the offloaded fp32 partitions and says so."""
+    try:
+        import deepspeed
+    except ImportError:
+        return {"name": "DeepSpeed ZeRO-3 offload", "status": "not installed"}
+
+    def run(torch_adam: bool) -> dict:
+        for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                     ("MASTER_PORT", "29518")):
+            os.environ.setdefault(k, v)
+        deepspeed.init_distributed(dist_backend="nccl", verbose=False)
+        model = _model(hf, "cpu")
+        model.gradient_checkpointing_enable()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0) if torch_adam else None
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(data, torch_adam),
+                                          model_parameters=None if torch_adam else model.parameters())
+
+        def step(t: int) -> None:
+            ids, labels = (x.cuda() for x in batch(data, t))
+            engine.backward(engine(input_ids=ids, labels=labels).loss)
+            engine.step()
+
+        try:
+            return {"step_times_s": _timed_steps(step, steps)}
+        finally:
+            engine.destroy()
+
+    res = _guard("DeepSpeed ZeRO-3 offload", lambda: run(False))
+    if res["status"].startswith("error"):
+        first = res["status"]
+        res = _guard("DeepSpeed ZeRO-3 offload (torch AdamW)", lambda: run(True))
+        res["note"] = f"DeepSpeedCPUAdam failed: {first}"
+    return res
+
+
+PEERS = {"plain": plain_pytorch, "fsdp2": fsdp2_offload, "deepspeed": deepspeed_zero3}

@@ -39,7 +39,7 @@ def overrides(args: argparse.Namespace, out: Path, extra: list[str]) -> list[str
     return ["model.family=qwen2", f"model.hf={json.dumps(hf)}", f"data.seq_len={args.seq}",
             f"data.batch_size={args.batch}", f"train.steps={args.steps}", f"train.timeline_step={args.steps}",
             f"train.output_dir={out}", "train.log_every=1", "engine.device=cuda",
-            f"engine.checkpoint_interval={args.k}",
+            f"engine.checkpoint_interval={args.k}", f"engine.chunk_sequences={args.chunk}",
             f"engine.loss_chunk_tokens={args.loss_chunk}", f"actors.num_packers={args.packers}",
             f"actors.packer_threads={args.packer_threads}", f"actors.num_accumulators={args.accumulators}",
             f"actors.adam_threads={args.adam_threads}", f"actors.accumulator_threads={args.accumulator_threads}",
@@ -61,7 +61,8 @@ def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str]) -> 
     h2d_busy = pick("h2d_bytes")
     res = {"name": f"MegaTrain ({name}, {summary['staging']})", "status": "ok", "step_time_s": med,
            "step_times_s": [r["step_time_s"] for r in summary["metrics"]],
-           "num_params": summary["num_params"], "host_bytes_per_param": summary["store_bytes"] / summary["num_params"],
+           "num_params": summary["num_params"],
+           "host_bytes_per_param": (summary["store_bytes"] + summary["executor_host_bytes"]) / summary["num_params"],
            "gpu_peak_bytes": max(r.get("gpu_peak_bytes", 0) for r in rows),
            **{k: pick(k) for k in ("forward_s", "head_s", "backward_s", "weight_wait_s", "grad_wait_s", "adam_s")},
            "h2d_GBps_avg": h2d_busy / med / 1e9, "d2h_GBps_avg": pick("d2h_bytes") / med / 1e9,
@@ -111,6 +112,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--k", type=int, default=1, help="checkpoint interval")
+    p.add_argument("--chunk", type=int, default=0, help="sequences per compute chunk (0 = whole batch)")
     p.add_argument("--loss-chunk", type=int, default=8192, help="tokens per LM-head/loss chunk")
     p.add_argument("--packers", type=int, default=4)
     p.add_argument("--packer-threads", type=int, default=2)

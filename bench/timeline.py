@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 LANE_COLORS = {"fwd": "tab:blue", "recompute": "tab:cyan", "bwd": "tab:orange", "head": "tab:red",
-               "forward": "tab:gray", "backward": "tab:gray", "end": "tab:gray"}
+               "forward": "tab:gray", "embed-bwd": "tab:brown", "end": "tab:gray"}
 
 
 def compute_spans(marks: list[tuple[str, float]]) -> list[tuple[str, float, float]]:
     """Consecutive marks become (label, start, end) spans; phase marks only bound them."""
     spans = []
     for (name, t0), (_, t1) in zip(marks, marks[1:]):
-        if name not in ("forward", "backward", "end"):
+        if name not in ("forward", "end"):
             spans.append((name, t0, t1))
     return spans
 

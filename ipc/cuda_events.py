@@ -19,6 +19,9 @@ def register_host(region: torch.Tensor) -> None:
         raise RuntimeError(f"cudaHostRegister of {region.numel() * region.element_size()} bytes failed: {err}")
 
 
+def unregister_host(region: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(region.data_ptr())
+
 
 def make_ipc_events(n: int) -> tuple[list[torch.cuda.Event], list[bytes]]:
     events = [torch.cuda.Event(interprocess=True) for _ in range(n)]

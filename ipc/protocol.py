@@ -177,7 +177,8 @@ class StoreSpec:
 
 
 def plan_store(run_id: str, model: ModelSpec, staging_dtype: str, checkpoint_interval: int, num_packers: int,
-               num_accumulators: int, ipc: IpcConfig, cuda: bool, clip: bool = True) -> StoreSpec:
+               num_accumulators: int, ipc: IpcConfig, cuda: bool, clip: bool = True,
+               ram_only: dict[str, int] | None = None) -> StoreSpec:
     """Resolve ipc.staging: as asked, or for 'auto' resident on cuda when it fits in memory, else slabs."""
     def make(mode: str) -> StoreSpec:
         return StoreSpec(run_id, model, staging_dtype, checkpoint_interval, num_packers, num_accumulators, ipc, mode,
@@ -189,7 +190,7 @@ def plan_store(run_id: str, model: ModelSpec, staging_dtype: str, checkpoint_int
         return make("slabs")  # no DMA to feed: a resident copy would only cost memory
     resident = make("resident")
     try:
-        check_space(resident.part_bytes(), ipc.shm_dir)
+        check_space(resident.part_bytes(), ipc.shm_dir, ram_only)
         return resident
     except ResourceError:
         return make("slabs")
@@ -211,10 +212,10 @@ class Store:
 
     # ---- lifecycle -------------------------------------------------------------------------
     @classmethod
-    def create(cls, spec: StoreSpec) -> Store:
+    def create(cls, spec: StoreSpec, ram_only: dict[str, int] | None = None) -> Store:
         """Owner only: check space, create every segment (ctl first) and semaphore, zeroed."""
         parts = spec.part_bytes()
-        check_space(parts, spec.ipc.shm_dir)
+        check_space(parts, spec.ipc.shm_dir, ram_only)
         hdr = Header(spec.layout_hash(), spec.run_id)
         segments: dict[str, Segment] = {}
         sems: dict[str, posix_ipc.Semaphore] = {}

@@ -160,14 +160,20 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def check_space(parts: dict[str, int], shm_dir: str = "/dev/shm") -> None:
-    """Refuse, with the numbers, a store that would not fit in /dev/shm or in available RAM."""
+def check_space(parts: dict[str, int], shm_dir: str = "/dev/shm", ram_only: dict[str, int] | None = None) -> None:
+    """Refuse, with the numbers, a store that would not fit in /dev/shm or in available RAM.
+
+    `ram_only` is host memory the run will take outside shared memory (the executor's pinned
+    activation checkpoints): it counts against RAM, not against /dev/shm."""
     need = sum(parts.values()) + len(parts) * HEADER_BYTES
     detail = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
     free = shm_free_bytes(shm_dir)
     if need > free:
         raise ResourceError(f"the host store needs {gib(need)} in {shm_dir} ({detail}) but only {gib(free)} "
                             f"is free; free space there, enlarge it, or train a smaller model")
+    ram_only = {k: v for k, v in (ram_only or {}).items() if v}
+    need += sum(ram_only.values())
+    detail += "".join(f", {k} {gib(v)}" for k, v in ram_only.items())
     avail = mem_available_bytes()
     if avail and need > avail:
         raise ResourceError(f"the host store needs {gib(need)} of RAM ({detail}) but only {gib(avail)} is "

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from megatrain.activations import Checkpoints
 from megatrain.configbase import opt
 from megatrain.model import ModelSpec, meta_model
 
@@ -34,6 +35,14 @@ class EngineConfig:
                            "2 = triple); 0 copies on the compute stream (the no-double-buffering ablation).")
     loss_chunk_tokens: int = opt(2048, "Tokens per LM-head/loss chunk; [chunk, vocab] logits is the largest "
                                        "head activation.")
+    chunk_sequences: int = opt(0, "Sequences per compute chunk: every layer runs the batch in chunks of this "
+                                  "many sequences and sums its gradient over the chunks on the device in fp32 "
+                                  "before it leaves, so activation memory follows the chunk and PCIe traffic "
+                                  "stays one gradient per layer per step; 0 = the whole batch in one chunk.")
+    offload_checkpoints: bool = opt(True, "CUDA: keep the activation checkpoints in pinned host memory (out "
+                                          "in the forward, back one block ahead in the backward) so GPU memory "
+                                          "does not grow with depth; costs blocks·tokens·hidden·2 bytes of host "
+                                          "RAM in the executor.")
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -46,6 +55,8 @@ class EngineConfig:
             raise ValueError("engine.prefetch must be >= 0")
         if self.loss_chunk_tokens < 1:
             raise ValueError("engine.loss_chunk_tokens must be >= 1")
+        if self.chunk_sequences < 0:
+            raise ValueError("engine.chunk_sequences must be >= 0 (0 = the whole batch in one chunk)")
 
 
 def resolve_engine(cfg: EngineConfig, cuda: bool) -> EngineConfig:
@@ -64,6 +75,14 @@ def resolve_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
     if cfg.compute_dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.compute_dtype]
+
+
+def checkpoint_host_bytes(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int) -> int:
+    """Pinned host RAM the executor takes for offloaded checkpoints (a resolved config; 0 if on the GPU)."""
+    if cfg.device != "cuda" or not cfg.offload_checkpoints:
+        return 0
+    saved = len(blocks(spec.layout.num_layers, cfg.checkpoint_interval)) - 1
+    return saved * batch * seq * spec.hf_config.hidden_size * (2 if cfg.compute_dtype == "bf16" else 4)
 
 
 def blocks(num_layers: int, k: int) -> list[list[int]]:
@@ -149,21 +168,58 @@ class StepResult:
     tokens: torch.Tensor  # tokens that carried a label (device scalar)
 
 
+class _Block:
+    """One checkpoint block's weights (fetched on first use) and fp32 gradient sums over chunks."""
+
+    def __init__(self, units: list[int], src: WeightSource, chunks: int):
+        self.units, self.src, self.chunks = units, src, chunks
+        self.flats: dict[int, torch.Tensor] = {}
+        self.sums: dict[int, torch.Tensor] = {}
+
+    def weights(self, unit: int) -> torch.Tensor:
+        if unit not in self.flats:
+            self.flats[unit] = self.src.fetch(unit).requires_grad_(True)
+        return self.flats[unit]
+
+    def collect(self, unit: int) -> None:
+        """Take this chunk's gradient of `unit` (a whole batch in one chunk needs no sum)."""
+        flat = self.flats[unit]
+        if self.chunks == 1:
+            self.sums[unit] = flat.grad
+        elif unit in self.sums:
+            self.sums[unit] += flat.grad  # fp32 += compute dtype: the sum itself is fp32
+        else:
+            self.sums[unit] = flat.grad.float()
+        flat.grad = None  # the next chunk's backward must not accumulate in the compute dtype
+
+    def emit(self, sink: GradSink) -> None:
+        for u in reversed(self.units):
+            sink.emit(u, self.sums.pop(u))
+            del self.flats[u]
+
+
 class StepEngine:
     def __init__(self, spec: ModelSpec, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
         self.spec, self.cfg, self.device, self.dtype = spec, cfg, device, dtype
         self.t = Templates(spec, device)
         self.n = spec.layout.num_layers
         self.blocks = blocks(self.n, cfg.checkpoint_interval)
+        self.checkpoints = Checkpoints(device, cfg.offload_checkpoints)
         self.mark: Callable[[str], None] = lambda name: None
 
     def step(self, ids: torch.Tensor, labels: torch.Tensor, src: WeightSource, sink: GradSink,
              mark: Callable[[str], None] = lambda name: None) -> StepResult:
         """One step's forward and backward. `mark(name)` is called at phase and layer boundaries
-        (the executor records CUDA events there for the time split and the timeline)."""
+        (the executor records CUDA events there for the time split and the timeline).
+
+        Every layer processes the batch in chunks of `chunk_sequences` sequences; the last block runs
+        forward, head and backward chunk by chunk, earlier blocks are recomputed chunk by chunk from
+        their checkpoint, and each layer's gradient is summed over chunks in fp32 before it leaves.
+        """
         self.mark = mark
         mark("forward")
         ids, labels = ids.to(self.device), labels.to(self.device)
+        chunks = self._chunks(ids.shape[0])
         emb_flat = src.fetch(0)
         with torch.no_grad():
             h = F.embedding(ids, self.t.embed_weight(emb_flat), self.t.pad_id)
@@ -171,76 +227,83 @@ class StepEngine:
         with torch.no_grad():
             pos = self.t.rotary(h, pos_ids)
         ctx = (pos, pos_ids)
-        checkpoints, last = self._forward(h, ctx, src)
+        h = self._forward(h, ctx, src, chunks)
         if not self.spec.layout.tied:
             emb_flat = None  # the untied embedding's backward needs only the token ids
-        mark("head")
-        loss, tokens, g, tied_grad = self._head(last[-1].out, src.fetch(self.n + 1), emb_flat, labels, sink)
-        mark("backward")
-        g = self._backward(last, g, sink)
+        self.checkpoints.prefetch(len(self.blocks) - 2)
+        loss, tokens, g, tied_grad = self._last_block_and_head(h, ctx, labels, emb_flat, src, sink, chunks)
         for b in range(len(self.blocks) - 2, -1, -1):
-            g = self._backward(self._block_with_grad(self.blocks[b], checkpoints[b], ctx, src, "recompute"), g, sink)
+            h = self.checkpoints.get(b)
+            self.checkpoints.prefetch(b - 1)
+            g = self._recompute_backward(_Block(self.blocks[b], src, len(chunks)), h, g, ctx, sink, chunks)
+        mark("embed-bwd")
         self._embed_backward(ids, g, tied_grad, sink)
         mark("end")
         return StepResult(loss, tokens)
 
-    def _forward(self, h: torch.Tensor, ctx: tuple, src: WeightSource) -> tuple[list[torch.Tensor], list[_Act]]:
-        checkpoints = []
-        for blk in self.blocks[:-1]:
-            checkpoints.append(h)
+    def _chunks(self, batch: int) -> list[slice]:
+        size = self.cfg.chunk_sequences or batch
+        return [slice(s, min(s + size, batch)) for s in range(0, batch, size)]
+
+    def _forward(self, h: torch.Tensor, ctx: tuple, src: WeightSource, chunks: list[slice]) -> torch.Tensor:
+        """No-grad forward through every block but the last, checkpointing each block's input."""
+        for b, blk in enumerate(self.blocks[:-1]):
+            self.checkpoints.put(b, h)
             with torch.no_grad():
                 for u in blk:
                     w = src.fetch(u)
                     self.mark(f"fwd:{u}")
-                    h = self.t.layer(u, w, h, *ctx)
-        return checkpoints, self._block_with_grad(self.blocks[-1], h, ctx, src)
+                    out = torch.empty_like(h)
+                    for c in chunks:
+                        out[c] = self.t.layer(u, w, h[c], *ctx)
+                    h = out
+        return h
 
-    def _block_with_grad(self, units: list[int], h: torch.Tensor, ctx: tuple, src: WeightSource,
-                         phase: str = "fwd") -> list[_Act]:
+    def _with_grad(self, blk: _Block, h: torch.Tensor, ctx: tuple, phase: str) -> list[_Act]:
         acts = []
-        for u in units:
-            flat = src.fetch(u).requires_grad_(True)
+        for u in blk.units:
+            flat = blk.weights(u)
             self.mark(f"{phase}:{u}")
             x = h.detach().requires_grad_(True)
             h = self.t.layer(u, flat, x, *ctx)
             acts.append(_Act(u, flat, x, h))
         return acts
 
-    def _backward(self, acts: list[_Act], g: torch.Tensor, sink: GradSink) -> torch.Tensor:
+    def _backward(self, blk: _Block, acts: list[_Act], g: torch.Tensor) -> torch.Tensor:
         while acts:
             a = acts.pop()
             self.mark(f"bwd:{a.unit}")
             torch.autograd.backward(a.out, g)
-            sink.emit(a.unit, a.flat.grad)
+            blk.collect(a.unit)
             g = a.x.grad
         return g
 
-    def _head(self, h: torch.Tensor, head_flat: torch.Tensor, emb_flat: torch.Tensor | None,
-              labels: torch.Tensor, sink: GradSink):
-        """Norm + LM head + loss in token chunks, backward per chunk: [tokens, vocab] never exists."""
-        shape = h.shape
-        x_all = h.detach().reshape(-1, shape[-1])
-        tgt = F.pad(labels[:, 1:], (0, 1), value=IGNORE).reshape(-1)
+    def _recompute_backward(self, blk: _Block, h: torch.Tensor, g: torch.Tensor, ctx: tuple, sink: GradSink,
+                            chunks: list[slice]) -> torch.Tensor:
+        g_in = torch.empty_like(g)
+        for c in chunks:
+            g_in[c] = self._backward(blk, self._with_grad(blk, h[c], ctx, "recompute"), g[c])
+        blk.emit(sink)
+        return g_in
+
+    def _last_block_and_head(self, h: torch.Tensor, ctx: tuple, labels: torch.Tensor,
+                             emb_flat: torch.Tensor | None, src: WeightSource, sink: GradSink, chunks: list[slice]):
+        """Per chunk: forward through the last block with grad, head + loss, backward into the block."""
+        blk = _Block(self.blocks[-1], src, len(chunks))
+        tgt = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
         tokens = (tgt != IGNORE).sum()
-        denom = tokens.clamp(min=1).float()
-        head_flat.requires_grad_(True)
-        leaves = [head_flat] + ([emb_flat.requires_grad_(True)] if emb_flat is not None else [])
-        sums = [torch.zeros(t.numel(), dtype=torch.float32, device=self.device) for t in leaves]
-        grad_x = torch.empty_like(x_all)
-        loss = torch.zeros((), dtype=torch.float32, device=self.device)
-        step = self.cfg.loss_chunk_tokens
-        for c in range(0, x_all.shape[0], step):
-            xc = x_all[c: c + step].detach().requires_grad_(True)
-            logits = self.t.head(head_flat, emb_flat, xc)
-            lc = F.cross_entropy(logits.float(), tgt[c: c + step], ignore_index=IGNORE, reduction="sum") / denom
-            lc.backward()
-            grad_x[c: c + step] = xc.grad
-            for acc, leaf in zip(sums, leaves):
-                acc += leaf.grad.float()  # fp32 sum over chunks, whatever the compute dtype
-                leaf.grad = None
-            loss += lc.detach()
-        sink.emit(self.n + 1, sums[0])
-        return loss, tokens, grad_x.view(shape), (sums[1] if len(sums) > 1 else None)
+        head = _Head(self, emb_flat, tokens.clamp(min=1).float())
+        g = torch.empty_like(h)
+        for c in chunks:
+            acts = self._with_grad(blk, h[c], ctx, "fwd")
+            if head.flat is None:
+                head.flat = src.fetch(self.n + 1).requires_grad_(True)
+            self.mark("head")
+            g_out = head.chunk(acts[-1].out, tgt[c])
+            g[c] = self._backward(blk, acts, g_out)
+        sink.emit(self.n + 1, head.sums[0])
+        blk.emit(sink)
+        return head.loss, tokens, g, (head.sums[1] if len(head.sums) > 1 else None)
 
     def _embed_backward(self, ids: torch.Tensor, g: torch.Tensor, tied: torch.Tensor | None,
                         sink: GradSink) -> None:
@@ -252,3 +315,36 @@ class StepEngine:
             g = g.masked_fill(ids.reshape(-1, 1) == self.t.pad_id, 0.0)
         rows.index_add_(0, ids.reshape(-1), g)
         sink.emit(0, grad)
+
+
+class _Head:
+    """Norm + LM head + loss in token chunks, backward per chunk: [tokens, vocab] never exists.
+
+    Its weight gradients (and the tied embedding's) are summed in fp32 over all chunks of the step."""
+
+    def __init__(self, engine: StepEngine, emb_flat: torch.Tensor | None, denom: torch.Tensor):
+        self.e, self.emb_flat, self.denom = engine, emb_flat, denom
+        self.flat: torch.Tensor | None = None
+        self.sums: list[torch.Tensor] = []
+        self.loss = torch.zeros((), dtype=torch.float32, device=engine.device)
+
+    def chunk(self, h: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        """Loss of one sequence chunk's tokens (added to the step's); returns d loss / d h."""
+        leaves = [self.flat] + ([self.emb_flat.requires_grad_(True)] if self.emb_flat is not None else [])
+        if not self.sums:
+            self.sums = [torch.zeros(t.numel(), dtype=torch.float32, device=self.e.device) for t in leaves]
+        x_all = h.detach().reshape(-1, h.shape[-1])
+        tgt = tgt.reshape(-1)
+        grad_x = torch.empty_like(x_all)
+        step = self.e.cfg.loss_chunk_tokens
+        for c in range(0, x_all.shape[0], step):
+            xc = x_all[c: c + step].detach().requires_grad_(True)
+            logits = self.e.t.head(self.flat, self.emb_flat, xc)
+            lc = F.cross_entropy(logits.float(), tgt[c: c + step], ignore_index=IGNORE, reduction="sum") / self.denom
+            lc.backward()
+            grad_x[c: c + step] = xc.grad
+            for acc, leaf in zip(self.sums, leaves):
+                acc += leaf.grad  # fp32 sum over chunks, whatever the compute dtype
+                leaf.grad = None
+            self.loss += lc.detach()
+        return grad_x.view(h.shape)

@@ -14,7 +14,9 @@ from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_engine_matches_hf_autograd(family: str, tied: bool, k: int) -> None:
+@pytest.mark.parametrize("chunk", [0, 1, 2])
+def test_engine_matches_hf_autograd(family: str, tied: bool, k: int, chunk: int) -> None:
+    """k=3 is one block (no recompute); chunk 2 of a batch of 3 leaves an uneven last chunk."""
     model = tiny_hf(family, tied)
     spec = spec_for(model, family)
     data = DataConfig(seq_len=24, batch_size=3)
@@ -25,8 +27,8 @@ def test_engine_matches_hf_autograd(family: str, tied: bool, k: int) -> None:
     state = {k_: v.detach() for k_, v in model.state_dict().items()}
 
     n = spec.layout.num_layers
-    engine = StepEngine(spec, EngineConfig(checkpoint_interval=k, loss_chunk_tokens=10), torch.device("cpu"),
-                        torch.float32)
+    cfg = EngineConfig(checkpoint_interval=k, loss_chunk_tokens=10, chunk_sequences=chunk)
+    engine = StepEngine(spec, cfg, torch.device("cpu"), torch.float32)
     src, sink = DictSource(spec, state, fetch_order(n, k)), DictSink()
     res = engine.step(ids, labels, src, sink)
 
