@@ -20,7 +20,9 @@ def register_host(region: torch.Tensor) -> None:
 
 
 def unregister_host(region: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(region.data_ptr())
+    err = torch.cuda.cudart().cudaHostUnregister(region.data_ptr())
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostUnregister failed: {err}")
 
 
 def make_ipc_events(n: int) -> tuple[list[torch.cuda.Event], list[bytes]]:

@@ -15,6 +15,25 @@ from __future__ import annotations
 import torch
 
 
+class _Registered:
+    """A host tensor page-locked with cudaHostRegister for as long as this object lives.
+
+    Registered rather than torch's pinned allocator, which rounds every block up to a power of two
+    (470 MB would take 512 MB of page-locked RAM, per block). Unregistered before the memory is freed:
+    a stale registration over a range that malloc later maps again makes copies fail."""
+
+    def __init__(self, like: torch.Tensor):
+        from megatrain.ipc.cuda_events import register_host
+
+        self.t = torch.empty(like.shape, dtype=like.dtype)
+        register_host(self.t)
+
+    def __del__(self) -> None:
+        from megatrain.ipc.cuda_events import unregister_host
+
+        unregister_host(self.t)
+
+
 class Checkpoints:
     """Block b's input activation: `put` in the forward, `prefetch`/`get` in the backward."""
 
@@ -22,37 +41,27 @@ class Checkpoints:
         self.device = device
         self.offload = offload and device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.offload else None
-        self.host: dict[int, torch.Tensor] = {}  # pinned buffers, reused across steps
+        self.host: dict[int, _Registered] = {}  # pinned buffers, reused across steps
         self.kept: dict[int, torch.Tensor] = {}  # on the device: not offloaded, or fetched back
         self.ready: dict[int, torch.cuda.Event] = {}
 
     def host_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.host.values())
+        return sum(r.t.numel() * r.t.element_size() for r in self.host.values())
 
     def put(self, b: int, h: torch.Tensor) -> None:
         if not self.offload:
             self.kept[b] = h
             return
-        buf = self.host.get(b)
-        if buf is None or buf.shape != h.shape or buf.dtype != h.dtype:
-            buf = self.host[b] = self._pinned(h, buf)
+        reg = self.host.get(b)
+        if reg is None or reg.t.shape != h.shape or reg.t.dtype != h.dtype:
+            self.host.pop(b, None)  # unregistered before the new one is taken
+            reg = self.host[b] = _Registered(h)
+        buf = reg.t
         produced = torch.cuda.current_stream(self.device).record_event()
         self.stream.wait_event(produced)
         with torch.cuda.stream(self.stream):
             buf.copy_(h, non_blocking=True)
         h.record_stream(self.stream)  # its memory may be reused only after the copy has read it
-
-    @staticmethod
-    def _pinned(like: torch.Tensor, old: torch.Tensor | None) -> torch.Tensor:
-        # Registered rather than torch's pinned allocator, which rounds every block up to a power of two
-        # (470 MB would take 512 MB of page-locked RAM, per block).
-        from megatrain.ipc.cuda_events import register_host, unregister_host
-
-        if old is not None:
-            unregister_host(old)
-        buf = torch.empty(like.shape, dtype=like.dtype)
-        register_host(buf)
-        return buf
 
     def prefetch(self, b: int) -> None:
         """Start bringing block b's checkpoint back (no-op if it is on the device already)."""
@@ -60,7 +69,7 @@ class Checkpoints:
             return
         # The stream is FIFO, so this copy runs after this block's D2H copy in the forward.
         with torch.cuda.stream(self.stream):
-            self.kept[b] = self.host[b].to(self.device, non_blocking=True)
+            self.kept[b] = self.host[b].t.to(self.device, non_blocking=True)
             self.ready[b] = self.stream.record_event()
 
     def get(self, b: int) -> torch.Tensor:

@@ -86,8 +86,13 @@ def checkpoint_host_bytes(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: i
 
 
 def blocks(num_layers: int, k: int) -> list[list[int]]:
-    """Unit indices of each checkpoint block (layers are units 1..N)."""
-    return [list(range(s, min(s + k, num_layers + 1))) for s in range(1, num_layers + 1, k)]
+    """Unit indices of each checkpoint block (layers are units 1..N).
+
+    Counted from the top, so a short block, if any, is the first: the last block is never recomputed
+    (it runs with grad in the forward), so it should be a full one."""
+    first = num_layers % k
+    head = [list(range(1, first + 1))] if first else []
+    return head + [list(range(s, s + k)) for s in range(first + 1, num_layers + 1, k)]
 
 
 def fetch_order(num_layers: int, k: int) -> list[int]:

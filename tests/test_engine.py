@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from megatrain.data import DataConfig, batch
-from megatrain.engine import EngineConfig, StepEngine, fetch_order, grad_order
+from megatrain.engine import EngineConfig, StepEngine, blocks, fetch_order, grad_order
 from megatrain.weights import flat_unit
 from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
 
@@ -39,3 +39,10 @@ def test_engine_matches_hf_autograd(family: str, tied: bool, k: int, chunk: int)
         want = flat_unit(spec, unit, ref_grads)
         got = sink.grads[unit][: want.numel()]
         assert torch.linalg.norm(got - want) <= 1e-5 * torch.linalg.norm(want), unit
+
+
+def test_blocks_put_the_short_one_first() -> None:
+    assert blocks(8, 3) == [[1, 2], [3, 4, 5], [6, 7, 8]]
+    assert blocks(8, 4) == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert blocks(3, 5) == [[1, 2, 3]]
+    assert fetch_order(3, 2) == [0, 1, 2, 3, 4, 1]

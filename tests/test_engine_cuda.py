@@ -23,8 +23,9 @@ class CudaSource(DictSource):
 @pytest.mark.parametrize("offload", [True, False])
 @pytest.mark.parametrize("k,chunk", [(1, 0), (1, 1), (2, 2), (4, 1)])
 def test_cuda_engine_matches_hf_autograd(offload: bool, k: int, chunk: int) -> None:
-    model = tiny_hf("qwen2", tied=False, layers=5)
-    spec = spec_for(model, "qwen2")
+    # llama: Qwen2's k_proj.bias has an exactly-zero gradient, which a relative check cannot hold
+    model = tiny_hf("llama", tied=False, layers=5)
+    spec = spec_for(model, "llama")
     ids, labels = batch(DataConfig(seq_len=32, batch_size=3), 0)
     ref_loss = model(input_ids=ids, labels=labels).loss
     ref_loss.backward()
@@ -41,7 +42,9 @@ def test_cuda_engine_matches_hf_autograd(offload: bool, k: int, chunk: int) -> N
     torch.cuda.synchronize()
     assert (engine.checkpoints.host_bytes() > 0) == (offload and k < n)
     assert abs(float(res.loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    del engine  # its pinned checkpoint buffers are unregistered and freed here, not in a later test
     for unit in range(n + 2):
         want = flat_unit(spec, unit, ref_grads)
         got = sink.grads[unit][: want.numel()].cpu()
-        assert torch.linalg.norm(got - want) <= 1e-4 * torch.linalg.norm(want), unit
+        err = float(torch.linalg.norm(got - want) / torch.linalg.norm(want))
+        assert err <= 1e-4, (unit, err)
