@@ -139,10 +139,21 @@ class Templates:
             self.rotary = type(model.model.rotary_emb)(config=spec.hf_config)
         self.pad_id = getattr(spec.hf_config, "pad_token_id", None)
 
-    def views(self, unit: int, flat: torch.Tensor, strip: str = "") -> dict[str, torch.Tensor]:
-        st = self.layout.structure_of(unit)
-        return {s.name[len(strip):]: flat[s.offset: s.offset + s.numel].view(s.shape)
-                for s in st.slots if s.name.startswith(strip)}
+    def views(self, unit: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The unit's tensors as views of its flat vector, made by one split: its backward writes the
+        flat gradient in one concatenation, where per-tensor slices would each add a full-size one."""
+        sizes, slots, pos = [], [], 0
+        for s in self.layout.structure_of(unit).slots:
+            if s.offset > pos:  # alignment padding between tensors
+                sizes.append(s.offset - pos)
+                slots.append(None)
+            sizes.append(s.numel)
+            slots.append(s)
+            pos = s.offset + s.numel
+        if flat.numel() > pos:
+            sizes.append(flat.numel() - pos)
+            slots.append(None)
+        return {s.name: part.view(s.shape) for s, part in zip(slots, flat.split(sizes)) if s is not None}
 
     def layer(self, unit: int, flat: torch.Tensor, x: torch.Tensor, pos: tuple, pos_ids: torch.Tensor) -> torch.Tensor:
         out = functional_call(self.layers[unit], self.views(unit, flat), (x,),
@@ -153,10 +164,9 @@ class Templates:
         return self.views(0, flat)["weight"]
 
     def head(self, head_flat: torch.Tensor, emb_flat: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-        head_unit = self.layout.num_layers + 1
-        normed = functional_call(self.norm, self.views(head_unit, head_flat, "norm."), (x,))
-        w = self.embed_weight(emb_flat) if self.layout.tied else self.views(head_unit, head_flat)["lm_head.weight"]
-        return F.linear(normed, w)
+        v = self.views(self.layout.num_layers + 1, head_flat)
+        normed = functional_call(self.norm, {k[len("norm."):]: t for k, t in v.items() if k.startswith("norm.")}, (x,))
+        return F.linear(normed, self.embed_weight(emb_flat) if self.layout.tied else v["lm_head.weight"])
 
 
 @dataclass

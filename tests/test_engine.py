@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from megatrain.data import DataConfig, batch
-from megatrain.engine import EngineConfig, StepEngine, blocks, fetch_order, grad_order
+from megatrain.engine import EngineConfig, StepEngine, blocks, checkpoint_host_bytes, fetch_order, grad_order
 from megatrain.weights import flat_unit
 from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
 
@@ -46,3 +48,13 @@ def test_blocks_put_the_short_one_first() -> None:
     assert blocks(8, 4) == [[1, 2, 3, 4], [5, 6, 7, 8]]
     assert blocks(3, 5) == [[1, 2, 3]]
     assert fetch_order(3, 2) == [0, 1, 2, 3, 4, 1]
+
+
+def test_checkpoint_host_bytes_follow_blocks_and_device() -> None:
+    spec = spec_for(tiny_hf("llama", tied=False, layers=5), "llama")
+    hidden = spec.hf_config.hidden_size
+    cuda = EngineConfig(device="cuda", compute_dtype="bf16", checkpoint_interval=2)
+    assert checkpoint_host_bytes(spec, cuda, 3, 16) == 2 * 3 * 16 * hidden * 2  # blocks [1], [2,3], [4,5]
+    assert checkpoint_host_bytes(spec, dataclasses.replace(cuda, offload_checkpoints=False), 3, 16) == 0
+    assert checkpoint_host_bytes(spec, dataclasses.replace(cuda, device="cpu"), 3, 16) == 0
+    assert checkpoint_host_bytes(spec, dataclasses.replace(cuda, checkpoint_interval=5), 3, 16) == 0

@@ -134,6 +134,16 @@ def test_check_space_refuses_more_than_available_ram(monkeypatch: pytest.MonkeyP
         shm.check_space({"params": 2**24}, SHM)
 
 
+def test_check_space_counts_ram_outside_shm_against_ram_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor's pinned checkpoints need RAM but no /dev/shm space; the refusal names them."""
+    monkeypatch.setattr(shm, "mem_available_bytes", lambda: 2**30)
+    shm.check_space({"params": 2**29}, SHM, {"activation checkpoints": 2**28})
+    with pytest.raises(ResourceError, match=r"activation checkpoints 0\.75 GiB.*but only 1\.00 GiB"):
+        shm.check_space({"params": 2**29}, SHM, {"activation checkpoints": 3 * 2**28})
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda _d: 2**29 + 2**20)
+    shm.check_space({"params": 2**29}, SHM, {"activation checkpoints": 2**28})  # fits /dev/shm, not counted there
+
+
 # ---- the sweeper -------------------------------------------------------------------------------------
 
 DEAD_OWNER = textwrap.dedent("""
