@@ -2,7 +2,8 @@
 
 The engine never owns weights. It asks a WeightSource for each unit's flat weight vector in a fixed
 order (`fetch_order`), binds views of it into stateless HF layer templates, and hands each unit's
-flat gradient to a GradSink the moment it is complete (`grad_order`). The executor actor plugs in
+flat gradient to a GradSink the moment it is complete (`grad_order`; with sequence chunks, in the
+backward of the last chunk). The executor actor plugs in
 the shared-memory source and sink; tests plug in plain tensors.
 """
 
@@ -186,8 +187,8 @@ class StepResult:
 class _Block:
     """One checkpoint block's weights (fetched on first use) and fp32 gradient sums over chunks."""
 
-    def __init__(self, units: list[int], src: WeightSource, chunks: int):
-        self.units, self.src, self.chunks = units, src, chunks
+    def __init__(self, units: list[int], src: WeightSource, sink: GradSink, chunks: int):
+        self.units, self.src, self.sink, self.chunks = units, src, sink, chunks
         self.flats: dict[int, torch.Tensor] = {}
         self.sums: dict[int, torch.Tensor] = {}
 
@@ -196,21 +197,23 @@ class _Block:
             self.flats[unit] = self.src.fetch(unit).requires_grad_(True)
         return self.flats[unit]
 
-    def collect(self, unit: int) -> None:
-        """Take this chunk's gradient of `unit` (a whole batch in one chunk needs no sum)."""
+    def collect(self, unit: int, final: bool) -> None:
+        """Take this chunk's gradient of `unit`; in the final chunk it is complete and leaves at once
+        (the backward visits units in reverse, which is the protocol's gradient order)."""
         flat = self.flats[unit]
         if self.chunks == 1:
-            self.sums[unit] = flat.grad
+            grad = flat.grad  # a whole batch in one chunk needs no sum
         elif unit in self.sums:
-            self.sums[unit] += flat.grad  # fp32 += compute dtype: the sum itself is fp32
+            grad = self.sums.pop(unit)
+            grad += flat.grad  # fp32 += compute dtype: the sum itself is fp32
         else:
-            self.sums[unit] = flat.grad.float()
+            grad = flat.grad.float()
         flat.grad = None  # the next chunk's backward must not accumulate in the compute dtype
-
-    def emit(self, sink: GradSink) -> None:
-        for u in reversed(self.units):
-            sink.emit(u, self.sums.pop(u))
-            del self.flats[u]
+        if final:
+            self.sink.emit(unit, grad)
+            del self.flats[unit]
+        else:
+            self.sums[unit] = grad
 
 
 class StepEngine:
@@ -250,7 +253,7 @@ class StepEngine:
         for b in range(len(self.blocks) - 2, -1, -1):
             h = self.checkpoints.get(b)
             self.checkpoints.prefetch(b - 1)
-            g = self._recompute_backward(_Block(self.blocks[b], src, len(chunks)), h, g, ctx, sink, chunks)
+            g = self._recompute_backward(_Block(self.blocks[b], src, sink, len(chunks)), h, g, ctx, chunks)
         mark("embed-bwd")
         self._embed_backward(ids, g, tied_grad, sink)
         mark("end")
@@ -284,27 +287,26 @@ class StepEngine:
             acts.append(_Act(u, flat, x, h))
         return acts
 
-    def _backward(self, blk: _Block, acts: list[_Act], g: torch.Tensor) -> torch.Tensor:
+    def _backward(self, blk: _Block, acts: list[_Act], g: torch.Tensor, final: bool) -> torch.Tensor:
         while acts:
             a = acts.pop()
             self.mark(f"bwd:{a.unit}")
             torch.autograd.backward(a.out, g)
-            blk.collect(a.unit)
+            blk.collect(a.unit, final)
             g = a.x.grad
         return g
 
-    def _recompute_backward(self, blk: _Block, h: torch.Tensor, g: torch.Tensor, ctx: tuple, sink: GradSink,
+    def _recompute_backward(self, blk: _Block, h: torch.Tensor, g: torch.Tensor, ctx: tuple,
                             chunks: list[slice]) -> torch.Tensor:
         g_in = torch.empty_like(g)
         for c in chunks:
-            g_in[c] = self._backward(blk, self._with_grad(blk, h[c], ctx, "recompute"), g[c])
-        blk.emit(sink)
+            g_in[c] = self._backward(blk, self._with_grad(blk, h[c], ctx, "recompute"), g[c], c is chunks[-1])
         return g_in
 
     def _last_block_and_head(self, h: torch.Tensor, ctx: tuple, labels: torch.Tensor,
                              emb_flat: torch.Tensor | None, src: WeightSource, sink: GradSink, chunks: list[slice]):
         """Per chunk: forward through the last block with grad, head + loss, backward into the block."""
-        blk = _Block(self.blocks[-1], src, len(chunks))
+        blk = _Block(self.blocks[-1], src, sink, len(chunks))
         tgt = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
         tokens = (tgt != IGNORE).sum()
         head = _Head(self, emb_flat, tokens.clamp(min=1).float())
@@ -315,9 +317,9 @@ class StepEngine:
                 head.flat = src.fetch(self.n + 1).requires_grad_(True)
             self.mark("head")
             g_out = head.chunk(acts[-1].out, tgt[c])
-            g[c] = self._backward(blk, acts, g_out)
-        sink.emit(self.n + 1, head.sums[0])
-        blk.emit(sink)
+            if c is chunks[-1]:
+                sink.emit(self.n + 1, head.sums[0])  # the head's gradient is first in the protocol's order
+            g[c] = self._backward(blk, acts, g_out, c is chunks[-1])
         return head.loss, tokens, g, (head.sums[1] if len(head.sums) > 1 else None)
 
     def _embed_backward(self, ids: torch.Tensor, g: torch.Tensor, tied: torch.Tensor | None,
