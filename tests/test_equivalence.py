@@ -40,10 +40,13 @@ VARIANTS = {
     "no-adam-overlap": ["train.overlap_adam=false"],
     "no-clip": ["optim.max_grad_norm=0"],
     "no-clip-resident": ["optim.max_grad_norm=0", "ipc.staging=resident"],
+    "chunks": ["engine.chunk_sequences=3"],  # batch 4: chunks of 3 and 1 sequences
+    "chunks-no-clip": ["engine.chunk_sequences=1", "optim.max_grad_norm=0"],
 }
 VARIANT_CASES = [("llama", True, 2, "resident"), ("qwen2", False, 1, "resident"), ("mistral", False, 3, "resident"),
                  ("llama", False, 1, "2packers-2accumulators-3slabs"), ("qwen2", True, 2, "no-adam-overlap"),
-                 ("llama", False, 2, "no-clip"), ("mistral", True, 1, "no-clip-resident")]
+                 ("llama", False, 2, "no-clip"), ("mistral", True, 1, "no-clip-resident"),
+                 ("qwen2", True, 2, "chunks"), ("llama", False, 3, "chunks-no-clip")]
 
 
 @pytest.mark.slow
