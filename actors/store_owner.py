@@ -14,7 +14,7 @@ import threading
 import torch
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, plan_store
-from megatrain.ipc.shm import remove_cuda_ipc_files, start_ticks, sweep
+from megatrain.ipc.shm import pss_bytes, remove_cuda_ipc_files, start_ticks, sweep
 
 from megatrain.engine import EngineConfig
 from megatrain.model import ModelConfig, build_spec, init_unit, meta_model
@@ -73,6 +73,12 @@ class StoreOwner(Role):
         tiles = ((u, self.store.torch_tile("params", u)) for u in range(self.store.spec.num_units))
         with torch.no_grad():
             return str(save_units(self.store.spec.model, tiles, directory))
+
+    def host_memory(self) -> dict[str, int]:
+        """Host memory of the run's processes on this node, as PSS: the owner, its reaper and every worker
+        recorded in ctl (the shared store counted once, split among the processes that map it)."""
+        pids = [os.getpid(), *([self.reaper.pid] if self.reaper else []), *(int(p) for p in self.store.pids if p > 0)]
+        return {"processes": len(pids), "pss_bytes": sum(pss_bytes(p) for p in pids)}
 
     def versions(self) -> list[int]:
         return [int(v) for v in self.store.versions]

@@ -63,6 +63,7 @@ def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str]) -> 
            "step_times_s": [r["step_time_s"] for r in summary["metrics"]],
            "num_params": summary["num_params"],
            "host_bytes_per_param": (summary["store_bytes"] + summary["executor_host_bytes"]) / summary["num_params"],
+           "process_pss_bytes_per_param": summary["process_pss_bytes"] / summary["num_params"],
            "gpu_peak_bytes": max(r.get("gpu_peak_bytes", 0) for r in rows),
            **{k: pick(k) for k in ("forward_s", "head_s", "backward_s", "weight_wait_s", "grad_wait_s", "adam_s")},
            "h2d_GBps_avg": h2d_busy / med / 1e9, "d2h_GBps_avg": pick("d2h_bytes") / med / 1e9,
@@ -84,7 +85,8 @@ def copy_rates(tl: dict, last: dict) -> dict:
 
 def table(results: list[dict], args: argparse.Namespace, hf) -> str:
     tokens = args.batch * args.seq
-    lines = ["| system | status | step s | tokens/s | TFLOPS | GPU peak GiB | host B/param | fwd / head / bwd s "
+    lines = ["| system | status | step s | tokens/s | TFLOPS | GPU peak GiB | host B/param (planned / PSS) "
+             "| fwd / head / bwd s "
              "| weight wait s | Adam s | H2D GB/s (busy) | D2H GB/s (busy) |", "|" + "---|" * 12]
     n = next((r["num_params"] for r in results if "num_params" in r), None)
     for r in results:
@@ -98,7 +100,9 @@ def table(results: list[dict], args: argparse.Namespace, hf) -> str:
         split = (f"{r['forward_s']:.2f} / {r['head_s']:.2f} / {r['backward_s']:.2f}" if "forward_s" in r else "")
         lines.append(f"| {r['name']} | ok | {st:.3f} | {tokens / st:,.0f} | {tf:.1f} "
                      f"| {r['gpu_peak_bytes'] / 2**30:.1f} "
-                     f"| {r.get('host_bytes_per_param', float('nan')):.2f} | {split} | {r.get('weight_wait_s', 0):.3f} "
+                     f"| {r.get('host_bytes_per_param', float('nan')):.2f} / "
+                     f"{r.get('process_pss_bytes_per_param', float('nan')):.2f} | {split} "
+                     f"| {r.get('weight_wait_s', 0):.3f} "
                      f"| {r.get('adam_s', 0):.3f} | {r.get('h2d_GBps_busy', float('nan')):.1f} "
                      f"| {r.get('d2h_GBps_busy', float('nan')):.1f} |")
     return "\n".join(lines)

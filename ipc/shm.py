@@ -156,6 +156,18 @@ def mem_available_bytes() -> int:
     return 0
 
 
+def pss_bytes(pid: int) -> int:
+    """Proportional set size of a process: shared pages split among the processes that map them, so the
+    sum over a run's processes counts the shared-memory store once (0 if the process is gone)."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 

@@ -77,13 +77,15 @@ class Trainer:
         try:
             self.setup()
             self.train()
+            mem = self._call_one("store-owner", "host_memory")  # after the last step: every page is in use
             if self.cfg.train.save_final:
                 path = self._call_one("store-owner", "save", str(self.out / "final"))
                 log(f"saved final fp32 weights to {path}")
             return {"run_id": self.run_id, "output_dir": str(self.out), "metrics": self.metrics,
                     "pids": dict(self.pids), "num_params": self.spec.layout.num_params,
                     "store_bytes": sum(self.spec.part_bytes().values()), "staging": self.spec.staging_mode,
-                    "executor_host_bytes": sum(self.ram_only.values())}
+                    "executor_host_bytes": sum(self.ram_only.values()), "process_pss_bytes": mem["pss_bytes"],
+                    "processes": mem["processes"]}
         finally:
             self.shutdown()
             atexit.unregister(self.shutdown)

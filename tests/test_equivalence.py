@@ -55,6 +55,9 @@ def test_staging_and_worker_variants_match_plain_pytorch(ray_cluster, tmp_path, 
                                                          variant: str) -> None:
     rep = compare(tiny_config(family, tied, k, tmp_path, extra=VARIANTS[variant]), tmp_path)
     check(rep, tied)
+    # Every process of the run reported, and their PSS holds at least the fp32 params, m and v.
+    s = rep["summary"]
+    assert s["processes"] >= 4 and s["process_pss_bytes"] >= 12 * s["num_params"]
     assert rep["summary"]["staging"] == ("resident" if "resident" in variant else "slabs")
 
 

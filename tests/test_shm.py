@@ -304,3 +304,8 @@ def test_reaper_exits_untouched_when_the_ctl_segment_is_unlinked(rid: str) -> No
     assert leftovers(rid) == []
 
 
+
+
+def test_pss_of_this_process_and_of_a_gone_one() -> None:
+    assert shm.pss_bytes(os.getpid()) > 0
+    assert shm.pss_bytes(2**31 - 7) == 0
