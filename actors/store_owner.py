@@ -77,8 +77,8 @@ class StoreOwner(Role):
     def host_memory(self) -> dict[str, int]:
         """Host memory of the run's processes on this node, as PSS: the owner, its reaper and every worker
         recorded in ctl (the shared store counted once, split among the processes that map it)."""
-        pids = [os.getpid(), *([self.reaper.pid] if self.reaper else []), *(int(p) for p in self.store.pids if p > 0)]
-        return {"processes": len(pids), "pss_bytes": sum(pss_bytes(p) for p in pids)}
+        pids = {os.getpid(), *([self.reaper.pid] if self.reaper else []), *(int(p) for p in self.store.pids if p > 0)}
+        return {"processes": len(pids), "pss_bytes": sum(pss_bytes(p) for p in pids)}  # a set: in-process actors
 
     def versions(self) -> list[int]:
         return [int(v) for v in self.store.versions]

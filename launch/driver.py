@@ -78,6 +78,8 @@ class Trainer:
             self.setup()
             self.train()
             mem = self._call_one("store-owner", "host_memory")  # after the last step: every page is in use
+            log(f"host memory of the run's {mem['processes']} processes (PSS): {gib(mem['pss_bytes'])}, "
+                f"{mem['pss_bytes'] / self.spec.layout.num_params:.2f} bytes per parameter")
             if self.cfg.train.save_final:
                 path = self._call_one("store-owner", "save", str(self.out / "final"))
                 log(f"saved final fp32 weights to {path}")
