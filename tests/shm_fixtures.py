@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from megatrain.ipc import shm
 from megatrain.ipc.protocol import PLANES, IpcConfig, StoreSpec
@@ -10,6 +13,16 @@ from megatrain.ipc.protocol import PLANES, IpcConfig, StoreSpec
 SHM = "/dev/shm"
 HASH = bytes(range(16))
 ALL_PARTS = (*PLANES, "staging")
+
+
+@contextmanager
+def owned(created: Any) -> Iterator[Any]:
+    """A Segment or Store this test created: unlinked and closed however the test ends."""
+    try:
+        yield created
+    finally:
+        created.unlink()
+        created.close()
 
 
 def leftovers(rid: str) -> list[str]:

@@ -20,7 +20,7 @@ from megatrain.ipc import shm
 from megatrain.ipc.shm import HEADER_BYTES, Header, Segment, seg_name, sem_name
 
 from megatrain.errors import LayoutMismatch, ResourceError
-from tests.shm_fixtures import HASH, SHM, leftovers, remove_all
+from tests.shm_fixtures import HASH, SHM, leftovers, owned, remove_all
 
 
 def child_env() -> dict:
@@ -36,8 +36,7 @@ def child_env() -> dict:
 def test_segment_create_names_mode_header_and_attach(rid: str) -> None:
     name = seg_name(rid, "params")
     assert name == f"/megatrain-{rid}-params"
-    seg = Segment.create(name, 12345, Header(HASH, rid))
-    try:
+    with owned(Segment.create(name, 12345, Header(HASH, rid))) as seg:
         st = os.stat(f"{SHM}/megatrain-{rid}-params")
         assert stat.S_IMODE(st.st_mode) == 0o600
         assert st.st_size == HEADER_BYTES + 12345
@@ -55,37 +54,21 @@ def test_segment_create_names_mode_header_and_attach(rid: str) -> None:
             other.close()
         with pytest.raises(posix_ipc.ExistentialError):  # the one owner creates, exclusively
             Segment.create(name, 10, Header(HASH, rid))
-    finally:
-        seg.unlink()
-        seg.close()
     assert leftovers(rid) == []
 
 
-def test_attach_with_wrong_layout_hash(rid: str) -> None:
+@pytest.mark.parametrize("owner_run, attach_hash, expect", [
+    ("{rid}", bytes(16), ["layout hash differs"]),
+    ("someoneelse", HASH, ["run id 'someoneelse'", "expected '{rid}'"]),
+], ids=["wrong-layout-hash", "wrong-run-id"])
+def test_attach_with_a_wrong_header_names_the_difference(rid: str, owner_run: str, attach_hash: bytes,
+                                                         expect: list[str]) -> None:
     name = seg_name(rid, "ctl")
-    seg = Segment.create(name, 64, Header(HASH, rid))
-    try:
+    with owned(Segment.create(name, 64, Header(HASH, owner_run.format(rid=rid)))):
         with pytest.raises(LayoutMismatch) as info:
-            Segment.attach(name, bytes(16), rid)
+            Segment.attach(name, attach_hash, rid)
         msg = str(info.value)
-        assert name in msg and "layout hash differs" in msg
-    finally:
-        seg.unlink()
-        seg.close()
-    assert leftovers(rid) == []
-
-
-def test_attach_with_wrong_run_id(rid: str) -> None:
-    name = seg_name(rid, "ctl")
-    seg = Segment.create(name, 64, Header(HASH, "someoneelse"))
-    try:
-        with pytest.raises(LayoutMismatch) as info:
-            Segment.attach(name, HASH, rid)
-        msg = str(info.value)
-        assert name in msg and "run id 'someoneelse'" in msg and f"expected '{rid}'" in msg
-    finally:
-        seg.unlink()
-        seg.close()
+        assert name in msg and all(e.format(rid=rid) in msg for e in expect)
     assert leftovers(rid) == []
 
 

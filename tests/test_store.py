@@ -23,15 +23,14 @@ from megatrain.launch.placement import ActorsConfig, demands
 
 from megatrain.errors import AbortError, LayoutMismatch, ResourceError, WaitTimeout
 from tests.helpers import spec_for, tiny_hf
-from tests.shm_fixtures import ALL_PARTS, SHM, leftovers, make_spec, remove_all
+from tests.shm_fixtures import ALL_PARTS, SHM, leftovers, make_spec, owned, remove_all
 
 # ---- the Store --------------------------------------------------------------------------------------------
 
 
 def test_store_create_and_attach_share_memory(rid: str, model_spec) -> None:
     spec = make_spec(rid, model_spec)
-    store = Store.create(spec)
-    try:
+    with owned(Store.create(spec)) as store:
         names = leftovers(rid)
         segs = [f"megatrain-{rid}-{p}" for p in ("ctl", *PLANES, "staging")]
         assert sorted(segs) == [n for n in names if not n.startswith("sem.")]
@@ -76,17 +75,13 @@ def test_store_create_and_attach_share_memory(rid: str, model_spec) -> None:
             store.wait("g_full1", "a posted slab")
         finally:
             other.close()
-    finally:
-        store.unlink()
-        store.close()
     assert leftovers(rid) == []
 
 
 @pytest.mark.parametrize("staging", ["bf16", "fp32"])
 def test_tiles_and_slabs_are_page_aligned(rid: str, model_spec, staging: str) -> None:
     spec = make_spec(rid, model_spec, staging=staging, weight_slabs=3, grad_slabs=3)
-    store = Store.create(spec)
-    try:
+    with owned(Store.create(spec)) as store:
         for part in ("params", "exp_avg", "exp_avg_sq", "grads"):
             base = np.frombuffer(store.segments[part].mm, np.uint8).ctypes.data
             prev_end = base + HEADER_BYTES
@@ -117,9 +112,6 @@ def test_tiles_and_slabs_are_page_aligned(rid: str, model_spec, staging: str) ->
         assert slabs[3].data_ptr() - base == HEADER_BYTES + 3 * spec.slab_elems * elem
         region = store.region("staging")
         assert region.data_ptr() - base == HEADER_BYTES and region.numel() == spec.part_bytes()["staging"]
-    finally:
-        store.unlink()
-        store.close()
     assert leftovers(rid) == []
 
 
@@ -166,8 +158,7 @@ def test_every_worker_role_has_its_own_pid_slot(model_spec, packers: int, accs: 
 
 def test_wait_raises_abort_error_promptly_with_the_reason(rid: str, model_spec) -> None:
     spec = make_spec(rid, model_spec)  # default wait_timeout_s: 600
-    store = Store.create(spec)
-    try:
+    with owned(Store.create(spec)) as store:
         other = Store.attach(spec, ())
         timer = threading.Timer(0.3, other.abort, args=("grad-accumulator-0: RuntimeError: boom",))
         t0 = time.monotonic()
@@ -189,16 +180,12 @@ def test_wait_raises_abort_error_promptly_with_the_reason(rid: str, model_spec) 
         with pytest.raises(AbortError, match="boom"):
             store.wait_version(1, 1, "unit 1")
         other.close()
-    finally:
-        store.unlink()
-        store.close()
     assert leftovers(rid) == []
 
 
 def test_wait_times_out_with_a_tiny_timeout(rid: str, model_spec) -> None:
     spec = make_spec(rid, model_spec, wait_timeout_s=0.2, poll_s=0.02)
-    store = Store.create(spec)
-    try:
+    with owned(Store.create(spec)) as store:
         store.wait("w_free0", "a free slab")  # free slabs start at 1
         t0 = time.monotonic()
         with pytest.raises(WaitTimeout, match="a free slab"):
@@ -214,9 +201,6 @@ def test_wait_times_out_with_a_tiny_timeout(rid: str, model_spec) -> None:
         store.wait_version(1, 1, "version of unit 1")  # reached: returns at once
         store.post("grads_ready")
         store.wait("grads_ready", "grads")
-    finally:
-        store.unlink()
-        store.close()
     assert leftovers(rid) == []
 
 
@@ -258,8 +242,7 @@ def test_unlink_twice_is_harmless(rid: str, model_spec) -> None:
 
 
 def test_attach_to_a_store_of_another_plan_fails(rid: str, model_spec) -> None:
-    store = Store.create(make_spec(rid, model_spec, weight_slabs=3))
-    try:
+    with owned(Store.create(make_spec(rid, model_spec, weight_slabs=3))):
         with pytest.raises(LayoutMismatch, match="layout hash differs"):
             Store.attach(make_spec(rid, model_spec, weight_slabs=4), ("params",))
         with pytest.raises(LayoutMismatch, match="layout hash differs"):
@@ -267,24 +250,17 @@ def test_attach_to_a_store_of_another_plan_fails(rid: str, model_spec) -> None:
         tied = spec_for(tiny_hf("llama", tied=True, layers=3), "llama")
         with pytest.raises(LayoutMismatch, match="layout hash differs"):
             Store.attach(make_spec(rid, tied, weight_slabs=3), ("params",))
-    finally:
-        store.unlink()
-        store.close()
     assert leftovers(rid) == []
 
 
 def test_second_create_of_a_live_run_fails_without_harming_it(rid: str, model_spec) -> None:
     spec = make_spec(rid, model_spec)
-    store = Store.create(spec)
-    try:
+    with owned(Store.create(spec)):
         before = leftovers(rid)
         with pytest.raises(posix_ipc.ExistentialError):
             Store.create(spec)
         assert leftovers(rid) == before
         Store.attach(spec, ALL_PARTS).close()
-    finally:
-        store.unlink()
-        store.close()
     assert leftovers(rid) == []
 
 
