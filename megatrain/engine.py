@@ -271,10 +271,7 @@ class StepEngine:
                 for u in blk:
                     w = src.fetch(u)
                     self.mark(f"fwd:{u}")
-                    out = torch.empty_like(h)
-                    for c in chunks:
-                        out[c] = self.t.layer(u, w, h[c], *ctx)
-                    h = out
+                    h = _per_chunk(h, chunks, lambda c, _, u=u, w=w, x=h: self.t.layer(u, w, x[c], *ctx))
         return h
 
     def _with_grad(self, blk: _Block, h: torch.Tensor, ctx: tuple, phase: str) -> list[_Act]:
@@ -298,10 +295,8 @@ class StepEngine:
 
     def _recompute_backward(self, blk: _Block, h: torch.Tensor, g: torch.Tensor, ctx: tuple,
                             chunks: list[slice]) -> torch.Tensor:
-        g_in = torch.empty_like(g)
-        for c in chunks:
-            g_in[c] = self._backward(blk, self._with_grad(blk, h[c], ctx, "recompute"), g[c], c is chunks[-1])
-        return g_in
+        return _per_chunk(g, chunks, lambda c, final: self._backward(
+            blk, self._with_grad(blk, h[c], ctx, "recompute"), g[c], final))
 
     def _last_block_and_head(self, h: torch.Tensor, ctx: tuple, labels: torch.Tensor,
                              emb_flat: torch.Tensor | None, src: WeightSource, sink: GradSink, chunks: list[slice]):
@@ -310,16 +305,18 @@ class StepEngine:
         tgt = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
         tokens = (tgt != IGNORE).sum()
         head = _Head(self, emb_flat, tokens.clamp(min=1).float())
-        g = torch.empty_like(h)
-        for c in chunks:
+
+        def one(c: slice, final: bool) -> torch.Tensor:
             acts = self._with_grad(blk, h[c], ctx, "fwd")
             if head.flat is None:
                 head.flat = src.fetch(self.n + 1).requires_grad_(True)
             self.mark("head")
             g_out = head.chunk(acts[-1].out, tgt[c])
-            if c is chunks[-1]:
+            if final:
                 sink.emit(self.n + 1, head.sums[0])  # the head's gradient is first in the protocol's order
-            g[c] = self._backward(blk, acts, g_out, c is chunks[-1])
+            return self._backward(blk, acts, g_out, final)
+
+        g = _per_chunk(h, chunks, one)
         return head.loss, tokens, g, (head.sums[1] if len(head.sums) > 1 else None)
 
     def _embed_backward(self, ids: torch.Tensor, g: torch.Tensor, tied: torch.Tensor | None,
@@ -332,6 +329,17 @@ class StepEngine:
             g = g.masked_fill(ids.reshape(-1, 1) == self.t.pad_id, 0.0)
         rows.index_add_(0, ids.reshape(-1), g)
         sink.emit(0, grad)
+
+
+def _per_chunk(x: torch.Tensor, chunks: list[slice], fn: Callable[[slice, bool], torch.Tensor]) -> torch.Tensor:
+    """fn(chunk, is_final) for each sequence chunk of x's batch, the results put back in one tensor;
+    with one chunk fn's result is returned as is (no copy on the common path)."""
+    if len(chunks) == 1:
+        return fn(chunks[0], True)
+    out = torch.empty_like(x)
+    for c in chunks:
+        out[c] = fn(c, c is chunks[-1])
+    return out
 
 
 class _Head:
