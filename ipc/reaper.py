@@ -12,14 +12,7 @@ import os
 import sys
 import time
 
-from megatrain.ipc.shm import (
-    PREFIX,
-    pid_alive,
-    read_worker_pids,
-    remove_cuda_ipc_files,
-    run_entries,
-    unlink_entries,
-)
+from megatrain.ipc.shm import PREFIX, pid_alive, remove_run, run_entries
 
 POLL_S = 0.2
 
@@ -30,8 +23,7 @@ def watch(run_id: str, pid: int, ticks: int, shm_dir: str = "/dev/shm") -> list[
         if not os.path.exists(ctl):
             return []  # the owner unlinked everything itself
         if not pid_alive(pid, ticks):
-            removed = remove_cuda_ipc_files(read_worker_pids(run_id), shm_dir)
-            return removed + unlink_entries(run_entries(shm_dir).get(run_id, []))
+            return remove_run(run_id, run_entries(shm_dir).get(run_id, []), shm_dir)
         time.sleep(POLL_S)
 
 

@@ -146,26 +146,25 @@ def shm_free_bytes(shm_dir: str = "/dev/shm") -> int:
     return st.f_bavail * st.f_frsize
 
 
-def mem_available_bytes() -> int:
+def _proc_kib(path: str, key: str) -> int:
+    """Bytes of a `key: N kB` line of a /proc file; 0 if the file or the line is missing."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(key):
                 return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError):
         pass
     return 0
+
+
+def mem_available_bytes() -> int:
+    return _proc_kib("/proc/meminfo", "MemAvailable:")
 
 
 def pss_bytes(pid: int) -> int:
     """Proportional set size of a process: shared pages split among the processes that map them, so the
     sum over a run's processes counts the shared-memory store once (0 if the process is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
+    return _proc_kib(f"/proc/{pid}/smaps_rollup", "Pss:")
 
 
 def gib(n: float) -> str:
@@ -206,36 +205,40 @@ def run_entries(shm_dir: str = "/dev/shm") -> dict[str, list[str]]:
     return runs
 
 
-def read_owner(run_id: str) -> tuple[int, int] | None:
-    """(pid, start ticks) of the run's owner from its control segment, None if unreadable."""
+def _read_ctl(run_id: str, start: int, size: int) -> bytes | None:
+    """Bytes [start, start + size) of the run's control segment, read-only; None if it is unreadable."""
     try:
         shm = posix_ipc.SharedMemory(seg_name(run_id, "ctl"))
     except posix_ipc.ExistentialError:
         return None
     try:
-        with mmap.mmap(shm.fd, HEADER_BYTES, prot=mmap.PROT_READ) as mm:
-            magic, _, hdr = Header.unpack(mm[: _HEADER.size])
-    except (OSError, ValueError, struct.error):
+        with mmap.mmap(shm.fd, start + size, prot=mmap.PROT_READ) as mm:
+            return mm[start: start + size]
+    except (OSError, ValueError):
         return None
     finally:
         shm.close_fd()
+
+
+def read_owner(run_id: str) -> tuple[int, int] | None:
+    """(pid, start ticks) of the run's owner from its control segment, None if unreadable."""
+    raw = _read_ctl(run_id, 0, _HEADER.size)
+    try:
+        magic, _, hdr = Header.unpack(raw) if raw is not None else (None, None, None)
+    except (ValueError, struct.error):
+        return None
     return (hdr.owner_pid, hdr.owner_ticks) if magic == MAGIC else None
 
 
 def read_worker_pids(run_id: str) -> list[int]:
     """Worker pids recorded in the run's ctl segment (empty if it is gone)."""
-    try:
-        shm = posix_ipc.SharedMemory(seg_name(run_id, "ctl"))
-    except posix_ipc.ExistentialError:
-        return []
-    try:
-        with mmap.mmap(shm.fd, HEADER_BYTES + CTL_PIDS_OFFSET + 8 * MAX_PIDS, prot=mmap.PROT_READ) as mm:
-            raw = mm[HEADER_BYTES + CTL_PIDS_OFFSET: HEADER_BYTES + CTL_PIDS_OFFSET + 8 * MAX_PIDS]
-    except (OSError, ValueError):
-        return []
-    finally:
-        shm.close_fd()
-    return [p for p in struct.unpack(f"<{MAX_PIDS}q", raw) if p > 0]
+    raw = _read_ctl(run_id, HEADER_BYTES + CTL_PIDS_OFFSET, 8 * MAX_PIDS)
+    return [p for p in struct.unpack(f"<{MAX_PIDS}q", raw) if p > 0] if raw is not None else []
+
+
+def remove_run(run_id: str, entries: list[str], shm_dir: str = "/dev/shm", wait_s: float = 10.0) -> list[str]:
+    """Remove a dead run: what the CUDA driver left for its workers, then its segments and semaphores."""
+    return remove_cuda_ipc_files(read_worker_pids(run_id), shm_dir, wait_s) + unlink_entries(entries)
 
 
 def remove_cuda_ipc_files(pids: list[int], shm_dir: str = "/dev/shm", wait_s: float = 10.0) -> list[str]:
@@ -293,6 +296,5 @@ def sweep(run_id: str | None = None, shm_dir: str = "/dev/shm") -> list[str]:
             continue
         if owner is None and _young(shm_dir, f"{PREFIX}{rid}-ctl"):
             continue  # a run being created right now: its owner has not written the header yet
-        removed += remove_cuda_ipc_files(read_worker_pids(rid), shm_dir, wait_s=0)
-        removed += unlink_entries(entries)
+        removed += remove_run(rid, entries, shm_dir, wait_s=0)
     return removed
