@@ -78,14 +78,11 @@ class AdamUpdater(Role):
         return {"grad_norm": norm, "clip_scale": scale, "skipped": not finite, "unit_spans": spans}
 
     def _unclipped(self, step: int, lr: float) -> dict:
-        store, layout = self.store, self.store.spec.layout
+        store = self.store
         spans, skipped = [], False
         for unit, slab in store.spec.grad_items(None):
-            store.wait(f"g_full{slab}", f"gradient of unit {unit} (step {step})")
-            if self.events is not None:
-                self.events[slab].synchronize()
+            grad = self.take_grad(unit, slab, step)
             start = time.time()
-            grad = store.grad_slab(slab)[: layout.structure_of(unit).numel].numpy()
             store.sqnorms[unit] = sqnorm(grad)
             if math.isfinite(store.sqnorms[unit]):
                 self._update(unit, grad, step + 1, lr, 1.0)
@@ -105,5 +102,5 @@ class AdamUpdater(Role):
             if p[sl].size:
                 adamw_update(p[sl], g[sl], m[sl], v[sl], step=t, lr=lr, cfg=self.cfg, weight_decay=wd,
                              grad_scale=scale)
-        if store.spec.resident:  # the copy the next forward streams, cast (RNE) right after the update
-            store.resident_tile(unit).copy_(store.torch_tile("params", unit))
+        if store.spec.resident:  # the copy the next forward streams, cast right after the update
+            store.refresh_resident(unit)

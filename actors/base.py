@@ -45,6 +45,16 @@ class Role:
 
         self.events = open_ipc_events(handles, torch.device("cuda", torch.cuda.current_device()))
 
+    def take_grad(self, unit: int, slab: int, step: int) -> Any:
+        """Wait for gradient slab `slab` to hold `unit`'s gradient (and for its D2H copy, through the
+        slab's interprocess event); the slab's first numel elements as a numpy view. The caller posts
+        g_free once it is done with it."""
+        store = self.store
+        store.wait(f"g_full{slab}", f"gradient of unit {unit} (step {step})")
+        if self.events is not None:
+            self.events[slab].synchronize()
+        return store.grad_slab(slab)[: store.spec.layout.structure_of(unit).numel].numpy()
+
     def info(self) -> dict:
         return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname()}
 

@@ -18,18 +18,14 @@ class GradAccumulator(Role):
     def __init__(self, spec: StoreSpec, index: int, threads: int = 1):
         super().__init__(f"grad-accumulator-{index}")
         numba.set_num_threads(min(max(threads, 1), numba.config.NUMBA_NUM_THREADS))
-        self.index = index
         self.items = spec.grad_items(index)
         self.store = Store.attach(spec, ("grads", "staging"), role=self.name)
 
     @guarded
     def step(self, step: int) -> dict:
-        store, layout = self.store, self.store.spec.layout
+        store = self.store
         for unit, slab in self.items:
-            store.wait(f"g_full{slab}", f"gradient of unit {unit} (step {step})")
-            if self.events is not None:
-                self.events[slab].synchronize()
-            grad = store.grad_slab(slab)[: layout.structure_of(unit).numel].numpy()
+            grad = self.take_grad(unit, slab, step)
             store.sqnorms[unit] = copy_sqnorm(grad, store.tile("grads", unit))
             store.post(f"g_free{slab}")
             store.post("grads_ready")

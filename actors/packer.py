@@ -16,7 +16,6 @@ class Packer(Role):
     def __init__(self, spec: StoreSpec, index: int, threads: int = 1):
         super().__init__(f"packer-{index}")
         torch.set_num_threads(max(threads, 1))
-        self.index = index
         self.items = spec.weight_items(index)
         self.store = Store.attach(spec, ("params", "staging"), role=self.name)
 

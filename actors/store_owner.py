@@ -65,7 +65,7 @@ class StoreOwner(Role):
         for u in range(len(spec.layout.units)):
             fill_tile(spec, u, self.store.torch_tile("params", u), tensors_of(u))
             if self.store.spec.resident:
-                self.store.resident_tile(u).copy_(self.store.torch_tile("params", u))
+                self.store.refresh_resident(u)
 
     @guarded
     def save(self, directory: str) -> str:
@@ -79,9 +79,6 @@ class StoreOwner(Role):
         recorded in ctl (the shared store counted once, split among the processes that map it)."""
         pids = {os.getpid(), *([self.reaper.pid] if self.reaper else []), *(int(p) for p in self.store.pids if p > 0)}
         return {"processes": len(pids), "pss_bytes": sum(pss_bytes(p) for p in pids)}  # a set: in-process actors
-
-    def versions(self) -> list[int]:
-        return [int(v) for v in self.store.versions]
 
     def shutdown(self) -> None:
         """Unlink every name of the run (idempotent); processes still attached keep their mappings.

@@ -285,6 +285,10 @@ class Store:
         return torch.frombuffer(self.segments["resident"].mm, dtype=STAGING[self.spec.staging_dtype][0], count=n,
                                 offset=HEADER_BYTES + u.offset * self.spec.staging_bytes)
 
+    def refresh_resident(self, unit: int) -> None:
+        """Rewrite the unit's compute-dtype copy from its fp32 params (torch's cast: round to nearest even)."""
+        self.resident_tile(unit).copy_(self.torch_tile("params", unit))
+
     def weight_slab(self, i: int) -> torch.Tensor:
         dtype, size = STAGING[self.spec.staging_dtype]
         assert i < self.spec.num_weight_slabs, "no weight slabs in resident mode"
