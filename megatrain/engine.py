@@ -10,6 +10,7 @@ the shared-memory source and sink; tests plug in plain tensors.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -83,7 +84,7 @@ def checkpoint_host_bytes(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: i
     if cfg.device != "cuda" or not cfg.offload_checkpoints:
         return 0
     saved = len(blocks(spec.layout.num_layers, cfg.checkpoint_interval)) - 1
-    return saved * batch * seq * spec.hf_config.hidden_size * (2 if cfg.compute_dtype == "bf16" else 4)
+    return saved * batch * seq * spec.hf_config.hidden_size * resolve_dtype(cfg, torch.device("cuda")).itemsize
 
 
 def blocks(num_layers: int, k: int) -> list[list[int]]:
@@ -143,18 +144,23 @@ class Templates:
     def views(self, unit: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """The unit's tensors as views of its flat vector, made by one split: its backward writes the
         flat gradient in one concatenation, where per-tensor slices would each add a full-size one."""
+        sizes, slots, used = self._splits(self.layout.units[unit].structure)
+        if flat.numel() > used:  # a padded tile
+            sizes = [*sizes, flat.numel() - used]
+        return {s.name: part.view(s.shape) for s, part in zip(slots, flat.split(sizes)) if s is not None}
+
+    @functools.cache  # noqa: B019 - one entry per structure, for the templates' lifetime
+    def _splits(self, structure: str) -> tuple[list[int], list, int]:
+        """Split sizes of a structure's flat vector, alignment gaps included (their slot is None)."""
         sizes, slots, pos = [], [], 0
-        for s in self.layout.structure_of(unit).slots:
-            if s.offset > pos:  # alignment padding between tensors
+        for s in self.layout.structures[structure].slots:
+            if s.offset > pos:
                 sizes.append(s.offset - pos)
                 slots.append(None)
             sizes.append(s.numel)
             slots.append(s)
             pos = s.offset + s.numel
-        if flat.numel() > pos:
-            sizes.append(flat.numel() - pos)
-            slots.append(None)
-        return {s.name: part.view(s.shape) for s, part in zip(slots, flat.split(sizes)) if s is not None}
+        return sizes, slots, pos
 
     def layer(self, unit: int, flat: torch.Tensor, x: torch.Tensor, pos: tuple, pos_ids: torch.Tensor) -> torch.Tensor:
         out = functional_call(self.layers[unit], self.views(unit, flat), (x,),
@@ -173,7 +179,6 @@ class Templates:
 @dataclass
 class _Act:
     unit: int
-    flat: torch.Tensor
     x: torch.Tensor
     out: torch.Tensor
 
@@ -281,7 +286,7 @@ class StepEngine:
             self.mark(f"{phase}:{u}")
             x = h.detach().requires_grad_(True)
             h = self.t.layer(u, flat, x, *ctx)
-            acts.append(_Act(u, flat, x, h))
+            acts.append(_Act(u, x, h))
         return acts
 
     def _backward(self, blk: _Block, acts: list[_Act], g: torch.Tensor, final: bool) -> torch.Tensor:
