@@ -16,7 +16,7 @@ from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, plan_store
 from megatrain.ipc.shm import pss_bytes, remove_cuda_ipc_files, start_ticks, sweep
 
-from megatrain.engine import EngineConfig
+from megatrain.engine import EngineConfig, checkpoint_host_bytes
 from megatrain.model import ModelConfig, build_spec, init_unit, meta_model
 from megatrain.weights import checkpoint_index, fill_tile, read_unit, save_units
 
@@ -34,13 +34,15 @@ class StoreOwner(Role):
 
     def create(self, run_id: str, model_cfg: ModelConfig, no_decay_1d: bool, clip: bool, engine: EngineConfig,
                num_packers: int, num_accumulators: int, ipc_cfg: IpcConfig,
-               ram_only: dict[str, int] | None = None) -> StoreSpec:
+               batch_shape: tuple[int, int] = (0, 0)) -> StoreSpec:
         """Plan (resolving the staging mode on this node's memory), create and fill the store.
-        `ram_only`: host memory other processes will take outside the store, for the fit check."""
+        `batch_shape` (sequences, tokens each) sizes the executor's pinned checkpoints for the fit check."""
         removed = sweep(shm_dir=ipc_cfg.shm_dir)
         if removed:
             print(f"[{self.name}] swept {len(removed)} objects of dead runs from {ipc_cfg.shm_dir}", flush=True)
-        spec = plan_store(run_id, build_spec(model_cfg, no_decay_1d), engine.compute_dtype, engine.checkpoint_interval,
+        model = build_spec(model_cfg, no_decay_1d)
+        ram_only = {"activation checkpoints (executor, pinned)": checkpoint_host_bytes(model, engine, *batch_shape)}
+        spec = plan_store(run_id, model, engine.compute_dtype, engine.checkpoint_interval,
                           num_packers, num_accumulators, ipc_cfg, cuda=engine.device == "cuda", clip=clip,
                           ram_only=ram_only)
         self.store = Store.create(spec, ram_only)

@@ -34,7 +34,6 @@ from megatrain.configbase import dump_yaml
 from megatrain.data import batch
 from megatrain.engine import checkpoint_host_bytes, resolve_engine
 from megatrain.errors import AbortError, ActorFailure, MegatrainError
-from megatrain.model import build_spec
 
 SHUTDOWN_S = 15.0
 
@@ -68,7 +67,6 @@ class Trainer:
         self.spec: StoreSpec | None = None
         self.sentinel: Pending | None = None
         self.metrics: list[dict] = []
-        self.ram_only: dict[str, int] = {}
         self._closed = False
 
     # ---- public -----------------------------------------------------------------------------
@@ -86,7 +84,9 @@ class Trainer:
             return {"run_id": self.run_id, "output_dir": str(self.out), "metrics": self.metrics,
                     "pids": dict(self.pids), "num_params": self.spec.layout.num_params,
                     "store_bytes": sum(self.spec.part_bytes().values()), "staging": self.spec.staging_mode,
-                    "executor_host_bytes": sum(self.ram_only.values()), "process_pss_bytes": mem["pss_bytes"],
+                    "executor_host_bytes": checkpoint_host_bytes(self.spec.model, self.engine_cfg,
+                                                                 self.cfg.data.batch_size, self.cfg.data.seq_len),
+                    "process_pss_bytes": mem["pss_bytes"],
                     "processes": mem["processes"]}
         finally:
             self.shutdown()
@@ -113,20 +113,13 @@ class Trainer:
 
     def _start_store(self, dem: dict) -> None:
         cfg = self.cfg
-        self.ram_only = self._ram_only()
         self.actors["store-owner"] = self.runner.spawn("store-owner", StoreOwner, (), dem["store-owner"])
         self.sentinel = self.runner.call(self.actors["store-owner"], "serve")
         self.spec = self._call_one("store-owner", "create", self.run_id, cfg.model, cfg.optim.no_decay_1d,
                                    cfg.optim.max_grad_norm > 0, self.engine_cfg, cfg.actors.num_packers,
-                                   cfg.actors.num_accumulators, cfg.ipc, self.ram_only)
+                                   cfg.actors.num_accumulators, cfg.ipc, (cfg.data.batch_size, cfg.data.seq_len))
         log(f"weight staging: {self.spec.staging_mode}; gradients: "
             + ("fp32 plane, global-norm clipping" if self.spec.clip else "straight to Adam (no clipping)"))
-
-    def _ram_only(self) -> dict[str, int]:
-        """Host RAM the run takes outside the shared-memory store."""
-        d = self.cfg.data
-        ckpt = checkpoint_host_bytes(build_spec(self.cfg.model), self.engine_cfg, d.batch_size, d.seq_len)
-        return {"activation checkpoints (executor, pinned)": ckpt}
 
     def _start_workers(self, dem: dict) -> None:
         a, spec = self.cfg.actors, self.spec

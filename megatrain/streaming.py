@@ -45,12 +45,13 @@ class SyncSource:
         self.j += 1
         return self.j - 1
 
-    def acquire(self, j: int, unit: int) -> tuple[torch.Tensor, Callable[[], None]]:
-        """Wait until item j's weights are readable on the host; (host tensor, release)."""
+    def acquire(self, j: int, unit: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """Wait until item j's weights are readable on the host; (host tensor, release or None when
+        nothing is to be freed: a resident tile changes only after the unit's last use in the step)."""
         spec, store = self.store.spec, self.store
         if spec.resident:
             store.wait_version(unit, self.step, f"Adam's update of unit {unit} before step {self.step}")
-            return store.resident_tile(unit), lambda: None
+            return store.resident_tile(unit), None
         slab = j % spec.num_weight_slabs
         store.wait(f"w_full{slab}", f"weights of unit {unit} in slab {slab}")
         n = spec.layout.structure_of(unit).numel
@@ -63,7 +64,8 @@ class SyncSource:
         self.wait_s += time.perf_counter() - t0
         out = host.to(self.device, self.dtype, copy=True)
         self.bytes += out.numel() * out.element_size()
-        release()
+        if release is not None:
+            release()
         return out
 
 
@@ -80,10 +82,15 @@ class SyncSink:
     def end(self) -> None:
         pass
 
-    def emit(self, unit: int, grad: torch.Tensor) -> None:
+    def _item(self, unit: int) -> int:
+        """Check the protocol's gradient order; the item's slab."""
         spec = self.store.spec
         assert unit == spec.grad_order[self.k], f"engine emitted unit {unit} out of protocol order"
-        slab, self.k = self.k % spec.ipc.grad_slabs, self.k + 1
+        self.k += 1
+        return (self.k - 1) % spec.ipc.grad_slabs
+
+    def emit(self, unit: int, grad: torch.Tensor) -> None:
+        slab = self._item(unit)
         t0 = time.perf_counter()
         self.store.wait(f"g_free{slab}", f"a free gradient slab for unit {unit}")
         self.wait_s += time.perf_counter() - t0
@@ -122,6 +129,12 @@ class _Worker:
                 self.thread.join(self.store.spec.ipc.poll_s)
                 self.store.check_abort()
         self.check()
+
+    def acquire(self, sem: threading.Semaphore) -> None:
+        """Semaphore acquire that honours the abort flag and this worker's failure."""
+        while not sem.acquire(timeout=self.store.spec.ipc.poll_s):
+            self.check()
+            self.store.check_abort()
 
     def take(self, q: queue.Queue, what: str) -> Any:
         """Queue get that honours the abort flag, the deadline and this worker's failure."""
@@ -166,7 +179,7 @@ class StreamedSource(SyncSource):
     def _load(self) -> None:
         try:
             for j, unit in enumerate(self.store.spec.fetch_order):
-                self._credit()
+                self.worker.acquire(self.credits)
                 host, release = self.acquire(j, unit)
                 start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 with torch.cuda.stream(self.h2d):
@@ -176,14 +189,11 @@ class StreamedSource(SyncSource):
                     done.record(self.h2d)
                 self.ready.put((unit, out, done))
                 self.timeline.append((unit, start, done))
-                done.synchronize()  # a slab may be refilled once this copy has read it
-                release()
+                if release is not None:
+                    done.synchronize()  # a slab may be refilled once this copy has read it
+                    release()
         finally:
             self.ready.put(_STOP)
-
-    def _credit(self) -> None:
-        while not self.credits.acquire(timeout=self.store.spec.ipc.poll_s):
-            self.store.check_abort()
 
     def fetch(self, unit: int) -> torch.Tensor:
         self._item(unit)
@@ -221,16 +231,12 @@ class StreamedSink(SyncSink):
         self.d2h.synchronize()
 
     def emit(self, unit: int, grad: torch.Tensor) -> None:
-        spec = self.store.spec
-        assert unit == spec.grad_order[self.k], f"engine emitted unit {unit} out of protocol order"
-        self.k += 1
+        self._item(unit)  # the drain thread derives the same slab from its own count
         grad = grad.detach().float()
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         t0 = time.perf_counter()
-        while not self.credits.acquire(timeout=spec.ipc.poll_s):  # at most G gradients queued on the GPU
-            self.worker.check()
-            self.store.check_abort()
+        self.worker.acquire(self.credits)  # at most G gradients queued on the GPU
         self.wait_s += time.perf_counter() - t0
         self.bytes += grad.numel() * 4
         self.todo.put((unit, grad, done))
