@@ -62,45 +62,47 @@ class AdamUpdater(Role):
 
     def _clipped(self, step: int, lr: float) -> dict:
         store = self.store
-        units = store.spec.num_units
-        for i in range(units):
-            store.wait("grads_ready", f"gradients of step {step} ({i} of {units} units arrived)")
+        pieces = store.spec.num_pieces
+        for i in range(pieces):
+            store.wait("grads_ready", f"gradients of step {step} ({i} of {pieces} pieces arrived)")
         norm = math.sqrt(float(store.sqnorms.sum()))
         finite = math.isfinite(norm)
         scale = clip_scale(norm, self.cfg.max_grad_norm)
         spans = []
-        for unit in range(units):
-            start = time.time()
-            if finite:
-                self._update(unit, store.tile("grads", unit), step + 1, lr, scale)
-            store.versions[unit] = step + 1
+        for unit, table in enumerate(store.spec.piece_table):
+            start, grads = time.time(), store.tile("grads", unit)
+            for piece, lo, hi in table:  # piece by piece: the next step's packer follows right behind
+                if finite:
+                    self._update(unit, lo, hi, grads[lo:hi], step + 1, lr, scale)
+                store.versions[piece] = step + 1
             spans.append((unit, start, time.time()))
         return {"grad_norm": norm, "clip_scale": scale, "skipped": not finite, "unit_spans": spans}
 
     def _unclipped(self, step: int, lr: float) -> dict:
         store = self.store
         spans, skipped = [], False
-        for unit, slab in store.spec.grad_items(None):
-            grad = self.take_grad(unit, slab, step)
+        for item in store.spec.grad_items(None):
+            grad = self.take_grad(item, step)
             start = time.time()
-            store.sqnorms[unit] = sqnorm(grad)
-            if math.isfinite(store.sqnorms[unit]):
-                self._update(unit, grad, step + 1, lr, 1.0)
+            store.sqnorms[item.piece] = sqnorm(grad)
+            if math.isfinite(store.sqnorms[item.piece]):
+                self._update(item.unit, item.lo, item.hi, grad, step + 1, lr, 1.0)
             else:
-                skipped = True  # this unit keeps its weights; the others are already updated
-            store.versions[unit] = step + 1
-            store.post(f"g_free{slab}")
-            spans.append((unit, start, time.time()))
+                skipped = True  # this piece keeps its weights; the others are already updated
+            store.versions[item.piece] = step + 1
+            store.post(f"g_free{item.slab}")
+            spans.append((item.unit, start, time.time()))
         return {"grad_norm": math.sqrt(float(store.sqnorms.sum())), "clip_scale": 1.0, "skipped": skipped,
                 "unit_spans": spans}
 
-    def _update(self, unit: int, g: np.ndarray, t: int, lr: float, scale: float) -> None:
+    def _update(self, unit: int, lo: int, hi: int, g: np.ndarray, t: int, lr: float, scale: float) -> None:
+        """AdamW on elements [lo, hi) of the unit's tiles (g holds exactly those)."""
         store = self.store
-        p, m, v = (store.tile(part, unit) for part in ("params", "exp_avg", "exp_avg_sq"))
-        split = store.spec.layout.structure_of(unit).decay_split()
+        p, m, v = (store.tile(part, unit)[lo:hi] for part in ("params", "exp_avg", "exp_avg_sq"))
+        split = min(max(store.spec.layout.structure_of(unit).decay_split() - lo, 0), hi - lo)
         for sl, wd in ((slice(0, split), self.cfg.weight_decay), (slice(split, None), 0.0)):
             if p[sl].size:
                 adamw_update(p[sl], g[sl], m[sl], v[sl], step=t, lr=lr, cfg=self.cfg, weight_decay=wd,
                              grad_scale=scale)
         if store.spec.resident:  # the copy the next forward streams, cast right after the update
-            store.refresh_resident(unit)
+            store.refresh_resident(unit, lo, hi)

@@ -6,9 +6,12 @@ import functools
 import os
 import socket
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from megatrain.errors import AbortError
+
+if TYPE_CHECKING:
+    from megatrain.ipc.protocol import Item
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -45,15 +48,15 @@ class Role:
 
         self.events = open_ipc_events(handles, torch.device("cuda", torch.cuda.current_device()))
 
-    def take_grad(self, unit: int, slab: int, step: int) -> Any:
-        """Wait for gradient slab `slab` to hold `unit`'s gradient (and for its D2H copy, through the
-        slab's interprocess event); the slab's first numel elements as a numpy view. The caller posts
-        g_free once it is done with it."""
+    def take_grad(self, item: Item, step: int) -> Any:
+        """Wait for the item's gradient slab to hold its piece of the unit's gradient (and for its D2H
+        copy, through the slab's interprocess event); the piece as a numpy view of the slab. The caller
+        posts g_free once it is done with it."""
         store = self.store
-        store.wait(f"g_full{slab}", f"gradient of unit {unit} (step {step})")
+        store.wait(f"g_full{item.slab}", f"gradient of unit {item.unit} (step {step})")
         if self.events is not None:
-            self.events[slab].synchronize()
-        return store.grad_slab(slab)[: store.spec.layout.structure_of(unit).numel].numpy()
+            self.events[item.slab].synchronize()
+        return store.grad_slab(item.slab)[: item.hi - item.lo].numpy()
 
     def info(self) -> dict:
         return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname()}

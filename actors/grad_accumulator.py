@@ -2,7 +2,7 @@
 
 On the GPU it first synchronizes the slab's interprocess CUDA event (opened from the executor's
 handle), so it reads only after the D2H copy has finished, while the executor never blocks on it.
-It records each unit's squared norm for global-norm clipping, then frees the slab (back-pressure).
+It records each piece's squared norm for global-norm clipping, then frees the slab (back-pressure).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ class GradAccumulator(Role):
     @guarded
     def step(self, step: int) -> dict:
         store = self.store
-        for unit, slab in self.items:
-            grad = self.take_grad(unit, slab, step)
-            store.sqnorms[unit] = copy_sqnorm(grad, store.tile("grads", unit))
-            store.post(f"g_free{slab}")
+        for item in self.items:
+            grad = self.take_grad(item, step)
+            store.sqnorms[item.piece] = copy_sqnorm(grad, store.tile("grads", item.unit)[item.lo:item.hi])
+            store.post(f"g_free{item.slab}")
             store.post("grads_ready")
         return {"drained": len(self.items)}

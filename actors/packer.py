@@ -1,6 +1,6 @@
 """Pinned-packing worker: casts fp32 master tiles into the compute-dtype slabs that the DMA reads.
 
-Runs ahead of the executor by up to S slabs, and never packs a unit before Adam's update of it for
+Runs ahead of the executor by up to S slabs, and never packs a piece of a unit before Adam's update of that piece for
 the previous step has landed (version counter), so the next forward can start while Adam still works
 on later units.
 """
@@ -21,11 +21,10 @@ class Packer(Role):
 
     @guarded
     def step(self, step: int) -> dict:
-        store, layout = self.store, self.store.spec.layout
-        for unit, slab in self.items:
+        store = self.store
+        for unit, lo, hi, slab, piece in self.items:
             store.wait(f"w_free{slab}", f"weight slab {slab} to be free (unit {unit}, step {step})")
-            store.wait_version(unit, step, f"Adam's update of unit {unit} before step {step}")
-            n = layout.structure_of(unit).numel
-            store.weight_slab(slab)[:n].copy_(store.torch_tile("params", unit))
+            store.wait_version(unit, step, f"Adam's update of unit {unit} before step {step}", piece)
+            store.weight_slab(slab)[: hi - lo].copy_(store.torch_tile("params", unit)[lo:hi])
             store.post(f"w_full{slab}")
         return {"packed": len(self.items)}

@@ -9,19 +9,25 @@ Segments of a run (all /megatrain-<run_id>-<part>):
   resident    resident mode only: a compute-dtype copy of every unit's weights, rewritten by Adam's
               fused pass right after each unit's update; the DMA reads it directly (no packing).
 
-Weights, per step, follow engine.fetch_order. Resident mode: the executor waits for version[unit]
->= step and copies the unit's resident tile. Slabs mode: item j uses weight slab j % S, and slab s is
-always filled by packer s % P, so one packer handles a slab's uses in order:
-  packer:   wait w_free[s]; wait version[unit] >= step; cast fp32 tile -> slab; post w_full[s]
-  executor: wait w_full[s]; copy slab -> device; (copy done) post w_free[s]
-Gradients follow engine.grad_order: item k uses grad slab k % G, drained by accumulator (k % G) % A:
-  executor:    wait g_free[s]; copy grad -> slab (GPU: record the slab's IPC event); post g_full[s]
+A slab holds ipc.slab_params elements (default: the largest decoder layer), so a larger unit (the
+embedding, the LM head, or any unit with smaller slabs) travels as several *pieces*: consecutive element
+ranges of its tile, one slab each. Version counters and squared gradient norms are kept per piece, so
+the next step may pack and copy a unit's first piece while Adam still updates its last.
+
+Weights, per step, follow engine.fetch_order, piece by piece. Resident mode: the executor waits for
+version[piece] >= step and copies the piece of the unit's resident tile. Slabs mode: item j uses weight
+slab j % S, and slab s is always filled by packer s % P, so one packer handles a slab's uses in order:
+  packer:   wait w_free[s]; wait version[piece] >= step; cast fp32 piece -> slab; post w_full[s]
+  executor: wait w_full[s]; copy slab -> its range of the unit's device buffer; (copy done) post w_free[s]
+Gradients follow engine.grad_order, piece by piece: item k uses grad slab k % G, drained by
+accumulator (k % G) % A:
+  executor:    wait g_free[s]; copy grad piece -> slab (GPU: record the slab's IPC event); post g_full[s]
   accumulator: wait g_full[s]; (GPU: synchronize the opened IPC event); norm^2 -> ctl; slab -> grads
-               tile; post g_free[s]; post grads_ready
-  adam:        wait grads_ready once per unit; clip scale from the norms; update units in forward
-               order, bumping version[unit] after each, which releases the next step's packers.
+               tile range; post g_free[s]; post grads_ready
+  adam:        wait grads_ready once per piece; clip scale from the norms; update pieces in forward
+               order, bumping version[piece] after each, which releases the next step's packers.
 Without clipping there is no grads plane and no accumulator: the Adam updater itself waits
-g_full[s] (and the slab's IPC event), updates the unit straight from the slab, bumps its version and
+g_full[s] (and the slab's IPC event), updates the piece straight from the slab, bumps its version and
 posts g_free[s], all while the executor is still running the backward.
 Every wait is timed (ipc.wait_timeout_s) and polls the abort flag, so a dead peer never hangs a run.
 """
@@ -33,6 +39,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import NamedTuple
 
 import numpy as np
 import posix_ipc
@@ -62,8 +69,11 @@ _CTL_FIXED = CTL_PIDS_OFFSET + 8 * MAX_PIDS + _REASON_BYTES
 
 @dataclass
 class IpcConfig:
-    weight_slabs: int = opt(4, "S: weight staging slabs (compute dtype, each the size of the largest unit).")
+    weight_slabs: int = opt(4, "S: weight staging slabs (compute dtype, ipc.slab_params elements each).")
     grad_slabs: int = opt(4, "G: gradient staging slabs (fp32); back-pressure when all are in flight.")
+    slab_params: int = opt(0, "Elements per staging slab; a larger unit streams in slab-sized pieces (weights "
+                              "and gradients alike). 0 = the largest decoder layer, so only the embedding "
+                              "and LM head are split. Smaller slabs take less pinned memory and more copies.")
     wait_timeout_s: float = opt(600.0, "Longest any data-plane wait may block before the run fails.")
     poll_s: float = opt(0.05, "How often a blocked wait re-checks the abort flag.")
     staging: str = opt("auto", "How weights reach the DMA: 'resident' (a pinned compute-dtype copy of the whole "
@@ -75,10 +85,23 @@ class IpcConfig:
     def __post_init__(self) -> None:
         if self.weight_slabs < 1 or self.grad_slabs < 1:
             raise ValueError("ipc.weight_slabs and ipc.grad_slabs must be >= 1")
+        if self.slab_params < 0:
+            raise ValueError("ipc.slab_params must be >= 0 (0 = the largest decoder layer)")
         if self.staging not in ("auto", "resident", "slabs"):
             raise ValueError(f"ipc.staging must be auto, resident or slabs, not '{self.staging}'")
         if self.wait_timeout_s <= 0 or self.poll_s <= 0:
             raise ValueError("ipc.wait_timeout_s and ipc.poll_s must be > 0")
+
+
+class Item(NamedTuple):
+    """One slab's worth of a unit: elements [lo, hi) of its tile in slab `slab`; `piece` indexes the
+    run's pieces (its version counter and squared gradient norm in ctl)."""
+
+    unit: int
+    lo: int
+    hi: int
+    slab: int
+    piece: int
 
 
 @dataclass(frozen=True)
@@ -122,7 +145,39 @@ class StoreSpec:
 
     @cached_property
     def slab_elems(self) -> int:
-        return round_up(self.layout.max_unit_numel, TILE_ALIGN)
+        layout = self.layout
+        layers = [layout.structure_of(u.index).numel for u in layout.units if u.kind == "layer"]
+        limit = self.ipc.slab_params or max(layers, default=layout.max_unit_numel)
+        return round_up(max(min(limit, layout.max_unit_numel), 1), TILE_ALIGN)
+
+    @cached_property
+    def piece_table(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+        """Per unit, its pieces as (piece index, lo, hi): consecutive slab-sized ranges of its tile."""
+        e, table, n = self.slab_elems, [], 0
+        for u in range(self.num_units):
+            numel = self.layout.structure_of(u).numel
+            spans = [(lo, min(lo + e, numel)) for lo in range(0, max(numel, 1), e)]
+            table.append(tuple((n + i, lo, hi) for i, (lo, hi) in enumerate(spans)))
+            n += len(spans)
+        return tuple(table)
+
+    @property
+    def num_pieces(self) -> int:
+        return self.piece_table[-1][-1][0] + 1
+
+    def piece_range(self, unit: int) -> slice:
+        """The unit's pieces as a slice of the per-piece ctl arrays."""
+        pieces = self.piece_table[unit]
+        return slice(pieces[0][0], pieces[-1][0] + 1)
+
+    def _grouped(self, order: list[int], slabs: int) -> list[list[Item]]:
+        """Per entry of `order`, the unit's pieces as items; item j of the whole walk uses slab j % slabs."""
+        out: list[list[Item]] = []
+        j = 0
+        for unit in order:
+            out.append([Item(unit, lo, hi, (j + i) % slabs, p) for i, (p, lo, hi) in enumerate(self.piece_table[unit])])
+            j += len(out[-1])
+        return out
 
     @cached_property
     def fetch_order(self) -> list[int]:
@@ -132,24 +187,32 @@ class StoreSpec:
     def grad_order(self) -> list[int]:
         return grad_order(self.layout.num_layers)
 
-    def weight_items(self, packer: int) -> list[tuple[int, int]]:
-        """(unit, slab) pairs that packer `packer` fills, in order."""
-        s = self.num_weight_slabs
-        if not s:
-            return []
-        return [(u, j % s) for j, u in enumerate(self.fetch_order) if (j % s) % self.num_packers == packer]
+    @cached_property
+    def fetch_items(self) -> list[list[Item]]:
+        """Per fetch of engine.fetch_order, the unit's pieces (slabs mode: with their weight slabs)."""
+        return self._grouped(self.fetch_order, max(self.num_weight_slabs, 1))
 
-    def grad_items(self, acc: int | None) -> list[tuple[int, int]]:
-        """(unit, slab) pairs that accumulator `acc` drains, in order; None: all of them (without
-        clipping the Adam updater drains every slab itself)."""
-        g = self.ipc.grad_slabs
-        return [(u, k % g) for k, u in enumerate(self.grad_order)
-                if acc is None or (k % g) % self.num_accumulators == acc]
+    @cached_property
+    def emit_items(self) -> list[list[Item]]:
+        """Per gradient of engine.grad_order, the unit's pieces with their gradient slabs."""
+        return self._grouped(self.grad_order, self.ipc.grad_slabs)
+
+    def weight_items(self, packer: int) -> list[Item]:
+        """The items packer `packer` fills, in order (none in resident mode)."""
+        if not self.num_weight_slabs:
+            return []
+        return [it for items in self.fetch_items for it in items if it.slab % self.num_packers == packer]
+
+    def grad_items(self, acc: int | None) -> list[Item]:
+        """The items accumulator `acc` drains, in order; None: all of them (without clipping the Adam
+        updater drains every slab itself)."""
+        return [it for items in self.emit_items for it in items
+                if acc is None or it.slab % self.num_accumulators == acc]
 
     def part_bytes(self) -> dict[str, int]:
         plane = self.layout.total * 4
         staging = self.slab_elems * (self.num_weight_slabs * self.staging_bytes + self.ipc.grad_slabs * 4)
-        ctl = _CTL_FIXED + self.num_units * 16
+        ctl = _CTL_FIXED + self.num_pieces * 16
         resident = {"resident": self.layout.total * self.staging_bytes} if self.resident else {}
         return {**dict.fromkeys(self.planes, plane), "staging": staging, **resident, "ctl": ctl}
 
@@ -203,7 +266,7 @@ class Store:
         self.spec, self.segments, self.sems = spec, segments, sems
         self._unlinked = False
         ctl = segments["ctl"].mm
-        u = spec.num_units
+        u = spec.num_pieces
         self._flags = np.frombuffer(ctl, np.int64, 8, HEADER_BYTES)
         self.pids = np.frombuffer(ctl, np.int64, MAX_PIDS, HEADER_BYTES + CTL_PIDS_OFFSET)
         self._reason = np.frombuffer(ctl, np.uint8, _REASON_BYTES, HEADER_BYTES + CTL_PIDS_OFFSET + 8 * MAX_PIDS)
@@ -285,9 +348,10 @@ class Store:
         return torch.frombuffer(self.segments["resident"].mm, dtype=STAGING[self.spec.staging_dtype][0], count=n,
                                 offset=HEADER_BYTES + u.offset * self.spec.staging_bytes)
 
-    def refresh_resident(self, unit: int) -> None:
-        """Rewrite the unit's compute-dtype copy from its fp32 params (torch's cast: round to nearest even)."""
-        self.resident_tile(unit).copy_(self.torch_tile("params", unit))
+    def refresh_resident(self, unit: int, lo: int = 0, hi: int | None = None) -> None:
+        """Rewrite elements [lo, hi) of the unit's compute-dtype copy from its fp32 params (torch's cast:
+        round to nearest even)."""
+        self.resident_tile(unit)[lo:hi].copy_(self.torch_tile("params", unit)[lo:hi])
 
     def weight_slab(self, i: int) -> torch.Tensor:
         dtype, size = STAGING[self.spec.staging_dtype]
@@ -342,13 +406,15 @@ class Store:
     def post(self, key: str) -> None:
         self.sems[key].release()
 
-    def wait_version(self, unit: int, version: int, what: str) -> None:
-        """Wait until unit's Adam version reaches `version` (shared counter; Adam bumps it after writing)."""
-        if self.versions[unit] >= version:
+    def wait_version(self, unit: int, version: int, what: str, piece: int | None = None) -> None:
+        """Wait until Adam's version of the unit's `piece` (None: of all its pieces) reaches `version`
+        (shared counters; Adam bumps a piece's after writing it)."""
+        counters = self.versions[self.spec.piece_range(unit) if piece is None else slice(piece, piece + 1)]
+        if counters.min() >= version:
             return
         cfg, nap = self.spec.ipc, 1e-4
         deadline = time.monotonic() + cfg.wait_timeout_s
-        while self.versions[unit] < version:
+        while counters.min() < version:
             self.check_abort()
             if time.monotonic() > deadline:
                 raise WaitTimeout(f"waited {cfg.wait_timeout_s:g}s for {what}")

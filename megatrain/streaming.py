@@ -21,13 +21,14 @@ from typing import Any
 import torch
 
 from megatrain.errors import AbortError, WaitTimeout
-from megatrain.ipc.protocol import Store
+from megatrain.ipc.protocol import Item, Store
 
 _STOP = object()
 
 
 class SyncSource:
-    """CPU device: item j of the step is read from its slab (then freed) or its resident tile."""
+    """CPU device: fetch j of the step reads each piece of the unit from its slab (then frees it) or from
+    its resident tile."""
 
     def __init__(self, store: Store, device: torch.device, dtype: torch.dtype):
         self.store, self.device, self.dtype = store, device, dtype
@@ -39,38 +40,42 @@ class SyncSource:
     def end(self) -> None:
         pass
 
-    def _item(self, unit: int) -> int:
+    def _take(self, unit: int) -> list[Item]:
+        """The next fetch's pieces, checking the protocol's order."""
         spec = self.store.spec
         assert unit == spec.fetch_order[self.j], f"engine fetched unit {unit} out of protocol order"
         self.j += 1
-        return self.j - 1
+        return spec.fetch_items[self.j - 1]
 
-    def acquire(self, j: int, unit: int) -> tuple[torch.Tensor, Callable[[], None] | None]:
-        """Wait until item j's weights are readable on the host; (host tensor, release or None when
+    def acquire(self, item: Item) -> tuple[torch.Tensor, Callable[[], None] | None]:
+        """Wait until the piece's weights are readable on the host; (host tensor, release or None when
         nothing is to be freed: a resident tile changes only after the unit's last use in the step)."""
-        spec, store = self.store.spec, self.store
-        if spec.resident:
-            store.wait_version(unit, self.step, f"Adam's update of unit {unit} before step {self.step}")
-            return store.resident_tile(unit), None
-        slab = j % spec.num_weight_slabs
-        store.wait(f"w_full{slab}", f"weights of unit {unit} in slab {slab}")
-        n = spec.layout.structure_of(unit).numel
-        return store.weight_slab(slab)[:n], lambda: store.post(f"w_free{slab}")
+        store, unit = self.store, item.unit
+        if store.spec.resident:
+            store.wait_version(unit, self.step, f"Adam's update of unit {unit} before step {self.step}", item.piece)
+            return store.resident_tile(unit)[item.lo:item.hi], None
+        store.wait(f"w_full{item.slab}", f"weights of unit {unit} in slab {item.slab}")
+        return store.weight_slab(item.slab)[: item.hi - item.lo], lambda: store.post(f"w_free{item.slab}")
+
+    def _buffer(self, unit: int) -> torch.Tensor:
+        n = self.store.spec.layout.structure_of(unit).numel
+        self.bytes += n * self.dtype.itemsize
+        return torch.empty(n, dtype=self.dtype, device=self.device)
 
     def fetch(self, unit: int) -> torch.Tensor:
-        j = self._item(unit)
-        t0 = time.perf_counter()
-        host, release = self.acquire(j, unit)
-        self.wait_s += time.perf_counter() - t0
-        out = host.to(self.device, self.dtype, copy=True)
-        self.bytes += out.numel() * out.element_size()
-        if release is not None:
-            release()
+        out = self._buffer(unit)
+        for item in self._take(unit):
+            t0 = time.perf_counter()
+            host, release = self.acquire(item)
+            self.wait_s += time.perf_counter() - t0
+            out[item.lo:item.hi].copy_(host)
+            if release is not None:
+                release()
         return out
 
 
 class SyncSink:
-    """CPU device: item k of the step goes to gradient slab k % G as fp32."""
+    """CPU device: each piece of gradient k of the step goes to its gradient slab as fp32."""
 
     def __init__(self, store: Store):
         self.store = store
@@ -82,21 +87,21 @@ class SyncSink:
     def end(self) -> None:
         pass
 
-    def _item(self, unit: int) -> int:
-        """Check the protocol's gradient order; the item's slab."""
+    def _take(self, unit: int) -> list[Item]:
+        """The next gradient's pieces, checking the protocol's gradient order."""
         spec = self.store.spec
         assert unit == spec.grad_order[self.k], f"engine emitted unit {unit} out of protocol order"
         self.k += 1
-        return (self.k - 1) % spec.ipc.grad_slabs
+        return spec.emit_items[self.k - 1]
 
     def emit(self, unit: int, grad: torch.Tensor) -> None:
-        slab = self._item(unit)
-        t0 = time.perf_counter()
-        self.store.wait(f"g_free{slab}", f"a free gradient slab for unit {unit}")
-        self.wait_s += time.perf_counter() - t0
-        self.store.grad_slab(slab)[: grad.numel()].copy_(grad.detach())
+        for item in self._take(unit):
+            t0 = time.perf_counter()
+            self.store.wait(f"g_free{item.slab}", f"a free gradient slab for unit {unit}")
+            self.wait_s += time.perf_counter() - t0
+            self.store.grad_slab(item.slab)[: item.hi - item.lo].copy_(grad.detach()[item.lo:item.hi])
+            self.store.post(f"g_full{item.slab}")
         self.bytes += grad.numel() * 4
-        self.store.post(f"g_full{slab}")
 
 
 class _Worker:
@@ -178,25 +183,29 @@ class StreamedSource(SyncSource):
 
     def _load(self) -> None:
         try:
-            for j, unit in enumerate(self.store.spec.fetch_order):
+            for items in self.store.spec.fetch_items:
                 self.worker.acquire(self.credits)
-                host, release = self.acquire(j, unit)
-                start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                unit = items[0].unit
                 with torch.cuda.stream(self.h2d):
-                    start.record(self.h2d)
-                    out = torch.empty(host.numel(), dtype=self.dtype, device=self.device)
-                    out.copy_(host, non_blocking=True)
-                    done.record(self.h2d)
-                self.ready.put((unit, out, done))
-                self.timeline.append((unit, start, done))
-                if release is not None:
-                    done.synchronize()  # a slab may be refilled once this copy has read it
-                    release()
+                    out = self._buffer(unit)
+                for item in items:
+                    host, release = self.acquire(item)
+                    start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    with torch.cuda.stream(self.h2d):
+                        start.record(self.h2d)
+                        out[item.lo:item.hi].copy_(host, non_blocking=True)
+                        done.record(self.h2d)
+                    self.timeline.append((unit, start, done))
+                    if item is items[-1]:
+                        self.ready.put((unit, out, done))  # copies on one stream: the last done covers all
+                    if release is not None:
+                        done.synchronize()  # a slab may be refilled once this copy has read it
+                        release()
         finally:
             self.ready.put(_STOP)
 
     def fetch(self, unit: int) -> torch.Tensor:
-        self._item(unit)
+        self._take(unit)
         t0 = time.perf_counter()
         got, out, ready = self.worker.take(self.ready, f"weights of unit {unit}")
         self.wait_s += time.perf_counter() - t0
@@ -205,7 +214,6 @@ class StreamedSource(SyncSource):
         compute.wait_event(ready)
         out.record_stream(compute)
         self.credits.release()
-        self.bytes += out.numel() * out.element_size()
         return out
 
 
@@ -231,7 +239,7 @@ class StreamedSink(SyncSink):
         self.d2h.synchronize()
 
     def emit(self, unit: int, grad: torch.Tensor) -> None:
-        self._item(unit)  # the drain thread derives the same slab from its own count
+        self._take(unit)  # the drain thread walks the same items
         grad = grad.detach().float()
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
@@ -242,22 +250,22 @@ class StreamedSink(SyncSink):
         self.todo.put((unit, grad, done))
 
     def _drain(self) -> None:
-        spec = self.store.spec
-        for k in range(len(spec.grad_order)):
+        for k, items in enumerate(self.store.spec.emit_items):
             unit, grad, done = self.worker.take(self.todo, f"the gradient of item {k}")
-            slab = k % spec.ipc.grad_slabs
-            self.store.wait(f"g_free{slab}", f"a free gradient slab for unit {unit}")
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.d2h.wait_event(done)
-            with torch.cuda.stream(self.d2h):
-                start.record(self.d2h)
-                self.store.grad_slab(slab)[: grad.numel()].copy_(grad, non_blocking=True)
-                end.record(self.d2h)
-                self.ipc_events[slab].record(self.d2h)
+            for item in items:
+                self.store.wait(f"g_free{item.slab}", f"a free gradient slab for unit {unit}")
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                with torch.cuda.stream(self.d2h):
+                    start.record(self.d2h)
+                    self.store.grad_slab(item.slab)[: item.hi - item.lo].copy_(grad[item.lo:item.hi],
+                                                                               non_blocking=True)
+                    end.record(self.d2h)
+                    self.ipc_events[item.slab].record(self.d2h)
+                self.timeline.append((unit, start, end))
+                self.store.post(f"g_full{item.slab}")
             grad.record_stream(self.d2h)
-            self.timeline.append((unit, start, end))
             del grad
-            self.store.post(f"g_full{slab}")
             self.credits.release()
 
 

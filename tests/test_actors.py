@@ -23,13 +23,13 @@ def test_adam_takes_overlapping_step_calls_in_order(rid: str, model_spec) -> Non
         thread = threading.Thread(target=lambda: later.update(adam.step(1, 1e-3)))
         thread.start()
         time.sleep(0.3)
-        for _ in range(2 * spec.num_units):  # both steps' gradients have arrived
+        for _ in range(2 * spec.num_pieces):  # both steps' gradients have arrived
             owner.post("grads_ready")
         time.sleep(0.3)
         assert not later, "step 1 ran before step 0"
         first = adam.step(0, 1e-3)
         thread.join(30)
-        assert later and list(owner.versions) == [2] * spec.num_units
+        assert later and list(owner.versions) == [2] * spec.num_pieces
         assert later["unit_spans"][0][1] >= first["unit_spans"][-1][2]
         adam.store.close()
     finally:

@@ -22,6 +22,7 @@ from megatrain.ipc.shm import HEADER_BYTES
 from megatrain.launch.placement import ActorsConfig, demands
 
 from megatrain.errors import AbortError, LayoutMismatch, ResourceError, WaitTimeout
+from megatrain.layout import TILE_ALIGN
 from tests.helpers import spec_for, tiny_hf
 from tests.shm_fixtures import ALL_PARTS, SHM, leftovers, make_spec, owned, remove_all
 
@@ -104,7 +105,7 @@ def test_tiles_and_slabs_are_page_aligned(rid: str, model_spec, staging: str) ->
         for i, slab in enumerate(slabs):
             off = slab.data_ptr() - base
             assert off % 4096 == 0, (i, off)
-            assert slab.numel() >= spec.layout.max_unit_numel
+            assert slab.numel() >= max(hi - lo for t in spec.piece_table for _, lo, hi in t)
         ends = [s.data_ptr() + s.numel() * s.element_size() for s in slabs]
         assert all(ends[i] <= slabs[i + 1].data_ptr() for i in range(5))
         assert ends[-1] <= base + HEADER_BYTES + spec.part_bytes()["staging"]
@@ -115,35 +116,52 @@ def test_tiles_and_slabs_are_page_aligned(rid: str, model_spec, staging: str) ->
     assert leftovers(rid) == []
 
 
-def check_partition(order: list[int], items_of, workers: int, slabs: int) -> None:
+def check_partition(order: list[int], grouped: list, items_of, workers: int, slabs: int, spec) -> None:
+    """Items walk `order` unit by unit, each unit's pieces in turn; item j uses slab j % slabs and slab s
+    is always served by worker s % workers, so a worker's items are its slabs' uses in walk order."""
+    assert [items[0].unit for items in grouped] == order
+    walk = [it for items in grouped for it in items]
+    for items in grouped:
+        unit = items[0].unit
+        assert [(it.piece, it.lo, it.hi) for it in items] == list(spec.piece_table[unit])
+        assert items[0].lo == 0 and items[-1].hi == spec.layout.structure_of(unit).numel
+    assert [it.slab for it in walk] == [j % slabs for j in range(len(walk))]
     lists = [items_of(w) for w in range(workers)]
-    owner_of_slab: dict[int, set[int]] = {}
-    for w, items in enumerate(lists):
-        for _, slab in items:
-            owner_of_slab.setdefault(slab, set()).add(w)
-    assert all(len(ws) == 1 for ws in owner_of_slab.values()), owner_of_slab
-    assert sorted(owner_of_slab) == list(range(min(slabs, len(order))))
-    # Walking the order, item j (slab j % slabs) is the next item of exactly its slab's worker.
-    cursor = [0] * workers
-    for j, unit in enumerate(order):
-        slab = j % slabs
-        (w,) = owner_of_slab[slab]
-        assert lists[w][cursor[w]] == (unit, slab), (j, w)
-        cursor[w] += 1
-    assert cursor == [len(x) for x in lists]  # nothing extra, nothing missing
-    if slabs >= workers and len(order) >= workers:
+    assert lists == [[it for it in walk if it.slab % workers == w] for w in range(workers)]
+    if slabs >= workers and len(walk) >= workers:
         assert all(lists), "a worker with no items"
 
 
 @pytest.mark.parametrize("slabs, workers", [(1, 1), (4, 1), (4, 2), (3, 2), (5, 3), (2, 2), (8, 3)])
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_weight_and_grad_items_partition_the_orders(model_spec, slabs: int, workers: int, k: int) -> None:
+@pytest.mark.parametrize("slab_params", [0, 3000])
+def test_weight_and_grad_items_partition_the_orders(model_spec, slabs: int, workers: int, k: int,
+                                                    slab_params: int) -> None:
     spec = make_spec("partition", model_spec, k=k, packers=workers, accs=workers, weight_slabs=slabs,
-                     grad_slabs=slabs)
+                     grad_slabs=slabs, slab_params=slab_params)
     n = spec.layout.num_layers
     assert sorted(set(spec.fetch_order)) == list(range(n + 2))
-    check_partition(spec.fetch_order, spec.weight_items, workers, slabs)
-    check_partition(spec.grad_order, spec.grad_items, workers, slabs)
+    check_partition(spec.fetch_order, spec.fetch_items, spec.weight_items, workers, slabs, spec)
+    check_partition(spec.grad_order, spec.emit_items, spec.grad_items, workers, slabs, spec)
+
+
+def test_pieces_tile_every_unit_within_one_slab(model_spec) -> None:
+    """Default slabs hold the largest decoder layer: layers are one piece, larger units several."""
+    spec = make_spec("pieces", model_spec)
+    layer = max(spec.layout.structure_of(u.index).numel for u in spec.layout.units if u.kind == "layer")
+    assert spec.slab_elems >= layer and spec.slab_elems % TILE_ALIGN == 0
+    flat = [p for t in spec.piece_table for p in t]
+    assert [p for p, _, _ in flat] == list(range(spec.num_pieces))
+    for unit, table in enumerate(spec.piece_table):
+        numel = spec.layout.structure_of(unit).numel
+        assert [lo for _, lo, _ in table] == list(range(0, numel, spec.slab_elems))
+        assert table[-1][2] == numel and all(0 < hi - lo <= spec.slab_elems for _, lo, hi in table)
+        assert spec.piece_range(unit) == slice(table[0][0], table[-1][0] + 1)
+        if spec.layout.units[unit].kind == "layer":
+            assert len(table) == 1
+    small = make_spec("pieces", model_spec, slab_params=3000)
+    assert small.slab_elems == 4096 and small.part_bytes()["staging"] < spec.part_bytes()["staging"]
+    assert [len(t) for t in small.piece_table] == [2, 3, 3, 3, 3]  # 8192, 3 x 9280, 8224 elements
 
 
 @pytest.mark.parametrize("packers, accs", [(1, 1), (2, 3), (4, 2)])
@@ -197,7 +215,7 @@ def test_wait_times_out_with_a_tiny_timeout(rid: str, model_spec) -> None:
         with pytest.raises(WaitTimeout, match="version of unit 1"):
             store.wait_version(1, 1, "version of unit 1")
         assert 0.19 <= time.monotonic() - t0 < 2.0
-        store.versions[1] = 1
+        store.versions[spec.piece_range(1)] = 1
         store.wait_version(1, 1, "version of unit 1")  # reached: returns at once
         store.post("grads_ready")
         store.wait("grads_ready", "grads")
