@@ -44,7 +44,7 @@ class StoreOwner(Role):
         ram_only = {"activation checkpoints (executor, pinned)": checkpoint_host_bytes(model, engine, *batch_shape)}
         spec = plan_store(run_id, model, engine.compute_dtype, engine.checkpoint_interval,
                           num_packers, num_accumulators, ipc_cfg, cuda=engine.device == "cuda", clip=clip,
-                          ram_only=ram_only)
+                          ram_only=ram_only, last_block_layers=engine.last_block_layers)
         self.store = Store.create(spec, ram_only)
         self._start_reaper(run_id)
         self._fill(model_cfg)
@@ -76,11 +76,17 @@ class StoreOwner(Role):
         with torch.no_grad():
             return str(save_units(self.store.spec.model, tiles, directory))
 
-    def host_memory(self) -> dict[str, int]:
+    def host_memory(self) -> dict:
         """Host memory of the run's processes on this node, as PSS: the owner, its reaper and every worker
-        recorded in ctl (the shared store counted once, split among the processes that map it)."""
-        pids = {os.getpid(), *([self.reaper.pid] if self.reaper else []), *(int(p) for p in self.store.pids if p > 0)}
-        return {"processes": len(pids), "pss_bytes": sum(pss_bytes(p) for p in pids)}  # a set: in-process actors
+        recorded in ctl (the shared store counted once, split among the processes that map it), in all
+        and per role (roles sharing a process, as in the in-process runner, are named together)."""
+        named = {os.getpid(): [self.name], **({self.reaper.pid: ["reaper"]} if self.reaper else {})}
+        for role in self.store.spec.roles():
+            pid = int(self.store.pids[self.store.spec.pid_slot(role)])
+            if pid > 0:
+                named.setdefault(pid, []).append(role)
+        by_role = {"+".join(roles): pss_bytes(pid) for pid, roles in named.items()}
+        return {"processes": len(named), "pss_bytes": sum(by_role.values()), "pss_by_role": by_role}
 
     def shutdown(self) -> None:
         """Unlink every name of the run (idempotent); processes still attached keep their mappings.

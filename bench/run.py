@@ -39,7 +39,8 @@ def overrides(args: argparse.Namespace, out: Path, extra: list[str]) -> list[str
     return ["model.family=qwen2", f"model.hf={json.dumps(hf)}", f"data.seq_len={args.seq}",
             f"data.batch_size={args.batch}", f"train.steps={args.steps}", f"train.timeline_step={args.steps}",
             f"train.output_dir={out}", "train.log_every=1", "engine.device=cuda",
-            f"engine.checkpoint_interval={args.k}", f"engine.chunk_sequences={args.chunk}",
+            f"engine.checkpoint_interval={args.k}", f"engine.last_block_layers={args.last}",
+            f"engine.chunk_sequences={args.chunk}", f"ipc.slab_params={args.slab_params}",
             f"engine.loss_chunk_tokens={args.loss_chunk}", f"actors.num_packers={args.packers}",
             f"actors.packer_threads={args.packer_threads}", f"actors.num_accumulators={args.accumulators}",
             f"actors.adam_threads={args.adam_threads}", f"actors.accumulator_threads={args.accumulator_threads}",
@@ -64,6 +65,7 @@ def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str]) -> 
            "num_params": summary["num_params"],
            "host_bytes_per_param": (summary["store_bytes"] + summary["executor_host_bytes"]) / summary["num_params"],
            "process_pss_bytes_per_param": summary["process_pss_bytes"] / summary["num_params"],
+           "pss_by_role": summary["pss_by_role"], "store_bytes": summary["store_bytes"],
            "gpu_peak_bytes": max(r.get("gpu_peak_bytes", 0) for r in rows),
            **{k: pick(k) for k in ("forward_s", "head_s", "backward_s", "weight_wait_s", "grad_wait_s", "adam_s")},
            "h2d_GBps_avg": h2d_busy / med / 1e9, "d2h_GBps_avg": pick("d2h_bytes") / med / 1e9,
@@ -116,7 +118,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--k", type=int, default=1, help="checkpoint interval")
+    p.add_argument("--last", type=int, default=0, help="layers of the never-recomputed last block (0 = K)")
     p.add_argument("--chunk", type=int, default=0, help="sequences per compute chunk (0 = whole batch)")
+    p.add_argument("--slab-params", type=int, default=0, help="elements per staging slab (0 = the largest layer)")
     p.add_argument("--loss-chunk", type=int, default=8192, help="tokens per LM-head/loss chunk")
     p.add_argument("--packers", type=int, default=4)
     p.add_argument("--packer-threads", type=int, default=2)
@@ -141,7 +145,8 @@ def main() -> int:
         print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
     md = table(results, args, hf)
     when = datetime.date.today().isoformat()
-    head = (f"\n### {args.layers} layers (Qwen2.5-7B shape), {args.batch}x{args.seq} tokens/step, K={args.k} "
+    head = (f"\n### {args.layers} layers (Qwen2.5-7B shape), {args.batch}x{args.seq} tokens/step, K={args.k}"
+            f"{f', last block {args.last}' if args.last else ''} "
             f"— {args.machine}, {when}\n\n`python bench/run.py {' '.join(sys.argv[1:])}`\n\n")
     (Path(args.out) / "results.md").write_text(head + md + "\n")
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))

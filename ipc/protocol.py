@@ -117,6 +117,7 @@ class StoreSpec:
     ipc: IpcConfig = field(default_factory=IpcConfig)
     staging_mode: str = "slabs"  # resolved: "slabs" or "resident"
     clip: bool = True  # global-norm clipping: gradients wait in the grads plane until the norm is known
+    last_block_layers: int = 0  # engine.last_block_layers: with K, fixes the order the engine fetches units
 
     @property
     def planes(self) -> tuple[str, ...]:
@@ -181,7 +182,7 @@ class StoreSpec:
 
     @cached_property
     def fetch_order(self) -> list[int]:
-        return fetch_order(self.layout.num_layers, self.checkpoint_interval)
+        return fetch_order(self.layout.num_layers, self.checkpoint_interval, self.last_block_layers)
 
     @cached_property
     def grad_order(self) -> list[int]:
@@ -217,8 +218,8 @@ class StoreSpec:
         return {**dict.fromkeys(self.planes, plane), "staging": staging, **resident, "ctl": ctl}
 
     def layout_hash(self) -> bytes:
-        extra = (f"{self.clip}:{self.staging_mode}:{self.staging_dtype}:{self.slab_elems}:{self.num_weight_slabs}:"
-                 f"{self.ipc.grad_slabs}")
+        extra = (f"{self.clip}:{self.checkpoint_interval}:{self.last_block_layers}:{self.staging_mode}:"
+                 f"{self.staging_dtype}:{self.slab_elems}:{self.num_weight_slabs}:{self.ipc.grad_slabs}")
         return hashlib.sha256(self.layout.digest() + extra.encode()).digest()[:16]
 
     def pid_slot(self, role: str) -> int:
@@ -228,6 +229,11 @@ class StoreSpec:
         slot = slots[role] if role in slots else slots[kind] + int(idx)
         assert slot < MAX_PIDS, role
         return slot
+
+    def roles(self) -> list[str]:
+        """Worker role names in pid-slot order."""
+        return (["gpu-executor", "adam-updater"] + [f"packer-{i}" for i in range(self.num_packers)]
+                + [f"grad-accumulator-{i}" for i in range(self.num_accumulators)])
 
     def sem_names(self) -> dict[str, tuple[str, int]]:
         """Semaphore key -> (name, initial value)."""
@@ -241,11 +247,11 @@ class StoreSpec:
 
 def plan_store(run_id: str, model: ModelSpec, staging_dtype: str, checkpoint_interval: int, num_packers: int,
                num_accumulators: int, ipc: IpcConfig, cuda: bool, clip: bool = True,
-               ram_only: dict[str, int] | None = None) -> StoreSpec:
+               ram_only: dict[str, int] | None = None, last_block_layers: int = 0) -> StoreSpec:
     """Resolve ipc.staging: as asked, or for 'auto' resident on cuda when it fits in memory, else slabs."""
     def make(mode: str) -> StoreSpec:
         return StoreSpec(run_id, model, staging_dtype, checkpoint_interval, num_packers, num_accumulators, ipc, mode,
-                         clip)
+                         clip, last_block_layers)
 
     if ipc.staging != "auto":
         return make(ipc.staging)

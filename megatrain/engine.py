@@ -33,6 +33,10 @@ class EngineConfig:
                                      "bf16 or fp32. Master weights and Adam state are fp32 regardless.")
     checkpoint_interval: int = opt(2, "K: keep the activation at the input of every K-th layer; a block of "
                                       "K layers is recomputed once, with grad, right before its backward.")
+    last_block_layers: int = opt(0, "Layers in the last block, the one never recomputed: it runs with grad in "
+                                    "the forward and keeps its activations on the GPU until its backward. "
+                                    "0 = K. Each extra layer saves one layer's recompute and costs one layer's "
+                                    "activations of GPU memory (about 15 GiB for a 7B layer at 64k tokens).")
     prefetch: int = opt(2, "CUDA: units whose weights may be loaded ahead of compute (1 = double buffering, "
                            "2 = triple); 0 copies on the compute stream (the no-double-buffering ablation).")
     loss_chunk_tokens: int = opt(2048, "Tokens per LM-head/loss chunk; [chunk, vocab] logits is the largest "
@@ -53,6 +57,8 @@ class EngineConfig:
             raise ValueError(f"engine.compute_dtype must be auto, bf16 or fp32, not '{self.compute_dtype}'")
         if self.checkpoint_interval < 1:
             raise ValueError("engine.checkpoint_interval must be >= 1")
+        if self.last_block_layers < 0:
+            raise ValueError("engine.last_block_layers must be >= 0 (0 = engine.checkpoint_interval)")
         if self.prefetch < 0:
             raise ValueError("engine.prefetch must be >= 0")
         if self.loss_chunk_tokens < 1:
@@ -83,27 +89,30 @@ def checkpoint_host_bytes(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: i
     """Pinned host RAM the executor takes for offloaded checkpoints (a resolved config; 0 if on the GPU)."""
     if cfg.device != "cuda" or not cfg.offload_checkpoints:
         return 0
-    saved = len(blocks(spec.layout.num_layers, cfg.checkpoint_interval)) - 1
+    saved = len(blocks(spec.layout.num_layers, cfg.checkpoint_interval, cfg.last_block_layers)) - 1
     return saved * batch * seq * spec.hf_config.hidden_size * resolve_dtype(cfg, torch.device("cuda")).itemsize
 
 
-def blocks(num_layers: int, k: int) -> list[list[int]]:
+def blocks(num_layers: int, k: int, last: int = 0) -> list[list[int]]:
     """Unit indices of each checkpoint block (layers are units 1..N).
 
-    Counted from the top, so a short block, if any, is the first: the last block is never recomputed
-    (it runs with grad in the forward), so it should be a full one."""
-    first = num_layers % k
+    The last block holds `last` layers (0: k); it is never recomputed (it runs with grad in the
+    forward). The rest are blocks of k counted from the top, so a short block, if any, is the first."""
+    last = min(last or k, num_layers)
+    rest = num_layers - last
+    first = rest % k
     head = [list(range(1, first + 1))] if first else []
-    return head + [list(range(s, s + k)) for s in range(first + 1, num_layers + 1, k)]
+    return (head + [list(range(s, s + k)) for s in range(first + 1, rest + 1, k)]
+            + [list(range(rest + 1, num_layers + 1))])
 
 
-def fetch_order(num_layers: int, k: int) -> list[int]:
+def fetch_order(num_layers: int, k: int, last: int = 0) -> list[int]:
     """Units in the order the engine fetches weights: forward, head, then blocks recomputed in reverse.
 
     The last block runs with grad in the forward and keeps its graphs, so it is never recomputed.
     """
     order = [0, *range(1, num_layers + 1), num_layers + 1]
-    for blk in reversed(blocks(num_layers, k)[:-1]):
+    for blk in reversed(blocks(num_layers, k, last)[:-1]):
         order += blk
     return order
 
@@ -226,7 +235,7 @@ class StepEngine:
         self.spec, self.cfg, self.device, self.dtype = spec, cfg, device, dtype
         self.t = Templates(spec, device)
         self.n = spec.layout.num_layers
-        self.blocks = blocks(self.n, cfg.checkpoint_interval)
+        self.blocks = blocks(self.n, cfg.checkpoint_interval, cfg.last_block_layers)
         self.checkpoints = Checkpoints(device, cfg.offload_checkpoints)
         self.mark: Callable[[str], None] = lambda name: None
 

@@ -15,10 +15,11 @@ from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("k", [1, 2, 3])
+@pytest.mark.parametrize("k, last", [(1, 0), (2, 0), (3, 0), (1, 2), (2, 1)])
 @pytest.mark.parametrize("chunk", [0, 1, 2])
-def test_engine_matches_hf_autograd(family: str, tied: bool, k: int, chunk: int) -> None:
-    """k=3 is one block (no recompute); chunk 2 of a batch of 3 leaves an uneven last chunk."""
+def test_engine_matches_hf_autograd(family: str, tied: bool, k: int, last: int, chunk: int) -> None:
+    """k=3 is one block (no recompute); last=2 keeps the top two layers' graphs, last=1 only the top
+    one's; chunk 2 of a batch of 3 leaves an uneven last chunk."""
     model = tiny_hf(family, tied)
     spec = spec_for(model, family)
     data = DataConfig(seq_len=24, batch_size=3)
@@ -29,12 +30,12 @@ def test_engine_matches_hf_autograd(family: str, tied: bool, k: int, chunk: int)
     state = {k_: v.detach() for k_, v in model.state_dict().items()}
 
     n = spec.layout.num_layers
-    cfg = EngineConfig(checkpoint_interval=k, loss_chunk_tokens=10, chunk_sequences=chunk)
+    cfg = EngineConfig(checkpoint_interval=k, last_block_layers=last, loss_chunk_tokens=10, chunk_sequences=chunk)
     engine = StepEngine(spec, cfg, torch.device("cpu"), torch.float32)
-    src, sink = DictSource(spec, state, fetch_order(n, k)), DictSink()
+    src, sink = DictSource(spec, state, fetch_order(n, k, last)), DictSink()
     res = engine.step(ids, labels, src, sink)
 
-    assert src.seen == fetch_order(n, k)
+    assert src.seen == fetch_order(n, k, last)
     assert sink.order == grad_order(n)
     assert abs(float(res.loss) - float(ref_loss.detach())) <= 1e-6 * abs(float(ref_loss.detach()))
     for unit in range(n + 2):
@@ -50,6 +51,15 @@ def test_blocks_put_the_short_one_first() -> None:
     assert fetch_order(3, 2) == [0, 1, 2, 3, 4, 1]
 
 
+def test_last_block_takes_its_own_size() -> None:
+    assert blocks(8, 2, 6) == [[1, 2], [3, 4, 5, 6, 7, 8]]
+    assert blocks(8, 3, 4) == [[1], [2, 3, 4], [5, 6, 7, 8]]
+    assert blocks(8, 2, 1) == [[1], [2, 3], [4, 5], [6, 7], [8]]
+    assert blocks(3, 1, 9) == [[1, 2, 3]]  # capped at the layer count: nothing recomputed
+    assert blocks(8, 4, 0) == blocks(8, 4, 4)
+    assert fetch_order(4, 1, 2) == [0, 1, 2, 3, 4, 5, 2, 1]
+
+
 def test_checkpoint_host_bytes_follow_blocks_and_device() -> None:
     spec = spec_for(tiny_hf("llama", tied=False, layers=5), "llama")
     hidden = spec.hf_config.hidden_size
@@ -58,3 +68,5 @@ def test_checkpoint_host_bytes_follow_blocks_and_device() -> None:
     assert checkpoint_host_bytes(spec, dataclasses.replace(cuda, offload_checkpoints=False), 3, 16) == 0
     assert checkpoint_host_bytes(spec, dataclasses.replace(cuda, device="cpu"), 3, 16) == 0
     assert checkpoint_host_bytes(spec, dataclasses.replace(cuda, checkpoint_interval=5), 3, 16) == 0
+    top4 = dataclasses.replace(cuda, last_block_layers=4)  # blocks [1], [2,3,4,5]
+    assert checkpoint_host_bytes(spec, top4, 3, 16) == 1 * 3 * 16 * hidden * 2

@@ -21,8 +21,8 @@ class CudaSource(DictSource):
 
 
 @pytest.mark.parametrize("offload", [True, False])
-@pytest.mark.parametrize("k,chunk", [(1, 0), (1, 1), (2, 2), (4, 1)])
-def test_cuda_engine_matches_hf_autograd(offload: bool, k: int, chunk: int) -> None:
+@pytest.mark.parametrize("k,last,chunk", [(1, 0, 0), (1, 0, 1), (2, 0, 2), (4, 0, 1), (1, 3, 0), (2, 3, 1)])
+def test_cuda_engine_matches_hf_autograd(offload: bool, k: int, last: int, chunk: int) -> None:
     # llama: Qwen2's k_proj.bias has an exactly-zero gradient, which a relative check cannot hold
     model = tiny_hf("llama", tied=False, layers=5)
     spec = spec_for(model, "llama")
@@ -32,15 +32,15 @@ def test_cuda_engine_matches_hf_autograd(offload: bool, k: int, chunk: int) -> N
     ref_grads = {k_: p.grad for k_, p in model.named_parameters()}
     state = {k_: v.detach() for k_, v in model.state_dict().items()}
 
-    cfg = EngineConfig(device="cuda", compute_dtype="fp32", checkpoint_interval=k, loss_chunk_tokens=20,
-                       chunk_sequences=chunk, offload_checkpoints=offload)
+    cfg = EngineConfig(device="cuda", compute_dtype="fp32", checkpoint_interval=k, last_block_layers=last,
+                       loss_chunk_tokens=20, chunk_sequences=chunk, offload_checkpoints=offload)
     engine = StepEngine(spec, cfg, torch.device("cuda"), torch.float32)
     n = spec.layout.num_layers
     for _ in range(2):  # the second step reuses the pinned checkpoint buffers
         sink = DictSink()
-        res = engine.step(ids, labels, CudaSource(spec, state, fetch_order(n, k)), sink)
+        res = engine.step(ids, labels, CudaSource(spec, state, fetch_order(n, k, last)), sink)
     torch.cuda.synchronize()
-    assert (engine.checkpoints.host_bytes() > 0) == (offload and k < n)
+    assert (engine.checkpoints.host_bytes() > 0) == (offload and n - max(last, k) > 0)
     assert abs(float(res.loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     del engine  # its pinned checkpoint buffers are unregistered and freed here, not in a later test
     for unit in range(n + 2):
