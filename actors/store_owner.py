@@ -14,7 +14,7 @@ import threading
 import torch
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, plan_store
-from megatrain.ipc.shm import pss_bytes, remove_cuda_ipc_files, start_ticks, sweep
+from megatrain.ipc.shm import pss_bytes, pss_outside, remove_cuda_ipc_files, seg_name, start_ticks, sweep
 
 from megatrain.engine import EngineConfig, checkpoint_host_bytes
 from megatrain.model import ModelConfig, build_spec, init_unit, meta_model
@@ -79,14 +79,16 @@ class StoreOwner(Role):
     def host_memory(self) -> dict:
         """Host memory of the run's processes on this node, as PSS: the owner, its reaper and every worker
         recorded in ctl (the shared store counted once, split among the processes that map it), in all
-        and per role (roles sharing a process, as in the in-process runner, are named together)."""
+        and per role outside the store (what each process costs beyond the shared segments; roles
+        sharing a process, as in the in-process runner, are named together)."""
         named = {os.getpid(): [self.name], **({self.reaper.pid: ["reaper"]} if self.reaper else {})}
         for role in self.store.spec.roles():
             pid = int(self.store.pids[self.store.spec.pid_slot(role)])
             if pid > 0:
                 named.setdefault(pid, []).append(role)
-        by_role = {"+".join(roles): pss_bytes(pid) for pid, roles in named.items()}
-        return {"processes": len(named), "pss_bytes": sum(by_role.values()), "pss_by_role": by_role}
+        store = seg_name(self.store.spec.run_id, "")
+        own = {"+".join(roles): pss_outside(pid, store) for pid, roles in named.items()}
+        return {"processes": len(named), "pss_bytes": sum(pss_bytes(pid) for pid in named), "pss_own_by_role": own}
 
     def shutdown(self) -> None:
         """Unlink every name of the run (idempotent); processes still attached keep their mappings.

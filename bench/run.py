@@ -65,7 +65,7 @@ def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str]) -> 
            "num_params": summary["num_params"],
            "host_bytes_per_param": (summary["store_bytes"] + summary["executor_host_bytes"]) / summary["num_params"],
            "process_pss_bytes_per_param": summary["process_pss_bytes"] / summary["num_params"],
-           "pss_by_role": summary["pss_by_role"], "store_bytes": summary["store_bytes"],
+           "pss_own_by_role": summary["pss_own_by_role"], "store_bytes": summary["store_bytes"],
            "gpu_peak_bytes": max(r.get("gpu_peak_bytes", 0) for r in rows),
            **{k: pick(k) for k in ("forward_s", "head_s", "backward_s", "weight_wait_s", "grad_wait_s", "adam_s")},
            "h2d_GBps_avg": h2d_busy / med / 1e9, "d2h_GBps_avg": pick("d2h_bytes") / med / 1e9,

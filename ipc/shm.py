@@ -167,6 +167,23 @@ def pss_bytes(pid: int) -> int:
     return _proc_kib(f"/proc/{pid}/smaps_rollup", "Pss:")
 
 
+def pss_outside(pid: int, prefix: str) -> int:
+    """PSS of a process outside the mappings whose path contains `prefix` (a run's shared-memory segments):
+    what the process costs beyond the store it shares (0 if the process is gone)."""
+    total, inside = 0, False
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=5)
+                if head and "-" in head[0] and len(head) >= 5:  # a mapping's header line
+                    inside = len(head) > 5 and prefix in head[5]
+                elif head and head[0] == "Pss:" and not inside:
+                    total += int(head[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0
+    return total
+
+
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 

@@ -77,8 +77,8 @@ class Trainer:
             self.train()
             mem = self._call_one("store-owner", "host_memory")  # after the last step: every page is in use
             log(f"host memory of the run's {mem['processes']} processes (PSS): {gib(mem['pss_bytes'])}, "
-                f"{mem['pss_bytes'] / self.spec.layout.num_params:.2f} bytes per parameter ("
-                + ", ".join(f"{r} {gib(b)}" for r, b in mem["pss_by_role"].items()) + ")")
+                f"{mem['pss_bytes'] / self.spec.layout.num_params:.2f} bytes per parameter; outside the store: "
+                + ", ".join(f"{r} {gib(b)}" for r, b in mem["pss_own_by_role"].items()))
             if self.cfg.train.save_final:
                 path = self._call_one("store-owner", "save", str(self.out / "final"))
                 log(f"saved final fp32 weights to {path}")
@@ -87,7 +87,7 @@ class Trainer:
                     "store_bytes": sum(self.spec.part_bytes().values()), "staging": self.spec.staging_mode,
                     "executor_host_bytes": checkpoint_host_bytes(self.spec.model, self.engine_cfg,
                                                                  self.cfg.data.batch_size, self.cfg.data.seq_len),
-                    "process_pss_bytes": mem["pss_bytes"], "pss_by_role": mem["pss_by_role"],
+                    "process_pss_bytes": mem["pss_bytes"], "pss_own_by_role": mem["pss_own_by_role"],
                     "processes": mem["processes"]}
         finally:
             self.shutdown()
