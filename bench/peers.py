@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 
 from megatrain.data import DataConfig, batch
-from megatrain.model import FAMILIES
+from megatrain.model import family_classes
 
 
 def _timed_steps(step: Callable[[int], None], steps: int) -> list[float]:
@@ -61,7 +61,7 @@ def _guard(name: str, fn: Callable[[], dict]) -> dict:
 
 def _model(hf, device: str) -> torch.nn.Module:
     with torch.device(device):
-        model = FAMILIES["qwen2"][1](hf).float()
+        model = family_classes("qwen2")[1](hf).float()
     model.config.use_cache = False
     return model
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from megatrain.config import Config, load_config
-from megatrain.model import FAMILIES, resolve_hf_config
+from megatrain.model import family_classes, resolve_hf_config
 from megatrain.reference import train_reference
 
 
@@ -26,7 +26,7 @@ def save_initial(cfg: Config, directory: Path) -> Path:
     """The config's model with HF's own init (seeded), written with save_pretrained."""
     family, hf = resolve_hf_config(cfg.model)
     torch.manual_seed(cfg.model.init_seed)
-    FAMILIES[family][1](hf).float().save_pretrained(directory)
+    family_classes(family)[1](hf).float().save_pretrained(directory)
     return directory
 
 
@@ -48,7 +48,7 @@ def compare(cfg: Config, workdir: Path) -> dict:
     summary = Trainer(cfg).run()
     ours = load_file(Path(summary["output_dir"]) / "final" / "model.safetensors")
     family, _ = resolve_hf_config(cfg.model)
-    model = FAMILIES[family][1].from_pretrained(init, torch_dtype=torch.float32)
+    model = family_classes(family)[1].from_pretrained(init, torch_dtype=torch.float32)
     model.config._attn_implementation = "sdpa"
     cuda = summary["metrics"] and "gpu_peak_bytes" in summary["metrics"][0]
     ref = train_reference(model, cfg.optim, cfg.data, cfg.train.steps, device="cuda" if cuda else "cpu",

@@ -9,25 +9,26 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    PretrainedConfig,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+import transformers
+from transformers import PretrainedConfig
 
 from megatrain.configbase import opt
 from megatrain.errors import ConfigError
 from megatrain.layout import StoreLayout, build_layout
 
-FAMILIES: dict[str, tuple[type, type]] = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "mistral": (MistralConfig, MistralForCausalLM),
+# Class names, resolved on use: the modeling code is imported only by the processes that build a
+# model (store owner, executor), not by the packers, accumulators and Adam updater (~90 MB each).
+FAMILIES: dict[str, tuple[str, str]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
 }
+
+
+def family_classes(family: str) -> tuple[type, type]:
+    """(config class, causal-LM class) of a family."""
+    conf, model = FAMILIES[family]
+    return getattr(transformers, conf), getattr(transformers, model)
 
 
 @dataclass
@@ -65,7 +66,7 @@ def resolve_hf_config(cfg: ModelConfig) -> tuple[str, PretrainedConfig]:
         if family not in FAMILIES:
             raise ConfigError(f"model.pretrained: model_type '{family}' is not supported; "
                               f"use one of {sorted(FAMILIES)}")
-    conf_cls = FAMILIES[family][0]
+    conf_cls = family_classes(family)[0]
     merged = {**base, **cfg.hf}
     merged.pop("architectures", None)
     try:
@@ -80,7 +81,7 @@ def resolve_hf_config(cfg: ModelConfig) -> tuple[str, PretrainedConfig]:
 def meta_model(family: str, hf: PretrainedConfig) -> torch.nn.Module:
     """The model's structure with no storage: templates and shapes come from here."""
     with torch.device("meta"):
-        return FAMILIES[family][1](hf)
+        return family_classes(family)[1](hf)
 
 
 def _unit_modules(model: torch.nn.Module) -> list[tuple[str, str, dict[str, torch.nn.Module | torch.Tensor]]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatrain.model import FAMILIES, ModelConfig, ModelSpec, build_spec
+from megatrain.model import ModelConfig, ModelSpec, build_spec, family_classes
 from megatrain.weights import flat_unit
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -12,7 +12,7 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_atten
 
 
 def tiny_hf(family: str, tied: bool, layers: int = 3, seed: int = 0) -> torch.nn.Module:
-    conf_cls, model_cls = FAMILIES[family]
+    conf_cls, model_cls = family_classes(family)
     extra = {"sliding_window": None} if family == "mistral" else {}
     conf = conf_cls(**{**TINY, "num_hidden_layers": layers, "tie_word_embeddings": tied, **extra})
     conf._attn_implementation = "sdpa"
