@@ -6,6 +6,7 @@ slabs, same semaphores, same order (megatrain/streaming.py).
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -13,6 +14,7 @@ from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
 
 from megatrain.engine import EngineConfig, StepEngine, resolve_device, resolve_dtype
+from megatrain.profiling import StepProfile
 from megatrain.streaming import Marks, StreamedSink, StreamedSource, SyncSink, SyncSource, copy_intervals
 
 
@@ -47,7 +49,18 @@ class GpuExecutor(Role):
         return torch.cuda.get_device_name(self.device) if self.cuda else "cpu"
 
     @guarded
-    def step(self, step: int, ids: torch.Tensor, labels: torch.Tensor, timeline: bool = False) -> dict:
+    def step(self, step: int, ids: torch.Tensor, labels: torch.Tensor, timeline: bool = False,
+             profile: str = "") -> dict:
+        """One step; `timeline` records the per-unit lanes, `profile` (a path) runs the step under
+        torch.profiler and checks that the layer loop never blocks the host."""
+        if not profile:
+            return self._step(step, ids, labels, timeline, None)
+        with StepProfile(profile, self.cuda) as prof:
+            out = self._step(step, ids, labels, timeline, prof)
+        return {**out, **prof.result()}
+
+    def _step(self, step: int, ids: torch.Tensor, labels: torch.Tensor, timeline: bool,
+              prof: StepProfile | None) -> dict:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         if timeline and self.cuda:
@@ -57,7 +70,8 @@ class GpuExecutor(Role):
         t0 = time.perf_counter()
         self.source.begin(step)
         self.sink.begin()
-        res = self.engine.step(ids, labels, self.source, self.sink, marks)
+        with prof.loop() if prof else contextlib.nullcontext():
+            res = self.engine.step(ids, labels, self.source, self.sink, marks)
         loss, tokens = float(res.loss), int(res.tokens)  # the one host sync of the step
         self.sink.end()
         self.source.end()

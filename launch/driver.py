@@ -187,7 +187,9 @@ class Trainer:
         lr = lr_at(cfg.optim, t, cfg.train.steps)
         row = {"step": t + 1, "lr": lr, "t0": time.perf_counter(), "batch_tokens": ids.numel()}
         timeline = t + 1 == cfg.train.timeline_step
-        calls = {"gpu-executor": self.runner.call(self.actors["gpu-executor"], "step", t, ids, labels, timeline),
+        profile = str(self.out / f"profile-step-{t + 1}.json") if t + 1 == cfg.train.profile_step else ""
+        calls = {"gpu-executor": self.runner.call(self.actors["gpu-executor"], "step", t, ids, labels, timeline,
+                                                  profile),
                  "adam-updater": self.runner.call(self.actors["adam-updater"], "step", t, lr)}
         for name, h in self.actors.items():
             if name.startswith(("packer", "grad-accumulator")):
@@ -205,6 +207,11 @@ class Trainer:
         if "timeline" in row:  # kept out of metrics.jsonl: one file per picture
             timeline = {**row.pop("timeline"), "adam": adam["unit_spans"], "step": row["step"]}
             (self.out / "timeline.json").write_text(json.dumps(timeline))
+        if "profile_trace" in row:
+            log(f"profiled step {row['step']} into {row['profile_trace']}: {row['loop_blocking_calls']} host-blocking "
+                f"CUDA calls on the compute thread inside the layer loop {row['loop_blocking_names']} (of "
+                f"{row['loop_runtime_calls']} runtime calls there); {row['helper_thread_blocking_calls']} on the "
+                f"copy threads (slab hand-offs)")
         row = {**row, "grad_norm": adam["grad_norm"], "clip_scale": adam["clip_scale"], "skipped": adam["skipped"],
                "adam_s": adam["adam_s"]}
         self.metrics.append(row)

@@ -19,11 +19,16 @@ class TrainConfig:
                                    "counters keep it exact); false waits for Adam between steps.")
     timeline_step: int = opt(0, "Record a per-unit timeline (H2D, compute, D2H, CPU Adam) of this step "
                                 "into OUTPUT_DIR/timeline.json; 0 = none.")
+    profile_step: int = opt(0, "Run this step of the GPU executor under torch.profiler: a Chrome trace in "
+                               "OUTPUT_DIR/profile-step-N.json, and a count of host-blocking CUDA calls the "
+                               "compute thread made inside the layer loop (logged; should be 0); 0 = none.")
     step_timeout_s: float = opt(1800.0, "A step that takes longer than this fails the run.")
     setup_timeout_s: float = opt(600.0, "Starting and attaching all actors must finish within this.")
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.log_every < 1:
             raise ValueError("train.steps must be >= 0 and train.log_every >= 1")
+        if self.timeline_step < 0 or self.profile_step < 0:
+            raise ValueError("train.timeline_step and train.profile_step must be >= 0 (0 = none)")
         if self.step_timeout_s <= 0 or self.setup_timeout_s <= 0:
             raise ValueError("train.step_timeout_s and train.setup_timeout_s must be > 0")

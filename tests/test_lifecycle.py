@@ -94,7 +94,7 @@ class Cli:
 
 
 def test_trains_in_distinct_processes_and_cleans_up(tmp_path: Path) -> None:
-    cli = Cli(tmp_path, "actors.num_packers=2", "actors.num_accumulators=2")
+    cli = Cli(tmp_path, "actors.num_packers=2", "actors.num_accumulators=2", "train.profile_step=2")
     pids = cli.actor_pids()
     rc = cli.finish()
     assert rc == 0, cli.text()
@@ -106,6 +106,10 @@ def test_trains_in_distinct_processes_and_cleans_up(tmp_path: Path) -> None:
     for key in ("step", "loss", "lr", "grad_norm", "tokens", "step_time_s"):
         assert all(key in r for r in rows), key
     assert "run_id: " + cli.run_id in (cli.out / "config.yaml").read_text()
+    # The profiled step: a Chrome trace, and no host-blocking call in the layer loop (none on the CPU device).
+    assert rows[1]["profile_trace"] == str(cli.out / "profile-step-2.json") and rows[1]["loop_blocking_calls"] == 0
+    assert json.loads((cli.out / "profile-step-2.json").read_text())["traceEvents"]
+    assert "profile_trace" not in rows[0]
     cli.assert_clean()
 
 

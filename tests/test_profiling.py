@@ -1,0 +1,54 @@
+"""The layer-loop sync check: the detector on a synthetic trace, and (GPU only) on real CUDA work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain.profiling import LOOP, StepProfile, blocking_calls
+
+
+def _x(name: str, cat: str, tid: int, ts: float, dur: float = 1.0) -> dict:
+    return {"ph": "X", "name": name, "cat": cat, "tid": tid, "ts": ts, "dur": dur}
+
+
+def test_blocking_calls_counts_only_blocking_calls_inside_the_loop_by_thread() -> None:
+    trace = {"traceEvents": [
+        _x(LOOP, "user_annotation", 1, 100, 100),
+        _x("cudaLaunchKernel", "cuda_runtime", 1, 110),
+        _x("cudaMemcpyAsync", "cuda_runtime", 1, 120),  # asynchronous: not blocking
+        _x("cudaStreamSynchronize", "cuda_runtime", 1, 150),  # .item() in the loop: a violation
+        _x("cudaEventSynchronize", "cuda_runtime", 2, 160),  # the loader's slab hand-off
+        _x("cudaStreamSynchronize", "cuda_runtime", 1, 250),  # the loss read after the loop
+        _x("cudaDeviceSynchronize", "cuda_runtime", 1, 50),  # before the loop
+        {"ph": "i", "name": "cudaStreamSynchronize", "cat": "cuda_runtime", "tid": 1, "ts": 130},
+    ]}
+    assert blocking_calls(trace) == {"loop_blocking_calls": 1, "loop_blocking_names": ["cudaStreamSynchronize"],
+                                     "helper_thread_blocking_calls": 1, "loop_runtime_calls": 3}
+    with pytest.raises(ValueError, match=LOOP):
+        blocking_calls({"traceEvents": trace["traceEvents"][1:]})
+
+
+def test_step_profile_writes_a_trace_with_the_loop_range(tmp_path: Path) -> None:
+    with StepProfile(tmp_path / "p" / "trace.json", cuda=False) as prof, prof.loop():
+        torch.ones(64).mul_(2).sum()
+    res = prof.result()
+    assert Path(res["profile_trace"]).is_file() and res["loop_blocking_calls"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("sync", [False, True])
+def test_detector_sees_an_item_in_a_cuda_loop(tmp_path: Path, sync: bool) -> None:
+    x = torch.ones(1 << 20, device="cuda")
+    with StepProfile(tmp_path / "trace.json", cuda=True) as prof:
+        with prof.loop():
+            for _ in range(8):
+                x = x * 1.0001
+                if sync:
+                    x.sum().item()
+        float(x.sum())  # after the loop: allowed
+    res = prof.result()
+    assert res["loop_runtime_calls"] >= 8  # the launches are attributed to the loop's thread
+    assert (res["loop_blocking_calls"] >= 8) == sync and (res["loop_blocking_calls"] == 0) == (not sync)
