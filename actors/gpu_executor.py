@@ -7,7 +7,9 @@ slabs, same semaphores, same order (megatrain/streaming.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from megatrain.actors.base import Role, guarded
@@ -41,6 +43,14 @@ class GpuExecutor(Role):
         else:
             self.source = SyncSource(self.store, self.device, dtype)
             self.sink = SyncSink(self.store)
+        # Every step runs on this one thread, whichever of the actor's threads takes the call: cuBLAS and
+        # cuDNN handles (and cuBLAS workspaces) are per thread, and creating them inside a step put
+        # cudaFree calls in the layer loop (found by the profiled step).
+        self.compute = ThreadPoolExecutor(1, "compute", initializer=self._init_compute_thread)
+
+    def _init_compute_thread(self) -> None:
+        if self.cuda:
+            torch.cuda.set_device(self.device)  # the current device is per thread
 
     def event_handles(self) -> list[bytes] | None:
         return self.handles
@@ -53,14 +63,17 @@ class GpuExecutor(Role):
              profile: str = "") -> dict:
         """One step; `timeline` records the per-unit lanes, `profile` (a path) runs the step under
         torch.profiler and checks that the layer loop never blocks the host."""
-        if not profile:
-            return self._step(step, ids, labels, timeline, None)
-        with StepProfile(profile, self.cuda) as prof:
+        run = functools.partial(self._profiled, profile) if profile else self._step
+        return self.compute.submit(run, step, ids, labels, timeline).result()
+
+    def _profiled(self, path: str, step: int, ids: torch.Tensor, labels: torch.Tensor, timeline: bool) -> dict:
+        # Started on the compute thread: torch.profiler records the CPU ops of the thread that starts it.
+        with StepProfile(path, self.cuda) as prof:
             out = self._step(step, ids, labels, timeline, prof)
         return {**out, **prof.result()}
 
     def _step(self, step: int, ids: torch.Tensor, labels: torch.Tensor, timeline: bool,
-              prof: StepProfile | None) -> dict:
+              prof: StepProfile | None = None) -> dict:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         if timeline and self.cuda:
