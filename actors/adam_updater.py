@@ -1,7 +1,7 @@
 """Adam updater: the fused Numba AdamW, unit by unit, with global-norm clipping.
 
 With clipping (optim.max_grad_norm > 0) it waits for every unit's gradient in the fp32 grads plane,
-computes the global norm, then updates units in forward order, bumping each unit's version counter
+computes the global norm, then updates units in forward order, bumping each piece's version counter
 right after its update, so the next step's forward starts while later units are still updated.
 Without clipping there is no grads plane: it drains the gradient slabs itself, in the order the
 backward produces them, and updates each unit while the GPU is still running the backward of the
@@ -16,7 +16,6 @@ import math
 import threading
 import time
 
-import numba
 import numpy as np
 import torch
 from megatrain.actors.base import Role, guarded
@@ -29,9 +28,9 @@ from megatrain.hostops import sqnorm
 class AdamUpdater(Role):
     def __init__(self, spec: StoreSpec, cfg: OptimConfig, threads: int = 0):
         super().__init__("adam-updater")
+        self.numba_threads = threads
         if threads > 0:
-            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-            torch.set_num_threads(threads)
+            torch.set_num_threads(threads)  # process-wide (the resident cast)
         self.cfg = cfg
         parts = spec.planes + (("resident",) if spec.resident else ()) + (() if spec.clip else ("staging",))
         self.store = Store.attach(spec, parts, role=self.name)
@@ -43,6 +42,7 @@ class AdamUpdater(Role):
         """With overlap the driver launches step t+1's call while step t's still runs (the actor is
         threaded): the data plane must still see the steps one after the other, in order."""
         self._wait_turn(step)
+        self.use_numba_threads()
         try:
             t0 = time.perf_counter()
             out = self._clipped(step, lr) if self.store.spec.clip else self._unclipped(step, lr)

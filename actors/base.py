@@ -40,6 +40,15 @@ class Role:
         self.name = name
         self.store: Any = None
         self.events: list | None = None
+        self.numba_threads = 0  # 0: Numba's default (all cores)
+
+    def use_numba_threads(self) -> None:
+        """Apply the role's Numba thread count on the calling thread: Numba's setting is per thread, and
+        Ray runs a threaded actor's calls on threads other than the one that built it."""
+        if self.numba_threads > 0:
+            import numba
+
+            numba.set_num_threads(min(self.numba_threads, numba.config.NUMBA_NUM_THREADS))
 
     def open_events(self, handles: list[bytes]) -> None:
         """Open the executor's interprocess events of the gradient slabs (workers that drain them)."""

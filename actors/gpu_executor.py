@@ -46,11 +46,10 @@ class GpuExecutor(Role):
         # Every step runs on this one thread, whichever of the actor's threads takes the call: cuBLAS and
         # cuDNN handles (and cuBLAS workspaces) are per thread, and creating them inside a step put
         # cudaFree calls in the layer loop (found by the profiled step).
-        self.compute = ThreadPoolExecutor(1, "compute", initializer=self._init_compute_thread)
-
-    def _init_compute_thread(self) -> None:
-        if self.cuda:
-            torch.cuda.set_device(self.device)  # the current device is per thread
+        # The initializer must not hold self: the pool's thread would keep the executor (its pinned and
+        # GPU memory) alive after the actor is dropped in the in-process runner.
+        init = functools.partial(torch.cuda.set_device, self.device) if self.cuda else None  # per thread
+        self.compute = ThreadPoolExecutor(1, "compute", initializer=init)
 
     def event_handles(self) -> list[bytes] | None:
         return self.handles
@@ -70,7 +69,10 @@ class GpuExecutor(Role):
         # Started on the compute thread: torch.profiler records the CPU ops of the thread that starts it.
         with StepProfile(path, self.cuda) as prof:
             out = self._step(step, ids, labels, timeline, prof)
-        return {**out, **prof.result()}
+        try:
+            return {**out, **prof.result()}
+        except (OSError, ValueError) as exc:  # a failed diagnostic does not stop the training run
+            return {**out, "profile_trace": path, "profile_error": f"{type(exc).__name__}: {exc}"}
 
     def _step(self, step: int, ids: torch.Tensor, labels: torch.Tensor, timeline: bool,
               prof: StepProfile | None = None) -> dict:

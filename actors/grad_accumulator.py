@@ -7,7 +7,6 @@ It records each piece's squared norm for global-norm clipping, then frees the sl
 
 from __future__ import annotations
 
-import numba
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
 
@@ -15,15 +14,16 @@ from megatrain.hostops import copy_sqnorm
 
 
 class GradAccumulator(Role):
-    def __init__(self, spec: StoreSpec, index: int, threads: int = 1):
+    def __init__(self, spec: StoreSpec, index: int, threads: int = 0):
         super().__init__(f"grad-accumulator-{index}")
-        numba.set_num_threads(min(max(threads, 1), numba.config.NUMBA_NUM_THREADS))
+        self.numba_threads = threads
         self.items = spec.grad_items(index)
         self.store = Store.attach(spec, ("grads", "staging"), role=self.name)
 
     @guarded
     def step(self, step: int) -> dict:
         store = self.store
+        self.use_numba_threads()
         for item in self.items:
             grad = self.take_grad(item, step)
             store.sqnorms[item.piece] = copy_sqnorm(grad, store.tile("grads", item.unit)[item.lo:item.hi])

@@ -1,11 +1,12 @@
 """The data-plane protocol: what lives where in shared memory, who waits on what, in which order.
 
 Segments of a run (all /megatrain-<run_id>-<part>):
-  ctl         abort flag + reason, per-unit version counters (Adam updates applied), per-unit grad norms
+  ctl         abort flag + reason, worker pids, per-piece version counters (Adam updates applied) and
+              per-piece squared gradient norms
   params, exp_avg, exp_avg_sq, grads   fp32 planes, one 4 KiB-aligned tile per unit (grads: the
               fp32 gradient of the step, held until the global norm is known)
-  staging     S weight slabs (compute dtype; slabs mode only) then G gradient slabs (fp32), each sized to
-              the largest unit; the executor pins (cudaHostRegister) this segment and `resident`.
+  staging     S weight slabs (compute dtype; slabs mode only) then G gradient slabs (fp32), each of
+              slab_elems elements; the executor pins (cudaHostRegister) this segment and `resident`.
   resident    resident mode only: a compute-dtype copy of every unit's weights, rewritten by Adam's
               fused pass right after each unit's update; the DMA reads it directly (no packing).
 

@@ -187,7 +187,8 @@ class Trainer:
         lr = lr_at(cfg.optim, t, cfg.train.steps)
         row = {"step": t + 1, "lr": lr, "t0": time.perf_counter(), "batch_tokens": ids.numel()}
         timeline = t + 1 == cfg.train.timeline_step
-        profile = str(self.out / f"profile-step-{t + 1}.json") if t + 1 == cfg.train.profile_step else ""
+        # Absolute: the executor writes it, from its own working directory (on the GPU's node).
+        profile = str((self.out / f"profile-step-{t + 1}.json").resolve()) if t + 1 == cfg.train.profile_step else ""
         calls = {"gpu-executor": self.runner.call(self.actors["gpu-executor"], "step", t, ids, labels, timeline,
                                                   profile),
                  "adam-updater": self.runner.call(self.actors["adam-updater"], "step", t, lr)}
@@ -203,15 +204,24 @@ class Trainer:
                 "step_time_s": dt, "tokens_per_s": row.pop("batch_tokens") / dt,
                 **{k: v for k, v in ex.items() if k not in ("loss", "tokens")}}
 
+    def _log_profile(self, row: dict) -> None:
+        where = f"profiled step {row['step']} into {row['profile_trace']} (on the executor's node)"
+        if "profile_error" in row:
+            log(f"{where}, but the check failed: {row['profile_error']}")
+            return
+        cuda = self.engine_cfg.device == "cuda"
+        verdict = ("inconclusive: no CUDA runtime call was attributed to the compute thread"
+                   if cuda and not row["loop_runtime_calls"] else
+                   f"{row['loop_blocking_calls']} host-blocking CUDA calls on the compute thread inside the layer "
+                   f"loop {row['loop_blocking_names']} (of {row['loop_runtime_calls']} runtime calls there)")
+        log(f"{where}: {verdict}; {row['helper_thread_blocking_calls']} on the copy threads (slab hand-offs)")
+
     def _record(self, f, row: dict, adam: dict) -> None:
         if "timeline" in row:  # kept out of metrics.jsonl: one file per picture
             timeline = {**row.pop("timeline"), "adam": adam["unit_spans"], "step": row["step"]}
             (self.out / "timeline.json").write_text(json.dumps(timeline))
         if "profile_trace" in row:
-            log(f"profiled step {row['step']} into {row['profile_trace']}: {row['loop_blocking_calls']} host-blocking "
-                f"CUDA calls on the compute thread inside the layer loop {row['loop_blocking_names']} (of "
-                f"{row['loop_runtime_calls']} runtime calls there); {row['helper_thread_blocking_calls']} on the "
-                f"copy threads (slab hand-offs)")
+            self._log_profile(row)
         row = {**row, "grad_norm": adam["grad_norm"], "clip_scale": adam["clip_scale"], "skipped": adam["skipped"],
                "adam_s": adam["adam_s"]}
         self.metrics.append(row)

@@ -15,7 +15,7 @@ class TrainConfig:
     run_id: str = opt("", "Names the run's shared memory (lowercase letters and digits); empty = random.")
     log_every: int = opt(1, "Print a progress line every this many steps (metrics.jsonl gets every step).")
     save_final: bool = opt(False, "Write the final fp32 weights to OUTPUT_DIR/final as an HF model directory.")
-    overlap_adam: bool = opt(True, "Launch step t+1 while Adam still updates step t (per-unit version "
+    overlap_adam: bool = opt(True, "Launch step t+1 while Adam still updates step t (per-piece version "
                                    "counters keep it exact); false waits for Adam between steps.")
     timeline_step: int = opt(0, "Record a per-unit timeline (H2D, compute, D2H, CPU Adam) of this step "
                                 "into OUTPUT_DIR/timeline.json; 0 = none.")

@@ -12,16 +12,16 @@ class ActorsConfig:
     num_packers: int = opt(1, "Pinned-packing worker processes (fp32 master -> compute-dtype slabs).")
     num_accumulators: int = opt(1, "Gradient-accumulation worker processes (gradient slabs -> fp32 plane).")
     packer_threads: int = opt(1, "Torch threads per packing worker.")
-    accumulator_threads: int = opt(1, "Numba threads per accumulation worker (copy + norm of each gradient).")
+    accumulator_threads: int = opt(0, "Numba threads per accumulation worker (copy + norm of each gradient); "
+                                      "0 = all cores of the node.")
     adam_threads: int = opt(0, "Numba threads of the Adam updater; 0 = all cores of the node.")
     executor_threads: int = opt(0, "Torch intra-op threads of the executor (matters on the CPU device); 0 = default.")
 
     def __post_init__(self) -> None:
         if self.num_packers < 1 or self.num_accumulators < 1:
             raise ValueError("actors.num_packers and actors.num_accumulators must be >= 1")
-        if min(self.packer_threads, self.accumulator_threads) < 1 or min(self.adam_threads,
-                                                                          self.executor_threads) < 0:
-            raise ValueError("actors: thread counts must be >= 1 (adam/executor threads >= 0)")
+        if self.packer_threads < 1 or min(self.accumulator_threads, self.adam_threads, self.executor_threads) < 0:
+            raise ValueError("actors: packer_threads must be >= 1, the other thread counts >= 0 (0 = default)")
 
 
 @dataclass(frozen=True)

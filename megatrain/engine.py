@@ -114,7 +114,7 @@ class _BatchUpload:
         self.host[1].copy_(labels)
         both = self.host.to(self.device, non_blocking=True)
         self.done = torch.cuda.Event()
-        self.done.record()
+        self.done.record(torch.cuda.current_stream(self.device))
         return both[0], both[1]
 
 

@@ -53,7 +53,8 @@ class StepProfile:
 def blocking_calls(trace: dict) -> dict:
     """Count BLOCKING runtime calls that start inside the LOOP range: on its thread, and on the others."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
-    loops = [e for e in events if e.get("name") == LOOP]
+    # The CPU-side range (kineto also emits a GPU-side copy, "gpu_user_annotation", on a stream's row).
+    loops = [e for e in events if e.get("name") == LOOP and e.get("cat") == "user_annotation"]
     if not loops:
         raise ValueError(f"the trace has no '{LOOP}' range")
     loop = loops[0]
