@@ -1,8 +1,8 @@
 """Pinned-packing worker: casts fp32 master tiles into the compute-dtype slabs that the DMA reads.
 
-Runs ahead of the executor by up to S slabs, and never packs a piece of a unit before Adam's update of that piece for
-the previous step has landed (version counter), so the next forward can start while Adam still works
-on later units.
+Runs ahead of the executor by up to S slabs, and never packs a piece of a unit before Adam's update
+of that piece for the previous step has landed (its version counter), so the next forward can start
+while Adam still works on later pieces.
 """
 
 from __future__ import annotations

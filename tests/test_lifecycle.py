@@ -107,8 +107,9 @@ def test_trains_in_distinct_processes_and_cleans_up(tmp_path: Path) -> None:
         assert all(key in r for r in rows), key
     assert "run_id: " + cli.run_id in (cli.out / "config.yaml").read_text()
     # The profiled step: a Chrome trace, and no host-blocking call in the layer loop (none on the CPU device).
-    assert rows[1]["profile_trace"] == str(cli.out / "profile-step-2.json") and rows[1]["loop_blocking_calls"] == 0
-    assert json.loads((cli.out / "profile-step-2.json").read_text())["traceEvents"]
+    trace = (cli.out / "profile-step-2.json").resolve()
+    assert rows[1]["profile_trace"] == str(trace) and rows[1]["loop_blocking_calls"] == 0
+    assert json.loads(trace.read_text())["traceEvents"]
     assert "profile_trace" not in rows[0]
     cli.assert_clean()
 
