@@ -14,7 +14,7 @@ import threading
 import torch
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, plan_store
-from megatrain.ipc.shm import pss_bytes, pss_outside, remove_cuda_ipc_files, seg_name, start_ticks, sweep
+from megatrain.ipc.shm import pss_split, remove_cuda_ipc_files, seg_name, start_ticks, sweep
 
 from megatrain.engine import EngineConfig, checkpoint_host_bytes
 from megatrain.model import ModelConfig, build_spec, init_unit, meta_model
@@ -82,13 +82,14 @@ class StoreOwner(Role):
         and per role outside the store (what each process costs beyond the shared segments; roles
         sharing a process, as in the in-process runner, are named together)."""
         named = {os.getpid(): [self.name], **({self.reaper.pid: ["reaper"]} if self.reaper else {})}
-        for role in self.store.spec.roles():
-            pid = int(self.store.pids[self.store.spec.pid_slot(role)])
+        for slot, role in enumerate(self.store.spec.roles()):
+            pid = int(self.store.pids[slot])
             if pid > 0:
                 named.setdefault(pid, []).append(role)
         store = seg_name(self.store.spec.run_id, "")
-        own = {"+".join(roles): pss_outside(pid, store) for pid, roles in named.items()}
-        return {"processes": len(named), "pss_bytes": sum(pss_bytes(pid) for pid in named), "pss_own_by_role": own}
+        pss = {"+".join(roles): pss_split(pid, store) for pid, roles in named.items()}
+        return {"processes": len(named), "pss_bytes": sum(total for total, _ in pss.values()),
+                "pss_own_by_role": {role: own for role, (_, own) in pss.items()}}
 
     def shutdown(self) -> None:
         """Unlink every name of the run (idempotent); processes still attached keep their mappings.

@@ -223,18 +223,16 @@ class StoreSpec:
                  f"{self.staging_dtype}:{self.slab_elems}:{self.num_weight_slabs}:{self.ipc.grad_slabs}")
         return hashlib.sha256(self.layout.digest() + extra.encode()).digest()[:16]
 
-    def pid_slot(self, role: str) -> int:
-        """Where a worker records its pid in ctl, so cleanup can find what the CUDA driver left for it."""
-        kind, _, idx = role.rpartition("-")
-        slots = {"gpu-executor": 0, "adam-updater": 1, "packer": 2, "grad-accumulator": 2 + self.num_packers}
-        slot = slots[role] if role in slots else slots[kind] + int(idx)
-        assert slot < MAX_PIDS, role
-        return slot
-
     def roles(self) -> list[str]:
-        """Worker role names in pid-slot order."""
+        """Worker role names; a role's index is its pid slot in ctl."""
         return (["gpu-executor", "adam-updater"] + [f"packer-{i}" for i in range(self.num_packers)]
                 + [f"grad-accumulator-{i}" for i in range(self.num_accumulators)])
+
+    def pid_slot(self, role: str) -> int:
+        """Where a worker records its pid in ctl, so cleanup can find what the CUDA driver left for it."""
+        slot = self.roles().index(role)
+        assert slot < MAX_PIDS, role
+        return slot
 
     def sem_names(self) -> dict[str, tuple[str, int]]:
         """Semaphore key -> (name, initial value)."""

@@ -161,27 +161,25 @@ def mem_available_bytes() -> int:
     return _proc_kib("/proc/meminfo", "MemAvailable:")
 
 
-def pss_bytes(pid: int) -> int:
-    """Proportional set size of a process: shared pages split among the processes that map them, so the
-    sum over a run's processes counts the shared-memory store once (0 if the process is gone)."""
-    return _proc_kib(f"/proc/{pid}/smaps_rollup", "Pss:")
-
-
-def pss_outside(pid: int, prefix: str) -> int:
-    """PSS of a process outside the mappings whose path contains `prefix` (a run's shared-memory segments):
-    what the process costs beyond the store it shares (0 if the process is gone)."""
-    total, inside = 0, False
+def pss_split(pid: int, prefix: str) -> tuple[int, int]:
+    """Proportional set size of a process (shared pages split among the processes that map them, so the
+    sum over a run's processes counts the shared-memory store once), and the part of it outside the
+    mappings whose path contains `prefix` (a run's segments): what the process costs beyond the store.
+    (0, 0) if the process is gone. One pass over /proc/PID/smaps."""
+    total = outside = 0
+    inside = False
     try:
         with open(f"/proc/{pid}/smaps") as f:
             for line in f:
                 head = line.split(maxsplit=5)
                 if head and "-" in head[0] and len(head) >= 5:  # a mapping's header line
                     inside = len(head) > 5 and prefix in head[5]
-                elif head and head[0] == "Pss:" and not inside:
+                elif head and head[0] == "Pss:":
                     total += int(head[1]) * 1024
+                    outside += 0 if inside else int(head[1]) * 1024
     except (OSError, ValueError, IndexError):
-        return 0
-    return total
+        return 0, 0
+    return total, outside
 
 
 def gib(n: float) -> str:

@@ -17,7 +17,8 @@ from megatrain.errors import ConfigError
 from megatrain.layout import StoreLayout, build_layout
 
 # Class names, resolved on use: the modeling code is imported only by the processes that build a
-# model (store owner, executor), not by the packers, accumulators and Adam updater (~90 MB each).
+# model (store owner, executor), not by the packers, accumulators and Adam updater (~90 MB less RSS
+# each on the 2-core dev machine; on the H200 their PSS barely moved, see BENCHMARKS.md).
 FAMILIES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),

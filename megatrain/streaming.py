@@ -26,26 +26,33 @@ from megatrain.ipc.protocol import Item, Store
 _STOP = object()
 
 
+class _Walk:
+    """One direction of the protocol's walk in a step: checks that the engine follows `order` and
+    hands out each entry's pieces (its items)."""
+
+    def __init__(self, order: list[int], items: list[list[Item]], what: str):
+        self.order, self.items, self.what, self.i = order, items, what, 0
+
+    def next(self, unit: int) -> list[Item]:
+        assert unit == self.order[self.i], f"engine {self.what} unit {unit} out of protocol order"
+        self.i += 1
+        return self.items[self.i - 1]
+
+
 class SyncSource:
     """CPU device: fetch j of the step reads each piece of the unit from its slab (then frees it) or from
     its resident tile."""
 
     def __init__(self, store: Store, device: torch.device, dtype: torch.dtype):
         self.store, self.device, self.dtype = store, device, dtype
-        self.step, self.j, self.wait_s, self.bytes = 0, 0, 0.0, 0
+        SyncSource.begin(self, 0)  # not the streamed override: no loader before a step
 
     def begin(self, step: int) -> None:
-        self.step, self.j, self.wait_s, self.bytes = step, 0, 0.0, 0
+        self.step, self.wait_s, self.bytes = step, 0.0, 0
+        self.walk = _Walk(self.store.spec.fetch_order, self.store.spec.fetch_items, "fetched")
 
     def end(self) -> None:
         pass
-
-    def _take(self, unit: int) -> list[Item]:
-        """The next fetch's pieces, checking the protocol's order."""
-        spec = self.store.spec
-        assert unit == spec.fetch_order[self.j], f"engine fetched unit {unit} out of protocol order"
-        self.j += 1
-        return spec.fetch_items[self.j - 1]
 
     def acquire(self, item: Item) -> tuple[torch.Tensor, Callable[[], None] | None]:
         """Wait until the piece's weights are readable on the host; (host tensor, release or None when
@@ -64,7 +71,7 @@ class SyncSource:
 
     def fetch(self, unit: int) -> torch.Tensor:
         out = self._buffer(unit)
-        for item in self._take(unit):
+        for item in self.walk.next(unit):
             t0 = time.perf_counter()
             host, release = self.acquire(item)
             self.wait_s += time.perf_counter() - t0
@@ -79,23 +86,17 @@ class SyncSink:
 
     def __init__(self, store: Store):
         self.store = store
-        self.k, self.wait_s, self.bytes = 0, 0.0, 0
+        SyncSink.begin(self)  # not the streamed override: no drain thread before a step
 
     def begin(self) -> None:
-        self.k, self.wait_s, self.bytes = 0, 0.0, 0
+        self.wait_s, self.bytes = 0.0, 0
+        self.walk = _Walk(self.store.spec.grad_order, self.store.spec.emit_items, "emitted")
 
     def end(self) -> None:
         pass
 
-    def _take(self, unit: int) -> list[Item]:
-        """The next gradient's pieces, checking the protocol's gradient order."""
-        spec = self.store.spec
-        assert unit == spec.grad_order[self.k], f"engine emitted unit {unit} out of protocol order"
-        self.k += 1
-        return spec.emit_items[self.k - 1]
-
     def emit(self, unit: int, grad: torch.Tensor) -> None:
-        for item in self._take(unit):
+        for item in self.walk.next(unit):
             t0 = time.perf_counter()
             self.store.wait(f"g_free{item.slab}", f"a free gradient slab for unit {unit}")
             self.wait_s += time.perf_counter() - t0
@@ -205,7 +206,7 @@ class StreamedSource(SyncSource):
             self.ready.put(_STOP)
 
     def fetch(self, unit: int) -> torch.Tensor:
-        self._take(unit)
+        self.walk.next(unit)  # the loader thread walks the same items
         t0 = time.perf_counter()
         got, out, ready = self.worker.take(self.ready, f"weights of unit {unit}")
         self.wait_s += time.perf_counter() - t0
@@ -239,7 +240,7 @@ class StreamedSink(SyncSink):
         self.d2h.synchronize()
 
     def emit(self, unit: int, grad: torch.Tensor) -> None:
-        self._take(unit)  # the drain thread walks the same items
+        self.walk.next(unit)  # the drain thread walks the same items
         grad = grad.detach().float()
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))

@@ -291,10 +291,10 @@ def test_reaper_exits_untouched_when_the_ctl_segment_is_unlinked(rid: str) -> No
 
 
 def test_pss_of_this_process_and_of_a_gone_one(rid: str) -> None:
-    assert shm.pss_bytes(os.getpid()) > 0
-    assert shm.pss_bytes(2**31 - 7) == 0 and shm.pss_outside(2**31 - 7, "x") == 0
+    assert shm.pss_split(os.getpid(), "x")[0] > 0
+    assert shm.pss_split(2**31 - 7, "x") == (0, 0)
     with owned(shm.Segment.create(shm.seg_name(rid, "params"), 64 << 20, shm.Header(HASH, rid))) as seg:
         np.frombuffer(seg.mm, np.uint8)[:] = 1  # touch all 64 MiB: they count in PSS, outside the prefix only
-        total, outside = shm.pss_bytes(os.getpid()), shm.pss_outside(os.getpid(), shm.seg_name(rid, ""))
+        total, outside = shm.pss_split(os.getpid(), shm.seg_name(rid, ""))
         assert outside > 0 and total - outside >= 60 << 20
-        assert shm.pss_outside(os.getpid(), "no-such-mapping") >= outside + (60 << 20)
+        assert shm.pss_split(os.getpid(), "no-such-mapping")[1] >= outside + (60 << 20)
