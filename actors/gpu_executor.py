@@ -9,7 +9,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import torch
 from megatrain.actors.base import Role, guarded
@@ -64,6 +66,44 @@ class GpuExecutor(Role):
         torch.profiler and checks that the layer loop never blocks the host."""
         run = functools.partial(self._profiled, profile) if profile else self._step
         return self.compute.submit(run, step, ids, labels, timeline).result()
+
+    @guarded
+    def evaluate(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+        """Forward-only passes (one weight walk per batch) with the weights after step-1's update: the
+        summed token loss and the labelled tokens over all batches."""
+        return self.compute.submit(self._evaluate, step, batches).result()
+
+    @guarded
+    def generate(self, step: int, ids: torch.Tensor, pos: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """Greedy decoding of exactly `new_tokens` tokens (one weight walk each; the packers pack exactly
+        that many): row r continues after position pos[r], its right padding overwritten as it grows."""
+        return self.compute.submit(self._generate, step, ids, pos, new_tokens).result()
+
+    def _walks(self, step: int, count: int, fn: Callable[[], Any]) -> list:
+        out = []
+        for _ in range(count):
+            self.source.begin(step, "forward")
+            out.append(fn())
+            self.source.end()
+        return out
+
+    def _evaluate(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+        t0 = time.perf_counter()
+        it = iter(batches)
+        res = self._walks(step, len(batches), lambda: self.engine.evaluate(*next(it), self.source))
+        loss = sum(float(r[0]) for r in res)
+        return {"loss_sum": loss, "tokens": sum(int(r[1]) for r in res), "eval_s": time.perf_counter() - t0}
+
+    def _generate(self, step: int, ids: torch.Tensor, pos: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        ids, pos = ids.clone(), pos.clone()
+        rows = torch.arange(ids.shape[0])
+        out = torch.empty((ids.shape[0], new_tokens), dtype=torch.long)
+        for k in range(new_tokens):
+            nxt = self._walks(step, 1, functools.partial(self.engine.predict, ids, pos.clone(), self.source))[0].cpu()
+            out[:, k] = nxt
+            pos += 1
+            ids[rows, pos.clamp(max=ids.shape[1] - 1)] = nxt
+        return out
 
     def _profiled(self, path: str, step: int, ids: torch.Tensor, labels: torch.Tensor, timeline: bool) -> dict:
         # Started on the compute thread: torch.profiler records the CPU ops of the thread that starts it.

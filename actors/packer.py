@@ -16,15 +16,18 @@ class Packer(Role):
     def __init__(self, spec: StoreSpec, index: int, threads: int = 1):
         super().__init__(f"packer-{index}")
         torch.set_num_threads(max(threads, 1))
-        self.items = spec.weight_items(index)
+        self.items = {walk: spec.weight_items(index, walk) for walk in ("step", "forward")}
         self.store = Store.attach(spec, ("params", "staging"), role=self.name)
 
     @guarded
-    def step(self, step: int) -> dict:
-        store = self.store
-        for unit, lo, hi, slab, piece in self.items:
-            store.wait(f"w_free{slab}", f"weight slab {slab} to be free (unit {unit}, step {step})")
-            store.wait_version(unit, step, f"Adam's update of unit {unit} before step {step}", piece)
-            store.weight_slab(slab)[: hi - lo].copy_(store.torch_tile("params", unit)[lo:hi])
-            store.post(f"w_full{slab}")
-        return {"packed": len(self.items)}
+    def step(self, step: int, walk: str = "step", repeat: int = 1) -> dict:
+        """Pack `repeat` walks of kind `walk` ('forward': the executor's evaluation and generation passes)
+        with the weights after step-1's update."""
+        store, items = self.store, self.items[walk]
+        for _ in range(repeat):
+            for unit, lo, hi, slab, piece in items:
+                store.wait(f"w_free{slab}", f"weight slab {slab} to be free (unit {unit}, step {step})")
+                store.wait_version(unit, step, f"Adam's update of unit {unit} before step {step}", piece)
+                store.weight_slab(slab)[: hi - lo].copy_(store.torch_tile("params", unit)[lo:hi])
+                store.post(f"w_full{slab}")
+        return {"packed": len(items) * repeat}

@@ -20,6 +20,7 @@ version[piece] >= step and copies the piece of the unit's resident tile. Slabs m
 slab j % S, and slab s is always filled by packer s % P, so one packer handles a slab's uses in order:
   packer:   wait w_free[s]; wait version[piece] >= step; cast fp32 piece -> slab; post w_full[s]
   executor: wait w_full[s]; copy slab -> its range of the unit's device buffer; (copy done) post w_free[s]
+A forward-only pass (evaluation, generation) walks engine.forward_order the same way, from slab 0.
 Gradients follow engine.grad_order, piece by piece: item k uses grad slab k % G, drained by
 accumulator (k % G) % A:
   executor:    wait g_free[s]; copy grad piece -> slab (GPU: record the slab's IPC event); post g_full[s]
@@ -57,7 +58,7 @@ from megatrain.ipc.shm import (
 )
 
 from megatrain.configbase import opt
-from megatrain.engine import fetch_order, grad_order
+from megatrain.engine import fetch_order, forward_order, grad_order
 from megatrain.errors import AbortError, ResourceError, WaitTimeout
 from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
 from megatrain.model import ModelSpec
@@ -186,6 +187,10 @@ class StoreSpec:
         return fetch_order(self.layout.num_layers, self.checkpoint_interval, self.last_block_layers)
 
     @cached_property
+    def forward_order(self) -> list[int]:
+        return forward_order(self.layout.num_layers)
+
+    @cached_property
     def grad_order(self) -> list[int]:
         return grad_order(self.layout.num_layers)
 
@@ -195,15 +200,30 @@ class StoreSpec:
         return self._grouped(self.fetch_order, max(self.num_weight_slabs, 1))
 
     @cached_property
+    def forward_items(self) -> list[list[Item]]:
+        """Per fetch of a forward-only pass (evaluation, generation), the unit's pieces. Like a step's walk it
+        starts at weight slab 0: a walk ends with every slab freed, so walks of either kind may follow each
+        other in any sequence the driver calls them in."""
+        return self._grouped(self.forward_order, max(self.num_weight_slabs, 1))
+
+    def walk(self, kind: str) -> tuple[list[int], list[list[Item]]]:
+        """A weight walk: 'step' (training: forward, head, recompute) or 'forward' (forward and head only)."""
+        if kind == "step":
+            return self.fetch_order, self.fetch_items
+        if kind == "forward":
+            return self.forward_order, self.forward_items
+        raise ValueError(f"unknown weight walk '{kind}'")
+
+    @cached_property
     def emit_items(self) -> list[list[Item]]:
         """Per gradient of engine.grad_order, the unit's pieces with their gradient slabs."""
         return self._grouped(self.grad_order, self.ipc.grad_slabs)
 
-    def weight_items(self, packer: int) -> list[Item]:
-        """The items packer `packer` fills, in order (none in resident mode)."""
+    def weight_items(self, packer: int, walk: str = "step") -> list[Item]:
+        """The items packer `packer` fills in one walk, in order (none in resident mode)."""
         if not self.num_weight_slabs:
             return []
-        return [it for items in self.fetch_items for it in items if it.slab % self.num_packers == packer]
+        return [it for items in self.walk(walk)[1] for it in items if it.slab % self.num_packers == packer]
 
     def grad_items(self, acc: int | None) -> list[Item]:
         """The items accumulator `acc` drains, in order; None: all of them (without clipping the Adam

@@ -8,7 +8,9 @@ import sys
 import traceback
 from pathlib import Path
 
-from megatrain.errors import MegatrainError
+from megatrain.errors import ConfigError, DataError, MegatrainError
+
+USAGE_ERROR, RUNTIME_ERROR = 2, 1
 
 USAGE = "megatrain-launch CONFIG.yaml [dotted.key=value ...] [--address ADDR] | --cleanup | --config-reference"
 
@@ -77,19 +79,21 @@ def main(argv: list[str] | None = None) -> int:
         print("megatrain-launch: interrupted; the run's processes and shared memory were released",
               file=sys.stderr)
         return 130
+    except (ConfigError, DataError) as exc:  # the user's input: nothing was started
+        return _report(str(exc), out_dir, USAGE_ERROR)
     except MegatrainError as exc:
         return _report(str(exc), out_dir)
     except Exception as exc:  # a bug of ours: still one line, the traceback goes to error.log
         return _report(f"internal error: {type(exc).__name__}: {exc}", out_dir)
 
 
-def _report(message: str, out_dir: Path | None) -> int:
+def _report(message: str, out_dir: Path | None, code: int = RUNTIME_ERROR) -> int:
     where = ""
     if out_dir is not None and out_dir.is_dir():
         (out_dir / "error.log").write_text(message + "\n\n" + traceback.format_exc())
         where = f" (details in {out_dir / 'error.log'})"
     print(f"megatrain-launch: error: {message}{where}", file=sys.stderr)
-    return 1
+    return code
 
 
 if __name__ == "__main__":

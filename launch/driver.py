@@ -25,15 +25,18 @@ from megatrain.actors.packer import Packer
 from megatrain.actors.store_owner import StoreOwner
 from megatrain.ipc.protocol import StoreSpec
 from megatrain.ipc.shm import check_run_id, gib
+from megatrain.launch.evaluation import Evaluator
 from megatrain.launch.placement import bundle, demands
 from megatrain.launch.runners import Handle, Pending, make_runner
 
 from megatrain.adamw import lr_at
 from megatrain.config import Config
 from megatrain.configbase import dump_yaml
-from megatrain.data import batch
+from megatrain.data import Data, open_data
+from megatrain.data.loader import Prefetcher
 from megatrain.engine import checkpoint_host_bytes, resolve_engine
 from megatrain.errors import AbortError, ActorFailure, MegatrainError
+from megatrain.model import resolve_hf_config
 
 SHUTDOWN_S = 15.0
 
@@ -67,6 +70,10 @@ class Trainer:
         self.spec: StoreSpec | None = None
         self.sentinel: Pending | None = None
         self.metrics: list[dict] = []
+        self.data: Data | None = None
+        self.steps = cfg.train.steps
+        self.loader: Prefetcher | None = None
+        self.evaluator: Evaluator | None = None
         self._closed = False
 
     # ---- public -----------------------------------------------------------------------------
@@ -79,6 +86,9 @@ class Trainer:
             log(f"host memory of the run's {mem['processes']} processes (PSS): {gib(mem['pss_bytes'])}, "
                 f"{mem['pss_bytes'] / self.spec.layout.num_params:.2f} bytes per parameter; outside the store: "
                 + ", ".join(f"{r} {gib(b)}" for r, b in mem["pss_own_by_role"].items()))
+            if self.evaluator is not None and self.evaluator.examples:
+                log("held-out problems answered by greedy decoding after the last step:\n  "
+                    + "\n  ".join(self.evaluator.solved_examples()))
             if self.cfg.train.save_final:
                 path = self._call_one("store-owner", "save", str(self.out / "final"))
                 log(f"saved final fp32 weights to {path}")
@@ -96,6 +106,12 @@ class Trainer:
     # ---- setup ------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
+        # The data first: a bad file is reported (and tokenizing is done) before any process starts.
+        self.data = open_data(cfg.data, resolve_hf_config(cfg.model)[1], cfg.model.pretrained)
+        self.steps = self.data.steps(cfg.train.steps)
+        if self.steps != cfg.train.steps:
+            log(f"data.epochs {cfg.data.epochs} x {self.data.batches_per_epoch} batches per epoch = {self.steps} "
+                f"steps (train.steps {cfg.train.steps} is not used)")
         self.out.mkdir(parents=True, exist_ok=True)
         dem = demands(cfg.actors, cuda=False)
         self.runner.connect(bundle(dem)["CPU"])
@@ -111,6 +127,9 @@ class Trainer:
         self._start_store(dem)
         self._start_workers(dem)
         self._describe()
+        self.evaluator = Evaluator(self.data, cfg.train.eval_batches, list(self.actors),
+                                   lambda name, method, *a: self.runner.call(self.actors[name], method, *a),
+                                   lambda calls, what: self._gather(calls, cfg.train.step_timeout_s, what))
 
     def _start_store(self, dem: dict) -> None:
         cfg = self.cfg
@@ -158,34 +177,49 @@ class Trainer:
     def train(self) -> None:
         """The step loop. With train.overlap_adam, step t+1 is launched while Adam still updates step
         t's units: packers wait per unit for its update (version counters), so the next forward
-        starts as soon as the embedding is updated instead of after the whole model."""
+        starts as soon as the embedding is updated instead of after the whole model. An evaluation
+        after step t runs before step t+1 is launched, on the same version counters."""
         cfg = self.cfg
         prev: tuple[dict, Pending] | None = None
-        with open(self.out / "metrics.jsonl", "w", buffering=1) as f:
-            for t in range(cfg.train.steps):
-                calls, row = self._launch(t)
-                adam = calls.pop("adam-updater")
+        self.loader = Prefetcher(self.data.batch, 0, self.steps, cfg.data.prefetch)
+        try:
+            with open(self.out / "metrics.jsonl", "w", buffering=1) as f:
+                for t in range(self.steps):
+                    calls, row = self._launch(t)
+                    adam = calls.pop("adam-updater")
+                    if prev is not None:
+                        calls["adam-previous"] = prev[1]
+                    if not cfg.train.overlap_adam:
+                        calls["adam-updater"] = adam
+                    res = self._gather(calls, cfg.train.step_timeout_s, f"step {t}")
+                    row = self._executor_row(row, res["gpu-executor"])
+                    row.update(self._maybe_evaluate(t + 1))
+                    if prev is not None:
+                        self._record(f, prev[0], res["adam-previous"])
+                    if cfg.train.overlap_adam:
+                        prev = (row, adam)
+                    else:
+                        self._record(f, row, res["adam-updater"])
                 if prev is not None:
-                    calls["adam-previous"] = prev[1]
-                if not cfg.train.overlap_adam:
-                    calls["adam-updater"] = adam
-                res = self._gather(calls, cfg.train.step_timeout_s, f"step {t}")
-                row = self._executor_row(row, res["gpu-executor"])
-                if prev is not None:
-                    self._record(f, prev[0], res["adam-previous"])
-                if cfg.train.overlap_adam:
-                    prev = (row, adam)
-                else:
-                    self._record(f, row, res["adam-updater"])
-            if prev is not None:
-                self._record(f, prev[0], self._gather({"adam-previous": prev[1]}, cfg.train.step_timeout_s,
-                                                      "the last Adam update")["adam-previous"])
+                    self._record(f, prev[0], self._gather({"adam-previous": prev[1]}, cfg.train.step_timeout_s,
+                                                          "the last Adam update")["adam-previous"])
+        finally:
+            self.loader.close()
+
+    def _maybe_evaluate(self, step: int) -> dict:
+        every = self.cfg.train.eval_every
+        if not self.evaluator.enabled or not (step == self.steps or (every and step % every == 0)):
+            return {}
+        res = self.evaluator(step)
+        log(self.evaluator.describe(step, res))
+        return res
 
     def _launch(self, t: int) -> tuple[dict[str, Pending], dict]:
         cfg = self.cfg
-        ids, labels = batch(cfg.data, t)
-        lr = lr_at(cfg.optim, t, cfg.train.steps)
-        row = {"step": t + 1, "lr": lr, "t0": time.perf_counter(), "batch_tokens": ids.numel()}
+        b = self.loader.get(t)
+        ids, labels = b.ids, b.labels
+        lr = lr_at(cfg.optim, t, self.steps)
+        row = {"step": t + 1, "epoch": b.epoch, "lr": lr, "t0": time.perf_counter(), "batch_tokens": ids.numel()}
         timeline = t + 1 == cfg.train.timeline_step
         # Absolute: the executor writes it, from its own working directory (on the GPU's node).
         profile = str((self.out / f"profile-step-{t + 1}.json").resolve()) if t + 1 == cfg.train.profile_step else ""
@@ -200,7 +234,7 @@ class Trainer:
     @staticmethod
     def _executor_row(row: dict, ex: dict) -> dict:
         dt = time.perf_counter() - row.pop("t0")
-        return {"step": row["step"], "loss": ex["loss"], "lr": row["lr"], "tokens": ex["tokens"],
+        return {"step": row["step"], "epoch": row["epoch"], "loss": ex["loss"], "lr": row["lr"], "tokens": ex["tokens"],
                 "step_time_s": dt, "tokens_per_s": row.pop("batch_tokens") / dt,
                 **{k: v for k, v in ex.items() if k not in ("loss", "tokens")}}
 
@@ -226,7 +260,7 @@ class Trainer:
                "adam_s": adam["adam_s"]}
         self.metrics.append(row)
         f.write(json.dumps(row) + "\n")
-        t, steps = row["step"] - 1, self.cfg.train.steps
+        t, steps = row["step"] - 1, self.steps
         if t % self.cfg.train.log_every == 0 or t == steps - 1:
             log(f"step {t + 1}/{steps} loss {row['loss']:.4f} lr {row['lr']:.2e} grad_norm {row['grad_norm']:.3f} "
                 f"{row['tokens_per_s']:.0f} tok/s {row['step_time_s']:.3f} s/step")

@@ -22,12 +22,19 @@ class TrainConfig:
     profile_step: int = opt(0, "Run this step of the GPU executor under torch.profiler: a Chrome trace in "
                                "OUTPUT_DIR/profile-step-N.json, and a count of host-blocking CUDA calls the "
                                "compute thread made inside the layer loop (logged; should be 0); 0 = none.")
+    eval_every: int = opt(0, "Evaluate every this many steps (and always after the last one, when there is "
+                             "evaluation data: data.eval_path, data.eval_fraction, or the arithmetic's held-out "
+                             "problems); 0: only after the last step.")
+    eval_batches: int = opt(0, "Batches per evaluation, from the start of the evaluation set in file order; "
+                               "0: the whole set (generated arithmetic: 8).")
     step_timeout_s: float = opt(1800.0, "A step that takes longer than this fails the run.")
     setup_timeout_s: float = opt(600.0, "Starting and attaching all actors must finish within this.")
 
     def __post_init__(self) -> None:
         if self.steps < 0 or self.log_every < 1:
             raise ValueError("train.steps must be >= 0 and train.log_every >= 1")
+        if self.eval_every < 0 or self.eval_batches < 0:
+            raise ValueError("train.eval_every and train.eval_batches must be >= 0")
         if self.timeline_step < 0 or self.profile_step < 0:
             raise ValueError("train.timeline_step and train.profile_step must be >= 0 (0 = none)")
         if self.step_timeout_s <= 0 or self.setup_timeout_s <= 0:

@@ -32,7 +32,7 @@ class Config:
 def validate(cfg: Config) -> None:
     """Checks that span sections (each section checks itself when built)."""
     _, hf = resolve_hf_config(cfg.model)
-    if hf.vocab_size < ByteTokenizer.vocab_size:
+    if cfg.data.kind == "arithmetic" and hf.vocab_size < ByteTokenizer.vocab_size:
         raise ConfigError(f"model.hf.vocab_size {hf.vocab_size} is below the byte tokenizer's "
                           f"{ByteTokenizer.vocab_size}")
     window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None

@@ -142,6 +142,11 @@ def fetch_order(num_layers: int, k: int, last: int = 0) -> list[int]:
     return order
 
 
+def forward_order(num_layers: int) -> list[int]:
+    """Units in the order a forward-only pass (evaluation, generation) fetches them: no recompute."""
+    return [0, *range(1, num_layers + 1), num_layers + 1]
+
+
 def grad_order(num_layers: int) -> list[int]:
     """Units in the order their gradients complete: head, layers last to first, embedding."""
     return [num_layers + 1, *range(num_layers, 0, -1), 0]
@@ -298,6 +303,42 @@ class StepEngine:
         self._embed_backward(ids, g, tied_grad, sink)
         mark("end")
         return StepResult(loss, tokens)
+
+    @torch.no_grad()
+    def evaluate(self, ids: torch.Tensor, labels: torch.Tensor, src: WeightSource) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward only, over forward_order: (sum of the token losses, tokens with a label), on the device.
+
+        No graph, no recompute and no gradients; the head runs in loss_chunk_tokens chunks as in a step."""
+        ids, labels = ids.to(self.device), labels.to(self.device)
+        h, emb_flat = self._plain_forward(ids, src)
+        head_flat = src.fetch(self.n + 1)
+        x = h.reshape(-1, h.shape[-1])
+        tgt = F.pad(labels[:, 1:], (0, 1), value=IGNORE).reshape(-1)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for c in range(0, x.shape[0], self.cfg.loss_chunk_tokens):
+            logits = self.t.head(head_flat, emb_flat, x[c: c + self.cfg.loss_chunk_tokens])
+            total += F.cross_entropy(logits.float(), tgt[c: c + self.cfg.loss_chunk_tokens], ignore_index=IGNORE,
+                                     reduction="sum")
+        return total, (tgt != IGNORE).sum()
+
+    @torch.no_grad()
+    def predict(self, ids: torch.Tensor, pos: torch.Tensor, src: WeightSource) -> torch.Tensor:
+        """Forward only, over forward_order: per row, the most likely token after position pos[row]."""
+        ids, pos = ids.to(self.device), pos.to(self.device)
+        h, emb_flat = self._plain_forward(ids, src)
+        last = h[torch.arange(h.shape[0], device=self.device), pos]
+        return self.t.head(src.fetch(self.n + 1), emb_flat, last).float().argmax(-1)
+
+    def _plain_forward(self, ids: torch.Tensor, src: WeightSource) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Embedding and every layer once (under the caller's no_grad); the embedding's weights are kept
+        only when the head needs them (tied)."""
+        emb_flat = src.fetch(0)
+        h = F.embedding(ids, self.t.embed_weight(emb_flat), self.t.pad_id)
+        pos_ids = torch.arange(ids.shape[1], device=self.device).unsqueeze(0)
+        pos = self.t.rotary(h, pos_ids)
+        for u in range(1, self.n + 1):
+            h = self.t.layer(u, src.fetch(u), h, pos, pos_ids)
+        return h, (emb_flat if self.spec.layout.tied else None)
 
     def _chunks(self, batch: int) -> list[slice]:
         size = self.cfg.chunk_sequences or batch

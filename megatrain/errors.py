@@ -34,3 +34,7 @@ class ActorFailure(MegatrainError):
         self.actor, self.cause, self.pid, self.died = actor, cause, pid, died
         where = f"actor '{actor}'" + (f" (pid {pid})" if pid else "")
         super().__init__(f"{where} failed: {cause}")
+
+
+class DataError(MegatrainError, ValueError):
+    """The training data cannot be used; the message names the file and line (or the config key)."""

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from megatrain.config import Config, load_config
+from megatrain.data import Batch, open_data
 from megatrain.model import family_classes, resolve_hf_config
 from megatrain.reference import train_reference
 
@@ -36,6 +37,10 @@ def weight_diffs(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) ->
             for name, t in ours.items()}
 
 
+def _ids_labels(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    return b.ids, b.labels
+
+
 def compare(cfg: Config, workdir: Path) -> dict:
     from safetensors.torch import load_file
 
@@ -51,13 +56,19 @@ def compare(cfg: Config, workdir: Path) -> dict:
     model = family_classes(family)[1].from_pretrained(init, torch_dtype=torch.float32)
     model.config._attn_implementation = "sdpa"
     cuda = summary["metrics"] and "gpu_peak_bytes" in summary["metrics"][0]
-    ref = train_reference(model, cfg.optim, cfg.data, cfg.train.steps, device="cuda" if cuda else "cpu",
-                          autocast_bf16=bool(cuda) and cfg.engine.compute_dtype != "fp32")
+    data = open_data(cfg.data, model.config, cfg.model.pretrained)
+    steps = len(summary["metrics"])
+    bf16 = bool(cuda) and cfg.engine.compute_dtype != "fp32"
+    ref = train_reference(model, cfg.optim, lambda t: _ids_labels(data.batch(t)), steps,
+                          device="cuda" if cuda else "cpu", autocast_bf16=bf16,
+                          eval_batches=data.eval_batches(cfg.train.eval_batches) if data.has_eval else None)
     losses = [m["loss"] for m in summary["metrics"]]
     rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref.losses)]
     return {"losses": losses, "ref_losses": ref.losses, "loss_rel": rel, "max_loss_rel": max(rel, default=0.0),
             "grad_norms": [m["grad_norm"] for m in summary["metrics"]], "ref_grad_norms": ref.grad_norms,
-            "weights": weight_diffs(ours, ref.state), "summary": summary}
+            "weights": weight_diffs(ours, ref.state), "summary": summary,
+            "eval_loss": next((m["eval_loss"] for m in reversed(summary["metrics"]) if "eval_loss" in m), None),
+            "ref_eval_loss": ref.eval_loss}
 
 
 def main(argv: list[str] | None = None) -> int:

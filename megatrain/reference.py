@@ -5,12 +5,14 @@ Tests compare MegaTrain against it step by step; the GPU fidelity check runs it 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from megatrain.adamw import OptimConfig, lr_at
-from megatrain.data import DataConfig, batch
+
+Batches = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -18,6 +20,7 @@ class ReferenceResult:
     losses: list[float]
     grad_norms: list[float]
     state: dict[str, torch.Tensor]
+    eval_loss: float | None = None  # of the final weights, over the evaluation batches, token-weighted
 
 
 def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
@@ -27,13 +30,16 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Adam
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
 
 
-def train_reference(model: torch.nn.Module, optim: OptimConfig, data: DataConfig, steps: int,
-                    device: str = "cpu", autocast_bf16: bool = False) -> ReferenceResult:
+def train_reference(model: torch.nn.Module, optim: OptimConfig, batches: Batches, steps: int,
+                    device: str = "cpu", autocast_bf16: bool = False,
+                    eval_batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> ReferenceResult:
+    """`batches(t)` gives step t's (ids, labels), the batches MegaTrain trained on; the final weights'
+    loss over `eval_batches` is the mean over all their labelled tokens."""
     model = model.to(device).float().train()
     opt = make_optimizer(model, optim)
     losses, norms = [], []
     for t in range(steps):
-        ids, labels = (x.to(device) for x in batch(data, t))
+        ids, labels = (x.to(device) for x in batches(t))
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=autocast_bf16):
             loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
@@ -45,4 +51,17 @@ def train_reference(model: torch.nn.Module, optim: OptimConfig, data: DataConfig
         opt.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
     state = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
-    return ReferenceResult(losses, norms, state)
+    return ReferenceResult(losses, norms, state, _eval_loss(model, eval_batches, device, autocast_bf16))
+
+
+@torch.no_grad()
+def _eval_loss(model: torch.nn.Module, batches: list | None, device: str, autocast_bf16: bool) -> float | None:
+    if not batches:
+        return None
+    total, tokens = 0.0, 0
+    for ids, labels in batches:
+        n = int((labels[:, 1:] != -100).sum())
+        with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=autocast_bf16):
+            loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
+        total, tokens = total + float(loss) * n, tokens + n
+    return total / max(tokens, 1)

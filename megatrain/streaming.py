@@ -47,9 +47,10 @@ class SyncSource:
         self.store, self.device, self.dtype = store, device, dtype
         SyncSource.begin(self, 0)  # not the streamed override: no loader before a step
 
-    def begin(self, step: int) -> None:
+    def begin(self, step: int, walk: str = "step") -> None:
+        """Start a walk ('step' or 'forward') over the weights after step-1's update."""
         self.step, self.wait_s, self.bytes = step, 0.0, 0
-        self.walk = _Walk(self.store.spec.fetch_order, self.store.spec.fetch_items, "fetched")
+        self.walk = _Walk(*self.store.spec.walk(walk), "fetched")
 
     def end(self) -> None:
         pass
@@ -172,8 +173,8 @@ class StreamedSource(SyncSource):
         self.credits = threading.Semaphore(self.prefetch)
         self.timeline: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
 
-    def begin(self, step: int) -> None:
-        super().begin(step)
+    def begin(self, step: int, walk: str = "step") -> None:
+        super().begin(step, walk)
         self.credits = threading.Semaphore(self.prefetch)
         self.ready = queue.Queue()
         self.timeline = []
@@ -184,7 +185,7 @@ class StreamedSource(SyncSource):
 
     def _load(self) -> None:
         try:
-            for items in self.store.spec.fetch_items:
+            for items in self.walk.items:
                 self.worker.acquire(self.credits)
                 unit = items[0].unit
                 with torch.cuda.stream(self.h2d):

@@ -1,0 +1,67 @@
+"""Evaluation between steps: forward-only weight walks through the same streaming engine and actors.
+
+The executor runs one forward walk (embedding, layers, head; no recompute, no gradients, no Adam) per
+evaluation batch, and for the generated arithmetic one more per generated token; in slabs mode each
+packer packs exactly as many walks. All of them read the weights after the step's Adam update (the
+packers and the resident source wait on the same version counters as the next step does), so an
+evaluation may start while Adam still updates the last units.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+from megatrain.data import Data, arithmetic
+
+
+class Evaluator:
+    """Runs evaluations for a Trainer: `call(name, method, *args)` issues an actor call, `gather`
+    waits for a dict of them (with the Trainer's failure handling)."""
+
+    def __init__(self, data: Data, eval_batches: int, actors: list[str], call: Callable[..., Any],
+                 gather: Callable[[dict, str], dict]):
+        self.data, self.call, self.gather = data, call, gather
+        self.packers = [n for n in actors if n.startswith("packer")]
+        self.batches = data.eval_batches(eval_batches)
+        self.examples: list[tuple[str, str, str]] = []
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.batches) or bool(self.data.problems)
+
+    def __call__(self, step: int) -> dict:
+        """Evaluate the weights after `step` optimizer steps; the metrics to add to that step's row."""
+        out: dict = {}
+        if self.batches:
+            res = self._walks(step, len(self.batches), "evaluate", self.batches)
+            loss = res["loss_sum"] / max(res["tokens"], 1)
+            out.update(eval_loss=loss, eval_ppl=math.exp(min(loss, 700.0)), eval_tokens=res["tokens"],
+                       eval_s=res["eval_s"])
+        if self.data.problems:
+            ids, pos, new = arithmetic.prompts(self.data.cfg, self.data.problems)
+            got = arithmetic.answers(self._walks(step, new, "generate", ids, pos, new))
+            out["eval_accuracy"] = arithmetic.accuracy(self.data.problems, got)
+            self.examples = [(q, a, g) for (q, a), g in zip(self.data.problems, got)]
+        return out
+
+    def _walks(self, step: int, walks: int, method: str, *args: Any) -> Any:
+        calls = {"gpu-executor": self.call("gpu-executor", method, step, *args)}
+        calls.update({p: self.call(p, "step", step, "forward", walks) for p in self.packers})
+        return self.gather(calls, f"evaluation after step {step}")["gpu-executor"]
+
+    def describe(self, step: int, row: dict) -> str:
+        parts = []
+        if "eval_loss" in row:
+            parts.append(f"eval_loss {row['eval_loss']:.4f} eval_ppl {row['eval_ppl']:.2f} "
+                         f"({len(self.batches)} batches, {row['eval_tokens']} tokens)")
+        if "eval_accuracy" in row:
+            parts.append(f"exact-match accuracy {row['eval_accuracy']:.1%} on {len(self.data.problems)} held-out "
+                         "problems")
+        return f"eval after step {step}: " + ", ".join(parts)
+
+    def solved_examples(self, count: int = 5) -> list[str]:
+        """A few held-out problems with the model's answers (right ones first)."""
+        ranked = sorted(self.examples, key=lambda e: e[1] != e[2])[:count]
+        return [f"{q}{g}  {'ok' if g == a else f'wrong, expected {a}'}" for q, a, g in ranked]

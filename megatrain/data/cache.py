@@ -1,0 +1,262 @@
+"""The token cache: each data file tokenized once, in parallel, into memory-mapped arrays.
+
+An entry is keyed by the file's contents (a BLAKE2 hash), the tokenizer's files and the format
+options, so an edited file, another tokenizer or another text_field never reuse a stale entry. It
+is built in byte ranges that start at line boundaries, one tokenizer process per core, each range
+written to its own array file and then copied into the entry: a 2 GB JSONL file is never in RAM
+whole. Entries are written to a temporary directory and renamed, so a crash or a second run
+building the same entry at the same time never leaves a half-written one.
+
+Entry layout: ids.npy (uint16/uint32 tokens of all records back to back), mask.npy (uint8, 1 where
+a token carries a label; absent for text, where every token does), offsets.npy (int64, records+1
+record boundaries), meta.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from megatrain.data.config import DataConfig
+from megatrain.data.records import Encoder, RecordError, jsonl_records, load_tokenizer, split_ranges
+from megatrain.errors import DataError
+
+FORMAT = 1  # bump when the encoding rules change: old entries are not reused
+CHUNK_BYTES = 16 << 20
+_WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+
+
+def log(msg: str) -> None:
+    print(f"[megatrain] {msg}", flush=True)
+
+
+@dataclass
+class TokenFile:
+    """One data file's tokens (memory-mapped): records back to back, with their label masks."""
+
+    source: str
+    ids: np.ndarray
+    mask: np.ndarray | None  # None: every token carries a label
+    offsets: np.ndarray | None  # record boundaries; None for a raw token file
+
+    @property
+    def records(self) -> int:
+        return 0 if self.offsets is None else len(self.offsets) - 1
+
+
+def cache_root(cfg: DataConfig) -> Path:
+    root = cfg.cache_dir or os.environ.get("MEGATRAIN_CACHE") or str(Path.home() / ".cache" / "megatrain")
+    return Path(root).expanduser() / "tokens"
+
+
+def file_digest(path: str | Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tokenizer_digest(directory: str) -> str:
+    """The tokenizer's files (not the model's weights): another vocabulary or template is another key."""
+    h = hashlib.blake2b(digest_size=16)
+    for p in sorted(Path(directory).iterdir()):
+        if p.is_file() and not p.name.endswith(_WEIGHTS) and not p.name.endswith(".index.json"):
+            h.update(p.name.encode() + b"\0")
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def entry_key(source_digest: str, tok_digest: str, cfg: DataConfig) -> str:
+    opts = {"format": FORMAT, "kind": cfg.kind, "tokenizer": tok_digest, "source": source_digest}
+    opts.update({"text": cfg.text_field} if cfg.kind == "text" else
+                {"messages": cfg.messages_field} if cfg.kind == "chat" else
+                {"prompt": cfg.prompt_field, "completion": cfg.completion_field})
+    return hashlib.blake2b(json.dumps(opts, sort_keys=True).encode(), digest_size=16).hexdigest()
+
+
+def load_entry(directory: Path, source: str) -> TokenFile:
+    mask = directory / "mask.npy"
+    return TokenFile(source, np.load(directory / "ids.npy", mmap_mode="r"),
+                     np.load(mask, mmap_mode="r") if mask.exists() else None,
+                     np.load(directory / "offsets.npy", mmap_mode="r"))
+
+
+# ---- encoding (runs in the tokenizer processes, or in this one for small inputs) ---------------
+_WORKER: dict[str, Any] = {}
+
+
+def _init_worker(cfg: DataConfig, tok_dir: str, tok_key: str) -> None:
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core already
+    _WORKER["encoder"] = Encoder(cfg, load_tokenizer(tok_dir, tok_key))
+
+
+def _encode(encoder: Encoder, records: Iterable[tuple[int, dict | None]], out: str, dtype: str) -> dict:
+    """Encode records into the array file `out`; {'tokens', 'records'} or {'error': (index, message)}."""
+    ids: list[np.ndarray] = []
+    masks: list[np.ndarray] = []
+    lens: list[int] = []
+    at = -1
+    try:
+        for at, rec in records:  # noqa: B007 - `at` names the failing record below
+            if rec is None:
+                continue
+            tokens, mask = encoder.encode(rec)
+            ids.append(np.asarray(tokens, dtype=dtype))
+            if mask is not None:
+                masks.append(np.asarray(mask, dtype=np.uint8))
+            lens.append(len(tokens))
+    except RecordError as exc:
+        where = exc.args[1] if len(exc.args) > 1 else at
+        return {"error": (where, exc.args[0])}
+    cat = np.concatenate(ids) if ids else np.zeros(0, dtype)
+    np.savez(out, ids=cat, mask=np.concatenate(masks) if masks else np.zeros(0, np.uint8),
+             lens=np.asarray(lens, np.int64))
+    return {"tokens": int(cat.size), "records": len(lens)}
+
+
+def _encode_range(task: tuple[str, int, int, str, str]) -> dict:
+    path, start, end, out, dtype = task
+    return _encode(_WORKER["encoder"], jsonl_records(path, start, end), out, dtype)
+
+
+# ---- building an entry ------------------------------------------------------------------------
+class Builder:
+    """Builds (or finds) the cache entry of each data file for one tokenizer and format."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: Any, tok_dir: str, tok_key: str):
+        self.cfg, self.tok, self.tok_dir, self.tok_key = cfg, tokenizer, tok_dir, tok_key
+        self.tok_digest = tokenizer_digest(tok_dir)
+        self.dtype = "uint16" if len(tokenizer) <= 1 << 16 else "uint32"
+        self.encoder = Encoder(cfg, tokenizer)  # checks the tokenizer suits the kind before any work
+
+    def get(self, source: str) -> TokenFile:
+        p = Path(source)
+        digest = _dataset_digest(p) if p.is_dir() else file_digest(p)
+        entry = cache_root(self.cfg) / entry_key(digest, self.tok_digest, self.cfg)
+        if (entry / "meta.json").exists():
+            return load_entry(entry, source)
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".tmp-", dir=entry.parent))
+        try:
+            t0 = time.perf_counter()
+            parts = self._parts_of_dataset(p, tmp) if p.is_dir() else self._parts_of_jsonl(p, tmp)
+            meta = _assemble(parts, tmp, self.dtype, self.cfg.kind != "text")
+            if meta["records"] == 0:
+                raise DataError(f"{source}: no records (the file is empty)")
+            dt = time.perf_counter() - t0
+            meta.update(source=str(p.resolve()), kind=self.cfg.kind, seconds=dt, tokens_per_s=meta["tokens"] / dt)
+            (tmp / "meta.json").write_text(json.dumps(meta))
+            log(f"tokenized {source}: {meta['records']} records, {meta['tokens']} tokens in {dt:.1f}s "
+                f"({meta['tokens'] / dt:,.0f} tokens/s); cached in {entry}")
+            try:
+                tmp.rename(entry)
+            except OSError:  # another run built the same entry meanwhile: keep theirs
+                pass
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return load_entry(entry, source)
+
+    def _workers(self, ranges: int) -> int:
+        return min(self.cfg.num_workers or os.cpu_count() or 1, ranges)
+
+    def _parts_of_jsonl(self, path: Path, tmp: Path) -> list[Path]:
+        size = path.stat().st_size
+        ranges = split_ranges(str(path), size, CHUNK_BYTES)
+        tasks = [(str(path), lo, hi, str(tmp / f"part-{i:06d}.npz"), self.dtype) for i, (lo, hi) in enumerate(ranges)]
+        workers = self._workers(len(tasks))
+        if workers <= 1:
+            results: Iterator[dict] = (_encode(self.encoder, jsonl_records(*t[:3]), t[3], t[4]) for t in tasks)
+            return self._collect(path, tasks, results)
+        ctx = mp.get_context("spawn")  # the driver has threads (and maybe CUDA): never fork it
+        with ctx.Pool(workers, _init_worker, (self.cfg, self.tok_dir, self.tok_key)) as pool:
+            return self._collect(path, tasks, pool.imap(_encode_range, tasks))
+
+    def _collect(self, path: Path, tasks: list, results: Iterator[dict]) -> list[Path]:
+        parts, done, t0, shown = [], 0, time.perf_counter(), time.perf_counter()
+        for task, res in zip(tasks, results):
+            if "error" in res:
+                line = _lines_before(str(path), task[1]) + res["error"][0] + 1
+                raise DataError(f"{path}:{line}: {res['error'][1]}")
+            parts.append(Path(task[3]))
+            done += res["tokens"]
+            if time.perf_counter() - shown > 5:
+                shown = time.perf_counter()
+                log(f"tokenizing {path}: {task[2] / path.stat().st_size:.0%}, {done:,} tokens, "
+                    f"{done / (shown - t0):,.0f} tokens/s")
+        return parts
+
+    def _parts_of_dataset(self, path: Path, tmp: Path) -> list[Path]:
+        """A datasets.save_to_disk directory, read row by row in this process ('line' = row number)."""
+        try:
+            import datasets
+        except ImportError:
+            raise DataError(f"data.path '{path}' is a directory: reading a datasets.save_to_disk directory needs "
+                            "the 'datasets' package (pip install datasets)") from None
+        try:
+            ds = datasets.load_from_disk(str(path))
+        except (FileNotFoundError, ValueError) as exc:
+            raise DataError(f"data.path '{path}': not a datasets.save_to_disk directory: {exc}") from None
+        if isinstance(ds, datasets.DatasetDict):
+            raise DataError(f"data.path '{path}' holds several splits ({', '.join(ds)}); point at one split's "
+                            "directory")
+        out = tmp / "part-000000.npz"
+        res = _encode(self.encoder, enumerate(ds), str(out), self.dtype)
+        if "error" in res:
+            raise DataError(f"{path}: row {res['error'][0]}: {res['error'][1]}")
+        return [out]
+
+
+def _dataset_digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(path)).encode() + b"\0" + file_digest(p).encode())
+    return h.hexdigest()
+
+
+def _lines_before(path: str, offset: int) -> int:
+    n = 0
+    with open(path, "rb") as f:
+        left = offset
+        while left > 0 and (block := f.read(min(8 << 20, left))):
+            n += block.count(b"\n")
+            left -= len(block)
+    return n
+
+
+def _assemble(parts: list[Path], tmp: Path, dtype: str, masked: bool) -> dict:
+    """Concatenate the parts into the entry's arrays, one part in memory at a time."""
+    sizes = []
+    for p in parts:
+        with np.load(p) as z:
+            sizes.append((int(z["ids"].size), int(z["lens"].size)))
+    tokens, records = sum(s[0] for s in sizes), sum(s[1] for s in sizes)
+    ids = np.lib.format.open_memmap(tmp / "ids.npy", "w+", dtype, (tokens,))
+    mask = np.lib.format.open_memmap(tmp / "mask.npy", "w+", np.uint8, (tokens,)) if masked else None
+    offsets = np.lib.format.open_memmap(tmp / "offsets.npy", "w+", np.int64, (records + 1,))
+    offsets[0] = 0
+    t = r = 0
+    for p, (nt, nr) in zip(parts, sizes):
+        with np.load(p) as z:
+            ids[t: t + nt] = z["ids"]
+            if mask is not None:
+                mask[t: t + nt] = z["mask"]
+            offsets[r + 1: r + 1 + nr] = t + np.cumsum(z["lens"])
+        p.unlink()
+        t, r = t + nt, r + nr
+    for arr in (ids, mask, offsets):
+        if arr is not None:
+            arr.flush()
+    return {"tokens": tokens, "records": records}

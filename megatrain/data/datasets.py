@@ -1,0 +1,136 @@
+"""Windows, examples and the order they are consumed in.
+
+Order contract (README "Train on your own data"):
+  packed (text, tokens, chat/prompt_completion with packing): the files' token streams are joined in the
+    order given; window w holds tokens [w*L, (w+1)*L) of that stream (a trailing part window is dropped).
+  padded (chat, prompt_completion): example i is the i-th record, cut to L tokens and right-padded.
+  Without shuffle, batch t of an epoch holds items [t*B, (t+1)*B); with shuffle, the items at positions
+  [t*B, (t+1)*B) of a permutation seeded by (data.seed, epoch). An epoch is floor(items / B) batches
+  (the last, incomplete batch's items are left out of that epoch). So batch t depends only on the data
+  files, the seed and t.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from megatrain.data.cache import TokenFile
+
+IGNORE = -100
+
+
+class Packed:
+    """Windows of `seq_len` tokens over the files' joined token stream."""
+
+    def __init__(self, files: list[TokenFile], seq_len: int):
+        self.files, self.seq_len = files, seq_len
+        sizes = [int(f.ids.size) for f in files]
+        self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.tokens = int(self.starts[-1])
+
+    def __len__(self) -> int:
+        return self.tokens // self.seq_len
+
+    def _span(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        ids, labels = [], []
+        f = int(np.searchsorted(self.starts, lo, side="right")) - 1
+        while lo < hi:
+            tf, base = self.files[f], int(self.starts[f])
+            end = min(hi, int(self.starts[f + 1]))
+            part = np.asarray(tf.ids[lo - base: end - base], dtype=np.int64)
+            ids.append(part)
+            lab = part.copy()
+            if tf.mask is not None:
+                lab[np.asarray(tf.mask[lo - base: end - base]) == 0] = IGNORE
+            labels.append(lab)
+            lo, f = end, f + 1
+        return np.concatenate(ids), np.concatenate(labels)
+
+    def item(self, w: int) -> tuple[np.ndarray, np.ndarray]:
+        return self._span(w * self.seq_len, (w + 1) * self.seq_len)
+
+
+class Padded:
+    """One record per row, cut to `seq_len` and right-padded with `pad_id` (labels IGNORE there)."""
+
+    def __init__(self, files: list[TokenFile], seq_len: int, pad_id: int):
+        self.files, self.seq_len, self.pad_id = files, seq_len, pad_id
+        self.starts = np.concatenate([[0], np.cumsum([f.records for f in files])]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def item(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        f = int(np.searchsorted(self.starts, i, side="right")) - 1
+        tf, r = self.files[f], i - int(self.starts[f])
+        lo, hi = int(tf.offsets[r]), int(tf.offsets[r + 1])
+        hi = min(hi, lo + self.seq_len)
+        ids = np.full(self.seq_len, self.pad_id, np.int64)
+        labels = np.full(self.seq_len, IGNORE, np.int64)
+        ids[: hi - lo] = tf.ids[lo:hi]
+        keep = np.asarray(tf.mask[lo:hi]) != 0
+        labels[: hi - lo] = np.where(keep, ids[: hi - lo], IGNORE)
+        return ids, labels
+
+    def truncation(self) -> tuple[int, int]:
+        """(examples longer than seq_len, of those the ones left with no label token): the first token
+        is never a target (the loss predicts token p from the tokens before it), so it does not count."""
+        cut = lost = 0
+        for tf in self.files:
+            lens = np.diff(np.asarray(tf.offsets))
+            long = np.nonzero(lens > self.seq_len)[0]
+            cut += int(long.size)
+            for r in long:
+                lo = int(tf.offsets[r])
+                lost += not np.asarray(tf.mask[lo + 1: lo + self.seq_len]).any()
+        return cut, lost
+
+
+class Subset:
+    """Items [lo, hi) of another source (the held-out tail, or the rest)."""
+
+    def __init__(self, source: Packed | Padded, lo: int, hi: int):
+        self.source, self.lo, self.hi = source, lo, hi
+
+    def __len__(self) -> int:
+        return self.hi - self.lo
+
+    def item(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        return self.source.item(self.lo + i)
+
+
+Source = Packed | Padded | Subset
+
+
+def stack(source: Source, index: np.ndarray | range) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = [source.item(int(i)) for i in index]
+    return torch.from_numpy(np.stack([r[0] for r in rows])), torch.from_numpy(np.stack([r[1] for r in rows]))
+
+
+@dataclass
+class Order:
+    """Which items batch t holds (the contract above)."""
+
+    items: int
+    batch_size: int
+    shuffle: bool
+    seed: int
+
+    def __post_init__(self) -> None:
+        self.per_epoch = self.items // self.batch_size
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        if self._perm is None or self._perm[0] != epoch:
+            perm = (np.random.default_rng([self.seed, epoch]).permutation(self.items) if self.shuffle
+                    else np.arange(self.items))
+            self._perm = (epoch, perm)
+        return self._perm[1]
+
+    def batch(self, t: int) -> tuple[int, np.ndarray]:
+        """(epoch, item indices) of batch t."""
+        epoch, k = divmod(t, self.per_epoch)
+        return epoch, self.permutation(epoch)[k * self.batch_size: (k + 1) * self.batch_size]

@@ -1,0 +1,62 @@
+"""Batches prepared ahead of the step, in a background thread, so the step loop never builds one."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+_END = object()
+
+
+class Prefetcher:
+    """Calls make(t) for t in [start, stop) in order, up to `depth` batches ahead of get()."""
+
+    def __init__(self, make: Callable[[int], Any], start: int, stop: int, depth: int):
+        self.make, self.next, self.stop = make, start, stop
+        self.q: queue.Queue = queue.Queue(max(depth, 1))
+        self.error: BaseException | None = None
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="batch-prefetch", daemon=True) if depth else None
+        if self.thread is not None:
+            self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for t in range(self.next, self.stop):
+                item = (t, self.make(t))
+                while not self.closed.is_set():
+                    try:
+                        self.q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self.closed.is_set():
+                    return
+        except BaseException as exc:  # re-raised in get()
+            self.error = exc
+        self._put_end()
+
+    def _put_end(self) -> None:
+        while not self.closed.is_set():
+            try:
+                self.q.put((None, _END), timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def get(self, t: int) -> Any:
+        """Batch t; batches must be asked for in order."""
+        if self.thread is None:
+            return self.make(t)
+        got, item = self.q.get()
+        if item is _END:
+            raise self.error if self.error else RuntimeError(f"batch {t} asked for past the end ({self.stop})")
+        assert got == t, (got, t)
+        return item
+
+    def close(self) -> None:
+        self.closed.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)
