@@ -210,9 +210,7 @@ class Trainer:
         every = self.cfg.train.eval_every
         if not self.evaluator.enabled or not (step == self.steps or (every and step % every == 0)):
             return {}
-        res = self.evaluator(step)
-        log(self.evaluator.describe(step, res))
-        return res
+        return self.evaluator(step)
 
     def _launch(self, t: int) -> tuple[dict[str, Pending], dict]:
         cfg = self.cfg
@@ -264,6 +262,8 @@ class Trainer:
         if t % self.cfg.train.log_every == 0 or t == steps - 1:
             log(f"step {t + 1}/{steps} loss {row['loss']:.4f} lr {row['lr']:.2e} grad_norm {row['grad_norm']:.3f} "
                 f"{row['tokens_per_s']:.0f} tok/s {row['step_time_s']:.3f} s/step")
+        if any(k.startswith("eval_") for k in row):  # printed after its step's line, whatever the overlap
+            log(self.evaluator.describe(row["step"], row))
 
     # ---- calls and failures -----------------------------------------------------------------
     def _call_one(self, name: str, method: str, *args: Any) -> Any:

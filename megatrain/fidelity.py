@@ -20,7 +20,7 @@ import torch
 from megatrain.config import Config, load_config
 from megatrain.data import Batch, open_data
 from megatrain.model import family_classes, resolve_hf_config
-from megatrain.reference import train_reference
+from megatrain.reference import Batches, train_reference
 
 
 def save_initial(cfg: Config, directory: Path) -> Path:
@@ -41,7 +41,10 @@ def _ids_labels(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
     return b.ids, b.labels
 
 
-def compare(cfg: Config, workdir: Path) -> dict:
+def compare(cfg: Config, workdir: Path, batches: Batches | None = None) -> dict:
+    """Train `cfg` through the actor system and the plain reference from the same initial weights;
+    the reference takes step t's batch from `batches(t)` when given (tests build them by hand), else
+    from the run's own data."""
     from safetensors.torch import load_file
 
     from megatrain.launch.driver import Trainer
@@ -59,7 +62,7 @@ def compare(cfg: Config, workdir: Path) -> dict:
     data = open_data(cfg.data, model.config, cfg.model.pretrained)
     steps = len(summary["metrics"])
     bf16 = bool(cuda) and cfg.engine.compute_dtype != "fp32"
-    ref = train_reference(model, cfg.optim, lambda t: _ids_labels(data.batch(t)), steps,
+    ref = train_reference(model, cfg.optim, batches or (lambda t: _ids_labels(data.batch(t))), steps,
                           device="cuda" if cuda else "cpu", autocast_bf16=bf16,
                           eval_batches=data.eval_batches(cfg.train.eval_batches) if data.has_eval else None)
     losses = [m["loss"] for m in summary["metrics"]]

@@ -109,3 +109,61 @@ def test_byte_tokenizer_round_trip() -> None:
 def test_data_config_rejects_bad_values(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         DataConfig(**kwargs)
+
+
+def _problems_in(ids: torch.Tensor) -> list[tuple[int, str, int]]:
+    out = []
+    for row in ids:
+        for line in complete_lines(row):  # rows start with a whole problem
+            m = LINE.match(line)
+            out.append((int(m[1]), m[2], int(m[3])))
+    return out
+
+
+def test_training_never_sees_a_held_out_problem_and_evaluation_sees_only_them() -> None:
+    from megatrain.data.arithmetic import eval_batch, eval_problems, held_out
+
+    cfg = DataConfig(seq_len=128, batch_size=8, seed=1)
+    train = [p for t in range(20) for p in _problems_in(batch(cfg, t)[0])]
+    evaluation = [p for i in range(5) for p in _problems_in(eval_batch(cfg, i)[0])]
+    assert len(train) > 500 and len(evaluation) > 100
+    assert not any(held_out(*p) for p in train)
+    assert all(held_out(*p) for p in evaluation)
+    problems = eval_problems(cfg)
+    assert len(problems) == cfg.eval_problems
+    for q, a in problems:
+        m = LINE.match(q + a)
+        assert m and held_out(int(m[1]), m[2], int(m[3]))
+    assert 0.05 < sum(held_out(a, op, b) for a in range(100) for b in range(100) for op in "+-*") / 30000 < 0.15
+
+
+def test_a_tiny_problem_space_is_not_split() -> None:
+    from megatrain.data.arithmetic import eval_problems
+
+    cfg = DataConfig(seq_len=32, batch_size=2, ops="+", max_operand=2, eval_problems=4)
+    assert _problems_in(batch(cfg, 0)[0]) and len(eval_problems(cfg)) == 4  # terminates, nothing held out
+
+
+@pytest.mark.parametrize("ops, max_operand", [("+-*", 99), ("+", 9), ("-", 50), ("*", 999)])
+def test_greedy_decoding_of_a_perfect_model_is_fully_correct(ops: str, max_operand: int) -> None:
+    """An oracle predict (the true next character) through the prompt layout and answer parsing."""
+    from megatrain.data.arithmetic import accuracy, answers, eval_problems, prompts
+
+    cfg = DataConfig(ops=ops, max_operand=max_operand, eval_problems=30)
+    problems = eval_problems(cfg)
+    ids, pos, new = prompts(cfg, problems)
+    truth = [ByteTokenizer.encode(q + a + "\n") for q, a in problems]
+    generated = torch.zeros((len(problems), new), dtype=torch.long)
+    for k in range(new):  # what the executor does: predict after pos, write it in, move on
+        for r in range(len(problems)):
+            p = int(pos[r]) + 1
+            if p <= len(truth[r]):
+                assert ids[r, :p].tolist() == truth[r][:p]  # the model sees exactly the text so far
+            tok = truth[r][p] if p < len(truth[r]) else ord("\n")
+            generated[r, k] = tok
+            if p < ids.shape[1]:
+                ids[r, p] = tok
+        pos += 1
+    got = answers(generated)
+    assert got == [a for _, a in problems] and accuracy(problems, got) == 1.0
+    assert accuracy(problems, ["?"] * len(problems)) == 0.0

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from megatrain.data import DataConfig, batch
-from megatrain.engine import EngineConfig, StepEngine, blocks, checkpoint_host_bytes, fetch_order, grad_order
+from megatrain.engine import (
+    EngineConfig,
+    StepEngine,
+    blocks,
+    checkpoint_host_bytes,
+    fetch_order,
+    forward_order,
+    grad_order,
+)
 from megatrain.weights import flat_unit
 from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
 
@@ -42,6 +50,32 @@ def test_engine_matches_hf_autograd(family: str, tied: bool, k: int, last: int, 
         want = flat_unit(spec, unit, ref_grads)
         got = sink.grads[unit][: want.numel()]
         assert torch.linalg.norm(got - want) <= 1e-5 * torch.linalg.norm(want), unit
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_evaluate_and_predict_match_the_hf_forward(family: str, tied: bool) -> None:
+    """Forward-only walks: the summed token loss and the labelled-token count (labels with ignored
+    positions), and the greedy next token at a different position per row, equal HF's forward."""
+    model = tiny_hf(family, tied).eval()
+    spec = spec_for(model, family)
+    ids, labels = batch(DataConfig(seq_len=24, batch_size=3), 1)
+    labels[0, :10] = -100
+    labels[2, 5:] = -100
+    state = {k_: v.detach() for k_, v in model.state_dict().items()}
+    engine = StepEngine(spec, EngineConfig(loss_chunk_tokens=7), torch.device("cpu"), torch.float32)
+    n = spec.layout.num_layers
+    src = DictSource(spec, state, forward_order(n))
+    total, tokens = engine.evaluate(ids, labels, src)
+    assert src.seen == forward_order(n) == [0, *range(1, n + 1), n + 1]
+    with torch.no_grad():
+        out = model(input_ids=ids, labels=labels)
+    want_tokens = int((labels[:, 1:] != -100).sum())
+    assert int(tokens) == want_tokens
+    assert abs(float(total) / want_tokens - float(out.loss)) <= 1e-6 * float(out.loss)
+    pos = torch.tensor([3, 23, 10])
+    got = engine.predict(ids, pos, DictSource(spec, state, forward_order(n)))
+    assert got.tolist() == out.logits[torch.arange(3), pos].argmax(-1).tolist()
 
 
 def test_blocks_put_the_short_one_first() -> None:

@@ -1,0 +1,80 @@
+"""Local data for the data tests: a BPE tokenizer trained here (no hub) and JSONL files of every kind."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+WORDS = (
+    "the", "cat", "dog", "sat", "ran", "on", "a", "mat", "big", "small", "red", "blue", "green", "house",
+    "tree", "river", "stone", "light", "dark", "quick", "slow", "over", "under", "jumps", "walks", "sings",
+    "reads", "writes", "bright", "quiet", "happy", "one", "two", "three", "four", "five",
+)
+SPECIALS = ["<|endoftext|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+# Knows system/user/assistant; any other role is refused by the template itself.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}"
+    "{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+# Renders only user and assistant turns and drops anything else without a word.
+SILENT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] in ['user', 'assistant'] %}"
+    "{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+TOKENIZER_VOCAB = 300
+MODEL_VOCAB = 320  # the test models' vocabulary: room for the tokenizer's 300
+
+
+def sentence(rng: random.Random, n: int | None = None) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n or rng.randint(3, 12)))
+
+
+def make_tokenizer(directory: Path, template: str = CHAT_TEMPLATE) -> Path:
+    """A byte-level BPE of TOKENIZER_VOCAB tokens with EOS, pad and the chat markers as special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(0)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([sentence(rng) for _ in range(2000)], trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
+    fast.chat_template = template
+    fast.save_pretrained(directory)
+    return directory
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def text_records(n: int, seed: int = 1) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"text": " ".join(sentence(rng) for _ in range(rng.randint(1, 4)))} for _ in range(n)]
+
+
+def chat_records(n: int, seed: int = 2) -> list[dict]:
+    """Conversations of one to three exchanges, some with a system message."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        msgs = [{"role": "system", "content": sentence(rng, 4)}] if rng.random() < 0.3 else []
+        for _ in range(rng.randint(1, 3)):
+            msgs += [{"role": "user", "content": sentence(rng)}, {"role": "assistant", "content": sentence(rng)}]
+        out.append({"messages": msgs})
+    return out
+
+
+def prompt_completion_records(n: int, seed: int = 3) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt": sentence(rng) + " ?", "completion": " " + sentence(rng)} for _ in range(n)]
