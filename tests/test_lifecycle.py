@@ -119,7 +119,7 @@ def test_bad_config_key_is_one_clear_line(tmp_path: Path) -> None:
     bad.write_text("optim:\n  lr: 1.0e-3\n  lrr: 2.0e-3\n")
     proc = subprocess.run([sys.executable, "-m", "megatrain.launch.cli", str(bad)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1
+    assert proc.returncode == 2  # a usage error
     assert f"{bad}:3" in proc.stderr and "optim.lrr" in proc.stderr and "did you mean 'optim.lr'" in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
@@ -127,7 +127,7 @@ def test_bad_config_key_is_one_clear_line(tmp_path: Path) -> None:
 def test_bad_override_names_the_command_line(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "megatrain.launch.cli", str(ROOT / "examples/default.yaml"),
                            "engine.checkpoint_interval=0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "checkpoint_interval" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode == 2 and "checkpoint_interval" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.slow
