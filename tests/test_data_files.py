@@ -316,3 +316,30 @@ def test_tokenizer_problems_are_refused(tmp_path, tok_dir) -> None:
         open_data(cfg(tmp_path, tok_dir, kind="text", path=str(path)), SimpleNamespace(vocab_size=256), None)
     with pytest.raises(DataError, match="needs a tokenizer"):
         open_data(cfg(tmp_path, tok_dir, kind="text", path=str(path), tokenizer=None), HF, None)
+
+
+# ---- datasets.save_to_disk directories (the optional `datasets` extra) -----------------------------
+@pytest.mark.parametrize("kind, records", [("text", text_records(40)), ("chat", chat_records(30)),
+                                           ("prompt_completion", prompt_completion_records(20))])
+def test_save_to_disk_directory_equals_the_same_jsonl(tmp_path, tok_dir, kind: str, records: list) -> None:
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "ds"))
+    jsonl = write_jsonl(tmp_path / "d.jsonl", records)
+    a = open_data(cfg(tmp_path, tok_dir, kind=kind, path=str(tmp_path / "ds"), seq_len=64), HF, None)
+    b = open_data(cfg(tmp_path, tok_dir, kind=kind, path=str(jsonl), seq_len=64), HF, None)
+    for t in range(3):
+        assert torch.equal(a.batch(t).ids, b.batch(t).ids) and torch.equal(a.batch(t).labels, b.batch(t).labels)
+
+
+def test_save_to_disk_problems_are_refused(tmp_path, tok_dir) -> None:
+    datasets = pytest.importorskip("datasets")
+    recs = text_records(10)
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(recs)}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError, match="several splits \\(train\\)"):
+        open_data(cfg(tmp_path, tok_dir, kind="text", path=str(tmp_path / "dd")), HF, None)
+    datasets.Dataset.from_list([{"body": "x"}] * 3).save_to_disk(str(tmp_path / "bad"))
+    with pytest.raises(DataError, match="bad: row 0: missing field 'text'"):
+        open_data(cfg(tmp_path, tok_dir, kind="text", path=str(tmp_path / "bad")), HF, None)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="not a datasets.save_to_disk directory"):
+        open_data(cfg(tmp_path, tok_dir, kind="text", path=str(tmp_path / "empty")), HF, None)

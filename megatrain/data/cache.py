@@ -14,6 +14,7 @@ record boundaries), meta.json.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import hashlib
 import json
 import multiprocessing as mp
@@ -22,6 +23,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,18 +110,25 @@ def _encode(encoder: Encoder, records: Iterable[tuple[int, dict | None]], out: s
     masks: list[np.ndarray] = []
     lens: list[int] = []
     at = -1
-    try:
-        for at, rec in records:  # noqa: B007 - `at` names the failing record below
-            if rec is None:
-                continue
-            tokens, mask = encoder.encode(rec)
+    group: list[tuple[int, dict]] = []
+
+    def flush() -> None:
+        for tokens, mask in encoder.encode_many(group):
             ids.append(np.asarray(tokens, dtype=dtype))
             if mask is not None:
                 masks.append(np.asarray(mask, dtype=np.uint8))
             lens.append(len(tokens))
+        group.clear()
+
+    try:
+        for at, rec in records:
+            if rec is not None:
+                group.append((at, rec))
+            if len(group) == 256:  # one tokenizer call per group: most of the time is per call
+                flush()
+        flush()
     except RecordError as exc:
-        where = exc.args[1] if len(exc.args) > 1 else at
-        return {"error": (where, exc.args[0])}
+        return {"error": (exc.args[1], exc.args[0])}
     cat = np.concatenate(ids) if ids else np.zeros(0, dtype)
     np.savez(out, ids=cat, mask=np.concatenate(masks) if masks else np.zeros(0, np.uint8),
              lens=np.asarray(lens, np.int64))
@@ -179,9 +188,16 @@ class Builder:
         if workers <= 1:
             results: Iterator[dict] = (_encode(self.encoder, jsonl_records(*t[:3]), t[3], t[4]) for t in tasks)
             return self._collect(path, tasks, results)
-        ctx = mp.get_context("spawn")  # the driver has threads (and maybe CUDA): never fork it
-        with ctx.Pool(workers, _init_worker, (self.cfg, self.tok_dir, self.tok_key)) as pool:
-            return self._collect(path, tasks, pool.imap(_encode_range, tasks))
+        # spawn: the driver has threads (and maybe CUDA), never fork it. A process pool, not
+        # multiprocessing.Pool: a worker that dies (killed, out of memory) breaks the pool with an error
+        # instead of being replaced forever while the caller waits.
+        ctx = mp.get_context("spawn")
+        try:
+            with cf.ProcessPoolExecutor(workers, ctx, _init_worker, (self.cfg, self.tok_dir, self.tok_key)) as pool:
+                return self._collect(path, tasks, pool.map(_encode_range, tasks))
+        except BrokenProcessPool as exc:  # e.g. a __main__ that spawn cannot re-import (python - < script)
+            log(f"tokenizer processes failed ({exc}); tokenizing {path} in this process")
+            return self._collect(path, tasks, (_encode(self.encoder, jsonl_records(*t[:3]), t[3], t[4]) for t in tasks))
 
     def _collect(self, path: Path, tasks: list, results: Iterator[dict]) -> list[Path]:
         parts, done, t0, shown = [], 0, time.perf_counter(), time.perf_counter()

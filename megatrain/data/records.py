@@ -77,6 +77,21 @@ class Encoder:
         if self.kind == "chat" and not getattr(tokenizer, "is_fast", False):
             raise DataError("data.kind chat needs a fast tokenizer (tokenizer.json) to map turns to tokens")
 
+    def encode_many(self, recs: list[tuple[int, dict]]) -> list[tuple[list[int], list[int] | None]]:
+        """Encode (line index, record) pairs; RecordError(message, line index) for a bad one. Text is
+        tokenized in one call for all of them."""
+        if self.kind == "text":
+            texts = [self._at(i, _field, r, self.cfg.text_field, "text_field") for i, r in recs]
+            return [(self._with_eos(list(ids)), None) for ids in self.tok(texts)["input_ids"]] if texts else []
+        return [self._at(i, self.encode, r) for i, r in recs]
+
+    @staticmethod
+    def _at(line: int, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except RecordError as exc:
+            raise RecordError(exc.args[0], line) from None
+
     def encode(self, rec: dict) -> tuple[list[int], list[int] | None]:
         if self.kind == "text":
             return self._with_eos(self._ids(_field(rec, self.cfg.text_field, "text_field"), True)), None
