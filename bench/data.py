@@ -46,11 +46,27 @@ def document(rng: random.Random, words: list[str]) -> str:
     return " ".join(sentence(rng, words, rng.randint(5, 25)) for _ in range(rng.randint(3, 40)))
 
 
-def write_text(path: Path, rng: random.Random, words: list[str], mb: float) -> None:
-    target = int(mb * 1e6)
+def _text_part(job: tuple[Path, int, list[str], float]) -> Path:
+    path, seed, words, mb = job
+    rng, target = random.Random(seed), int(mb * 1e6)
     with open(path, "w") as f:
         while f.tell() < target:
             f.write(json.dumps({"text": document(rng, words)}) + "\n")
+    return path
+
+
+def write_text(path: Path, seed: int, words: list[str], mb: float) -> None:
+    """About `mb` MB of documents, generated in parallel parts and joined."""
+    import multiprocessing as mp
+    import shutil
+
+    n = os.cpu_count() or 1
+    jobs = [(path.with_suffix(f".part{i}"), seed * 1000 + i, words, mb / n) for i in range(n)]
+    with mp.get_context("fork").Pool(n) as pool, open(path, "wb") as out:
+        for part in pool.imap(_text_part, jobs):
+            with open(part, "rb") as f:
+                shutil.copyfileobj(f, out)
+            part.unlink()
 
 
 def write_chat(path: Path, rng: random.Random, words: list[str], n: int) -> None:
@@ -106,8 +122,8 @@ def main() -> int:
     t0 = time.perf_counter()
     train_tokenizer(out / "tok", rng, words, args.vocab)
     write_chat(out / "chat.jsonl", rng, words, args.chats)
-    write_text(out / "text.jsonl", rng, words, args.text_mb)
-    write_text(out / "text-small.jsonl", rng, words, args.small_mb)
+    write_text(out / "text.jsonl", 1, words, args.text_mb)
+    write_text(out / "text-small.jsonl", 2, words, args.small_mb)
     print(f"made the data in {time.perf_counter() - t0:.0f}s", flush=True)
     results = [tokenize(out / "text.jsonl", out / "tok", out / "cache-all", 0),
                tokenize(out / "text-small.jsonl", out / "tok", out / "cache-one", 1),

@@ -45,6 +45,13 @@ def cfg(tmp_path: Path, tok_dir: Path, **kw) -> DataConfig:
     return DataConfig(**{**base, **kw})
 
 
+def small_ranges(monkeypatch, size: int) -> None:
+    """Byte ranges of `size` bytes, and the process pool even for a small file."""
+    for name in ("CHUNK_BYTES", "MIN_CHUNK_BYTES"):
+        monkeypatch.setattr(cache_mod, name, size)
+    monkeypatch.setattr(cache_mod, "POOL_MIN_BYTES", 0)
+
+
 def stream_of(tokenizer, records: list[dict]) -> list[int]:
     """Hand-built packed stream: each document's tokens, then EOS."""
     out: list[int] = []
@@ -206,7 +213,7 @@ def test_cache_is_reused_and_keyed_by_contents(tmp_path, tok_dir, capsys) -> Non
 
 
 def test_parallel_build_equals_the_single_process_one(tmp_path, tok_dir, monkeypatch) -> None:
-    monkeypatch.setattr(cache_mod, "CHUNK_BYTES", 2048)  # many ranges, two processes
+    small_ranges(monkeypatch, 2048)  # many ranges, two processes
     path = write_jsonl(tmp_path / "c.jsonl", chat_records(120))
     one = open_data(cfg(tmp_path / "one", tok_dir, kind="chat", path=str(path), seq_len=64), HF, None)
     two = open_data(cfg(tmp_path / "two", tok_dir, kind="chat", path=str(path), seq_len=64, num_workers=2), HF, None)
@@ -253,7 +260,7 @@ def test_not_utf8_names_the_line(tmp_path, tok_dir) -> None:
 
 
 def test_a_bad_line_in_a_later_range_of_a_parallel_build_names_its_line(tmp_path, tok_dir, monkeypatch) -> None:
-    monkeypatch.setattr(cache_mod, "CHUNK_BYTES", 1024)
+    small_ranges(monkeypatch, 1024)
     lines = [GOOD] * 400
     lines[345] = "oops"
     path = _lines(tmp_path / "bad.jsonl", lines)

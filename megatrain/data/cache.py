@@ -35,7 +35,9 @@ from megatrain.data.records import Encoder, RecordError, jsonl_records, load_tok
 from megatrain.errors import DataError
 
 FORMAT = 1  # bump when the encoding rules change: old entries are not reused
-CHUNK_BYTES = 16 << 20
+CHUNK_BYTES = 16 << 20  # the largest byte range one tokenizer process takes at a time
+MIN_CHUNK_BYTES = 256 << 10
+POOL_MIN_BYTES = 4 << 20  # below this, starting the processes (~2 s each) costs more than it saves
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
 
@@ -177,14 +179,14 @@ class Builder:
             shutil.rmtree(tmp, ignore_errors=True)
         return load_entry(entry, source)
 
-    def _workers(self, ranges: int) -> int:
-        return min(self.cfg.num_workers or os.cpu_count() or 1, ranges)
-
     def _parts_of_jsonl(self, path: Path, tmp: Path) -> list[Path]:
         size = path.stat().st_size
-        ranges = split_ranges(str(path), size, CHUNK_BYTES)
+        workers = self.cfg.num_workers or os.cpu_count() or 1
+        # About four ranges per process, so that all of them stay busy to the end.
+        chunk = min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, -(-size // (4 * workers))))
+        ranges = split_ranges(str(path), size, chunk)
         tasks = [(str(path), lo, hi, str(tmp / f"part-{i:06d}.npz"), self.dtype) for i, (lo, hi) in enumerate(ranges)]
-        workers = self._workers(len(tasks))
+        workers = min(workers, len(tasks)) if size >= POOL_MIN_BYTES else 1
         if workers <= 1:
             results: Iterator[dict] = (_encode(self.encoder, jsonl_records(*t[:3]), t[3], t[4]) for t in tasks)
             return self._collect(path, tasks, results)
