@@ -54,9 +54,10 @@ def test_default_yaml_loads_with_file_values_and_defaults_elsewhere() -> None:
     assert cfg.model.hf["hidden_size"] == 128 and cfg.model.hf["tie_word_embeddings"] is True
     assert cfg.data.seq_len == 128 and cfg.data.batch_size == 16
     assert cfg.optim.lr == pytest.approx(3e-3) and isinstance(cfg.optim.lr, float)
-    assert cfg.optim.schedule == "cosine" and cfg.optim.warmup_steps == 5
+    assert cfg.optim.schedule == "cosine" and cfg.optim.warmup_steps == 30
     assert cfg.engine.checkpoint_interval == 2
-    assert cfg.train.steps == 60 and cfg.train.output_dir == "runs/default"
+    assert cfg.data.ops == "+" and cfg.data.loss_on == "answers"
+    assert cfg.train.steps == 1500 and cfg.train.eval_every == 500 and cfg.train.output_dir == "runs/default"
     # Keys the file does not set keep their dataclass defaults.
     assert cfg.optim.eps == Config().optim.eps
     assert cfg.ipc == Config().ipc
@@ -176,7 +177,7 @@ def test_dotted_overrides_apply_over_the_file() -> None:
     # Untouched keys keep the file's values.
     assert cfg.model.hf["intermediate_size"] == 384
     assert cfg.data.seq_len == 128
-    assert cfg.optim.warmup_steps == 5
+    assert cfg.optim.warmup_steps == 30
 
 
 def test_overrides_without_a_file() -> None:

@@ -134,7 +134,8 @@ def test_training_never_sees_a_held_out_problem_and_evaluation_sees_only_them() 
     for q, a in problems:
         m = LINE.match(q + a)
         assert m and held_out(int(m[1]), m[2], int(m[3]))
-    assert 0.05 < sum(held_out(a, op, b) for a in range(100) for b in range(100) for op in "+-*") / 30000 < 0.15
+    for op in "+-*":  # every operator has held-out problems, about a tenth
+        assert 0.08 < sum(held_out(a, op, b) for a in range(100) for b in range(100)) / 10000 < 0.12, op
 
 
 def test_a_tiny_problem_space_is_not_split() -> None:
