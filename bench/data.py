@@ -3,9 +3,10 @@
   python bench/data.py --out OUT --text-mb 500
 
 writes OUT/tok/ (a byte-level BPE tokenizer trained here, with a ChatML template), OUT/chat.jsonl
-(multi-turn conversations), OUT/text.jsonl (about --text-mb MB of documents) and OUT/text-small.jsonl,
-then tokenizes the large file with one process per core and the small one with a single process,
-each into a fresh cache, and writes OUT/tokenize.json (records, tokens, seconds, tokens/s, MB/s).
+(multi-turn conversations) and OUT/text.jsonl (about --text-mb MB of documents), then tokenizes the
+text as configured by default (data.num_workers 0: in the driver, the Rust tokenizer's threads) and
+with one process per core, and the chat file by default (one process per core), each into a fresh
+cache, and writes OUT/tokenize.json (records, tokens, seconds, tokens/s, MB/s).
 The step-time comparison then runs bench/run.py twice, once with `--extra data.kind=chat
 data.path=OUT/chat.jsonl data.tokenizer=OUT/tok` (BENCHMARKS.md has the commands).
 """
@@ -102,7 +103,7 @@ def tokenize(path: Path, tok: Path, cache: Path, workers: int, kind: str = "text
     dt = time.perf_counter() - t0
     tokens = sum(int(f.ids.size) for f in data.train.files)
     mb = path.stat().st_size / 1e6
-    return {"file": path.name, "kind": kind, "MB": round(mb, 1), "workers": workers or os.cpu_count(),
+    return {"file": path.name, "kind": kind, "MB": round(mb, 1), "num_workers": workers,
             "records": sum(f.records for f in data.train.files), "tokens": tokens, "seconds": round(dt, 2),
             "tokens_per_s": round(tokens / dt), "MB_per_s": round(mb / dt, 2)}
 
@@ -111,7 +112,6 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--text-mb", type=float, default=500)
-    p.add_argument("--small-mb", type=float, default=25)
     p.add_argument("--chats", type=int, default=2000)
     p.add_argument("--vocab", type=int, default=32000)
     args = p.parse_args()
@@ -123,10 +123,10 @@ def main() -> int:
     train_tokenizer(out / "tok", rng, words, args.vocab)
     write_chat(out / "chat.jsonl", rng, words, args.chats)
     write_text(out / "text.jsonl", 1, words, args.text_mb)
-    write_text(out / "text-small.jsonl", 2, words, args.small_mb)
     print(f"made the data in {time.perf_counter() - t0:.0f}s", flush=True)
-    results = [tokenize(out / "text.jsonl", out / "tok", out / "cache-all", 0),
-               tokenize(out / "text-small.jsonl", out / "tok", out / "cache-one", 1),
+    cores = os.cpu_count() or 1
+    results = [tokenize(out / "text.jsonl", out / "tok", out / "cache-default", 0),  # the default: one process
+               tokenize(out / "text.jsonl", out / "tok", out / "cache-pool", cores),  # one process per core
                tokenize(out / "chat.jsonl", out / "tok", out / "cache-chat", 0, "chat")]
     (out / "tokenize.json").write_text(json.dumps(results, indent=1))
     for r in results:

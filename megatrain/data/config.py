@@ -43,7 +43,9 @@ class DataConfig:
                                   "evaluation (exact-match accuracy).")
     cache_dir: str = opt("", "Token cache (one tokenized copy per data file, tokenizer and format); empty: "
                              "$MEGATRAIN_CACHE, else ~/.cache/megatrain/tokens.")
-    num_workers: int = opt(0, "Tokenizer processes for building the cache; 0: one per CPU core.")
+    num_workers: int = opt(0, "Tokenizer processes for building the cache; 0: one per CPU core for chat and "
+                              "prompt_completion, and for text none (the Rust tokenizer's own threads batch "
+                              "the documents in the driver, which was faster).")
     prefetch: int = opt(2, "Batches prepared ahead of the step in a background thread.")
     max_operand: int = opt(99, "Arithmetic: largest operand of a generated problem.")
     ops: str = opt("+-*", "Arithmetic: operators to draw from.")
