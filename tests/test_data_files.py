@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -350,3 +351,15 @@ def test_save_to_disk_problems_are_refused(tmp_path, tok_dir) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="not a datasets.save_to_disk directory"):
         open_data(cfg(tmp_path, tok_dir, kind="text", path=str(tmp_path / "empty")), HF, None)
+
+
+def test_no_tokenizer_process_outlives_the_build(tmp_path, tok_dir, monkeypatch) -> None:
+    psutil = pytest.importorskip("psutil")
+    small_ranges(monkeypatch, 2048)
+    path = write_jsonl(tmp_path / "c.jsonl", chat_records(60))
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    open_data(cfg(tmp_path, tok_dir, kind="chat", path=str(path), seq_len=64, num_workers=2), HF, None)
+    deadline = time.monotonic() + 10
+    while {p.pid for p in psutil.Process().children(recursive=True)} - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not {p.pid for p in psutil.Process().children(recursive=True)} - before

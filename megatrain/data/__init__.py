@@ -17,7 +17,7 @@ import torch
 
 from megatrain.data import arithmetic
 from megatrain.data.arithmetic import ByteTokenizer, batch
-from megatrain.data.cache import Builder, TokenFile, log
+from megatrain.data.cache import Builder, TokenFile, log, stop_workers
 from megatrain.data.config import DataConfig, paths_of
 from megatrain.data.datasets import IGNORE, Order, Packed, Padded, Source, Subset, stack
 from megatrain.data.records import load_tokenizer
@@ -107,8 +107,11 @@ def open_data(cfg: DataConfig, hf_config: Any, pretrained: str | None) -> Data:
             raise DataError(f"{key}: the tokenizer in '{tok_dir}' has {len(tokenizer)} tokens, more than the model's "
                             f"vocab_size {vocab}")
         builder = Builder(cfg, tokenizer, tok_dir, key)
-        train_files = [builder.get(p) for p in _expand(cfg.path, "data.path")]
-        eval_files = [builder.get(p) for p in _expand(cfg.eval_path, "data.eval_path")]
+        try:
+            train_files = [builder.get(p) for p in _expand(cfg.path, "data.path")]
+            eval_files = [builder.get(p) for p in _expand(cfg.eval_path, "data.eval_path")]
+        finally:
+            stop_workers()
     train, evaluation = _sources(cfg, train_files, eval_files, _pad_id(hf_config, tokenizer))
     _check_enough(cfg, train)
     if isinstance(train, Padded) or (isinstance(train, Subset) and isinstance(train.source, Padded)):

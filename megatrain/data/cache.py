@@ -250,6 +250,16 @@ def _context() -> Any:
     return ctx
 
 
+def stop_workers() -> None:
+    """End the forkserver once the cache is built: it would otherwise idle beside the driver for the
+    whole run (it also ends by itself when the driver exits, however that happens)."""
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)  # CPython 3.8+: the one way to end it early
+    if stop is not None:
+        stop()
+
+
 def _dataset_digest(path: Path) -> str:
     h = hashlib.blake2b(digest_size=16)
     for p in sorted(path.rglob("*")):
