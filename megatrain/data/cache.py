@@ -39,7 +39,9 @@ from megatrain.errors import DataError
 FORMAT = 1  # bump when the encoding rules change: old entries are not reused
 CHUNK_BYTES = 16 << 20  # the largest byte range one tokenizer process takes at a time
 MIN_CHUNK_BYTES = 256 << 10
-POOL_MIN_BYTES = 4 << 20  # below this, starting the processes (~2 s each) costs more than it saves
+# Below this a file is tokenized in this process: starting the pool (its server imports transformers,
+# hence torch) took ~10 s on the GPU machine, as long as one process takes for ~25 MB of chat JSONL.
+POOL_MIN_BYTES = 32 << 20
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
 
