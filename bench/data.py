@@ -124,6 +124,7 @@ def main() -> int:
     write_chat(out / "chat.jsonl", rng, words, args.chats)
     write_text(out / "text.jsonl", 1, words, args.text_mb)
     print(f"made the data in {time.perf_counter() - t0:.0f}s", flush=True)
+    import transformers.models.auto.tokenization_auto  # noqa: F401 - its import (and torch's) is not tokenizing
     cores = os.cpu_count() or 1
     results = [tokenize(out / "text.jsonl", out / "tok", out / "cache-default", 0),  # the default: one process
                tokenize(out / "text.jsonl", out / "tok", out / "cache-pool", cores),  # one process per core

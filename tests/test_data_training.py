@@ -166,3 +166,20 @@ def test_bad_data_exits_2_with_one_line_before_anything_starts(tmp_path, tok_dir
     rc = cli.main([str(_empty_yaml(tmp_path)), *args])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and words in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_the_readme_own_data_example_runs(tmp_path) -> None:
+    """examples/make_own_data.py + examples/own-data.yaml, as the README gives them (fewer steps)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    subprocess.run([sys.executable, str(ROOT / "examples" / "make_own_data.py"), str(tmp_path), "--conversations",
+                    "300"], check=True, capture_output=True, timeout=300)
+    rc = cli.main([str(ROOT / "examples" / "own-data.yaml"), f"model.pretrained={tmp_path / 'model'}",
+                   f"data.path={tmp_path / 'chat.jsonl'}", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=4",
+                   "train.eval_every=2", f"train.output_dir={tmp_path / 'run'}", "launch.runner=inprocess"])
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rc == 0 and len(rows) == 4 and "eval_loss" in rows[1] and "eval_loss" in rows[3]
+    assert (tmp_path / "run" / "final" / "model.safetensors").is_file()
