@@ -15,6 +15,8 @@ from typing import Any
 
 from megatrain.data import Data, arithmetic
 
+GROUP = 8  # evaluation batches per executor call: a large set is never built or shipped at once
+
 
 class Evaluator:
     """Runs evaluations for a Trainer: `call(name, method, *args)` issues an actor call, `gather`
@@ -24,21 +26,26 @@ class Evaluator:
                  gather: Callable[[dict, str], dict]):
         self.data, self.call, self.gather = data, call, gather
         self.packers = [n for n in actors if n.startswith("packer")]
-        self.batches = data.eval_batches(eval_batches)
+        self.count = data.eval_count(eval_batches)
         self.examples: list[tuple[str, str, str]] = []
 
     @property
     def enabled(self) -> bool:
-        return bool(self.batches) or bool(self.data.problems)
+        return self.count > 0 or bool(self.data.problems)
 
     def __call__(self, step: int) -> dict:
         """Evaluate the weights after `step` optimizer steps; the metrics to add to that step's row."""
         out: dict = {}
-        if self.batches:
-            res = self._walks(step, len(self.batches), "evaluate", self.batches)
-            loss = res["loss_sum"] / max(res["tokens"], 1)
-            out.update(eval_loss=loss, eval_ppl=math.exp(min(loss, 700.0)), eval_tokens=res["tokens"],
-                       eval_s=res["eval_s"])
+        if self.count:
+            loss_sum, tokens, seconds = 0.0, 0, 0.0
+            for lo in range(0, self.count, GROUP):
+                batches = [self.data.eval_batch(i) for i in range(lo, min(lo + GROUP, self.count))]
+                res = self._walks(step, len(batches), "evaluate", batches)
+                loss_sum, tokens, seconds = loss_sum + res["loss_sum"], tokens + res["tokens"], seconds + res["eval_s"]
+            out.update(eval_tokens=tokens, eval_s=seconds)
+            if tokens:  # an evaluation set without a labelled token has no loss (it is said so, not 0)
+                loss = loss_sum / tokens
+                out.update(eval_loss=loss, eval_ppl=math.exp(min(loss, 700.0)))
         if self.data.problems:
             ids, pos, new = arithmetic.prompts(self.data.cfg, self.data.problems)
             got = arithmetic.answers(self._walks(step, new, "generate", ids, pos, new))
@@ -55,7 +62,9 @@ class Evaluator:
         parts = []
         if "eval_loss" in row:
             parts.append(f"eval_loss {row['eval_loss']:.4f} eval_ppl {row['eval_ppl']:.2f} "
-                         f"({len(self.batches)} batches, {row['eval_tokens']} tokens)")
+                         f"({self.count} batches, {row['eval_tokens']} tokens)")
+        elif "eval_tokens" in row:
+            parts.append(f"no eval_loss: the {self.count} evaluation batches hold no labelled token")
         if "eval_accuracy" in row:
             parts.append(f"exact-match accuracy {row['eval_accuracy']:.1%} on {len(self.data.problems)} held-out "
                          "problems")

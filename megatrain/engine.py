@@ -336,8 +336,10 @@ class StepEngine:
         h = F.embedding(ids, self.t.embed_weight(emb_flat), self.t.pad_id)
         pos_ids = torch.arange(ids.shape[1], device=self.device).unsqueeze(0)
         pos = self.t.rotary(h, pos_ids)
+        chunks = self._chunks(ids.shape[0])  # the training step's sequence chunks bound memory here too
         for u in range(1, self.n + 1):
-            h = self.t.layer(u, src.fetch(u), h, pos, pos_ids)
+            w = src.fetch(u)
+            h = _per_chunk(h, chunks, lambda c, _, u=u, w=w, x=h: self.t.layer(u, w, x[c], pos, pos_ids))
         return h, (emb_flat if self.spec.layout.tied else None)
 
     def _chunks(self, batch: int) -> list[slice]:

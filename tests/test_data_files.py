@@ -148,6 +148,46 @@ def test_chat_masks_every_assistant_turn_and_nothing_else(tmp_path, tok_dir, tok
     assert ids[n:] == [tokenizer.pad_token_id] * (64 - n) and labels[n:] == [IGNORE] * (64 - n)
 
 
+# Earlier assistant turns rendered differently from a last one (as templates that strip earlier
+# reasoning do): the prefix rule cannot apply to them.
+REWRITING_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' and not loop.last %}{{ '<|assistant|><|system|>' + m['content'] + '<|end|>' }}"
+    "{% else %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|end|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+def test_chat_masks_when_the_template_renders_earlier_turns_differently(tmp_path, tokenizer) -> None:
+    """An echoing assistant ('the cat' after 'the cat'): the label goes on the assistant's copy, with its
+    end-of-turn marker, and never on the user's identical text."""
+    tok = make_tokenizer(tmp_path / "tok", REWRITING_TEMPLATE)
+    convo = {"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "the cat"},
+                          {"role": "user", "content": "a dog"}, {"role": "assistant", "content": "big dog"}]}
+    path = write_jsonl(tmp_path / "c.jsonl", [convo] * 2)
+    data = open_data(cfg(tmp_path, tok, kind="chat", path=str(path), seq_len=64), HF, None)
+    ids, labels = data.batch(0).ids[0].tolist(), data.batch(0).labels[0].tolist()
+    sp = tokenizer.convert_tokens_to_ids
+    pieces = [("<|user|>", 0), ("the cat", 0), ("<|end|>", 0), ("<|assistant|>", 0), ("<|system|>", 0),
+              ("the cat", 1), ("<|end|>", 1), ("<|user|>", 0), ("a dog", 0), ("<|end|>", 0), ("<|assistant|>", 0),
+              ("big dog", 1), ("<|end|>", 1)]
+    want_ids, want_labels = [], []
+    for text, m in pieces:
+        toks = [sp(text)] if text.startswith("<|") else tokenizer(text, add_special_tokens=False)["input_ids"]
+        want_ids += toks
+        want_labels += toks if m else [IGNORE] * len(toks)
+    assert ids[: len(want_ids)] == want_ids and labels[: len(want_ids)] == want_labels
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path, tok_dir) -> None:
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(r) + "\n" for r in text_records(30)).encode())
+    plain = write_jsonl(tmp_path / "plain.jsonl", text_records(30))
+    a = open_data(cfg(tmp_path, tok_dir, kind="text", path=str(path)), HF, None)
+    b = open_data(cfg(tmp_path, tok_dir, kind="text", path=str(plain)), HF, None)
+    assert torch.equal(a.batch(0).ids, b.batch(0).ids)
+
+
 def test_prompt_completion_labels_the_completion_and_eos(tmp_path, tok_dir, tokenizer) -> None:
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "the cat ?", "completion": " sat on a mat"}] * 2)
     data = open_data(cfg(tmp_path, tok_dir, kind="prompt_completion", path=str(path), seq_len=32), HF, None)
@@ -280,6 +320,7 @@ def test_a_role_the_template_drops_is_refused(tmp_path) -> None:
 
 @pytest.mark.parametrize("setup, words", [
     ("missing", "does not exist"),
+    ("directory", "is a directory, neither a JSONL file nor"),
     ("empty", "no records (the file is empty)"),
     ("blank-lines", "no records (the file is empty)"),
     ("no-match", "no file matches"),
@@ -295,8 +336,20 @@ def test_unusable_files_are_refused(tmp_path, tok_dir, setup: str, words: str) -
         path.write_text(GOOD + "\n")
     elif setup == "no-match":
         path = tmp_path / "nothing-*.jsonl"
+    elif setup == "directory":
+        path = tmp_path / "somedir"
+        path.mkdir()
     with pytest.raises(DataError, match=re.escape(words)):
         open_data(cfg(tmp_path, tok_dir, kind="text", path=str(path)), HF, None)
+
+
+def test_evaluation_data_must_hold_a_window_and_an_empty_override_is_none(tmp_path, tok_dir) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", text_records(40))
+    tiny = write_jsonl(tmp_path / "e.jsonl", [{"text": "a"}])
+    with pytest.raises(DataError, match="data.eval_path: the evaluation data holds no window"):
+        open_data(cfg(tmp_path, tok_dir, kind="text", path=str(path), eval_path=str(tiny)), HF, None)
+    data = open_data(cfg(tmp_path, tok_dir, kind="text", path=str(path), eval_path=""), HF, None)
+    assert data.eval is None and not data.has_eval
 
 
 def test_token_file_problems_are_refused(tmp_path) -> None:
@@ -329,8 +382,10 @@ def test_tokenizer_problems_are_refused(tmp_path, tok_dir) -> None:
 # ---- datasets.save_to_disk directories (the optional `datasets` extra) -----------------------------
 @pytest.mark.parametrize("kind, records", [("text", text_records(40)), ("chat", chat_records(30)),
                                            ("prompt_completion", prompt_completion_records(20))])
-def test_save_to_disk_directory_equals_the_same_jsonl(tmp_path, tok_dir, kind: str, records: list) -> None:
+def test_save_to_disk_directory_equals_the_same_jsonl(tmp_path, tok_dir, monkeypatch, kind: str,
+                                                     records: list) -> None:
     datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(cache_mod, "DATASET_ROWS", 7)  # several parts
     datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "ds"))
     jsonl = write_jsonl(tmp_path / "d.jsonl", records)
     a = open_data(cfg(tmp_path, tok_dir, kind=kind, path=str(tmp_path / "ds"), seq_len=64), HF, None)
@@ -349,7 +404,8 @@ def test_save_to_disk_problems_are_refused(tmp_path, tok_dir) -> None:
     with pytest.raises(DataError, match="bad: row 0: missing field 'text'"):
         open_data(cfg(tmp_path, tok_dir, kind="text", path=str(tmp_path / "bad")), HF, None)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match="not a datasets.save_to_disk directory"):
+    with pytest.raises(DataError, match="data.path: '.*empty' is a directory, neither a JSONL file nor a directory "
+                                        "written by datasets.save_to_disk"):
         open_data(cfg(tmp_path, tok_dir, kind="text", path=str(tmp_path / "empty")), HF, None)
 
 

@@ -54,7 +54,8 @@ def test_engine_matches_hf_autograd(family: str, tied: bool, k: int, last: int, 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("tied", [True, False])
-def test_evaluate_and_predict_match_the_hf_forward(family: str, tied: bool) -> None:
+@pytest.mark.parametrize("chunk", [0, 2])
+def test_evaluate_and_predict_match_the_hf_forward(family: str, tied: bool, chunk: int) -> None:
     """Forward-only walks: the summed token loss and the labelled-token count (labels with ignored
     positions), and the greedy next token at a different position per row, equal HF's forward."""
     model = tiny_hf(family, tied).eval()
@@ -63,7 +64,8 @@ def test_evaluate_and_predict_match_the_hf_forward(family: str, tied: bool) -> N
     labels[0, :10] = -100
     labels[2, 5:] = -100
     state = {k_: v.detach() for k_, v in model.state_dict().items()}
-    engine = StepEngine(spec, EngineConfig(loss_chunk_tokens=7), torch.device("cpu"), torch.float32)
+    cfg = EngineConfig(loss_chunk_tokens=7, chunk_sequences=chunk)
+    engine = StepEngine(spec, cfg, torch.device("cpu"), torch.float32)
     n = spec.layout.num_layers
     src = DictSource(spec, state, forward_order(n))
     total, tokens = engine.evaluate(ids, labels, src)

@@ -65,15 +65,23 @@ class Data:
     def has_eval(self) -> bool:
         return self.cfg.kind == "arithmetic" or self.eval is not None
 
-    def eval_batches(self, limit: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The evaluation batches in file order (the last may be smaller); `limit` 0: all of them (the
-        generated arithmetic: 8)."""
-        B = self.cfg.batch_size
+    def eval_count(self, limit: int) -> int:
+        """Evaluation batches per evaluation: the whole set (the last batch may be smaller), or the first
+        `limit`; the generated arithmetic: `limit` or 8."""
         if self.eval is None:
-            return [arithmetic.eval_batch(self.cfg, i) for i in range(limit or 8)] if self.has_eval else []
-        n = len(self.eval)
-        count = -(-n // B) if not limit else min(limit, -(-n // B))
-        return [stack(self.eval, range(i * B, min((i + 1) * B, n))) for i in range(count)]
+            return (limit or 8) if self.has_eval else 0
+        n = -(-len(self.eval) // self.cfg.batch_size)
+        return min(limit, n) if limit else n
+
+    def eval_batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Evaluation batch i, in file order (built when needed: the set may be large)."""
+        if self.eval is None:
+            return arithmetic.eval_batch(self.cfg, i)
+        B, n = self.cfg.batch_size, len(self.eval)
+        return stack(self.eval, range(i * B, min((i + 1) * B, n)))
+
+    def eval_batches(self, limit: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [self.eval_batch(i) for i in range(self.eval_count(limit))]
 
     def describe(self) -> str:
         if self.order is None:
@@ -108,12 +116,15 @@ def open_data(cfg: DataConfig, hf_config: Any, pretrained: str | None) -> Data:
                             f"vocab_size {vocab}")
         builder = Builder(cfg, tokenizer, tok_dir, key)
         try:
-            train_files = [builder.get(p) for p in _expand(cfg.path, "data.path")]
-            eval_files = [builder.get(p) for p in _expand(cfg.eval_path, "data.eval_path")]
+            train_files = [builder.get(p, "data.path") for p in _expand(cfg.path, "data.path")]
+            eval_files = [builder.get(p, "data.eval_path") for p in _expand(cfg.eval_path, "data.eval_path")]
         finally:
             stop_workers()
     train, evaluation = _sources(cfg, train_files, eval_files, _pad_id(hf_config, tokenizer))
     _check_enough(cfg, train)
+    if evaluation is not None and len(evaluation) == 0:
+        raise DataError(f"data.eval_path: the evaluation data holds no {'example' if cfg.padded else 'window'} "
+                        f"(a window is data.seq_len {cfg.seq_len} tokens)")
     if isinstance(train, Padded) or (isinstance(train, Subset) and isinstance(train.source, Padded)):
         _report_truncation(train.source if isinstance(train, Subset) else train, cfg.seq_len)
     data = Data(cfg, train, evaluation, tokenizer)

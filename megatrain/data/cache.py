@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -42,6 +43,9 @@ MIN_CHUNK_BYTES = 256 << 10
 # Below this a file is tokenized in this process: starting the pool (its server imports transformers,
 # hence torch) took ~10 s on the GPU machine, as long as one process takes for ~25 MB of chat JSONL.
 POOL_MIN_BYTES = 32 << 20
+DATASET_ROWS = 50_000  # rows of a save_to_disk dataset encoded into one part
+STALE_S = 24 * 3600  # a temporary build directory this old was left by a killed build
+_DATASET_MARKERS = ("state.json", "dataset_info.json", "dataset_dict.json")  # what save_to_disk writes
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
 
 
@@ -156,17 +160,25 @@ class Builder:
         self.dtype = "uint16" if len(tokenizer) <= 1 << 16 else "uint32"
         self.encoder = Encoder(cfg, tokenizer)  # checks the tokenizer suits the kind before any work
 
-    def get(self, source: str) -> TokenFile:
+    def get(self, source: str, key: str = "data.path") -> TokenFile:
+        """The entry of one data file (or save_to_disk directory) named by config key `key`."""
         p = Path(source)
+        if p.is_dir() and not any((p / m).is_file() for m in _DATASET_MARKERS):
+            raise DataError(f"{key}: '{source}' is a directory, neither a JSONL file nor a directory written by "
+                            "datasets.save_to_disk (one split)")
         digest = _dataset_digest(p) if p.is_dir() else file_digest(p)
         entry = cache_root(self.cfg) / entry_key(digest, self.tok_digest, self.cfg)
         if (entry / "meta.json").exists():
             return load_entry(entry, source)
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".tmp-", dir=entry.parent))
+        try:
+            entry.parent.mkdir(parents=True, exist_ok=True)
+            _remove_stale(entry)
+            tmp = Path(tempfile.mkdtemp(prefix=entry.name + ".tmp-", dir=entry.parent))
+        except OSError as exc:
+            raise DataError(f"data.cache_dir: cannot write the token cache in '{entry.parent}': {exc}") from None
         try:
             t0 = time.perf_counter()
-            parts = self._parts_of_dataset(p, tmp) if p.is_dir() else self._parts_of_jsonl(p, tmp)
+            parts = self._parts_of_dataset(p, tmp, key) if p.is_dir() else self._parts_of_jsonl(p, tmp)
             meta = _assemble(parts, tmp, self.dtype, self.cfg.kind != "text")
             if meta["records"] == 0:
                 raise DataError(f"{source}: no records (the file is empty)")
@@ -185,7 +197,7 @@ class Builder:
 
     def _parts_of_jsonl(self, path: Path, tmp: Path) -> list[Path]:
         size = path.stat().st_size
-        workers = self.cfg.num_workers or os.cpu_count() or 1
+        workers = self.cfg.num_workers or len(os.sched_getaffinity(0))  # the cores this process may use
         # About four ranges per process, so that all of them stay busy to the end.
         chunk = min(CHUNK_BYTES, max(MIN_CHUNK_BYTES, -(-size // (4 * workers))))
         ranges = split_ranges(str(path), size, chunk)
@@ -203,7 +215,11 @@ class Builder:
         ctx = _context()
         try:
             with cf.ProcessPoolExecutor(workers, ctx, _init_worker, (self.cfg, self.tok_dir, self.tok_key)) as pool:
-                return self._collect(path, tasks, pool.map(_encode_range, tasks))
+                try:
+                    return self._collect(path, tasks, pool.map(_encode_range, tasks))
+                except BaseException:  # a bad line (or Ctrl-C): do not tokenize the rest of the file first
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    raise
         except BrokenProcessPool as exc:  # e.g. a __main__ that spawn cannot re-import (python - < script)
             log(f"tokenizer processes failed ({exc}); tokenizing {path} in this process")
             return self._collect(path, tasks, (_encode(self.encoder, jsonl_records(*t[:3]), t[3], t[4]) for t in tasks))
@@ -222,25 +238,37 @@ class Builder:
                     f"{done / (shown - t0):,.0f} tokens/s")
         return parts
 
-    def _parts_of_dataset(self, path: Path, tmp: Path) -> list[Path]:
+    def _parts_of_dataset(self, path: Path, tmp: Path, key: str) -> list[Path]:
         """A datasets.save_to_disk directory, read row by row in this process ('line' = row number)."""
         try:
             import datasets
         except ImportError:
-            raise DataError(f"data.path '{path}' is a directory: reading a datasets.save_to_disk directory needs "
+            raise DataError(f"{key} '{path}' is a directory: reading a datasets.save_to_disk directory needs "
                             "the 'datasets' package (pip install datasets)") from None
         try:
             ds = datasets.load_from_disk(str(path))
         except (FileNotFoundError, ValueError) as exc:
-            raise DataError(f"data.path '{path}': not a datasets.save_to_disk directory: {exc}") from None
+            raise DataError(f"{key} '{path}': not a datasets.save_to_disk directory: {exc}") from None
         if isinstance(ds, datasets.DatasetDict):
-            raise DataError(f"data.path '{path}' holds several splits ({', '.join(ds)}); point at one split's "
+            raise DataError(f"{key} '{path}' holds several splits ({', '.join(ds)}); point at one split's "
                             "directory")
-        out = tmp / "part-000000.npz"
-        res = _encode(self.encoder, enumerate(ds), str(out), self.dtype)
-        if "error" in res:
-            raise DataError(f"{path}: row {res['error'][0]}: {res['error'][1]}")
-        return [out]
+        rows, parts = enumerate(ds), []
+        for i in range(0, max(len(ds), 1), DATASET_ROWS):  # one part at a time in memory, as for JSONL
+            parts.append(tmp / f"part-{i // DATASET_ROWS:06d}.npz")
+            res = _encode(self.encoder, itertools.islice(rows, DATASET_ROWS), str(parts[-1]), self.dtype)
+            if "error" in res:
+                raise DataError(f"{path}: row {res['error'][0]}: {res['error'][1]}")
+        return parts
+
+
+def _remove_stale(entry: Path) -> None:
+    """Temporary directories of this entry left by builds that were killed (SIGKILL, power loss)."""
+    for old in entry.parent.glob(entry.name + ".tmp-*"):
+        try:
+            if time.time() - old.stat().st_mtime > STALE_S:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            continue
 
 
 def _context() -> Any:

@@ -43,9 +43,9 @@ class DataConfig:
                                   "evaluation (exact-match accuracy).")
     cache_dir: str = opt("", "Token cache (one tokenized copy per data file, tokenizer and format); empty: "
                              "$MEGATRAIN_CACHE, else ~/.cache/megatrain/tokens.")
-    num_workers: int = opt(0, "Tokenizer processes for building the cache; 0: one per CPU core for chat and "
-                              "prompt_completion, and for text none (the Rust tokenizer's own threads batch "
-                              "the documents in the driver, which was faster).")
+    num_workers: int = opt(0, "Tokenizer processes for building the cache; 0: for chat and prompt_completion "
+                              "files of 32 MB and more one per usable CPU core (smaller ones in the driver), "
+                              "for text none (the Rust tokenizer's own threads, in the driver: faster).")
     prefetch: int = opt(2, "Batches prepared ahead of the step in a background thread.")
     max_operand: int = opt(99, "Arithmetic: largest operand of a generated problem.")
     ops: str = opt("+-*", "Arithmetic: operators to draw from.")
@@ -82,6 +82,7 @@ class DataConfig:
 
 
 def paths_of(value: Any) -> list[str]:
-    if value is None:
+    """The paths of data.path / data.eval_path; None and "" (an empty override) are none."""
+    if not value:
         return []
     return [value] if isinstance(value, str) else list(value)

@@ -58,7 +58,7 @@ def load_tokenizer(directory: str, key: str) -> Any:
 
     try:
         return AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, ImportError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DataError(f"{key}: cannot load a tokenizer from '{directory}': {first}") from None
 
@@ -136,35 +136,48 @@ class Encoder:
     def _chat(self, rec: dict) -> tuple[list[int], list[int]]:
         msgs = self._messages(rec)
         full = self._render(msgs)
-        cursor = 0
-        for i, m in enumerate(msgs):  # every message must reach the rendered text: a role the template
-            text = m["content"].strip()  # does not know is dropped by some templates (and some trim)
-            at = full.find(text, cursor)
-            if at < 0:
-                raise RecordError(f"message {i} (role '{m['role']}') does not appear in the chat template's "
-                                  "rendering: the template does not know this role")
-            cursor = at + len(text)
-        spans = self._assistant_spans(msgs, full)
+        spans = self._assistant_spans(msgs, full, self._positions(msgs, full))
         enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
         mask = [int(any(s < hi and e > lo for lo, hi in spans)) for s, e in enc["offset_mapping"]]
         return list(enc["input_ids"]), mask
 
-    def _assistant_spans(self, msgs: list[dict], full: str) -> list[tuple[int, int]]:
+    @staticmethod
+    def _positions(msgs: list[dict], full: str) -> list[int]:
+        """Where each message's content starts in the rendering, searched in order. Every message must
+        appear: some templates drop a role they do not know without a word (and some trim)."""
+        out, cursor = [], 0
+        for i, m in enumerate(msgs):
+            text = m["content"].strip()
+            at = full.find(text, cursor)
+            if at < 0:
+                raise RecordError(f"message {i} (role '{m['role']}') does not appear in the chat template's "
+                                  "rendering: the template does not know this role (or rewrites the content)")
+            out.append(at)
+            cursor = at + len(text)
+        return out
+
+    def _assistant_spans(self, msgs: list[dict], full: str, pos: list[int]) -> list[tuple[int, int]]:
         """Character spans of every assistant turn in `full`: the text its message adds to the conversation
-        rendered up to the generation prompt before it (so the end-of-turn marker is included)."""
-        spans, cursor = [], 0
+        rendered up to the generation prompt before it, so the end-of-turn marker is included. A template
+        that renders earlier turns differently from the last (e.g. one that strips earlier reasoning) gets
+        the content at its own position plus the end-of-turn marker the template puts after a last turn."""
+        spans = []
         for i, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
             before = self._render(msgs[:i], prompt=True) if i else ""
             upto = self._render(msgs[: i + 1])
             if upto.startswith(before) and full.startswith(upto) and len(upto) > len(before):
-                lo, hi = len(before), len(upto)
-            else:  # a template that renders earlier turns differently: the content itself
-                lo = full.find(m["content"].strip(), cursor)
-                hi = lo + len(m["content"].strip())
+                spans.append((len(before), len(upto)))
+                continue
+            text = m["content"].strip()
+            lo = hi = pos[i]
+            hi += len(text)
+            cut = upto.rfind(text) if text else -1
+            tail = upto[cut + len(text):] if cut >= 0 else ""
+            if tail and full.startswith(tail, hi):
+                hi += len(tail)
             spans.append((lo, hi))
-            cursor = hi
         return spans
 
 
@@ -179,6 +192,8 @@ def jsonl_records(path: str, start: int, end: int) -> Iterator[tuple[int, dict |
             if not raw:
                 break
             pos += len(raw)
+            if pos == len(raw) and raw.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark (Windows tools)
+                raw = raw[3:]
             try:
                 yield i, parse_line(raw)
             except RecordError as exc:
