@@ -64,6 +64,8 @@ class DataConfig:
             raise ValueError(f"data.token_dtype must be one of {', '.join(TOKEN_DTYPES)}, not '{self.token_dtype}'")
         if not 0 <= self.eval_fraction < 1:
             raise ValueError(f"data.eval_fraction must be in [0, 1), not {self.eval_fraction}")
+        if self.seed < 0:
+            raise ValueError(f"data.seed must be >= 0, not {self.seed}")
         if self.epochs < 0 or self.num_workers < 0 or self.prefetch < 0 or self.eval_problems < 0:
             raise ValueError("data.epochs, data.num_workers, data.prefetch and data.eval_problems must be >= 0")
         for key in ("path", "eval_path"):
