@@ -28,7 +28,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _sigterm(*_: object) -> None:
-    raise KeyboardInterrupt  # `ray job stop` and kill(1) get the same cleanup as Ctrl-C
+    raise KeyboardInterrupt  # `ray job stop`, kill(1) and a hang-up get the same cleanup as Ctrl-C
 
 
 def cleanup() -> int:
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.config:
         _parser().error("a CONFIG file is required")
     signal.signal(signal.SIGTERM, _sigterm)
+    signal.signal(signal.SIGHUP, _sigterm)  # a dropped SSH session: the same cleanup as SIGTERM
     out_dir: Path | None = None
     try:
         from megatrain.config import load_config

@@ -114,7 +114,9 @@ class RayRunner:
                 ray.init(address=address, log_to_driver=True)
             else:
                 cpus = self.cfg.num_cpus or max(os.cpu_count() or 1, int(cpus_needed + 0.999))
-                ray.init(num_cpus=cpus, include_dashboard=False,
+                # address="local": always a private instance, even where `ray start` left a cluster
+                # that ray.init() would otherwise discover and join.
+                ray.init(address="local", num_cpus=cpus, include_dashboard=False,
                          object_store_memory=self.cfg.object_store_mb * 2**20, log_to_driver=True)
                 self.started_ray = True
 

@@ -42,6 +42,10 @@ def validate(cfg: Config) -> None:
     if cfg.data.seq_len > hf.max_position_embeddings:
         raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds model max_position_embeddings "
                           f"{hf.max_position_embeddings}")
+    if cfg.engine.checkpoint_interval > hf.num_hidden_layers:
+        raise ConfigError(f"engine.checkpoint_interval {cfg.engine.checkpoint_interval} exceeds the model's "
+                          f"{hf.num_hidden_layers} layers (model.hf.num_hidden_layers); use at most "
+                          f"{hf.num_hidden_layers}")
     if cfg.ipc.weight_slabs < cfg.actors.num_packers:
         raise ConfigError(f"ipc.weight_slabs ({cfg.ipc.weight_slabs}) must be >= actors.num_packers "
                           f"({cfg.actors.num_packers}): each packer owns at least one slab")

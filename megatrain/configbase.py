@@ -179,6 +179,9 @@ def load(cls: type, path: str | Path | None, overrides: list[str] | None = None)
         data = _yaml(text) if text else {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    if path is not None and not data:
+        raise ConfigError(f"{source}: the config file sets nothing; give at least the model and the data "
+                          "(see examples/default.yaml), or run without a file to use the built-in defaults")
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -68,8 +68,16 @@ def test_no_file_gives_the_defaults() -> None:
     assert load_config(None) == Config()
 
 
-def test_empty_file_gives_the_defaults(write_yaml) -> None:
-    assert load_config(write_yaml("# nothing here\n")) == Config()
+@pytest.mark.parametrize("text", ["# nothing here\n", "", "---\n"])
+def test_an_empty_file_is_refused(write_yaml, text: str) -> None:
+    """An empty file would silently train the built-in default model (7B-sized)."""
+    assert "the config file sets nothing" in config_error(write_yaml(text))
+
+
+def test_checkpoint_interval_above_the_layer_count_is_refused() -> None:
+    msg = config_error(None, ["model.hf.num_hidden_layers=3", "engine.checkpoint_interval=4"])
+    assert "engine.checkpoint_interval 4 exceeds the model's 3 layers" in msg
+    assert load_config(None, ["model.hf.num_hidden_layers=3", "engine.checkpoint_interval=3"])
 
 
 def test_missing_file_invalid_yaml_and_non_mapping_top_level(write_yaml, tmp_path: Path) -> None:

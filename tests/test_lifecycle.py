@@ -150,7 +150,7 @@ def test_killed_actor_is_named_and_everything_is_released(tmp_path: Path, victim
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sighup"])
 def test_interrupt_releases_everything(tmp_path: Path, how: str) -> None:
     cli = Cli(tmp_path, steps=100000)
     cli.actor_pids()
@@ -159,7 +159,7 @@ def test_interrupt_releases_everything(tmp_path: Path, how: str) -> None:
     if how == "ctrl-c":
         os.killpg(cli.proc.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
     else:
-        os.kill(cli.proc.pid, signal.SIGTERM)
+        os.kill(cli.proc.pid, signal.SIGTERM if how == "sigterm" else signal.SIGHUP)
     rc = cli.finish(timeout=90)
     assert rc == 130, cli.text()
     cli.assert_clean()
