@@ -26,11 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatrain.data import DataConfig, open_data  # noqa: E402
+from megatrain.data.bpe import train_bpe  # noqa: E402
 
 SYLLABLES = ("ka", "lo", "mi", "ra", "te", "su", "no", "pa", "vi", "re", "to", "ma", "ne", "si", "lu", "da", "ko",
              "be", "ri", "fa", "go", "hu", "ze", "wa", "ye", "qu", "ix", "ol", "an", "er")
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 
 def vocabulary(rng: random.Random, n: int = 20000) -> list[str]:
@@ -80,21 +79,6 @@ def write_chat(path: Path, rng: random.Random, words: list[str], n: int) -> None
             f.write(json.dumps({"messages": msgs}) + "\n")
 
 
-def train_tokenizer(out: Path, rng: random.Random, words: list[str], vocab: int) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator((document(rng, words) for _ in range(20000)), trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHATML
-    fast.save_pretrained(out)
-
-
 def tokenize(path: Path, tok: Path, cache: Path, workers: int, kind: str = "text") -> dict:
     cfg = DataConfig(kind=kind, path=str(path), tokenizer=str(tok), cache_dir=str(cache), num_workers=workers,
                      seq_len=4096, batch_size=1)
@@ -120,7 +104,7 @@ def main() -> int:
     rng = random.Random(0)
     words = vocabulary(rng)
     t0 = time.perf_counter()
-    train_tokenizer(out / "tok", rng, words, args.vocab)
+    train_bpe((document(rng, words) for _ in range(20000)), args.vocab).save_pretrained(out / "tok")
     write_chat(out / "chat.jsonl", rng, words, args.chats)
     write_text(out / "text.jsonl", 1, words, args.text_mb)
     print(f"made the data in {time.perf_counter() - t0:.0f}s", flush=True)

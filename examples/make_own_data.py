@@ -19,8 +19,6 @@ from pathlib import Path
 
 WORDS = ("apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "candle", "silver", "garden", "pepper",
          "rocket", "violet", "harbor", "falcon", "meadow", "copper", "lantern", "orange", "winter")
-CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
-          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 TASKS = {"reverse": lambda w: list(reversed(w)), "sort": sorted, "repeat": lambda w: w + w}
 
 
@@ -32,21 +30,6 @@ def conversation(rng: random.Random) -> dict:
         msgs += [{"role": "user", "content": f"{task}: {' '.join(words)}"},
                  {"role": "assistant", "content": " ".join(TASKS[task](words))}]
     return {"messages": msgs}
-
-
-def tokenizer(texts: list[str]):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHATML
-    return fast
 
 
 def main() -> None:
@@ -65,7 +48,9 @@ def main() -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = tokenizer(docs + [CHATML])
+    from megatrain.data.bpe import CHATML, train_bpe
+
+    tok = train_bpe(docs + [CHATML], 512)
     tok.save_pretrained(out / "model")
     conf = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,

@@ -29,6 +29,7 @@ from megatrain.launch.evaluation import Evaluator
 from megatrain.launch.placement import bundle, demands
 from megatrain.launch.runners import Handle, Pending, make_runner
 
+from megatrain import log
 from megatrain.adamw import lr_at
 from megatrain.config import Config
 from megatrain.configbase import dump_yaml
@@ -39,10 +40,6 @@ from megatrain.errors import AbortError, ActorFailure, MegatrainError
 from megatrain.model import resolve_hf_config
 
 SHUTDOWN_S = 15.0
-
-
-def log(msg: str) -> None:
-    print(f"[megatrain] {msg}", flush=True)
 
 
 @contextmanager

@@ -5,3 +5,8 @@ host; the GPU executor streams layers through. See README.md for the process arc
 """
 
 __version__ = "0.1.0"
+
+
+def log(msg: str) -> None:
+    """One console line of the run (driver and data preparation alike)."""
+    print(f"[megatrain] {msg}", flush=True)

@@ -6,6 +6,8 @@ import json
 import random
 from pathlib import Path
 
+from megatrain.data.bpe import train_bpe
+
 WORDS = (
     "the", "cat", "dog", "sat", "ran", "on", "a", "mat", "big", "small", "red", "blue", "green", "house",
     "tree", "river", "stone", "light", "dark", "quick", "slow", "over", "under", "jumps", "walks", "sings",
@@ -37,19 +39,9 @@ def sentence(rng: random.Random, n: int | None = None) -> str:
 
 def make_tokenizer(directory: Path, template: str = CHAT_TEMPLATE) -> Path:
     """A byte-level BPE of TOKENIZER_VOCAB tokens with EOS, pad and the chat markers as special tokens."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     rng = random.Random(0)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([sentence(rng) for _ in range(2000)], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>")
-    fast.chat_template = template
-    fast.save_pretrained(directory)
+    train_bpe([sentence(rng) for _ in range(2000)], TOKENIZER_VOCAB, SPECIALS, template, pad="<|pad|>") \
+        .save_pretrained(directory)
     return directory
 
 

@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from megatrain import log
 from megatrain.data import arithmetic
 from megatrain.data.arithmetic import ByteTokenizer, batch
-from megatrain.data.cache import Builder, TokenFile, log, stop_workers
+from megatrain.data.cache import Builder, TokenFile, stop_workers
 from megatrain.data.config import DataConfig, paths_of
 from megatrain.data.datasets import IGNORE, Order, Packed, Padded, Source, Subset, stack
 from megatrain.data.records import load_tokenizer
@@ -56,7 +57,7 @@ class Data:
         if self.order is None:
             ids, labels = batch(self.cfg, t)
             return Batch(ids, labels, None)
-        epoch, index = self.order.batch(t)
+        _, index = self.order.batch(t)
         ids, labels = stack(self.train, index)
         return Batch(ids, labels, round((t + 1) / self.order.per_epoch, 4))
 

@@ -91,9 +91,8 @@ def eval_problems(cfg: DataConfig) -> list[tuple[str, str]]:
 def answer_tokens(cfg: DataConfig) -> int:
     """Longest answer in tokens, its newline included: how many tokens greedy decoding generates."""
     m = cfg.max_operand
-    widest = max([len(str(2 * m))] + ([len(str(-m))] if "-" in cfg.ops else []) + ([len(str(m * m))] if "*" in cfg.ops
-                                                                                   else []))
-    return widest + 1
+    extremes = {"+": 2 * m, "-": -m, "*": m * m}
+    return max(len(str(extremes[op])) for op in cfg.ops) + 1
 
 
 def prompts(cfg: DataConfig, problems: list[tuple[str, str]]) -> tuple[torch.Tensor, torch.Tensor, int]:

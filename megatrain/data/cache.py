@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from megatrain import log
 from megatrain.data.config import DataConfig
 from megatrain.data.records import Encoder, RecordError, jsonl_records, load_tokenizer, split_ranges
 from megatrain.errors import DataError
@@ -47,10 +48,6 @@ DATASET_ROWS = 50_000  # rows of a save_to_disk dataset encoded into one part
 STALE_S = 24 * 3600  # a temporary build directory this old was left by a killed build
 _DATASET_MARKERS = ("state.json", "dataset_info.json", "dataset_dict.json")  # what save_to_disk writes
 _WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
-
-
-def log(msg: str) -> None:
-    print(f"[megatrain] {msg}", flush=True)
 
 
 @dataclass
@@ -208,8 +205,7 @@ class Builder:
             # all cores itself: on the 16-core GPU machine 2.4M tokens/s here against 1.4M in 16 processes.
             workers = 1
         if workers <= 1:
-            results: Iterator[dict] = (_encode(self.encoder, jsonl_records(*t[:3]), t[3], t[4]) for t in tasks)
-            return self._collect(path, tasks, results)
+            return self._collect(path, tasks, self._here(tasks))
         # A process pool, not multiprocessing.Pool: a worker that dies (killed, out of memory) breaks the
         # pool with an error instead of being replaced forever while the caller waits.
         ctx = _context()
@@ -222,7 +218,11 @@ class Builder:
                     raise
         except BrokenProcessPool as exc:  # e.g. a __main__ that spawn cannot re-import (python - < script)
             log(f"tokenizer processes failed ({exc}); tokenizing {path} in this process")
-            return self._collect(path, tasks, (_encode(self.encoder, jsonl_records(*t[:3]), t[3], t[4]) for t in tasks))
+            return self._collect(path, tasks, self._here(tasks))
+
+    def _here(self, tasks: list) -> Iterator[dict]:
+        """The byte ranges encoded one after the other in this process."""
+        return (_encode(self.encoder, jsonl_records(*t[:3]), t[3], t[4]) for t in tasks)
 
     def _collect(self, path: Path, tasks: list, results: Iterator[dict]) -> list[Path]:
         parts, done, t0, shown = [], 0, time.perf_counter(), time.perf_counter()

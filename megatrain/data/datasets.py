@@ -22,6 +22,11 @@ from megatrain.data.cache import TokenFile
 IGNORE = -100
 
 
+def _labels(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """The ids where the mask says the token carries a label, IGNORE elsewhere."""
+    return np.where(np.asarray(mask) != 0, ids, IGNORE)
+
+
 class Packed:
     """Windows of `seq_len` tokens over the files' joined token stream."""
 
@@ -42,10 +47,7 @@ class Packed:
             end = min(hi, int(self.starts[f + 1]))
             part = np.asarray(tf.ids[lo - base: end - base], dtype=np.int64)
             ids.append(part)
-            lab = part.copy()
-            if tf.mask is not None:
-                lab[np.asarray(tf.mask[lo - base: end - base]) == 0] = IGNORE
-            labels.append(lab)
+            labels.append(part if tf.mask is None else _labels(part, tf.mask[lo - base: end - base]))
             lo, f = end, f + 1
         return np.concatenate(ids), np.concatenate(labels)
 
@@ -71,8 +73,7 @@ class Padded:
         ids = np.full(self.seq_len, self.pad_id, np.int64)
         labels = np.full(self.seq_len, IGNORE, np.int64)
         ids[: hi - lo] = tf.ids[lo:hi]
-        keep = np.asarray(tf.mask[lo:hi]) != 0
-        labels[: hi - lo] = np.where(keep, ids[: hi - lo], IGNORE)
+        labels[: hi - lo] = _labels(ids[: hi - lo], tf.mask[lo:hi])
         return ids, labels
 
     def truncation(self) -> tuple[int, int]:

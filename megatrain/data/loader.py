@@ -25,26 +25,21 @@ class Prefetcher:
     def _run(self) -> None:
         try:
             for t in range(self.next, self.stop):
-                item = (t, self.make(t))
-                while not self.closed.is_set():
-                    try:
-                        self.q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self.closed.is_set():
+                if not self._put((t, self.make(t))):
                     return
         except BaseException as exc:  # re-raised in get()
             self.error = exc
-        self._put_end()
+        self._put((None, _END))
 
-    def _put_end(self) -> None:
+    def _put(self, item: tuple) -> bool:
+        """Queue an item, waiting for room unless closed (then False)."""
         while not self.closed.is_set():
             try:
-                self.q.put((None, _END), timeout=0.1)
-                return
+                self.q.put(item, timeout=0.1)
+                return True
             except queue.Full:
                 continue
+        return False
 
     def get(self, t: int) -> Any:
         """Batch t; batches must be asked for in order."""

@@ -92,12 +92,9 @@ class Encoder:
         except RecordError as exc:
             raise RecordError(exc.args[0], line) from None
 
-    def encode(self, rec: dict) -> tuple[list[int], list[int] | None]:
-        if self.kind == "text":
-            return self._with_eos(self._ids(_field(rec, self.cfg.text_field, "text_field"), True)), None
-        if self.kind == "prompt_completion":
-            return self._prompt_completion(rec)
-        return self._chat(rec)
+    def encode(self, rec: dict) -> tuple[list[int], list[int]]:
+        """One chat or prompt/completion record (text goes through encode_many, batched)."""
+        return self._prompt_completion(rec) if self.kind == "prompt_completion" else self._chat(rec)
 
     def _ids(self, text: str, special: bool) -> list[int]:
         return list(self.tok(text, add_special_tokens=special)["input_ids"])
