@@ -7,14 +7,15 @@ if it is killed without running any code (SIGKILL from ray.kill or the OOM kille
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
+import signal
 import threading
+import time
 
 import torch
 from megatrain.actors.base import Role, guarded
+from megatrain.ipc.procs import pid_alive, spawn_detached, start_ticks
 from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, plan_store
-from megatrain.ipc.shm import pss_split, remove_cuda_ipc_files, seg_name, start_ticks, sweep
+from megatrain.ipc.shm import pss_split, remove_cuda_ipc_files, seg_name, sweep
 
 from megatrain.engine import EngineConfig, checkpoint_host_bytes
 from megatrain.model import ModelConfig, build_spec, init_unit, meta_model
@@ -24,7 +25,7 @@ from megatrain.weights import checkpoint_index, fill_tile, read_unit, save_units
 class StoreOwner(Role):
     def __init__(self, name: str = "store-owner"):
         super().__init__(name)
-        self.reaper: subprocess.Popen | None = None
+        self.reaper = 0  # pid of the reaper (not a child of this process: see megatrain.ipc.reaper)
         self.done = threading.Event()
 
     def serve(self) -> None:
@@ -52,9 +53,7 @@ class StoreOwner(Role):
 
     def _start_reaper(self, run_id: str) -> None:
         pid = os.getpid()
-        self.reaper = subprocess.Popen(
-            [sys.executable, "-m", "megatrain.ipc.reaper", run_id, str(pid), str(start_ticks(pid))],
-            start_new_session=True, stdin=subprocess.DEVNULL)
+        self.reaper = spawn_detached("megatrain.ipc.reaper", run_id, str(pid), str(start_ticks(pid)))
 
     def _fill(self, cfg: ModelConfig) -> None:
         spec = self.store.spec.model
@@ -81,7 +80,7 @@ class StoreOwner(Role):
         recorded in ctl (the shared store counted once, split among the processes that map it), in all
         and per role outside the store (what each process costs beyond the shared segments; roles
         sharing a process, as in the in-process runner, are named together)."""
-        named = {os.getpid(): [self.name], **({self.reaper.pid: ["reaper"]} if self.reaper else {})}
+        named = {os.getpid(): [self.name], **({self.reaper: ["reaper"]} if self.reaper else {})}
         for slot, role in enumerate(self.store.spec.roles()):
             pid = int(self.store.pids[slot])
             if pid > 0:
@@ -100,10 +99,10 @@ class StoreOwner(Role):
         if self.store is not None:
             remove_cuda_ipc_files([int(p) for p in self.store.pids if p > 0], self.store.spec.ipc.shm_dir)
             self.store.unlink()
-        if self.reaper is not None:
-            try:
-                self.reaper.wait(timeout=5)  # it exits once the ctl segment is gone
-            except subprocess.TimeoutExpired:
-                self.reaper.kill()
-                self.reaper.wait()
-            self.reaper = None
+        if self.reaper:
+            deadline = time.monotonic() + 5
+            while pid_alive(self.reaper) and time.monotonic() < deadline:
+                time.sleep(0.05)  # it exits once the ctl segment is gone
+            if pid_alive(self.reaper):
+                os.kill(self.reaper, signal.SIGKILL)
+            self.reaper = 0

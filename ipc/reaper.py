@@ -1,8 +1,11 @@
 """Watchdog started by the store owner: if the owner dies without unlinking, unlink for it.
 
-A Ray actor killed with SIGKILL (ray.kill, a crashed job, the OOM killer) runs no cleanup code, so
-the owner starts this tiny process in its own session. It exits as soon as the owner has unlinked
-the run's segments itself (normal shutdown) or right after cleaning up for a dead owner.
+A Ray actor killed with SIGKILL (ray.kill, a crashed job, the OOM killer, or the driver's death,
+which takes its actors along) runs no cleanup code, so the owner starts this tiny process. It must
+not be the owner's child: when a Ray worker exits, Ray ends the worker's child processes too,
+whatever session they are in. So the owner starts it with a double fork
+(megatrain.ipc.procs.spawn_detached), re-parented to init. It exits as soon as the owner has
+unlinked the run's segments itself (normal shutdown) or right after cleaning up for a dead owner.
 Usage: python -m megatrain.ipc.reaper RUN_ID OWNER_PID OWNER_TICKS
 """
 
@@ -12,7 +15,8 @@ import os
 import sys
 import time
 
-from megatrain.ipc.shm import PREFIX, pid_alive, remove_run, run_entries
+from megatrain.ipc.procs import pid_alive
+from megatrain.ipc.shm import PREFIX, remove_run, run_entries
 
 POLL_S = 0.2
 

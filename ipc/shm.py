@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import posix_ipc
+from megatrain.ipc.procs import pid_alive, start_ticks
 
 from megatrain.errors import LayoutMismatch, ResourceError
 
@@ -43,25 +44,6 @@ def seg_name(run_id: str, part: str) -> str:
 
 def sem_name(run_id: str, what: str) -> str:
     return f"/{PREFIX}{run_id}-sem-{what}"
-
-
-def start_ticks(pid: int) -> int:
-    """Process start time in clock ticks since boot (guards against pid reuse); 0 if unknown."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat.rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
-def pid_alive(pid: int, ticks: int = 0) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not ticks or start_ticks(pid) in (0, ticks)
 
 
 @dataclass(frozen=True)
@@ -252,8 +234,10 @@ def read_worker_pids(run_id: str) -> list[int]:
 
 
 def remove_run(run_id: str, entries: list[str], shm_dir: str = "/dev/shm", wait_s: float = 10.0) -> list[str]:
-    """Remove a dead run: what the CUDA driver left for its workers, then its segments and semaphores."""
-    return remove_cuda_ipc_files(read_worker_pids(run_id), shm_dir, wait_s) + unlink_entries(entries)
+    """Remove a dead run: its segments and semaphores first (the memory goes as soon as the last mapping
+    does), then what the CUDA driver left for its workers, once they are gone too (up to wait_s)."""
+    workers = read_worker_pids(run_id)  # before ctl goes
+    return unlink_entries(entries) + remove_cuda_ipc_files(workers, shm_dir, wait_s)
 
 
 def remove_cuda_ipc_files(pids: list[int], shm_dir: str = "/dev/shm", wait_s: float = 10.0) -> list[str]:

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from megatrain.ipc.procs import descendants, spawn_detached, start_ticks
 from megatrain.launch.placement import Demand
 
 from megatrain.configbase import opt
@@ -101,6 +102,7 @@ class RayRunner:
 
         self.ray, self.cfg = ray, cfg
         self.started_ray = False
+        self.guard = 0  # pid of the watchdog that ends the local instance if this process dies unannounced
         self.pg = None
         self.pids: dict[str, int] = {}
 
@@ -119,6 +121,7 @@ class RayRunner:
                 ray.init(address="local", num_cpus=cpus, include_dashboard=False,
                          object_store_memory=self.cfg.object_store_mb * 2**20, log_to_driver=True)
                 self.started_ray = True
+                self.guard = _start_guard()
 
     def has_gpu(self) -> bool:
         return any(n.get("Resources", {}).get("GPU", 0) > 0 for n in self.ray.nodes() if n.get("Alive"))
@@ -186,6 +189,16 @@ class RayRunner:
         if self.started_ray:
             self.ray.shutdown()
             self.started_ray = False
+        if self.guard:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.guard, signal.SIGTERM)  # it ends what of the instance still lingers, then exits
+            self.guard = 0
+
+
+def _start_guard() -> int:
+    """The watchdog of the Ray instance just started: the driver's children now are its head processes."""
+    me = os.getpid()
+    return spawn_detached("megatrain.launch.guard", str(me), str(start_ticks(me)), *map(str, descendants([me])))
 
 
 @contextlib.contextmanager

@@ -3,11 +3,13 @@ after success, bad input, a killed actor, or Ctrl-C."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,13 +28,13 @@ SMALL = ["model.hf.hidden_size=32", "model.hf.intermediate_size=64", "model.hf.n
 class Cli:
     """megatrain-launch in its own session (so a Ctrl-C can hit its whole process group)."""
 
-    def __init__(self, tmp_path: Path, *args: str, steps: int = 4):
+    def __init__(self, tmp_path: Path, *args: str, steps: int = 4, env: dict | None = None):
         self.run_id = "t" + secrets.token_hex(4)
         self.out = tmp_path / "out"
         cmd = [sys.executable, "-m", "megatrain.launch.cli", str(ROOT / "examples/default.yaml"), *SMALL,
                f"train.steps={steps}", f"train.run_id={self.run_id}", f"train.output_dir={self.out}", *args]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True)
+                                     start_new_session=True, env={**os.environ, **(env or {})})
         self.stdout: list[str] = []
         self.stderr: list[str] = []
         self.tree: set[int] = set()
@@ -58,6 +60,7 @@ class Cli:
     def actor_pids(self) -> dict[str, int]:
         line = self.wait_for(r"actors: (.*)").group(1)
         pids = {name: int(pid) for name, pid in re.findall(r"([\w-]+) pid (\d+)", line)}
+        self.tree |= set(pids.values())
         self.snapshot()
         return pids
 
@@ -163,6 +166,51 @@ def test_interrupt_releases_everything(tmp_path: Path, how: str) -> None:
     rc = cli.finish(timeout=90)
     assert rc == 130, cli.text()
     cli.assert_clean()
+
+
+NO_AUTH = {"RAY_AUTH_MODE": "disabled"}  # a throwaway cluster on localhost: no token to hand around
+
+
+@pytest.fixture
+def head_node(tmp_path: Path):
+    """A `ray start --head` cluster of this test's own, ended by pid (its whole process tree) afterwards."""
+    from megatrain.ipc.procs import descendants
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen(["ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=8",
+                             "--include-dashboard=false", "--disable-usage-stats"], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **NO_AUTH})
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        tree = [proc.pid, *descendants([proc.pid])]
+        for pid in tree:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait(30)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cluster", ["local", "joined"])
+def test_driver_sigkill_releases_everything_within_10s(tmp_path: Path, request, cluster: str) -> None:
+    """No handler runs. The reaper (outside the owner's process tree) unlinks; on a local instance the
+    guard ends Ray's processes, on a joined cluster Ray ends the dead driver's actors."""
+    extra = ["--address", request.getfixturevalue("head_node")] if cluster == "joined" else []
+    cli = Cli(tmp_path, *extra, steps=100000, env=NO_AUTH)
+    cli.actor_pids()
+    cli.wait_for(r"step \d+/")
+    cli.snapshot()
+    os.kill(cli.proc.pid, signal.SIGKILL)
+    cli.finish(timeout=30)
+    cli.assert_clean(timeout=10)
 
 
 def test_cleanup_command_runs(tmp_path: Path) -> None:
