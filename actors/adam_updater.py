@@ -20,9 +20,11 @@ import numpy as np
 import torch
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
+from megatrain.ipc.protocol.workers import free_grad, take_grad, wait_all_grads
 
 from megatrain.adamw import OptimConfig, adamw_update, clip_scale
-from megatrain.hostops import sqnorm
+from megatrain.errors import NonFiniteGradient
+from megatrain.hostops import sqnorm, warm_up
 
 
 class AdamUpdater(Role):
@@ -36,6 +38,10 @@ class AdamUpdater(Role):
         self.store = Store.attach(spec, parts, role=self.name)
         self.turn = threading.Condition()
         self.next_step = 0
+        self.use_numba_threads()
+        warm_up()  # compiled (or loaded from Numba's cache) before the first step, not inside it
+        a = np.zeros(4, np.float32)
+        adamw_update(a, a.copy(), a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0)
 
     @guarded
     def step(self, step: int, lr: float) -> dict:
@@ -62,9 +68,7 @@ class AdamUpdater(Role):
 
     def _clipped(self, step: int, lr: float) -> dict:
         store = self.store
-        pieces = store.spec.num_pieces
-        for i in range(pieces):
-            store.wait("grads_ready", f"gradients of step {step} ({i} of {pieces} pieces arrived)")
+        wait_all_grads(store, step)
         norm = math.sqrt(float(store.sqnorms.sum()))
         finite = math.isfinite(norm)
         scale = clip_scale(norm, self.cfg.max_grad_norm)
@@ -72,28 +76,40 @@ class AdamUpdater(Role):
         for unit, table in enumerate(store.spec.piece_table):
             start, grads = time.time(), store.tile("grads", unit)
             for piece, lo, hi in table:  # piece by piece: the next step's packer follows right behind
-                if finite:
+                if finite:  # else the step is skipped whole: no piece has been touched
                     self._update(unit, lo, hi, grads[lo:hi], step + 1, lr, scale)
-                store.versions[piece] = step + 1
+                store.publish_version(piece, step + 1)
             spans.append((unit, start, time.time()))
         return {"grad_norm": norm, "clip_scale": scale, "skipped": not finite, "unit_spans": spans}
 
     def _unclipped(self, step: int, lr: float) -> dict:
+        """Each piece is updated as its gradient arrives, so a step cannot be skipped whole: an inf or NaN
+        piece stops the run (the pieces before it are already updated; no version is published for it, so
+        nothing reads the half-applied step)."""
         store = self.store
-        spans, skipped = [], False
+        spans = []
         for item in store.spec.grad_items(None):
-            grad = self.take_grad(item, step)
+            grad = take_grad(store, self.events, item, step)
             start = time.time()
             store.sqnorms[item.piece] = sqnorm(grad)
-            if math.isfinite(store.sqnorms[item.piece]):
-                self._update(item.unit, item.lo, item.hi, grad, step + 1, lr, 1.0)
-            else:
-                skipped = True  # this piece keeps its weights; the others are already updated
-            store.versions[item.piece] = step + 1
-            store.post(f"g_free{item.slab}")
+            if not math.isfinite(store.sqnorms[item.piece]):
+                raise NonFiniteGradient(self._non_finite(step, item.unit))
+            self._update(item.unit, item.lo, item.hi, grad, step + 1, lr, 1.0)
+            store.publish_version(item.piece, step + 1)
+            free_grad(store, item)
             spans.append((item.unit, start, time.time()))
-        return {"grad_norm": math.sqrt(float(store.sqnorms.sum())), "clip_scale": 1.0, "skipped": skipped,
+        return {"grad_norm": math.sqrt(float(store.sqnorms.sum())), "clip_scale": 1.0, "skipped": False,
                 "unit_spans": spans}
+
+    def _non_finite(self, step: int, unit: int) -> str:
+        layout = self.store.spec.layout
+        what = ("the embedding" if unit == 0 else "the final norm and LM head" if unit == layout.num_layers + 1
+                else f"layer {unit - 1}")
+        return (f"non-finite gradient (inf or NaN) at step {step + 1} in unit {unit} ({what}). Without clipping "
+                f"(optim.max_grad_norm: 0) Adam updates each unit as its gradient arrives, so the units whose "
+                f"gradients came first (the head and the layers above) were already updated and the step cannot be "
+                f"skipped whole: the run stops. Set "
+                f"optim.max_grad_norm > 0 to skip such steps whole instead")
 
     def _update(self, unit: int, lo: int, hi: int, g: np.ndarray, t: int, lr: float, scale: float) -> None:
         """AdamW on elements [lo, hi) of the unit's tiles (g holds exactly those)."""

@@ -6,12 +6,9 @@ import functools
 import os
 import socket
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from megatrain.errors import AbortError
-
-if TYPE_CHECKING:
-    from megatrain.ipc.protocol import Item
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -21,14 +18,20 @@ def guarded(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(self: Role, *args: Any, **kwargs: Any) -> Any:
+        store = self.store
+        if store is not None:
+            store.call_started()  # the stall monitor counts from here
         try:
             return fn(self, *args, **kwargs)
         except AbortError:
             raise
         except BaseException as exc:
-            if self.store is not None:
-                self.store.abort(f"{self.name}: {type(exc).__name__}: {exc}")
+            if store is not None:
+                store.abort(f"{self.name}: {type(exc).__name__}: {exc}")
             raise
+        finally:
+            if store is not None:
+                store.call_ended()
 
     return wrapper  # type: ignore[return-value]
 
@@ -56,16 +59,6 @@ class Role:
         from megatrain.ipc.cuda_events import open_ipc_events
 
         self.events = open_ipc_events(handles, torch.device("cuda", torch.cuda.current_device()))
-
-    def take_grad(self, item: Item, step: int) -> Any:
-        """Wait for the item's gradient slab to hold its piece of the unit's gradient (and for its D2H
-        copy, through the slab's interprocess event); the piece as a numpy view of the slab. The caller
-        posts g_free once it is done with it."""
-        store = self.store
-        store.wait(f"g_full{item.slab}", f"gradient of unit {item.unit} (step {step})")
-        if self.events is not None:
-            self.events[item.slab].synchronize()
-        return store.grad_slab(item.slab)[: item.hi - item.lo].numpy()
 
     def info(self) -> dict:
         return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname()}

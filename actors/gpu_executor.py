@@ -1,7 +1,7 @@
 """GPU executor: runs the whole step's layer loop, streaming weights in from and gradients out to shm.
 
 Without a GPU the same engine runs on the CPU device with the synchronous source and sink: same
-slabs, same semaphores, same order (megatrain/streaming.py).
+slabs, same semaphores, same order (megatrain.ipc.protocol.executor).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
+from megatrain.ipc.protocol.executor import Marks, StreamedSink, StreamedSource, SyncSink, SyncSource, copy_intervals
 
 from megatrain.engine import EngineConfig, StepEngine, resolve_device, resolve_dtype
 from megatrain.profiling import StepProfile
-from megatrain.streaming import Marks, StreamedSink, StreamedSource, SyncSink, SyncSource, copy_intervals
 
 
 class GpuExecutor(Role):

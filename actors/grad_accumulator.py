@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
+from megatrain.ipc.protocol.workers import drain
 
-from megatrain.hostops import copy_sqnorm
+from megatrain.hostops import warm_up
 
 
 class GradAccumulator(Role):
@@ -19,14 +20,12 @@ class GradAccumulator(Role):
         self.numba_threads = threads
         self.items = spec.grad_items(index)
         self.store = Store.attach(spec, ("grads", "staging"), role=self.name)
+        self.use_numba_threads()
+        warm_up()  # compiled (or loaded from Numba's cache) before the first step, not inside it
 
     @guarded
     def step(self, step: int) -> dict:
-        store = self.store
         self.use_numba_threads()
         for item in self.items:
-            grad = self.take_grad(item, step)
-            store.sqnorms[item.piece] = copy_sqnorm(grad, store.tile("grads", item.unit)[item.lo:item.hi])
-            store.post(f"g_free{item.slab}")
-            store.post("grads_ready")
+            drain(self.store, self.events, item, step)
         return {"drained": len(self.items)}

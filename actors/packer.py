@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
+from megatrain.ipc.protocol.workers import pack
 
 
 class Packer(Role):
@@ -23,11 +24,8 @@ class Packer(Role):
     def step(self, step: int, walk: str = "step", repeat: int = 1) -> dict:
         """Pack `repeat` walks of kind `walk` ('forward': the executor's evaluation and generation passes)
         with the weights after step-1's update."""
-        store, items = self.store, self.items[walk]
+        items = self.items[walk]
         for _ in range(repeat):
-            for unit, lo, hi, slab, piece in items:
-                store.wait(f"w_free{slab}", f"weight slab {slab} to be free (unit {unit}, step {step})")
-                store.wait_version(unit, step, f"Adam's update of unit {unit} before step {step}", piece)
-                store.weight_slab(slab)[: hi - lo].copy_(store.torch_tile("params", unit)[lo:hi])
-                store.post(f"w_full{slab}")
+            for item in items:
+                pack(self.store, item, step)
         return {"packed": len(items) * repeat}

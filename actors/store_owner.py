@@ -14,10 +14,11 @@ import time
 import torch
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.procs import pid_alive, spawn_detached, start_ticks
-from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, plan_store
+from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, checkpoint_host_bytes, plan_store
+from megatrain.ipc.protocol.monitor import Monitor
 from megatrain.ipc.shm import pss_split, remove_cuda_ipc_files, seg_name, sweep
 
-from megatrain.engine import EngineConfig, checkpoint_host_bytes
+from megatrain.engine import EngineConfig
 from megatrain.model import ModelConfig, build_spec, init_unit, meta_model
 from megatrain.weights import checkpoint_index, fill_tile, read_unit, save_units
 
@@ -27,6 +28,7 @@ class StoreOwner(Role):
         super().__init__(name)
         self.reaper = 0  # pid of the reaper (not a child of this process: see megatrain.ipc.reaper)
         self.done = threading.Event()
+        self.monitor: Monitor | None = None
 
     def serve(self) -> None:
         """Held open by the driver for the whole run: if this process dies, the call fails at once,
@@ -49,6 +51,7 @@ class StoreOwner(Role):
         self.store = Store.create(spec, ram_only)
         self._start_reaper(run_id)
         self._fill(model_cfg)
+        self.monitor = Monitor(self.store).start()
         return spec
 
     def _start_reaper(self, run_id: str) -> None:
@@ -96,6 +99,8 @@ class StoreOwner(Role):
         The driver kills the workers first; what the CUDA driver left for them goes once they are dead.
         """
         self.done.set()
+        if self.monitor is not None:
+            self.monitor.close()
         if self.store is not None:
             remove_cuda_ipc_files([int(p) for p in self.store.pids if p > 0], self.store.spec.ipc.shm_dir)
             self.store.unlink()

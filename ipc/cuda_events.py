@@ -1,4 +1,4 @@
-"""CUDA pieces of the data plane: pinning shared memory, and events shared across processes.
+"""CUDA pieces of the data plane: events shared across processes (pinning: megatrain.cudahost).
 
 The executor registers the staging segment with cudaHostRegister so its DMA reads and writes the
 very pages that packers and accumulators in other processes use (pageable memory would be staged
@@ -11,18 +11,9 @@ from __future__ import annotations
 
 import torch
 
+from megatrain.cudahost import register_host, unregister_host
 
-def register_host(region: torch.Tensor) -> None:
-    """Page-lock an existing host range for DMA (cudaHostRegisterDefault)."""
-    err = torch.cuda.cudart().cudaHostRegister(region.data_ptr(), region.numel() * region.element_size(), 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister of {region.numel() * region.element_size()} bytes failed: {err}")
-
-
-def unregister_host(region: torch.Tensor) -> None:
-    err = torch.cuda.cudart().cudaHostUnregister(region.data_ptr())
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostUnregister failed: {err}")
+__all__ = ["make_ipc_events", "open_ipc_events", "register_host", "unregister_host"]
 
 
 def make_ipc_events(n: int) -> tuple[list[torch.cuda.Event], list[bytes]]:

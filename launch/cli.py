@@ -41,7 +41,8 @@ def cleanup() -> int:
 
 
 def reference() -> int:
-    from megatrain.config import Config
+    from megatrain.launch.config import Config
+
     from megatrain.configbase import reference as rows
 
     for key, default, doc in rows(Config):
@@ -61,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGHUP, _sigterm)  # a dropped SSH session: the same cleanup as SIGTERM
     out_dir: Path | None = None
     try:
-        from megatrain.config import load_config
+        from megatrain.launch.config import load_config
+
         from megatrain.configbase import dump_yaml
 
         overrides = list(args.overrides) + ([f"launch.address={args.address}"] if args.address else [])

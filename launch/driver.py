@@ -23,19 +23,19 @@ from megatrain.actors.gpu_executor import GpuExecutor
 from megatrain.actors.grad_accumulator import GradAccumulator
 from megatrain.actors.packer import Packer
 from megatrain.actors.store_owner import StoreOwner
-from megatrain.ipc.protocol import StoreSpec
+from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes
 from megatrain.ipc.shm import check_run_id, gib
+from megatrain.launch.config import Config
 from megatrain.launch.evaluation import Evaluator
 from megatrain.launch.placement import bundle, demands
 from megatrain.launch.runners import Handle, Pending, make_runner
 
 from megatrain import log
 from megatrain.adamw import lr_at
-from megatrain.config import Config
 from megatrain.configbase import dump_yaml
 from megatrain.data import Data, open_data
 from megatrain.data.loader import Prefetcher
-from megatrain.engine import checkpoint_host_bytes, resolve_engine
+from megatrain.engine import resolve_engine
 from megatrain.errors import AbortError, ActorFailure, MegatrainError
 from megatrain.model import resolve_hf_config
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from megatrain.cudahost import register_host, unregister_host
+
 
 class _Registered:
     """A host tensor page-locked with cudaHostRegister for as long as this object lives.
@@ -23,14 +25,10 @@ class _Registered:
     a stale registration over a range that malloc later maps again makes copies fail."""
 
     def __init__(self, like: torch.Tensor):
-        from megatrain.ipc.cuda_events import register_host
-
         self.t = torch.empty(like.shape, dtype=like.dtype)
         register_host(self.t)
 
     def __del__(self) -> None:
-        from megatrain.ipc.cuda_events import unregister_host
-
         unregister_host(self.t)
 
 

@@ -1,10 +1,11 @@
 """The step: streaming forward, block-wise recompute + backward, chunked loss. Device-agnostic.
 
-The engine never owns weights. It asks a WeightSource for each unit's flat weight vector in a fixed
-order (`fetch_order`), binds views of it into stateless HF layer templates, and hands each unit's
-flat gradient to a GradSink the moment it is complete (`grad_order`; with sequence chunks, in the
-backward of the last chunk). The executor actor plugs in
-the shared-memory source and sink; tests plug in plain tensors.
+The engine never owns weights. It asks a WeightSource for each unit's flat weight vector, in the
+order the source's plan implies (forward, head, then its checkpoint blocks recomputed in reverse: the
+data-plane protocol in megatrain.ipc.protocol owns that plan), binds views of it into stateless HF
+layer templates, and hands each unit's flat gradient to a GradSink the moment it is complete (head,
+layers last to first, embedding; with sequence chunks, in the backward of the last chunk). The
+executor actor plugs in the shared-memory source and sink; tests plug in plain tensors.
 """
 
 from __future__ import annotations
@@ -85,14 +86,6 @@ def resolve_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[cfg.compute_dtype]
 
 
-def checkpoint_host_bytes(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int) -> int:
-    """Pinned host RAM the executor takes for offloaded checkpoints (a resolved config; 0 if on the GPU)."""
-    if cfg.device != "cuda" or not cfg.offload_checkpoints:
-        return 0
-    saved = len(blocks(spec.layout.num_layers, cfg.checkpoint_interval, cfg.last_block_layers)) - 1
-    return saved * batch * seq * spec.hf_config.hidden_size * resolve_dtype(cfg, torch.device("cuda")).itemsize
-
-
 class _BatchUpload:
     """ids and labels onto the device without blocking the host. A copy from pageable memory would
     synchronize the stream, and pinning a fresh buffer each step goes through cudaFree: the profiler's
@@ -118,41 +111,13 @@ class _BatchUpload:
         return both[0], both[1]
 
 
-def blocks(num_layers: int, k: int, last: int = 0) -> list[list[int]]:
-    """Unit indices of each checkpoint block (layers are units 1..N).
-
-    The last block holds `last` layers (0: k); it is never recomputed (it runs with grad in the
-    forward). The rest are blocks of k counted from the top, so a short block, if any, is the first."""
-    last = min(last or k, num_layers)
-    rest = num_layers - last
-    first = rest % k
-    head = [list(range(1, first + 1))] if first else []
-    return (head + [list(range(s, s + k)) for s in range(first + 1, rest + 1, k)]
-            + [list(range(rest + 1, num_layers + 1))])
-
-
-def fetch_order(num_layers: int, k: int, last: int = 0) -> list[int]:
-    """Units in the order the engine fetches weights: forward, head, then blocks recomputed in reverse.
-
-    The last block runs with grad in the forward and keeps its graphs, so it is never recomputed.
-    """
-    order = [0, *range(1, num_layers + 1), num_layers + 1]
-    for blk in reversed(blocks(num_layers, k, last)[:-1]):
-        order += blk
-    return order
-
-
-def forward_order(num_layers: int) -> list[int]:
-    """Units in the order a forward-only pass (evaluation, generation) fetches them: no recompute."""
-    return [0, *range(1, num_layers + 1), num_layers + 1]
-
-
-def grad_order(num_layers: int) -> list[int]:
-    """Units in the order their gradients complete: head, layers last to first, embedding."""
-    return [num_layers + 1, *range(num_layers, 0, -1), 0]
-
-
 class WeightSource(Protocol):
+    """Serves weights in the order of the data-plane plan; `blocks` are the plan's checkpoint blocks (lists
+    of layer units; the last is never recomputed), which the engine follows rather than derives, so the
+    order it fetches in is the order the store serves in by construction."""
+
+    blocks: list[list[int]]
+
     def fetch(self, unit: int) -> torch.Tensor:
         """The unit's flat weights on the compute device, in compute dtype, owned by the caller."""
 
@@ -265,7 +230,7 @@ class StepEngine:
         self.spec, self.cfg, self.device, self.dtype = spec, cfg, device, dtype
         self.t = Templates(spec, device)
         self.n = spec.layout.num_layers
-        self.blocks = blocks(self.n, cfg.checkpoint_interval, cfg.last_block_layers)
+        self.blocks: list[list[int]] = []
         self.checkpoints = Checkpoints(device, cfg.offload_checkpoints)
         self.upload = _BatchUpload(device)
         self.mark: Callable[[str], None] = lambda name: None
@@ -280,6 +245,7 @@ class StepEngine:
         their checkpoint, and each layer's gradient is summed over chunks in fp32 before it leaves.
         """
         self.mark = mark
+        self.blocks = src.blocks  # the plan's, whatever engine.checkpoint_interval says
         mark("forward")
         ids, labels = self.upload(ids, labels)
         chunks = self._chunks(ids.shape[0])

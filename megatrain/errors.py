@@ -38,3 +38,12 @@ class ActorFailure(MegatrainError):
 
 class DataError(MegatrainError, ValueError):
     """The training data cannot be used; the message names the file and line (or the config key)."""
+
+
+class ProtocolError(MegatrainError):
+    """A process left the data-plane protocol's plan (a unit out of order, a walk or role it does not know):
+    a bug, reported by name instead of writing a gradient into the wrong tile."""
+
+
+class NonFiniteGradient(MegatrainError):
+    """A gradient piece was inf or NaN where the step cannot be skipped whole (no clipping)."""

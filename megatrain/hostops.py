@@ -18,7 +18,8 @@ def _copy_sqnorm(src, dst):  # pragma: no cover - compiled
 
 def copy_sqnorm(src: np.ndarray, dst: np.ndarray) -> float:
     """dst[:] = src and return sum(src**2) accumulated in fp64, in one parallel pass over src."""
-    assert src.shape == dst.shape and src.dtype == dst.dtype == np.float32
+    if src.shape != dst.shape or src.dtype != np.float32 or dst.dtype != np.float32:
+        raise ValueError(f"copy_sqnorm: {src.dtype}{src.shape} into {dst.dtype}{dst.shape}")
     return float(_copy_sqnorm(src, dst))
 
 
@@ -33,3 +34,10 @@ def _sqnorm(src):  # pragma: no cover - compiled
 def sqnorm(src: np.ndarray) -> float:
     """sum(src**2) accumulated in fp64, one parallel pass."""
     return float(_sqnorm(src))
+
+
+def warm_up() -> None:
+    """Compile (or load from Numba's cache) the kernels now, on tiny arrays, so that no step pays for it."""
+    a = np.ones(4, np.float32)
+    copy_sqnorm(a, np.empty_like(a))
+    sqnorm(a)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from megatrain.ipc.protocol import fetch_order
 
 from megatrain.model import ModelConfig, ModelSpec, build_spec, family_classes
 from megatrain.weights import flat_unit
@@ -28,10 +29,13 @@ def spec_for(model: torch.nn.Module, family: str) -> ModelSpec:
 
 
 class DictSource:
-    """Serves unit weights from an HF state dict, checking the fetch order against the protocol."""
+    """Serves unit weights from an HF state dict; with a plan's `blocks`, checks the fetch order against it."""
 
-    def __init__(self, spec: ModelSpec, state: dict, order: list[int] | None = None):
-        self.spec, self.state, self.order, self.seen = spec, state, order, []
+    def __init__(self, spec: ModelSpec, state: dict, order: list[int] | None = None,
+                 blocks: list[list[int]] | None = None):
+        self.spec, self.state, self.seen = spec, state, []
+        self.blocks = blocks or []
+        self.order = order if order is not None else (fetch_order(blocks) if blocks else None)
 
     def fetch(self, unit: int) -> torch.Tensor:
         if self.order is not None:

@@ -8,8 +8,8 @@ import typing
 from pathlib import Path
 
 import pytest
+from megatrain.launch.config import Config, load_config, validate
 
-from megatrain.config import Config, load_config, validate
 from megatrain.configbase import dump_yaml, reference
 from megatrain.errors import ConfigError
 

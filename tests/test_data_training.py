@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 from megatrain.launch import cli
+from megatrain.launch.config import load_config
+from megatrain.launch.fidelity import compare
 
-from megatrain.config import load_config
-from megatrain.fidelity import compare
 from tests.conftest import run_leftovers
 from tests.data_fixtures import (
     MODEL_VOCAB,

@@ -6,17 +6,10 @@ import dataclasses
 
 import pytest
 import torch
+from megatrain.ipc.protocol import blocks, checkpoint_host_bytes, fetch_order, forward_order, grad_order
 
 from megatrain.data import DataConfig, batch
-from megatrain.engine import (
-    EngineConfig,
-    StepEngine,
-    blocks,
-    checkpoint_host_bytes,
-    fetch_order,
-    forward_order,
-    grad_order,
-)
+from megatrain.engine import EngineConfig, StepEngine
 from megatrain.weights import flat_unit
 from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
 
@@ -40,10 +33,10 @@ def test_engine_matches_hf_autograd(family: str, tied: bool, k: int, last: int, 
     n = spec.layout.num_layers
     cfg = EngineConfig(checkpoint_interval=k, last_block_layers=last, loss_chunk_tokens=10, chunk_sequences=chunk)
     engine = StepEngine(spec, cfg, torch.device("cpu"), torch.float32)
-    src, sink = DictSource(spec, state, fetch_order(n, k, last)), DictSink()
+    src, sink = DictSource(spec, state, blocks=blocks(n, k, last)), DictSink()
     res = engine.step(ids, labels, src, sink)
 
-    assert src.seen == fetch_order(n, k, last)
+    assert src.seen == fetch_order(blocks(n, k, last))
     assert sink.order == grad_order(n)
     assert abs(float(res.loss) - float(ref_loss.detach())) <= 1e-6 * abs(float(ref_loss.detach()))
     for unit in range(n + 2):
@@ -84,7 +77,7 @@ def test_blocks_put_the_short_one_first() -> None:
     assert blocks(8, 3) == [[1, 2], [3, 4, 5], [6, 7, 8]]
     assert blocks(8, 4) == [[1, 2, 3, 4], [5, 6, 7, 8]]
     assert blocks(3, 5) == [[1, 2, 3]]
-    assert fetch_order(3, 2) == [0, 1, 2, 3, 4, 1]
+    assert fetch_order(blocks(3, 2)) == [0, 1, 2, 3, 4, 1]
 
 
 def test_last_block_takes_its_own_size() -> None:
@@ -93,7 +86,7 @@ def test_last_block_takes_its_own_size() -> None:
     assert blocks(8, 2, 1) == [[1], [2, 3], [4, 5], [6, 7], [8]]
     assert blocks(3, 1, 9) == [[1, 2, 3]]  # capped at the layer count: nothing recomputed
     assert blocks(8, 4, 0) == blocks(8, 4, 4)
-    assert fetch_order(4, 1, 2) == [0, 1, 2, 3, 4, 5, 2, 1]
+    assert fetch_order(blocks(4, 1, 2)) == [0, 1, 2, 3, 4, 5, 2, 1]
 
 
 def test_checkpoint_host_bytes_follow_blocks_and_device() -> None:

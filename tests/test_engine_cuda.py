@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from megatrain.ipc.protocol import blocks
 
 from megatrain.data import DataConfig, batch
-from megatrain.engine import EngineConfig, StepEngine, fetch_order
+from megatrain.engine import EngineConfig, StepEngine
 from megatrain.weights import flat_unit
 from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
 
@@ -38,7 +39,7 @@ def test_cuda_engine_matches_hf_autograd(offload: bool, k: int, last: int, chunk
     n = spec.layout.num_layers
     for _ in range(2):  # the second step reuses the pinned checkpoint buffers
         sink = DictSink()
-        res = engine.step(ids, labels, CudaSource(spec, state, fetch_order(n, k, last)), sink)
+        res = engine.step(ids, labels, CudaSource(spec, state, blocks=blocks(n, k, last)), sink)
     torch.cuda.synchronize()
     assert (engine.checkpoints.host_bytes() > 0) == (offload and n - max(last, k) > 0)
     assert abs(float(res.loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))

@@ -8,9 +8,9 @@ import itertools
 import json
 
 import pytest
+from megatrain.launch.config import load_config
+from megatrain.launch.fidelity import compare
 
-from megatrain.config import load_config
-from megatrain.fidelity import compare
 from tests.conftest import run_leftovers
 from tests.helpers import TINY
 

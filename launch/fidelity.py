@@ -1,6 +1,6 @@
 """MegaTrain vs the plain reference, step by step, from identical initial weights.
 
-`python -m megatrain.fidelity CONFIG [key=value ...]` saves a fresh HF model built from the config,
+`python -m megatrain.launch.fidelity CONFIG [key=value ...]` saves a fresh HF model built from the config,
 trains it once through the full actor system and once as a plain PyTorch model (torch.optim.AdamW,
 bf16 autocast on cuda, fp32 on cpu), and prints the per-step loss difference and the final weight
 differences. The tests use the same function on the CPU in fp32.
@@ -16,8 +16,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+from megatrain.launch.config import Config, load_config
 
-from megatrain.config import Config, load_config
 from megatrain.data import Batch, open_data
 from megatrain.model import family_classes, resolve_hf_config
 from megatrain.reference import Batches, train_reference
@@ -45,9 +45,8 @@ def compare(cfg: Config, workdir: Path, batches: Batches | None = None) -> dict:
     """Train `cfg` through the actor system and the plain reference from the same initial weights;
     the reference takes step t's batch from `batches(t)` when given (tests build them by hand), else
     from the run's own data."""
-    from safetensors.torch import load_file
-
     from megatrain.launch.driver import Trainer
+    from safetensors.torch import load_file
 
     init = save_initial(cfg, workdir / "init")
     cfg = dataclasses.replace(
@@ -75,7 +74,7 @@ def compare(cfg: Config, workdir: Path, batches: Batches | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatrain.fidelity")
+    p = argparse.ArgumentParser(prog="python -m megatrain.launch.fidelity")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--json", help="also write the report here")

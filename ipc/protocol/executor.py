@@ -19,9 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from megatrain.ipc.protocol.plan import Item
+from megatrain.ipc.protocol.store import Store
 
-from megatrain.errors import AbortError, WaitTimeout
-from megatrain.ipc.protocol import Item, Store
+from megatrain.errors import AbortError, ProtocolError, WaitTimeout
 
 _STOP = object()
 
@@ -34,17 +35,21 @@ class _Walk:
         self.order, self.items, self.what, self.i = order, items, what, 0
 
     def next(self, unit: int) -> list[Item]:
-        assert unit == self.order[self.i], f"engine {self.what} unit {unit} out of protocol order"
+        if self.i >= len(self.order) or unit != self.order[self.i]:
+            expected = self.order[self.i] if self.i < len(self.order) else "nothing more"
+            raise ProtocolError(f"the engine {self.what} unit {unit} at position {self.i} of the walk; the plan "
+                                f"says {expected} (the store would have served another unit's tile)")
         self.i += 1
         return self.items[self.i - 1]
 
 
 class SyncSource:
     """CPU device: fetch j of the step reads each piece of the unit from its slab (then frees it) or from
-    its resident tile."""
+    its resident tile. `blocks` is the plan's checkpoint blocks: the engine recomputes these."""
 
     def __init__(self, store: Store, device: torch.device, dtype: torch.dtype):
         self.store, self.device, self.dtype = store, device, dtype
+        self.blocks = store.spec.blocks
         SyncSource.begin(self, 0)  # not the streamed override: no loader before a step
 
     def begin(self, step: int, walk: str = "step") -> None:
@@ -211,7 +216,8 @@ class StreamedSource(SyncSource):
         t0 = time.perf_counter()
         got, out, ready = self.worker.take(self.ready, f"weights of unit {unit}")
         self.wait_s += time.perf_counter() - t0
-        assert got == unit, (got, unit)
+        if got != unit:
+            raise ProtocolError(f"the H2D loader delivered unit {got} where the engine fetched unit {unit}")
         compute = torch.cuda.current_stream(self.device)
         compute.wait_event(ready)
         out.record_stream(compute)

@@ -5,15 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatrain.ipc.protocol import IpcConfig
+from megatrain.launch.driver_config import TrainConfig
+from megatrain.launch.placement import ActorsConfig
+from megatrain.launch.runners import LaunchConfig
+
 from megatrain.adamw import OptimConfig
 from megatrain.configbase import load, section
 from megatrain.data import ByteTokenizer, DataConfig
 from megatrain.engine import EngineConfig
 from megatrain.errors import ConfigError
-from megatrain.ipc.protocol import IpcConfig
-from megatrain.launch.driver_config import TrainConfig
-from megatrain.launch.placement import ActorsConfig
-from megatrain.launch.runners import LaunchConfig
 from megatrain.model import ModelConfig, resolve_hf_config
 
 

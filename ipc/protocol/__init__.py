@@ -1,0 +1,65 @@
+"""The data-plane protocol: what lives where in shared memory, who waits on what, in which order.
+
+One package, every verb: plan.py (the StoreSpec: segments, slabs, pieces, and the fetch, forward and
+gradient orders as data; the engine takes its checkpoint blocks from it), store.py (a process's view:
+waits, posts, versions, abort, the role table), executor.py (the executor's weight sources and gradient
+sinks), workers.py (pack, drain, take/free a gradient, wait for a step's gradients), monitor.py (stall
+detection), fence.py (memory ordering of the version counters).
+
+Segments of a run (all /megatrain-<run_id>-<part>):
+  ctl         abort flag + reason, worker pids, the role table (per worker: heartbeat, last progress,
+              calls and waits in flight, what it waits on), per-piece version counters (Adam updates
+              applied) and per-piece squared gradient norms
+  params, exp_avg, exp_avg_sq, grads   fp32 planes, one 4 KiB-aligned tile per unit (grads: the
+              fp32 gradient of the step, held until the global norm is known)
+  staging     S weight slabs (compute dtype; slabs mode only) then G gradient slabs (fp32), each of
+              slab_elems elements; the executor pins (cudaHostRegister) this segment and `resident`.
+  resident    resident mode only: a compute-dtype copy of every unit's weights, rewritten by Adam's
+              fused pass right after each unit's update; the DMA reads it directly (no packing).
+
+A slab holds ipc.slab_params elements (default: the largest decoder layer), so a larger unit (the
+embedding, the LM head, or any unit with smaller slabs) travels as several *pieces*: consecutive element
+ranges of its tile, one slab each. Version counters and squared gradient norms are kept per piece, so
+the next step may pack and copy a unit's first piece while Adam still updates its last.
+
+Weights, per step, follow the plan's fetch_order, piece by piece. Resident mode: the executor waits for
+version[piece] >= step and copies the piece of the unit's resident tile. Slabs mode: item j uses weight
+slab j % S, and slab s is always filled by packer s % P, so one packer handles a slab's uses in order:
+  packer:   wait w_free[s]; wait version[piece] >= step; cast fp32 piece -> slab; post w_full[s]
+  executor: wait w_full[s]; copy slab -> its range of the unit's device buffer; (copy done) post w_free[s]
+A forward-only pass (evaluation, generation) walks forward_order the same way, from slab 0.
+Gradients follow grad_order, piece by piece: item k uses grad slab k % G, drained by
+accumulator (k % G) % A:
+  executor:    wait g_free[s]; copy grad piece -> slab (GPU: record the slab's IPC event); post g_full[s]
+  accumulator: wait g_full[s]; (GPU: synchronize the opened IPC event); norm^2 -> ctl; slab -> grads
+               tile range; post g_free[s]; post grads_ready
+  adam:        wait grads_ready once per piece; clip scale from the norms; update pieces in forward
+               order, bumping version[piece] after each, which releases the next step's packers.
+Without clipping there is no grads plane and no accumulator: the Adam updater itself waits
+g_full[s] (and the slab's IPC event), updates the piece straight from the slab, bumps its version and
+posts g_free[s], all while the executor is still running the backward.
+Every wait is timed (ipc.wait_timeout_s) and polls the abort flag, so a dead peer never hangs a run;
+the store owner's monitor names a stalled peer long before that (ipc.stall_timeout_s). A unit out of the
+plan's order raises ProtocolError (never an assert: `python -O` must not write into the wrong tile).
+
+Memory ordering: slabs, squared norms and the grads plane change hands through POSIX semaphores, which
+synchronize memory (XBD 4.12); version counters are published and read with explicit fences (fence.py).
+"""
+
+from megatrain.ipc.protocol.plan import (
+    PLANES,
+    STAGING,
+    IpcConfig,
+    Item,
+    StoreSpec,
+    blocks,
+    checkpoint_host_bytes,
+    fetch_order,
+    forward_order,
+    grad_order,
+    plan_store,
+)
+from megatrain.ipc.protocol.store import Store
+
+__all__ = ["PLANES", "STAGING", "IpcConfig", "Item", "Store", "StoreSpec", "blocks", "checkpoint_host_bytes",
+           "fetch_order", "forward_order", "grad_order", "plan_store"]

@@ -1,0 +1,79 @@
+"""Stall detection from the role table: which actor stopped, not which one is waiting on it.
+
+A step in flight always makes progress somewhere within a fraction of a second (a slab filled, a
+gradient drained, a version published). When none has been made by any actor for ipc.stall_timeout_s
+while some driver call is in flight, the run is stalled, and the culprit is, in this order:
+  1. an actor whose process stopped beating (SIGSTOP, a frozen host process, C code holding the GIL);
+  2. an actor inside a call that is not waiting on the data plane (stuck in its own work: a deadlock,
+     a hung kernel, or a layer slower than the timeout);
+  3. otherwise everyone waits on someone: the waits are listed.
+The store owner runs the monitor; it raises the abort flag with the verdict, so every waiter stops and
+the driver reports the verdict.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from megatrain.ipc.protocol.store import BEAT, BEAT_S, CALLS, PROGRESS, WAITS, Store
+
+STALE_BEATS = 5  # heartbeats missed before a process counts as stopped
+
+
+def find_stall(store: Store, timeout: float, now: float | None = None) -> str | None:
+    """The verdict if the run is stalled, else None."""
+    now = time.monotonic() if now is None else now
+    rows = [(role, slot, store.role_words[slot]) for slot, role in enumerate(store.spec.roles())
+            if store.pids[slot] > 0]
+    if not rows or not any(row[CALLS] > 0 for _, _, row in rows):
+        return None  # between steps: nothing is owed
+    idle = now - max(row[PROGRESS] for _, _, row in rows)
+    if idle < timeout:
+        return None
+
+    def who(role: str, slot: int) -> str:
+        return f"actor '{role}' (pid {int(store.pids[slot])})"
+
+    waits = "; ".join(f"{role} waits for {store.waiting_on(slot)}" for role, slot, row in rows if row[WAITS] > 0)
+    waiting = f" ({waits})" if waits else ""
+    stopped = [(role, slot, now - row[BEAT]) for role, slot, row in rows if now - row[BEAT] > STALE_BEATS * BEAT_S]
+    if stopped:
+        role, slot, quiet = max(stopped, key=lambda r: r[2])
+        return (f"stalled: {who(role, slot)} stopped running (no heartbeat for {quiet:.0f}s: stopped, frozen, "
+                f"or stuck in native code); no progress anywhere for {idle:.0f}s{waiting}")
+    working = [(role, slot, row) for role, slot, row in rows if row[CALLS] > 0 and row[WAITS] == 0]
+    if working:
+        role, slot, row = min(working, key=lambda r: r[2][PROGRESS])
+        return (f"stalled: {who(role, slot)} made no progress for {now - row[PROGRESS]:.0f}s while working (not "
+                f"waiting on any peer){waiting}; if one unit legitimately takes this long, raise "
+                f"ipc.stall_timeout_s")
+    return f"stalled: no progress anywhere for {idle:.0f}s, every actor in a call is waiting{waiting}"
+
+
+class Monitor:
+    """A thread of the store owner: checks for a stall once a second and aborts the run on one."""
+
+    def __init__(self, store: Store):
+        self.store = store
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="stall-monitor", daemon=True)
+
+    def start(self) -> Monitor:
+        if self.store.spec.ipc.stall_timeout_s > 0:
+            self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self.stop.wait(BEAT_S):
+            if self.store.aborted:
+                continue
+            verdict = find_stall(self.store, self.store.spec.ipc.stall_timeout_s)
+            if verdict:
+                print(f"[store-owner] {verdict}", flush=True)
+                self.store.abort(verdict)
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.thread.is_alive():
+            self.thread.join(5)

@@ -1,0 +1,298 @@
+"""The plan of a run's store: what lives where, the fetch and gradient orders as data, and who
+handles which slab. Built once by the store owner; every process attaches with the same StoreSpec."""
+
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import NamedTuple
+
+import torch
+from megatrain.ipc.shm import CTL_PIDS_OFFSET, MAX_PIDS, check_space, sem_name
+
+from megatrain.configbase import opt
+from megatrain.engine import EngineConfig, resolve_dtype
+from megatrain.errors import ProtocolError, ResourceError
+from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
+from megatrain.model import ModelSpec
+
+PLANES = ("params", "exp_avg", "exp_avg_sq", "grads")  # "grads" only when clipping needs the whole step
+STAGING = {"bf16": (torch.bfloat16, 2), "fp32": (torch.float32, 4)}
+REASON_BYTES = 1024
+ROLE_BYTES = 128  # per role: heartbeat, progress, calls in flight, waits in flight, what it waits on
+ROLE_TABLE_OFFSET = CTL_PIDS_OFFSET + 8 * MAX_PIDS + REASON_BYTES
+CTL_FIXED = ROLE_TABLE_OFFSET + ROLE_BYTES * MAX_PIDS
+
+
+@dataclass
+class IpcConfig:
+    weight_slabs: int = opt(4, "S: weight staging slabs (compute dtype, ipc.slab_params elements each).")
+    grad_slabs: int = opt(4, "G: gradient staging slabs (fp32); back-pressure when all are in flight.")
+    slab_params: int = opt(0, "Elements per staging slab; a larger unit streams in slab-sized pieces (weights "
+                              "and gradients alike). 0 = the largest decoder layer, so only the embedding "
+                              "and LM head are split. Smaller slabs take less pinned memory and more copies.")
+    wait_timeout_s: float = opt(600.0, "Longest any data-plane wait may block before the run fails (the last "
+                                       "resort: a stalled actor is found by ipc.stall_timeout_s first).")
+    stall_timeout_s: float = opt(15.0, "Fail the run when no actor has made data-plane progress for this long while "
+                                       "a step is in flight, naming the actor that stopped (no heartbeat, or working "
+                                       "without progress) rather than the ones waiting on it; 0 = off. Raise it if "
+                                       "one layer legitimately computes longer (a large model on the CPU device).")
+    poll_s: float = opt(0.05, "How often a blocked wait re-checks the abort flag.")
+    staging: str = opt("auto", "How weights reach the DMA: 'resident' (a pinned compute-dtype copy of the whole "
+                               "model, rewritten by Adam; no packing on the critical path), 'slabs' (S slabs "
+                               "filled just in time by the packers; O(layer) pinned memory), or 'auto' "
+                               "(resident on cuda when it fits in memory, else slabs).")
+    shm_dir: str = opt("/dev/shm", "Where POSIX shared memory lives (checked for free space before creating).")
+
+    def __post_init__(self) -> None:
+        if self.weight_slabs < 1 or self.grad_slabs < 1:
+            raise ValueError("ipc.weight_slabs and ipc.grad_slabs must be >= 1")
+        if self.slab_params < 0:
+            raise ValueError("ipc.slab_params must be >= 0 (0 = the largest decoder layer)")
+        if self.staging not in ("auto", "resident", "slabs"):
+            raise ValueError(f"ipc.staging must be auto, resident or slabs, not '{self.staging}'")
+        if self.wait_timeout_s <= 0 or self.poll_s <= 0:
+            raise ValueError("ipc.wait_timeout_s and ipc.poll_s must be > 0")
+        if self.stall_timeout_s < 0:
+            raise ValueError("ipc.stall_timeout_s must be >= 0 (0 = off)")
+
+
+class Item(NamedTuple):
+    """One slab's worth of a unit: elements [lo, hi) of its tile in slab `slab`; `piece` indexes the
+    run's pieces (its version counter and squared gradient norm in ctl)."""
+
+    unit: int
+    lo: int
+    hi: int
+    slab: int
+    piece: int
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Everything a process needs to attach to a run's store; picklable, built by the store owner."""
+
+    run_id: str
+    model: ModelSpec
+    staging_dtype: str
+    checkpoint_interval: int
+    num_packers: int
+    num_accumulators: int
+    ipc: IpcConfig = field(default_factory=IpcConfig)
+    staging_mode: str = "slabs"  # resolved: "slabs" or "resident"
+    clip: bool = True  # global-norm clipping: gradients wait in the grads plane until the norm is known
+    last_block_layers: int = 0  # engine.last_block_layers: with K, fixes the order the engine fetches units
+
+    @property
+    def planes(self) -> tuple[str, ...]:
+        """fp32 planes of this run: without clipping Adam consumes gradient slabs directly (12 B/param)."""
+        return PLANES if self.clip else PLANES[:3]
+
+    @property
+    def resident(self) -> bool:
+        return self.staging_mode == "resident"
+
+    @property
+    def num_weight_slabs(self) -> int:
+        return 0 if self.resident else self.ipc.weight_slabs
+
+    @property
+    def staging_bytes(self) -> int:
+        return STAGING[self.staging_dtype][1]
+
+    @property
+    def layout(self) -> StoreLayout:
+        return self.model.layout
+
+    @property
+    def num_units(self) -> int:
+        return len(self.layout.units)
+
+    @cached_property
+    def slab_elems(self) -> int:
+        layout = self.layout
+        layers = [layout.structure_of(u.index).numel for u in layout.units if u.kind == "layer"]
+        limit = self.ipc.slab_params or max(layers, default=layout.max_unit_numel)
+        return round_up(max(min(limit, layout.max_unit_numel), 1), TILE_ALIGN)
+
+    @cached_property
+    def piece_table(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+        """Per unit, its pieces as (piece index, lo, hi): consecutive slab-sized ranges of its tile."""
+        e, table, n = self.slab_elems, [], 0
+        for u in range(self.num_units):
+            numel = self.layout.structure_of(u).numel
+            spans = [(lo, min(lo + e, numel)) for lo in range(0, max(numel, 1), e)]
+            table.append(tuple((n + i, lo, hi) for i, (lo, hi) in enumerate(spans)))
+            n += len(spans)
+        return tuple(table)
+
+    @property
+    def num_pieces(self) -> int:
+        return self.piece_table[-1][-1][0] + 1
+
+    def piece_range(self, unit: int) -> slice:
+        """The unit's pieces as a slice of the per-piece ctl arrays."""
+        pieces = self.piece_table[unit]
+        return slice(pieces[0][0], pieces[-1][0] + 1)
+
+    def _grouped(self, order: list[int], slabs: int) -> list[list[Item]]:
+        """Per entry of `order`, the unit's pieces as items; item j of the whole walk uses slab j % slabs."""
+        out: list[list[Item]] = []
+        j = 0
+        for unit in order:
+            out.append([Item(unit, lo, hi, (j + i) % slabs, p) for i, (p, lo, hi) in enumerate(self.piece_table[unit])])
+            j += len(out[-1])
+        return out
+
+    @cached_property
+    def blocks(self) -> list[list[int]]:
+        """The executor's checkpoint blocks: the engine recomputes exactly these (it takes them from here)."""
+        return blocks(self.layout.num_layers, self.checkpoint_interval, self.last_block_layers)
+
+    @cached_property
+    def fetch_order(self) -> list[int]:
+        return fetch_order(self.blocks)
+
+    @cached_property
+    def forward_order(self) -> list[int]:
+        return forward_order(self.layout.num_layers)
+
+    @cached_property
+    def grad_order(self) -> list[int]:
+        return grad_order(self.layout.num_layers)
+
+    @cached_property
+    def fetch_items(self) -> list[list[Item]]:
+        """Per fetch of engine.fetch_order, the unit's pieces (slabs mode: with their weight slabs)."""
+        return self._grouped(self.fetch_order, max(self.num_weight_slabs, 1))
+
+    @cached_property
+    def forward_items(self) -> list[list[Item]]:
+        """Per fetch of a forward-only pass (evaluation, generation), the unit's pieces. Like a step's walk it
+        starts at weight slab 0: a walk ends with every slab freed, so walks of either kind may follow each
+        other in any sequence the driver calls them in."""
+        return self._grouped(self.forward_order, max(self.num_weight_slabs, 1))
+
+    def walk(self, kind: str) -> tuple[list[int], list[list[Item]]]:
+        """A weight walk: 'step' (training: forward, head, recompute) or 'forward' (forward and head only)."""
+        if kind == "step":
+            return self.fetch_order, self.fetch_items
+        if kind == "forward":
+            return self.forward_order, self.forward_items
+        raise ProtocolError(f"unknown weight walk '{kind}'")
+
+    @cached_property
+    def emit_items(self) -> list[list[Item]]:
+        """Per gradient of engine.grad_order, the unit's pieces with their gradient slabs."""
+        return self._grouped(self.grad_order, self.ipc.grad_slabs)
+
+    def weight_items(self, packer: int, walk: str = "step") -> list[Item]:
+        """The items packer `packer` fills in one walk, in order (none in resident mode)."""
+        if not self.num_weight_slabs:
+            return []
+        return [it for items in self.walk(walk)[1] for it in items if it.slab % self.num_packers == packer]
+
+    def grad_items(self, acc: int | None) -> list[Item]:
+        """The items accumulator `acc` drains, in order; None: all of them (without clipping the Adam
+        updater drains every slab itself)."""
+        return [it for items in self.emit_items for it in items
+                if acc is None or it.slab % self.num_accumulators == acc]
+
+    def part_bytes(self) -> dict[str, int]:
+        plane = self.layout.total * 4
+        staging = self.slab_elems * (self.num_weight_slabs * self.staging_bytes + self.ipc.grad_slabs * 4)
+        ctl = CTL_FIXED + self.num_pieces * 16
+        resident = {"resident": self.layout.total * self.staging_bytes} if self.resident else {}
+        return {**dict.fromkeys(self.planes, plane), "staging": staging, **resident, "ctl": ctl}
+
+    def layout_hash(self) -> bytes:
+        extra = (f"{self.clip}:{self.checkpoint_interval}:{self.last_block_layers}:{self.staging_mode}:"
+                 f"{self.staging_dtype}:{self.slab_elems}:{self.num_weight_slabs}:{self.ipc.grad_slabs}")
+        return hashlib.sha256(self.layout.digest() + extra.encode()).digest()[:16]
+
+    def roles(self) -> list[str]:
+        """Worker role names; a role's index is its pid slot in ctl."""
+        return (["gpu-executor", "adam-updater"] + [f"packer-{i}" for i in range(self.num_packers)]
+                + [f"grad-accumulator-{i}" for i in range(self.num_accumulators)])
+
+    def pid_slot(self, role: str) -> int:
+        """Where a worker records its pid in ctl, so cleanup can find what the CUDA driver left for it."""
+        roles = self.roles()
+        if role not in roles or roles.index(role) >= MAX_PIDS:
+            raise ProtocolError(f"role '{role}' has no slot in the control segment (roles: {', '.join(roles)}; "
+                                f"at most {MAX_PIDS})")
+        return roles.index(role)
+
+    def sem_names(self) -> dict[str, tuple[str, int]]:
+        """Semaphore key -> (name, initial value)."""
+        out = {"grads_ready": (sem_name(self.run_id, "grads-ready"), 0)}
+        for kind, n in (("w", self.num_weight_slabs), ("g", self.ipc.grad_slabs)):
+            for i in range(n):
+                out[f"{kind}_free{i}"] = (sem_name(self.run_id, f"{kind}free{i}"), 1)
+                out[f"{kind}_full{i}"] = (sem_name(self.run_id, f"{kind}full{i}"), 0)
+        return out
+
+
+def plan_store(run_id: str, model: ModelSpec, staging_dtype: str, checkpoint_interval: int, num_packers: int,
+               num_accumulators: int, ipc: IpcConfig, cuda: bool, clip: bool = True,
+               ram_only: dict[str, int] | None = None, last_block_layers: int = 0) -> StoreSpec:
+    """Resolve ipc.staging: as asked, or for 'auto' resident on cuda when it fits in memory, else slabs."""
+    def make(mode: str) -> StoreSpec:
+        return StoreSpec(run_id, model, staging_dtype, checkpoint_interval, num_packers, num_accumulators, ipc, mode,
+                         clip, last_block_layers)
+
+    if ipc.staging != "auto":
+        return make(ipc.staging)
+    if not cuda:
+        return make("slabs")  # no DMA to feed: a resident copy would only cost memory
+    resident = make("resident")
+    try:
+        check_space(resident.part_bytes(), ipc.shm_dir, ram_only)
+        return resident
+    except ResourceError:
+        return make("slabs")
+
+
+# ---- the orders: pure functions of the layer count and the checkpoint plan --------------------------
+def blocks(num_layers: int, k: int, last: int = 0) -> list[list[int]]:
+    """Unit indices of each checkpoint block (layers are units 1..N).
+
+    The last block holds `last` layers (0: k); it is never recomputed (it runs with grad in the
+    forward). The rest are blocks of k counted from the top, so a short block, if any, is the first."""
+    last = min(last or k, num_layers)
+    rest = num_layers - last
+    first = rest % k
+    head = [list(range(1, first + 1))] if first else []
+    return (head + [list(range(s, s + k)) for s in range(first + 1, rest + 1, k)]
+            + [list(range(rest + 1, num_layers + 1))])
+
+
+def fetch_order(blks: list[list[int]]) -> list[int]:
+    """Units in the order the engine fetches weights: forward, head, then blocks recomputed in reverse.
+
+    The last block runs with grad in the forward and keeps its graphs, so it is never recomputed."""
+    num_layers = blks[-1][-1] if blks and blks[-1] else 0
+    order = [0, *range(1, num_layers + 1), num_layers + 1]
+    for blk in reversed(blks[:-1]):
+        order += blk
+    return order
+
+
+def forward_order(num_layers: int) -> list[int]:
+    """Units in the order a forward-only pass (evaluation, generation) fetches them: no recompute."""
+    return [0, *range(1, num_layers + 1), num_layers + 1]
+
+
+def grad_order(num_layers: int) -> list[int]:
+    """Units in the order their gradients complete: head, layers last to first, embedding."""
+    return [num_layers + 1, *range(num_layers, 0, -1), 0]
+
+
+def checkpoint_host_bytes(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int) -> int:
+    """Pinned host RAM the executor takes for offloaded checkpoints (a resolved config; 0 if on the GPU)."""
+    if cfg.device != "cuda" or not cfg.offload_checkpoints:
+        return 0
+    saved = len(blocks(spec.layout.num_layers, cfg.checkpoint_interval, cfg.last_block_layers)) - 1
+    return saved * batch * seq * spec.hf_config.hidden_size * resolve_dtype(cfg, torch.device("cuda")).itemsize

@@ -1,0 +1,300 @@
+"""A process's view of a run's store: segments, semaphores, the abort flag, version counters and the
+role table that heartbeats and stall detection read. Every wait is timed and polls the abort flag."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import weakref
+
+import numpy as np
+import posix_ipc
+import torch
+from megatrain.ipc.protocol.fence import publish, reached
+from megatrain.ipc.protocol.plan import (
+    CTL_FIXED,
+    REASON_BYTES,
+    ROLE_BYTES,
+    ROLE_TABLE_OFFSET,
+    STAGING,
+    StoreSpec,
+)
+from megatrain.ipc.shm import CTL_PIDS_OFFSET, HEADER_BYTES, MAX_PIDS, Header, Segment, check_space, seg_name
+
+from megatrain.errors import AbortError, ProtocolError, WaitTimeout
+
+# Role table row (float64/int64 words, then bytes): what the stall monitor reads.
+BEAT, PROGRESS, CALLS, WAITS, WAIT_SINCE = range(5)  # words 0-4
+WHAT_OFFSET, WHAT_BYTES = 48, ROLE_BYTES - 48
+BEAT_S = 1.0
+
+
+class Store:
+    """A process's view of the run's shared memory: planes, slabs, control block, semaphores."""
+
+    def __init__(self, spec: StoreSpec, segments: dict[str, Segment], sems: dict[str, posix_ipc.Semaphore]):
+        self.spec, self.segments, self.sems = spec, segments, sems
+        self._unlinked = False
+        ctl = segments["ctl"].mm
+        u = spec.num_pieces
+        self._flags = np.frombuffer(ctl, np.int64, 8, HEADER_BYTES)
+        self.pids = np.frombuffer(ctl, np.int64, MAX_PIDS, HEADER_BYTES + CTL_PIDS_OFFSET)
+        self._reason = np.frombuffer(ctl, np.uint8, REASON_BYTES, HEADER_BYTES + CTL_PIDS_OFFSET + 8 * MAX_PIDS)
+        table = HEADER_BYTES + ROLE_TABLE_OFFSET
+        self.role_words = np.frombuffer(ctl, np.float64, MAX_PIDS * ROLE_BYTES // 8, table).reshape(MAX_PIDS, -1)
+        self.role_bytes = np.frombuffer(ctl, np.uint8, MAX_PIDS * ROLE_BYTES, table).reshape(MAX_PIDS, -1)
+        self.versions = np.frombuffer(ctl, np.int64, u, HEADER_BYTES + CTL_FIXED)
+        self.sqnorms = np.frombuffer(ctl, np.float64, u, HEADER_BYTES + CTL_FIXED + 8 * u)
+        self.slot: int | None = None  # this process's role row, if it is a worker
+        self._row_lock = threading.Lock()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    @classmethod
+    def create(cls, spec: StoreSpec, ram_only: dict[str, int] | None = None) -> Store:
+        """Owner only: check space, create every segment (ctl first) and semaphore, zeroed."""
+        parts = spec.part_bytes()
+        check_space(parts, spec.ipc.shm_dir, ram_only)
+        hdr = Header(spec.layout_hash(), spec.run_id)
+        segments: dict[str, Segment] = {}
+        sems: dict[str, posix_ipc.Semaphore] = {}
+        try:  # ctl first: it names the owner for the sweeper
+            segments["ctl"] = Segment.create(seg_name(spec.run_id, "ctl"), parts["ctl"], hdr)
+            for part in [p for p in parts if p != "ctl"]:
+                segments[part] = Segment.create(seg_name(spec.run_id, part), parts[part], hdr)
+            for key, (name, initial) in spec.sem_names().items():
+                sems[key] = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=initial)
+        except BaseException:
+            for sem in sems.values():
+                sem.unlink()
+            for seg in segments.values():
+                seg.unlink()
+            raise
+        return cls(spec, segments, sems)
+
+    @classmethod
+    def attach(cls, spec: StoreSpec, parts: tuple[str, ...], role: str | None = None) -> Store:
+        """Attach (never create); a worker `role` records its pid for cleanup after a crash and starts
+        publishing its heartbeat and progress in the role table."""
+        h = spec.layout_hash()
+        segments = {p: Segment.attach(seg_name(spec.run_id, p), h, spec.run_id) for p in ("ctl", *parts)}
+        sems = {k: posix_ipc.Semaphore(name) for k, (name, _) in spec.sem_names().items()}
+        store = cls(spec, segments, sems)
+        if role is not None:
+            store.slot = spec.pid_slot(role)
+            now = time.monotonic()
+            store.role_words[store.slot, [BEAT, PROGRESS]] = now
+            store.pids[store.slot] = os.getpid()
+            _Heartbeat.register(store)
+        return store
+
+    def unlink(self) -> None:
+        """Owner only, idempotent. Names go away now; memory goes when the last process unmaps."""
+        if self._unlinked:
+            return
+        self._unlinked = True
+        for key, (name, _) in self.spec.sem_names().items():
+            try:
+                posix_ipc.unlink_semaphore(name)
+            except posix_ipc.ExistentialError:
+                pass
+            if key in self.sems:
+                self.sems[key].close()
+        for seg in reversed(list(self.segments.values())):  # ctl last: the reaper watches it
+            seg.unlink()
+
+    def close(self) -> None:
+        _Heartbeat.unregister(self)
+        for s in self.sems.values():
+            try:
+                s.close()
+            except posix_ipc.ExistentialError:
+                pass
+
+    # ---- memory views ----------------------------------------------------------------------
+    def plane(self, part: str) -> np.ndarray:
+        return np.frombuffer(self.segments[part].mm, np.float32, self.spec.layout.total, HEADER_BYTES)
+
+    def tile(self, part: str, unit: int) -> np.ndarray:
+        u = self.spec.layout.units[unit]
+        n = self.spec.layout.structure_of(unit).numel
+        return np.frombuffer(self.segments[part].mm, np.float32, n, HEADER_BYTES + 4 * u.offset)
+
+    def torch_tile(self, part: str, unit: int) -> torch.Tensor:
+        return torch.from_numpy(self.tile(part, unit))
+
+    def resident_tile(self, unit: int) -> torch.Tensor:
+        """The unit's compute-dtype copy (resident mode)."""
+        u = self.spec.layout.units[unit]
+        n = self.spec.layout.structure_of(unit).numel
+        return torch.frombuffer(self.segments["resident"].mm, dtype=STAGING[self.spec.staging_dtype][0], count=n,
+                                offset=HEADER_BYTES + u.offset * self.spec.staging_bytes)
+
+    def refresh_resident(self, unit: int, lo: int = 0, hi: int | None = None) -> None:
+        """Rewrite elements [lo, hi) of the unit's compute-dtype copy from its fp32 params (torch's cast:
+        round to nearest even)."""
+        self.resident_tile(unit)[lo:hi].copy_(self.torch_tile("params", unit)[lo:hi])
+
+    def weight_slab(self, i: int) -> torch.Tensor:
+        dtype, size = STAGING[self.spec.staging_dtype]
+        if i >= self.spec.num_weight_slabs:
+            raise ProtocolError(f"weight slab {i} does not exist ({self.spec.num_weight_slabs} in "
+                                f"{self.spec.staging_mode} mode)")
+        off = HEADER_BYTES + i * self.spec.slab_elems * size
+        return torch.frombuffer(self.segments["staging"].mm, dtype=dtype, count=self.spec.slab_elems, offset=off)
+
+    def grad_slab(self, i: int) -> torch.Tensor:
+        w = self.spec.num_weight_slabs * self.spec.slab_elems * self.spec.staging_bytes
+        off = HEADER_BYTES + w + i * self.spec.slab_elems * 4
+        return torch.frombuffer(self.segments["staging"].mm, dtype=torch.float32, count=self.spec.slab_elems,
+                                offset=off)
+
+    def region(self, part: str) -> torch.Tensor:
+        """A segment's whole data area as bytes (what the executor pins)."""
+        seg = self.segments[part]
+        return torch.frombuffer(seg.mm, dtype=torch.uint8, count=seg.data_bytes, offset=HEADER_BYTES)
+
+    # ---- abort -------------------------------------------------------------------------------
+    def abort(self, reason: str) -> None:
+        if self._flags[0]:
+            return  # keep the first (root) cause
+        raw = reason.encode()[: REASON_BYTES - 1]
+        self._reason[:] = 0
+        self._reason[: len(raw)] = np.frombuffer(raw, np.uint8)
+        self._flags[0] = 1
+
+    @property
+    def aborted(self) -> bool:
+        return bool(self._flags[0])
+
+    def abort_reason(self) -> str:
+        return bytes(self._reason).rstrip(b"\0").decode(errors="replace")
+
+    def check_abort(self) -> None:
+        if self._flags[0]:
+            raise AbortError(f"run aborted: {self.abort_reason()}")
+
+    # ---- progress (the role table) -------------------------------------------------------------
+    def progressed(self) -> None:
+        if self.slot is not None:
+            self.role_words[self.slot, PROGRESS] = time.monotonic()
+
+    def call_started(self) -> None:
+        """A driver call began (entering one counts as progress: the monitor times from here)."""
+        if self.slot is not None:
+            with self._row_lock:
+                self.role_words[self.slot, CALLS] += 1
+                self.role_words[self.slot, PROGRESS] = time.monotonic()
+
+    def call_ended(self) -> None:
+        if self.slot is not None:
+            with self._row_lock:
+                self.role_words[self.slot, CALLS] -= 1
+
+    def _waiting(self, what: str, delta: int) -> None:
+        if self.slot is None:
+            return
+        with self._row_lock:
+            row = self.role_words[self.slot]
+            row[WAITS] += delta
+            if delta > 0:
+                row[WAIT_SINCE] = time.monotonic()
+                raw = what.encode()[: WHAT_BYTES - 1]
+                self.role_bytes[self.slot, WHAT_OFFSET: WHAT_OFFSET + WHAT_BYTES] = 0
+                self.role_bytes[self.slot, WHAT_OFFSET: WHAT_OFFSET + len(raw)] = np.frombuffer(raw, np.uint8)
+            else:
+                row[PROGRESS] = time.monotonic()
+
+    def waiting_on(self, slot: int) -> str:
+        return bytes(self.role_bytes[slot, WHAT_OFFSET: WHAT_OFFSET + WHAT_BYTES]).rstrip(b"\0").decode(
+            errors="replace")
+
+    # ---- waits and hand-offs -----------------------------------------------------------------
+    def wait(self, key: str, what: str) -> None:
+        """Acquire semaphore `key`, polling the abort flag; WaitTimeout past ipc.wait_timeout_s."""
+        sem, cfg = self.sems[key], self.spec.ipc
+        self.check_abort()  # even an available semaphore is not taken after an abort
+        try:
+            sem.acquire(0)  # the common case on the hot path: no bookkeeping of a wait
+            self.progressed()
+            return
+        except posix_ipc.BusyError:
+            pass
+        deadline = time.monotonic() + cfg.wait_timeout_s
+        self._waiting(what, +1)
+        try:
+            while True:
+                self.check_abort()
+                try:
+                    sem.acquire(cfg.poll_s)
+                    return
+                except posix_ipc.BusyError:
+                    if time.monotonic() > deadline:
+                        raise WaitTimeout(f"waited {cfg.wait_timeout_s:g}s for {what}") from None
+        finally:
+            self._waiting(what, -1)
+
+    def post(self, key: str) -> None:
+        self.sems[key].release()
+        self.progressed()
+
+    def publish_version(self, piece: int, version: int) -> None:
+        """Adam's update of the piece for step version-1 is complete: release it (after a fence)."""
+        publish(self.versions, piece, version)
+        self.progressed()
+
+    def wait_version(self, unit: int, version: int, what: str, piece: int | None = None) -> None:
+        """Wait until Adam's version of the unit's `piece` (None: of all its pieces) reaches `version`;
+        the reads that follow see Adam's writes (acquire fence)."""
+        span = self.spec.piece_range(unit) if piece is None else slice(piece, piece + 1)
+        if reached(self.versions, span.start, span.stop, version):
+            self.progressed()
+            return
+        cfg, nap = self.spec.ipc, 1e-4
+        deadline = time.monotonic() + cfg.wait_timeout_s
+        self._waiting(what, +1)
+        try:
+            while not reached(self.versions, span.start, span.stop, version):
+                self.check_abort()
+                if time.monotonic() > deadline:
+                    raise WaitTimeout(f"waited {cfg.wait_timeout_s:g}s for {what}")
+                time.sleep(nap)
+                nap = min(nap * 2, cfg.poll_s)
+        finally:
+            self._waiting(what, -1)
+
+
+class _Heartbeat:
+    """One thread per process writes the heartbeat of every role attached in it, once a second: a
+    stopped or frozen process stops beating, which is how the monitor tells it from a busy one."""
+
+    stores: weakref.WeakSet = weakref.WeakSet()
+    lock = threading.Lock()
+    thread: threading.Thread | None = None
+
+    @classmethod
+    def register(cls, store: Store) -> None:
+        with cls.lock:
+            cls.stores.add(store)
+            if cls.thread is None or not cls.thread.is_alive():
+                cls.thread = threading.Thread(target=cls._run, name="megatrain-heartbeat", daemon=True)
+                cls.thread.start()
+
+    @classmethod
+    def unregister(cls, store: Store) -> None:
+        with cls.lock:
+            cls.stores.discard(store)
+
+    @classmethod
+    def _run(cls) -> None:
+        while True:
+            with cls.lock:
+                live = list(cls.stores)
+            now = time.monotonic()
+            for store in live:
+                try:
+                    store.role_words[store.slot, BEAT] = now
+                except (ValueError, TypeError):  # unmapped
+                    cls.unregister(store)
+            del live
+            time.sleep(BEAT_S)
