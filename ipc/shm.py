@@ -19,7 +19,7 @@ from pathlib import Path
 import posix_ipc
 from megatrain.ipc.procs import pid_alive, start_ticks
 
-from megatrain.errors import LayoutMismatch, ResourceError
+from megatrain.errors import ConfigError, LayoutMismatch, ResourceError
 
 MAGIC = b"MEGATRN\x01"
 LAYOUT_VERSION = 1
@@ -36,6 +36,15 @@ def check_run_id(run_id: str) -> str:
     if not _RUN_ID.match(run_id):
         raise ValueError(f"run id '{run_id}' must be 1-32 lowercase letters and digits")
     return run_id
+
+
+def check_run_id_free(run_id: str, shm_dir: str = "/dev/shm") -> None:
+    """No live run on this machine uses `run_id` (a dead one's leftovers are swept when the store is made)."""
+    if run_id in run_entries(shm_dir):
+        owner = read_owner(run_id)
+        if owner is not None and pid_alive(*owner):
+            raise ConfigError(f"train.run_id '{run_id}' is in use by a live run (store owner pid {owner[0]}); choose "
+                              "another, or leave it empty for a random one")
 
 
 def seg_name(run_id: str, part: str) -> str:

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error("a CONFIG file is required")
     signal.signal(signal.SIGTERM, _sigterm)
     signal.signal(signal.SIGHUP, _sigterm)  # a dropped SSH session: the same cleanup as SIGTERM
-    out_dir: Path | None = None
+    trainer = None
     try:
         from megatrain.launch.config import load_config
 
@@ -74,26 +74,30 @@ def main(argv: list[str] | None = None) -> int:
         from megatrain.launch.driver import Trainer
 
         trainer = Trainer(cfg)
-        out_dir = trainer.out
         summary = trainer.run()
-        print(f"megatrain-launch: done, {len(summary['metrics'])} steps; metrics in {out_dir / 'metrics.jsonl'}")
+        print(f"megatrain-launch: done, {len(summary['metrics'])} steps; metrics in {trainer.out / 'metrics.jsonl'}")
         return 0
     except KeyboardInterrupt:
         print("megatrain-launch: interrupted; the run's processes and shared memory were released",
               file=sys.stderr)
         return 130
     except (ConfigError, DataError) as exc:  # the user's input: nothing was started
-        return _report(str(exc), out_dir, USAGE_ERROR)
+        return _report(exc, str(exc), trainer, USAGE_ERROR)
     except MegatrainError as exc:
-        return _report(str(exc), out_dir)
+        return _report(exc, str(exc), trainer)
     except Exception as exc:  # a bug of ours: still one line, the traceback goes to error.log
-        return _report(f"internal error: {type(exc).__name__}: {exc}", out_dir)
+        return _report(exc, f"internal error: {type(exc).__name__}: {exc}", trainer)
 
 
-def _report(message: str, out_dir: Path | None, code: int = RUNTIME_ERROR) -> int:
+def _report(exc: BaseException, message: str, trainer: object, code: int = RUNTIME_ERROR) -> int:
+    """One line on stderr; error.log (in a run's own output directory only) gets the traceback of where it
+    failed: the failing actor's own when it came from one, else this process's."""
+    out_dir: Path | None = getattr(trainer, "log_dir", None)
     where = ""
     if out_dir is not None and out_dir.is_dir():
-        (out_dir / "error.log").write_text(message + "\n\n" + traceback.format_exc())
+        remote = getattr(exc, "traceback", "")
+        detail = (f"traceback of actor '{exc.actor}':\n{remote}" if remote else traceback.format_exc())
+        (out_dir / "error.log").write_text(message + "\n\n" + detail)
         where = f" (details in {out_dir / 'error.log'})"
     print(f"megatrain-launch: error: {message}{where}", file=sys.stderr)
     return code

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,11 +12,12 @@ from megatrain.launch.placement import ActorsConfig
 from megatrain.launch.runners import LaunchConfig
 
 from megatrain.adamw import OptimConfig
-from megatrain.configbase import load, section
+from megatrain.configbase import Where, key_error, load_located, section
 from megatrain.data import ByteTokenizer, DataConfig
 from megatrain.engine import EngineConfig
 from megatrain.errors import ConfigError
-from megatrain.model import ModelConfig, resolve_hf_config
+from megatrain.model import ModelConfig, hf_config_fields, pretrained_config, resolve_hf_config
+from megatrain.weights import checkpoint_index
 
 
 @dataclass
@@ -30,32 +32,50 @@ class Config:
     launch: LaunchConfig = section(LaunchConfig, "Ray or in-process transport, cluster address.")
 
 
-def validate(cfg: Config) -> None:
+def check_hf_keys(cfg: ModelConfig, where: Where | None = None) -> None:
+    """model.hf keys must be fields of the family's HF config: HF configs keep unknown keys silently, so
+    a typo would train another model than the one meant."""
+    family, base = pretrained_config(cfg)
+    valid = hf_config_fields(family, base)
+    for key in cfg.hf:
+        if key not in valid:
+            close = difflib.get_close_matches(key, sorted(valid), n=1)
+            hint = f"; did you mean 'model.hf.{close[0]}'?" if close else ""
+            raise key_error(where, f"model.hf.{key}", f"not a field of {family}'s HF config{hint}")
+
+
+def validate(cfg: Config, where: Where | None = None) -> None:
     """Checks that span sections (each section checks itself when built)."""
+    check_hf_keys(cfg.model, where)
+    if cfg.model.pretrained:
+        checkpoint_index(cfg.model.pretrained)  # every safetensors file whole, before anything starts
     _, hf = resolve_hf_config(cfg.model)
+
+    def fail(key: str, msg: str) -> ConfigError:
+        return key_error(where, key, msg)
+
     if cfg.data.kind == "arithmetic" and hf.vocab_size < ByteTokenizer.vocab_size:
-        raise ConfigError(f"model.hf.vocab_size {hf.vocab_size} is below the byte tokenizer's "
-                          f"{ByteTokenizer.vocab_size}")
+        raise fail("model.hf.vocab_size", f"{hf.vocab_size} is below the byte tokenizer's {ByteTokenizer.vocab_size}")
     window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
     if window and cfg.data.seq_len > window:
-        raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds the model's sliding_window {window}; "
-                          "sliding-window attention is not implemented (set model.hf.sliding_window: null)")
+        raise fail("data.seq_len", f"{cfg.data.seq_len} exceeds the model's sliding_window {window}; sliding-window "
+                                   "attention is not implemented (set model.hf.sliding_window: null)")
     if cfg.data.seq_len > hf.max_position_embeddings:
-        raise ConfigError(f"data.seq_len {cfg.data.seq_len} exceeds model max_position_embeddings "
-                          f"{hf.max_position_embeddings}")
+        raise fail("data.seq_len", f"{cfg.data.seq_len} exceeds model max_position_embeddings "
+                                   f"{hf.max_position_embeddings}")
     if cfg.engine.checkpoint_interval > hf.num_hidden_layers:
-        raise ConfigError(f"engine.checkpoint_interval {cfg.engine.checkpoint_interval} exceeds the model's "
-                          f"{hf.num_hidden_layers} layers (model.hf.num_hidden_layers); use at most "
-                          f"{hf.num_hidden_layers}")
+        raise fail("engine.checkpoint_interval", f"{cfg.engine.checkpoint_interval} exceeds the model's "
+                                                 f"{hf.num_hidden_layers} layers (model.hf.num_hidden_layers); "
+                                                 f"use at most {hf.num_hidden_layers}")
     if cfg.ipc.weight_slabs < cfg.actors.num_packers:
-        raise ConfigError(f"ipc.weight_slabs ({cfg.ipc.weight_slabs}) must be >= actors.num_packers "
-                          f"({cfg.actors.num_packers}): each packer owns at least one slab")
+        raise fail("ipc.weight_slabs", f"{cfg.ipc.weight_slabs} must be >= actors.num_packers "
+                                       f"({cfg.actors.num_packers}): each packer owns at least one slab")
     if cfg.ipc.grad_slabs < cfg.actors.num_accumulators:
-        raise ConfigError(f"ipc.grad_slabs ({cfg.ipc.grad_slabs}) must be >= actors.num_accumulators "
-                          f"({cfg.actors.num_accumulators})")
+        raise fail("ipc.grad_slabs", f"{cfg.ipc.grad_slabs} must be >= actors.num_accumulators "
+                                     f"({cfg.actors.num_accumulators})")
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
-    cfg = load(Config, path, overrides)
-    validate(cfg)
+    cfg, where = load_located(Config, path, overrides)
+    validate(cfg, where)
     return cfg

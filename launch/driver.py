@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import json
+import os
 import secrets
 import signal
 import sys
@@ -24,9 +25,10 @@ from megatrain.actors.grad_accumulator import GradAccumulator
 from megatrain.actors.packer import Packer
 from megatrain.actors.store_owner import StoreOwner
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes
-from megatrain.ipc.shm import check_run_id, gib
+from megatrain.ipc.shm import check_run_id, check_run_id_free, gib
 from megatrain.launch.config import Config
 from megatrain.launch.evaluation import Evaluator
+from megatrain.launch.output import prepare_output
 from megatrain.launch.placement import bundle, demands
 from megatrain.launch.runners import Handle, Pending, make_runner
 
@@ -61,6 +63,7 @@ class Trainer:
         self.cfg = cfg
         self.run_id = check_run_id(cfg.train.run_id or secrets.token_hex(5))
         self.out = Path(cfg.train.output_dir.replace("{run_id}", self.run_id))
+        self.log_dir: Path | None = None  # where error.log may go: set once the output directory is ours
         self.runner = make_runner(cfg.launch)
         self.actors: dict[str, Handle] = {}
         self.pids: dict[str, int] = {}
@@ -103,13 +106,16 @@ class Trainer:
     # ---- setup ------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
+        if cfg.train.run_id and not (cfg.launch.address or os.environ.get("RAY_ADDRESS")):
+            check_run_id_free(cfg.train.run_id, cfg.ipc.shm_dir)  # the store is on this machine: say it now
+        prepare_output(self.out, cfg.train.overwrite)
+        self.log_dir = self.out
         # The data first: a bad file is reported (and tokenizing is done) before any process starts.
         self.data = open_data(cfg.data, resolve_hf_config(cfg.model)[1], cfg.model.pretrained)
         self.steps = self.data.steps(cfg.train.steps)
         if self.steps != cfg.train.steps:
             log(f"data.epochs {cfg.data.epochs} x {self.data.batches_per_epoch} batches per epoch = {self.steps} "
                 f"steps (train.steps {cfg.train.steps} is not used)")
-        self.out.mkdir(parents=True, exist_ok=True)
         dem = demands(cfg.actors, cuda=False)
         self.runner.connect(bundle(dem)["CPU"])
         cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and self.runner.has_gpu())
@@ -303,7 +309,7 @@ class Trainer:
         """Abort the run, let the others fail fast, and report the failure that started it all."""
         self._abort(f"{actor} failed")
         failures: list[Exception] = [first]
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 5  # a stopped actor never answers: the verdict must not wait long
         for p in pending.values():
             try:
                 self.runner.result(p, timeout=max(deadline - time.monotonic(), 0.1))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from megatrain.configbase import opt
@@ -12,7 +13,10 @@ class TrainConfig:
     steps: int = opt(100, "Optimizer steps to run.")
     output_dir: str = opt("runs/{run_id}", "Where metrics.jsonl, config.yaml and saved weights go; "
                                            "{run_id} is replaced.")
-    run_id: str = opt("", "Names the run's shared memory (lowercase letters and digits); empty = random.")
+    run_id: str = opt("", "Names the run's shared memory (1-32 lowercase letters and digits); empty = random.")
+    overwrite: bool = opt(False, "Start in a train.output_dir that holds another run's metrics.jsonl, replacing "
+                                 "its metrics, config, error.log, timeline, profiles and final weights; false "
+                                 "refuses to start there.")
     log_every: int = opt(1, "Print a progress line every this many steps (metrics.jsonl gets every step).")
     save_final: bool = opt(False, "Write the final fp32 weights to OUTPUT_DIR/final as an HF model directory.")
     overlap_adam: bool = opt(True, "Launch step t+1 while Adam still updates step t (per-piece version "
@@ -31,6 +35,11 @@ class TrainConfig:
     setup_timeout_s: float = opt(600.0, "Starting and attaching all actors must finish within this.")
 
     def __post_init__(self) -> None:
+        if self.run_id and not re.fullmatch(r"[a-z0-9]{1,32}", self.run_id):
+            raise ValueError(f"train.run_id '{self.run_id}' must be 1-32 lowercase letters and digits (it names "
+                             "shared memory)")
+        if not self.output_dir.strip():
+            raise ValueError("train.output_dir must not be empty")
         if self.steps < 0 or self.log_every < 1:
             raise ValueError("train.steps must be >= 0 and train.log_every >= 1")
         if self.eval_every < 0 or self.eval_batches < 0:

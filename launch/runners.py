@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import threading
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ from megatrain.ipc.procs import descendants, spawn_detached, start_ticks
 from megatrain.launch.placement import Demand
 
 from megatrain.configbase import opt
-from megatrain.errors import AbortError, ActorFailure, MegatrainError, ResourceError
+from megatrain.errors import AbortError, ActorFailure, ConfigError, MegatrainError, ResourceError
 
 
 @dataclass
@@ -84,7 +85,8 @@ class InProcessRunner:
         except AbortError:
             raise
         except Exception as exc:
-            raise ActorFailure(p.actor, f"{type(exc).__name__}: {exc}") from exc
+            raise ActorFailure(p.actor, f"{type(exc).__name__}: {exc}",
+                               traceback="".join(traceback.format_exception(exc))) from exc
 
     def kill(self, h: Handle) -> None:
         pool = self.pools.pop(h.name, None)
@@ -113,7 +115,7 @@ class RayRunner:
             return
         with _keep_sigterm_handler():
             if address:
-                ray.init(address=address, log_to_driver=True)
+                self._join(address)
             else:
                 cpus = self.cfg.num_cpus or max(os.cpu_count() or 1, int(cpus_needed + 0.999))
                 # address="local": always a private instance, even where `ray start` left a cluster
@@ -122,6 +124,15 @@ class RayRunner:
                          object_store_memory=self.cfg.object_store_mb * 2**20, log_to_driver=True)
                 self.started_ray = True
                 self.guard = _start_guard()
+
+    def _join(self, address: str) -> None:
+        key = "--address / launch.address" if self.cfg.address else "RAY_ADDRESS"
+        try:
+            self.ray.init(address=address, log_to_driver=True)
+        except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"{key} '{address}': cannot join that Ray cluster ({first}); without an address "
+                              "a private local instance is started") from None
 
     def has_gpu(self) -> bool:
         return any(n.get("Resources", {}).get("GPU", 0) > 0 for n in self.ray.nodes() if n.get("Alive"))
@@ -163,7 +174,8 @@ class RayRunner:
             cause = exc.cause if exc.cause is not None else exc
             if isinstance(cause, AbortError):
                 raise AbortError(str(cause)) from None
-            raise ActorFailure(p.actor, f"{type(cause).__name__}: {cause}", self.pids.get(p.actor)) from None
+            raise ActorFailure(p.actor, f"{type(cause).__name__}: {cause}", self.pids.get(p.actor),
+                               traceback=getattr(exc, "traceback_str", "") or str(exc)) from None
         except rex.OutOfMemoryError:
             raise ActorFailure(p.actor, "the process died: killed by Ray's out-of-memory monitor",
                                self.pids.get(p.actor), died=True) from None

@@ -49,11 +49,11 @@ def _yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
 
-class _Where:
+class Where:
     """Maps dotted key paths to 'file:line' using the YAML node tree."""
 
-    def __init__(self, source: str, text: str | None, cli_keys: set[str] | None = None):
-        self.source, self.lines, self.cli_keys = source, {}, cli_keys or set()
+    def __init__(self, source: str, text: str | None, cli_keys: dict[str, str] | None = None):
+        self.source, self.lines, self.cli_keys = source, {}, cli_keys or {}
         if text:
             self._walk(yaml.compose(text), "")
 
@@ -66,20 +66,21 @@ class _Where:
 
     def __call__(self, path: str) -> str:
         """Where `path` was set: the command line wins over the file, as it does for the value."""
-        for k in self.cli_keys:
+        for k, item in self.cli_keys.items():
             inside = path == k or path.startswith(k + ".")  # the key, or within a mapping set on the CLI
             if inside or (k.startswith(path + ".") and path not in self.lines):  # a section only the CLI names
-                return "command line"
+                return f"command line '{item}'"
         line = self.lines.get(path)
         return f"{self.source}:{line}" if line else self.source
 
 
-def _fail(where: _Where | None, path: str, msg: str) -> ConfigError:
-    loc = where(path) if where else "command line"
+def key_error(where: Where | None, path: str, msg: str) -> ConfigError:
+    """A ConfigError naming the key and where it was set."""
+    loc = where(path) if where else "config"
     return ConfigError(f"{loc}: config key '{path}': {msg}")
 
 
-def _coerce(tp: Any, value: Any, path: str, where: _Where | None) -> Any:
+def _coerce(tp: Any, value: Any, path: str, where: Where | None) -> Any:
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
@@ -88,44 +89,44 @@ def _coerce(tp: Any, value: Any, path: str, where: _Where | None) -> Any:
         return _coerce(inner[0], value, path, where)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
-            raise _fail(where, path, f"expected a mapping, got {value!r}")
+            raise key_error(where, path, f"expected a mapping, got {value!r}")
         return build(tp, value, path + ".", where)
     if tp is Any:
         return value
     if tp is bool:
         if isinstance(value, bool):
             return value
-        raise _fail(where, path, f"expected true/false, got {value!r}")
+        raise key_error(where, path, f"expected true/false, got {value!r}")
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        raise _fail(where, path, f"expected an integer, got {value!r}")
+        raise key_error(where, path, f"expected an integer, got {value!r}")
     if tp is float:
         try:
             if isinstance(value, bool):
                 raise ValueError
             return float(value)
         except (TypeError, ValueError):
-            raise _fail(where, path, f"expected a number, got {value!r}") from None
+            raise key_error(where, path, f"expected a number, got {value!r}") from None
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
-        raise _fail(where, path, f"expected a string, got {value!r}")
+        raise key_error(where, path, f"expected a string, got {value!r}")
     if origin in (tuple, list):
         if not isinstance(value, (list, tuple)):
-            raise _fail(where, path, f"expected a list, got {value!r}")
+            raise key_error(where, path, f"expected a list, got {value!r}")
         if origin is tuple and args and args[-1] is not Ellipsis and len(args) != len(value):
-            raise _fail(where, path, f"expected {len(args)} items, got {len(value)}")
+            raise key_error(where, path, f"expected {len(args)} items, got {len(value)}")
         item_t = args[0] if args else Any
         return origin(_coerce(item_t, v, f"{path}[{i}]", where) for i, v in enumerate(value))
     if origin is dict or tp is dict:
         if not isinstance(value, dict):
-            raise _fail(where, path, f"expected a mapping, got {value!r}")
+            raise key_error(where, path, f"expected a mapping, got {value!r}")
         return dict(value)
-    raise _fail(where, path, f"unsupported field type {tp}")
+    raise key_error(where, path, f"unsupported field type {tp}")
 
 
-def build(cls: type, data: dict, prefix: str = "", where: _Where | None = None) -> Any:
+def build(cls: type, data: dict, prefix: str = "", where: Where | None = None) -> Any:
     """Instantiate dataclass `cls` from a nested dict, rejecting unknown keys with a suggestion."""
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
@@ -135,13 +136,24 @@ def build(cls: type, data: dict, prefix: str = "", where: _Where | None = None) 
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
-            raise _fail(where, path, "unknown key" + hint)
+            raise key_error(where, path, "unknown key" + hint)
         kwargs[key] = _coerce(hints[key], value, path, where)
     try:
         obj = cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where.source if where else 'config'}: section '{prefix[:-1]}': {exc}") from None
+        raise _section_error(where, prefix, kwargs, exc) from None
     return obj
+
+
+def _section_error(where: Where | None, prefix: str, kwargs: dict, exc: Exception) -> ConfigError:
+    """A section's own check failed: name the key it is about (the first one its message mentions), where
+    that key was set (file:line or the command line) and its value."""
+    text = str(exc)
+    named = [k for k in kwargs if re.search(rf"\b{re.escape(prefix + k)}\b", text)]
+    if named:
+        return key_error(where, prefix + named[0], f"{kwargs[named[0]]!r} is not allowed: {text}")
+    loc = where(prefix[:-1]) if where else "config"
+    return ConfigError(f"{loc}: section '{prefix[:-1]}': {text}")
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
@@ -169,6 +181,11 @@ def merge_overrides(data: dict, overrides: list[str]) -> dict:
 
 def load(cls: type, path: str | Path | None, overrides: list[str] | None = None) -> Any:
     """Load `cls` from a YAML file plus dotted overrides; every error names key and location."""
+    return load_located(cls, path, overrides)[0]
+
+
+def load_located(cls: type, path: str | Path | None, overrides: list[str] | None = None) -> tuple[Any, Where]:
+    """load(), and where each key was set (for checks that span sections)."""
     text, source = None, "defaults"
     if path is not None:
         p = Path(path)
@@ -186,9 +203,10 @@ def load(cls: type, path: str | Path | None, overrides: list[str] | None = None)
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections")
-    cli_keys = {".".join(parse_override(item)[0]) for item in overrides or []}
+    cli_keys = {".".join(parse_override(item)[0]): item for item in overrides or []}
     data = merge_overrides(data, overrides or [])
-    return build(cls, data, "", _Where(source, text, cli_keys))
+    where = Where(source, text, cli_keys)
+    return build(cls, data, "", where), where
 
 
 def to_dict(obj: Any) -> dict:

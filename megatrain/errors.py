@@ -30,8 +30,9 @@ class LayoutMismatch(MegatrainError):
 class ActorFailure(MegatrainError):
     """An actor died or raised; names the actor and carries the root cause."""
 
-    def __init__(self, actor: str, cause: str, pid: int | None = None, died: bool = False):
+    def __init__(self, actor: str, cause: str, pid: int | None = None, died: bool = False, traceback: str = ""):
         self.actor, self.cause, self.pid, self.died = actor, cause, pid, died
+        self.traceback = traceback  # the actor's own, where it raised (for error.log)
         where = f"actor '{actor}'" + (f" (pid {pid})" if pid else "")
         super().__init__(f"{where} failed: {cause}")
 

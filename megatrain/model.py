@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,24 @@ class ModelSpec:
     layout: StoreLayout
 
 
-def resolve_hf_config(cfg: ModelConfig) -> tuple[str, PretrainedConfig]:
+# Accepted by every family's config without being one of its fields: read by PretrainedConfig itself or
+# folded into rope_parameters (transformers 5) from the names older config.json files use.
+_COMMON_KEYS = {"torch_dtype", "dtype", "model_type", "transformers_version", "architectures", "_name_or_path",
+                "output_attentions", "use_cache", "rope_theta", "rope_scaling", "rope_type",
+                "partial_rotary_factor"}
+
+
+def hf_config_fields(family: str, base: dict | None = None) -> set[str]:
+    """Every key model.hf may set for this family: the config class's constructor arguments and fields
+    (this transformers version's), the legacy RoPE names, and whatever the pretrained config.json holds."""
+    conf_cls = family_classes(family)[0]
+    keys = set(inspect.signature(conf_cls.__init__).parameters) - {"self", "kwargs"}
+    keys |= set(conf_cls().to_dict()) | set(getattr(conf_cls, "attribute_map", {}))
+    return keys | _COMMON_KEYS | set(base or {})
+
+
+def pretrained_config(cfg: ModelConfig) -> tuple[str, dict]:
+    """(family, config.json as a dict) of model.pretrained, or (model.family, {}) without one."""
     family, base = cfg.family, {}
     if cfg.pretrained:
         path = Path(cfg.pretrained) / "config.json"
@@ -67,6 +85,11 @@ def resolve_hf_config(cfg: ModelConfig) -> tuple[str, PretrainedConfig]:
         if family not in FAMILIES:
             raise ConfigError(f"model.pretrained: model_type '{family}' is not supported; "
                               f"use one of {sorted(FAMILIES)}")
+    return family, base
+
+
+def resolve_hf_config(cfg: ModelConfig) -> tuple[str, PretrainedConfig]:
+    family, base = pretrained_config(cfg)
     conf_cls = family_classes(family)[0]
     merged = {**base, **cfg.hf}
     merged.pop("architectures", None)

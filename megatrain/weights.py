@@ -48,15 +48,47 @@ def flat_unit(spec: ModelSpec, unit: int, state: dict[str, torch.Tensor]) -> tor
 
 
 def checkpoint_index(directory: str | Path) -> dict[str, Path]:
-    """Map every tensor name of a save_pretrained directory to its safetensors file (no data read)."""
+    """Map every tensor name of a save_pretrained directory to its safetensors file, after checking that
+    every file is whole (its header parses and its size covers every tensor the header lists); no
+    tensor data is read."""
     root = Path(directory)
     index = root / "model.safetensors.index.json"
     if index.is_file():
-        return {k: root / v for k, v in json.loads(index.read_text())["weight_map"].items()}
-    if (root / "model.safetensors").is_file():
-        with safe_open(root / "model.safetensors", "pt") as f:
-            return dict.fromkeys(f.keys(), root / "model.safetensors")
-    raise ConfigError(f"model.pretrained: '{root}' holds no model.safetensors (or sharded index)")
+        try:
+            where = {k: root / v for k, v in json.loads(index.read_text())["weight_map"].items()}
+        except (ValueError, KeyError, AttributeError) as exc:
+            raise ConfigError(f"model.pretrained: {index} is not a safetensors index ({exc})") from None
+    elif (root / "model.safetensors").is_file():
+        where = dict.fromkeys(_header(root / "model.safetensors"), root / "model.safetensors")
+    else:
+        raise ConfigError(f"model.pretrained: '{root}' holds no model.safetensors (or sharded index)")
+    for path in sorted(set(where.values())):
+        names = _header(path)
+        missing = [k for k, p in where.items() if p == path and k not in names]
+        if missing:
+            raise ConfigError(f"model.pretrained: {path} lacks {len(missing)} tensors its index puts there "
+                              f"(first: '{missing[0]}')")
+    return where
+
+
+def _header(path: Path) -> dict[str, dict]:
+    """The tensors of a safetensors file, from its header; a missing, truncated or foreign file is a
+    ConfigError naming it."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or 8 + n > size:
+                raise ValueError(f"header of {n} bytes in a file of {size}")
+            header = json.loads(f.read(n))
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+        raise ConfigError(f"model.pretrained: {path} is not a readable safetensors file ({exc})") from None
+    if 8 + n + end > size:
+        raise ConfigError(f"model.pretrained: {path} is truncated: its header needs {8 + n + end} bytes, the "
+                          f"file has {size}")
+    return tensors
 
 
 def read_unit(spec: ModelSpec, unit: int, where: dict[str, Path]) -> dict[str, torch.Tensor]:
@@ -66,8 +98,11 @@ def read_unit(spec: ModelSpec, unit: int, where: dict[str, Path]) -> dict[str, t
         name = spec.layout.hf_name(unit, s.name)
         if name not in where:
             raise ConfigError(f"model.pretrained: tensor '{name}' is missing from the checkpoint")
-        with safe_open(where[name], "pt") as f:
-            out[s.name] = f.get_tensor(name).float()
+        try:
+            with safe_open(where[name], "pt") as f:
+                out[s.name] = f.get_tensor(name).float()
+        except Exception as exc:  # safetensors raises its own types; name the file either way
+            raise ConfigError(f"model.pretrained: cannot read tensor '{name}' from {where[name]}: {exc}") from None
     return out
 
 

@@ -22,7 +22,7 @@ from megatrain.ipc.protocol.plan import (
 )
 from megatrain.ipc.shm import CTL_PIDS_OFFSET, HEADER_BYTES, MAX_PIDS, Header, Segment, check_space, seg_name
 
-from megatrain.errors import AbortError, ProtocolError, WaitTimeout
+from megatrain.errors import AbortError, ProtocolError, ResourceError, WaitTimeout
 
 # Role table row (float64/int64 words, then bytes): what the stall monitor reads.
 BEAT, PROGRESS, CALLS, WAITS, WAIT_SINCE = range(5)  # words 0-4
@@ -64,11 +64,15 @@ class Store:
                 segments[part] = Segment.create(seg_name(spec.run_id, part), parts[part], hdr)
             for key, (name, initial) in spec.sem_names().items():
                 sems[key] = posix_ipc.Semaphore(name, posix_ipc.O_CREX, mode=0o600, initial_value=initial)
-        except BaseException:
+        except BaseException as exc:
             for sem in sems.values():
                 sem.unlink()
             for seg in segments.values():
                 seg.unlink()
+            if isinstance(exc, posix_ipc.ExistentialError):
+                raise ResourceError(f"shared memory of run '{spec.run_id}' already exists in {spec.ipc.shm_dir}: "
+                                    f"train.run_id '{spec.run_id}' is in use by a live run; choose another (or none, "
+                                    "for a random one)") from None
             raise
         return cls(spec, segments, sems)
 
