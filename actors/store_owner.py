@@ -19,6 +19,7 @@ from megatrain.ipc.protocol.monitor import Monitor
 from megatrain.ipc.shm import pss_split, remove_cuda_ipc_files, seg_name, sweep
 
 from megatrain.engine import EngineConfig
+from megatrain.errors import AbortError
 from megatrain.model import ModelConfig, build_spec, init_unit, meta_model
 from megatrain.weights import checkpoint_index, fill_tile, read_unit, save_units
 
@@ -31,9 +32,12 @@ class StoreOwner(Role):
         self.monitor: Monitor | None = None
 
     def serve(self) -> None:
-        """Held open by the driver for the whole run: if this process dies, the call fails at once,
-        which is how the driver learns of the owner's death while it waits on a step."""
-        self.done.wait()
+        """Held open by the driver for the whole run: if this process dies, the call fails at once, and
+        when the run is aborted (an actor failed, or the monitor found a stall) it raises the reason, which
+        is how the driver learns of either while it waits on a step, even on an actor that never answers."""
+        while not self.done.wait(0.1):
+            if self.store is not None and self.store.aborted:
+                raise AbortError(f"run aborted: {self.store.abort_reason()}")
 
     def create(self, run_id: str, model_cfg: ModelConfig, no_decay_1d: bool, clip: bool, engine: EngineConfig,
                num_packers: int, num_accumulators: int, ipc_cfg: IpcConfig,

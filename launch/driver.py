@@ -297,7 +297,7 @@ class Trainer:
         return results
 
     def _owner_died(self, serve: Pending, pending: dict[str, Pending]) -> None:
-        """The owner's serve() call ended before shutdown: its process is gone."""
+        """The owner's serve() call ended before shutdown: its process is gone, or the run was aborted."""
         try:
             self.runner.result(serve)
             exc: Exception = ActorFailure("store-owner", "stopped serving the store", self.pids.get("store-owner"))

@@ -19,6 +19,7 @@ import torch
 from megatrain.launch.config import Config, load_config
 
 from megatrain.data import Batch, open_data
+from megatrain.errors import ConfigError, DataError, MegatrainError
 from megatrain.model import family_classes, resolve_hf_config
 from megatrain.reference import Batches, train_reference
 
@@ -80,9 +81,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the report here")
     p.add_argument("--tolerance", type=float, default=0.01, help="max per-step relative loss difference")
     args = p.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    with tempfile.TemporaryDirectory() as tmp:
-        rep = compare(cfg, Path(tmp))
+    try:
+        cfg = load_config(args.config, args.overrides)
+        with tempfile.TemporaryDirectory() as tmp:
+            rep = compare(cfg, Path(tmp))
+    except (ConfigError, DataError) as exc:  # as megatrain-launch: one line, usage error
+        print(f"{p.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except MegatrainError as exc:
+        print(f"{p.prog}: error: {exc}", file=sys.stderr)
+        return 1
     rep.pop("summary")
     for i, (a, b, r) in enumerate(zip(rep["losses"], rep["ref_losses"], rep["loss_rel"])):
         print(f"step {i + 1:3d}  megatrain {a:.5f}  reference {b:.5f}  rel diff {r:.2e}")

@@ -153,6 +153,26 @@ def test_killed_actor_is_named_and_everything_is_released(tmp_path: Path, victim
 
 
 @pytest.mark.slow
+def test_a_stopped_actor_is_named_within_30s_with_the_defaults(tmp_path: Path) -> None:
+    """SIGSTOP: the process neither dies nor raises; its peers wait on it. The monitor must name it (from
+    its heartbeat), not a peer that times out waiting, and well before ipc.wait_timeout_s (600 s)."""
+    cli = Cli(tmp_path, steps=100000)
+    pids = cli.actor_pids()
+    cli.wait_for(r"step \d+/")
+    cli.snapshot()
+    os.kill(pids["adam-updater"], signal.SIGSTOP)
+    t0 = time.monotonic()
+    cli.wait_for(r"stalled: actor 'adam-updater'.*stopped running", timeout=60)  # the monitor's verdict
+    took = time.monotonic() - t0
+    rc = cli.finish(timeout=90)
+    err = "".join(cli.stderr)
+    assert rc == 1, cli.text()
+    assert "stalled: actor 'adam-updater'" in err and "stopped running" in err, cli.text()
+    assert took < 30, f"took {took:.1f}s to name the stopped actor"
+    cli.assert_clean()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sighup"])
 def test_interrupt_releases_everything(tmp_path: Path, how: str) -> None:
     cli = Cli(tmp_path, steps=100000)
