@@ -19,7 +19,7 @@ def ray_cluster():
     """A local Ray instance for the whole session; the Trainer joins it instead of starting its own."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=96 * 2**20, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=96 * 2**20, log_to_driver=False)
     try:
         yield ray
     finally:
