@@ -199,9 +199,10 @@ def head_node(tmp_path: Path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.Popen(["ray", "start", "--head", "--block", f"--port={port}", "--num-cpus=8",
-                             "--include-dashboard=false", "--disable-usage-stats"], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **NO_AUTH})
+    proc = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                             f"--port={port}", "--num-cpus=8", "--include-dashboard=false", "--disable-usage-stats"],
+                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, **NO_AUTH})
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
