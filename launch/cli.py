@@ -6,7 +6,9 @@ import argparse
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from megatrain.errors import ConfigError, DataError, MegatrainError
 
@@ -43,11 +45,25 @@ def cleanup() -> int:
 def reference() -> int:
     from megatrain.launch.config import Config
 
-    from megatrain.configbase import reference as rows
+    from megatrain.configbase import reference_table
 
-    for key, default, doc in rows(Config):
-        print(f"{key} = {default}\n    {doc}")
+    print(reference_table(Config), end="")  # README's "Config reference" is this very table
     return 0
+
+
+def _resolved_here(cfg: Any, dump: Callable[[Any], str]) -> str:
+    """The config with what this machine decides made concrete (a run on a cluster decides on the GPU's node)."""
+    import dataclasses
+
+    import torch
+
+    from megatrain.engine import resolve_engine
+
+    engine = resolve_engine(cfg.engine, cfg.engine.device == "cuda" or torch.cuda.is_available())
+    head = ("# resolved on this machine: engine.device and engine.compute_dtype from its GPU (a run decides on\n"
+            "# the executor's node); ipc.staging 'auto' is decided at start from free memory (see the run's\n"
+            "# config.yaml)\n")
+    return head + dump(dataclasses.replace(cfg, engine=engine))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = list(args.overrides) + ([f"launch.address={args.address}"] if args.address else [])
         cfg = load_config(args.config, overrides)
         if args.print_config:
-            print(dump_yaml(cfg), end="")
+            print(_resolved_here(cfg, dump_yaml), end="")
             return 0
         from megatrain.launch.driver import Trainer
 

@@ -34,7 +34,7 @@ from megatrain.launch.runners import Handle, Pending, make_runner
 
 from megatrain import log
 from megatrain.adamw import lr_at
-from megatrain.configbase import dump_yaml
+from megatrain.configbase import differences, dump_yaml
 from megatrain.data import Data, open_data
 from megatrain.data.loader import Prefetcher
 from megatrain.engine import resolve_engine
@@ -120,19 +120,28 @@ class Trainer:
         self.runner.connect(bundle(dem)["CPU"])
         cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and self.runner.has_gpu())
         self.engine_cfg = resolve_engine(cfg.engine, cuda)
-        resolved = dataclasses.replace(cfg, engine=self.engine_cfg,
-                                       train=dataclasses.replace(cfg.train, run_id=self.run_id))
-        text = dump_yaml(resolved)
-        (self.out / "config.yaml").write_text(text)
-        log(f"run {self.run_id}, resolved config (also in {self.out / 'config.yaml'}):\n{text}")
+        self._write_config()
+        changed = differences(self._resolved(), Config())
+        log(f"run {self.run_id}; config (what differs from the defaults; all of it, resolved, in "
+            f"{self.out / 'config.yaml'}):\n  " + "\n  ".join(f"{k}: {_short(v)}" for k, v in changed))
         dem = demands(cfg.actors, cuda, clip=cfg.optim.max_grad_norm > 0)
         self.runner.place(bundle(dem))
         self._start_store(dem)
+        self._write_config()  # now with ipc.staging as the store owner resolved it
         self._start_workers(dem)
         self._describe()
         self.evaluator = Evaluator(self.data, cfg.train.eval_batches, list(self.actors),
                                    lambda name, method, *a: self.runner.call(self.actors[name], method, *a),
                                    lambda calls, what: self._gather(calls, cfg.train.step_timeout_s, what))
+
+    def _resolved(self) -> Config:
+        cfg = self.cfg
+        ipc = dataclasses.replace(cfg.ipc, staging=self.spec.staging_mode) if self.spec else cfg.ipc
+        return dataclasses.replace(cfg, engine=self.engine_cfg, ipc=ipc,
+                                   train=dataclasses.replace(cfg.train, run_id=self.run_id))
+
+    def _write_config(self) -> None:
+        (self.out / "config.yaml").write_text(dump_yaml(self._resolved()))
 
     def _start_store(self, dem: dict) -> None:
         cfg = self.cfg
@@ -351,3 +360,8 @@ class Trainer:
                     print(f"[megatrain] store owner did not shut down cleanly: {exc}", file=sys.stderr)
                 self.runner.kill(owner)
             self.runner.close()
+
+
+def _short(value: Any) -> str:
+    """A config value on one console line."""
+    return json.dumps(value) if isinstance(value, (dict, list, tuple)) else str(value)

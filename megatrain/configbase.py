@@ -224,6 +224,26 @@ def dump_yaml(obj: Any) -> str:
     return yaml.safe_dump(plain(to_dict(obj)), sort_keys=False)
 
 
+def reference_table(cls: type) -> str:
+    """The config reference as a markdown table (README's section and `megatrain-launch --config-reference`)."""
+    lines = ["| key | default | meaning |", "|---|---|---|"]
+    for key, default, doc in reference(cls):
+        lines.append(f"| `{key}` | `{default}` | {doc.replace('|', '&#124;')} |")
+    return "\n".join(lines) + "\n"
+
+
+def differences(obj: Any, default: Any, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted key, value) of every leaf of `obj` that differs from `default` (same dataclass type)."""
+    out = []
+    for f in dataclasses.fields(obj):
+        mine, theirs = getattr(obj, f.name), getattr(default, f.name)
+        if dataclasses.is_dataclass(mine):
+            out += differences(mine, theirs, f"{prefix}{f.name}.")
+        elif mine != theirs:
+            out.append((prefix + f.name, mine))
+    return out
+
+
 def reference(cls: type, prefix: str = "") -> list[tuple[str, str, str]]:
     """(key, default, doc) rows for every leaf field, for the README and --config-reference."""
     rows = []

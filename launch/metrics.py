@@ -1,0 +1,43 @@
+"""The fields of metrics.jsonl: one documented source for the README's table and the tests."""
+
+from __future__ import annotations
+
+METRICS: dict[str, str] = {
+    "step": "optimizer step, from 1",
+    "epoch": "the data epoch the step's batch comes from, from 0",
+    "loss": "mean token loss of the step's batch, before its update",
+    "lr": "learning rate of the step's update",
+    "tokens": "tokens of the batch that carry a label",
+    "step_time_s": "wall time of the step as the driver sees it (with train.overlap_adam, Adam's tail overlaps "
+                   "the next step)",
+    "tokens_per_s": "batch tokens (labelled or not) / step_time_s",
+    "compute_s": "the executor's time in the step, streaming included",
+    "weight_wait_s": "time the executor waited for weights (loader behind compute)",
+    "grad_wait_s": "time the executor waited for a free gradient slab (drainers behind)",
+    "h2d_bytes": "weight bytes streamed to the device",
+    "d2h_bytes": "gradient bytes streamed back",
+    "forward_s": "executor phase split: forward",
+    "head_s": "executor phase split: final norm, LM head and loss",
+    "backward_s": "executor phase split: recompute and backward",
+    "gpu_peak_bytes": "CUDA only: peak GPU memory allocated in the step",
+    "grad_norm": "global gradient norm before clipping (inf or nan when the step was skipped)",
+    "clip_scale": "factor the gradients were scaled by (1.0 when not clipped)",
+    "skipped": "the step was skipped whole (a non-finite gradient, with clipping on)",
+    "adam_s": "the Adam updater's time for the step",
+    "eval_loss": "evaluation steps only: mean token loss on the evaluation set",
+    "eval_ppl": "evaluation steps only: exp(eval_loss)",
+    "eval_tokens": "evaluation steps only: labelled tokens evaluated",
+    "eval_s": "evaluation steps only: executor time of the evaluation",
+    "eval_accuracy": "evaluation steps, generated arithmetic only: exact-match accuracy of greedy answers",
+    "profile_trace": "train.profile_step only: path of the Chrome trace (on the executor's node)",
+    "loop_blocking_calls": "train.profile_step only: host-blocking CUDA calls of the compute thread in the layer loop",
+    "loop_blocking_names": "train.profile_step only: their names",
+    "loop_runtime_calls": "train.profile_step only: CUDA runtime calls of the compute thread in the layer loop",
+    "helper_thread_blocking_calls": "train.profile_step only: host-blocking CUDA calls of the copy threads",
+    "profile_error": "train.profile_step only: why the check could not be made",
+}
+
+
+def metrics_table() -> str:
+    lines = ["| field | meaning |", "|---|---|"] + [f"| `{k}` | {v} |" for k, v in METRICS.items()]
+    return "\n".join(lines) + "\n"
