@@ -67,15 +67,24 @@ def _resolved_here(cfg: Any, dump: Callable[[Any], str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)  # overrides may come after --address too
     if args.cleanup:
         return cleanup()
     if args.config_reference:
         return reference()
     if not args.config:
         _parser().error("a CONFIG file is required")
-    signal.signal(signal.SIGTERM, _sigterm)
-    signal.signal(signal.SIGHUP, _sigterm)  # a dropped SSH session: the same cleanup as SIGTERM
+    # A dropped SSH session (SIGHUP) and kill(1) get the same cleanup as Ctrl-C; restored on return, for
+    # callers that run main() in their own process (tests, notebooks).
+    old = {sig: signal.signal(sig, _sigterm) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        return _run(args)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def _run(args: argparse.Namespace) -> int:
     trainer = None
     try:
         from megatrain.launch.config import load_config

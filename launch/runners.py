@@ -11,6 +11,7 @@ import concurrent.futures as cf
 import contextlib
 import os
 import signal
+import socket
 import threading
 import traceback
 from collections.abc import Iterator
@@ -127,6 +128,10 @@ class RayRunner:
 
     def _join(self, address: str) -> None:
         key = "--address / launch.address" if self.cfg.address else "RAY_ADDRESS"
+        unreachable = _unreachable(address)
+        if unreachable:  # ray.init would retry for minutes
+            raise ConfigError(f"{key} '{address}': cannot join that Ray cluster ({unreachable}); without an "
+                              "address a private local instance is started")
         try:
             self.ray.init(address=address, log_to_driver=True)
         except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:
@@ -224,6 +229,19 @@ def _keep_sigterm_handler() -> Iterator[None]:
     finally:
         if is_main and old is not None:
             signal.signal(signal.SIGTERM, old)
+
+
+def _unreachable(address: str, timeout: float = 5.0) -> str:
+    """Why a host:port cluster address cannot be reached, or '' (also for 'auto' and ray:// addresses,
+    which Ray resolves itself)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return ""
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+        return ""
+    except OSError as exc:
+        return f"no Ray GCS answers at {address}: {exc.strerror or exc}"
 
 
 def make_runner(cfg: LaunchConfig) -> InProcessRunner | RayRunner:

@@ -195,7 +195,10 @@ def load_located(cls: type, path: str | Path | None, overrides: list[str] | None
     try:
         data = _yaml(text) if text else {}
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+        mark = getattr(exc, "problem_mark", None)
+        at = f"{source}:{mark.line + 1}" if mark is not None else source
+        what = " ".join(str(getattr(exc, "problem", None) or exc).split())
+        raise ConfigError(f"{at}: not valid YAML: {what}") from None
     if path is not None and not data:
         raise ConfigError(f"{source}: the config file sets nothing; give at least the model and the data "
                           "(see examples/default.yaml), or run without a file to use the built-in defaults")

@@ -1,0 +1,134 @@
+"""Every bad input of the README's *Failures* list through `megatrain-launch` (main() in this process,
+so the suite stays fast): exit 2, one line naming the key or file and the value, no traceback, and
+nothing started or left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+
+from megatrain.launch import cli
+from tests.conftest import ROOT, run_leftovers
+from tests.helpers import TINY, tiny_hf
+
+DEFAULT = str(ROOT / "examples/default.yaml")
+
+
+def launch(capsys, *argv: str) -> tuple[int, str]:
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    code = cli.main(list(argv))
+    err = capsys.readouterr().err
+    left = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert not left, f"processes started and left: {left}"
+    assert "Traceback" not in err
+    return code, err
+
+
+def usage_error(capsys, *argv: str) -> str:
+    code, err = launch(capsys, *argv)
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("overrides, expect", [
+    (["engine.checkpoint_interval=0"], ["command line 'engine.checkpoint_interval=0'", "0 is not allowed"]),
+    (["engine.checkpoint_interval=3"], ["'engine.checkpoint_interval=3'", "3 exceeds the model's 2 layers"]),
+    (["model.hf.num_hiden_layers=2"], ["model.hf.num_hiden_layers", "did you mean 'model.hf.num_hidden_layers'"]),
+    (['model.hf={"hiden_size": 64}'], ["model.hf.hiden_size", "did you mean 'model.hf.hidden_size'"]),
+    (["optim.lrr=1"], ["optim.lrr", "did you mean 'optim.lr'"]),
+    (["train.steps=ten"], ["train.steps", "expected an integer, got 'ten'"]),
+    (["train.run_id=Bad_Id"], ["train.run_id", "'Bad_Id'", "lowercase"]),
+    (["data.seq_len=100000"], ["data.seq_len", "100000 exceeds", "max_position_embeddings"]),
+    (["data.kind=text", "data.path=/nonexistent/corpus.jsonl", "data.tokenizer=/nonexistent/tok"],
+     ["/nonexistent"]),
+    (["model.pretrained=/nonexistent/model"], ["model.pretrained", "/nonexistent/model"]),
+    (["launch.runner=threads"], ["launch.runner", "'threads'"]),
+    (["nonsense"], ["'nonsense'", "dotted.key=value"]),
+])
+def test_bad_config_values(capsys, overrides: list[str], expect: list[str]) -> None:
+    err = usage_error(capsys, DEFAULT, *overrides)
+    for text in expect:
+        assert text in err, (text, err)
+
+
+def test_bad_yaml_names_file_and_line(capsys, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  family: llama\ntrain:\n  steps: 10\n  stepz: 3\n")
+    err = usage_error(capsys, str(bad))
+    assert f"{bad}:5" in err and "train.stepz" in err and "did you mean 'train.steps'" in err
+    (tmp_path / "hf.yaml").write_text("model:\n  hf:\n    hidden_size: 64\n    num_hiden_layers: 2\n")
+    err = usage_error(capsys, str(tmp_path / "hf.yaml"))
+    assert f"{tmp_path / 'hf.yaml'}:4" in err and "model.hf.num_hiden_layers" in err
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "[1, 2]\n", "model: [\n"])
+def test_empty_or_malformed_config_file(capsys, tmp_path: Path, text: str) -> None:
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    assert str(f) in usage_error(capsys, str(f))
+
+
+def test_missing_config_file(capsys, tmp_path: Path) -> None:
+    assert str(tmp_path / "nope.yaml") in usage_error(capsys, str(tmp_path / "nope.yaml"))
+
+
+def test_output_dir_of_another_run_is_refused_and_left_alone(capsys, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    err = usage_error(capsys, DEFAULT, f"train.output_dir={out}")
+    assert "train.output_dir" in err and str(out) in err and "2 steps" in err and "train.overwrite=true" in err
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]  # no error.log written into it
+
+
+def test_output_dir_that_is_a_file(capsys, tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    assert "train.output_dir" in usage_error(capsys, DEFAULT, f"train.output_dir={tmp_path / 'f'}")
+
+
+def test_run_id_of_a_live_run(capsys, tmp_path: Path, rid: str, model_spec) -> None:
+    from megatrain.ipc.protocol import Store
+    from tests.shm_fixtures import make_spec
+
+    store = Store.create(make_spec(rid, model_spec))  # this process owns it: a live run
+    try:
+        err = usage_error(capsys, DEFAULT, f"train.run_id={rid}", f"train.output_dir={tmp_path / 'o'}")
+        assert f"train.run_id '{rid}' is in use by a live run (store owner pid {os.getpid()})" in err
+    finally:
+        store.unlink()
+
+
+def test_truncated_safetensors_is_named(capsys, tmp_path: Path) -> None:
+    model = tiny_hf("llama", tied=False, layers=2)
+    model.save_pretrained(tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    with open(weights, "r+b") as f:
+        f.truncate(weights.stat().st_size // 2)
+    capsys.readouterr()  # save_pretrained's progress bar
+    hf = json.dumps({"num_hidden_layers": 2})
+    err = usage_error(capsys, DEFAULT, f"model.pretrained={tmp_path / 'm'}", f"model.hf={hf}", "data.seq_len=64")
+    assert str(weights) in err and "truncated" in err
+
+
+def test_unreachable_ray_address_names_the_key(capsys, tmp_path: Path) -> None:
+    err = usage_error(capsys, DEFAULT, "--address", "127.0.0.1:9", f"train.output_dir={tmp_path / 'o'}",
+                      f"model.hf={json.dumps({**TINY, 'num_hidden_layers': 2})}")
+    assert "--address / launch.address '127.0.0.1:9'" in err and "cannot join" in err
+
+
+def test_fidelity_reports_a_bad_key_in_one_line(capsys) -> None:
+    from megatrain.launch import fidelity
+
+    assert fidelity.main([DEFAULT, "optim.lrr=1"]) == 2
+    err = capsys.readouterr().err
+    assert "optim.lrr" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_nothing_of_a_refused_run_is_in_shm(capsys, tmp_path: Path, rid: str) -> None:
+    usage_error(capsys, DEFAULT, f"train.run_id={rid}", "model.hf.num_hiden_layers=2")
+    assert run_leftovers(rid) == []
