@@ -28,20 +28,22 @@ from megatrain.hostops import sqnorm, warm_up
 
 
 class AdamUpdater(Role):
-    def __init__(self, spec: StoreSpec, cfg: OptimConfig, threads: int = 0):
+    def __init__(self, cfg: OptimConfig, threads: int = 0):
         super().__init__("adam-updater")
         self.numba_threads = threads
         if threads > 0:
             torch.set_num_threads(threads)  # process-wide (the resident cast)
         self.cfg = cfg
-        parts = spec.planes + (("resident",) if spec.resident else ()) + (() if spec.clip else ("staging",))
-        self.store = Store.attach(spec, parts, role=self.name)
         self.turn = threading.Condition()
         self.next_step = 0
         self.use_numba_threads()
-        warm_up()  # compiled (or loaded from Numba's cache) before the first step, not inside it
+        warm_up()  # compiled (or loaded from Numba's cache) while the store is being made, not in a step
         a = np.zeros(4, np.float32)
         adamw_update(a, a.copy(), a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0)
+
+    def attach(self, spec: StoreSpec) -> None:
+        parts = spec.planes + (("resident",) if spec.resident else ()) + (() if spec.clip else ("staging",))
+        self.store = Store.attach(spec, parts, role=self.name)
 
     @guarded
     def step(self, step: int, lr: float) -> dict:

@@ -19,24 +19,35 @@ from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.executor import Marks, StreamedSink, StreamedSource, SyncSink, SyncSource, copy_intervals
 
 from megatrain.engine import EngineConfig, StepEngine, resolve_device, resolve_dtype
+from megatrain.model import family_classes
 from megatrain.profiling import StepProfile
 
 
 class GpuExecutor(Role):
-    def __init__(self, spec: StoreSpec, cfg: EngineConfig, threads: int = 0):
+    def __init__(self, cfg: EngineConfig, threads: int = 0, family: str = ""):
+        """Process-level set-up, done while the store owner makes the store: the CUDA context, and the
+        modeling code of the model's family (the engine's templates come from it)."""
         super().__init__("gpu-executor")
         if threads > 0:
             torch.set_num_threads(threads)
-        self.store = Store.attach(spec, ("staging", "resident") if spec.resident else ("staging",), role=self.name)
+        self.cfg = cfg
         self.device = resolve_device(cfg)
-        dtype = resolve_dtype(cfg, self.device)
         self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            torch.cuda.set_device(self.device)
+            torch.cuda.init()
+        if family:
+            family_classes(family)  # imports the family's modeling module
+
+    def attach(self, spec: StoreSpec) -> None:
+        cfg = self.cfg
+        self.store = Store.attach(spec, ("staging", "resident") if spec.resident else ("staging",), role=self.name)
+        dtype = resolve_dtype(cfg, self.device)
         self.engine = StepEngine(spec.model, cfg, self.device, dtype)
         self.handles: list[bytes] | None = None
         if self.cuda:
             from megatrain.ipc.cuda_events import make_ipc_events, register_host
 
-            torch.cuda.set_device(self.device)
             for part in ("staging", "resident") if spec.resident else ("staging",):
                 register_host(self.store.region(part))
             events, self.handles = make_ipc_events(spec.ipc.grad_slabs)

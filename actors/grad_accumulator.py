@@ -15,13 +15,16 @@ from megatrain.hostops import warm_up
 
 
 class GradAccumulator(Role):
-    def __init__(self, spec: StoreSpec, index: int, threads: int = 0):
+    def __init__(self, index: int, threads: int = 0):
         super().__init__(f"grad-accumulator-{index}")
+        self.index = index
         self.numba_threads = threads
-        self.items = spec.grad_items(index)
-        self.store = Store.attach(spec, ("grads", "staging"), role=self.name)
         self.use_numba_threads()
-        warm_up()  # compiled (or loaded from Numba's cache) before the first step, not inside it
+        warm_up()  # compiled (or loaded from Numba's cache) while the store is being made, not in a step
+
+    def attach(self, spec: StoreSpec) -> None:
+        self.items = spec.grad_items(self.index)
+        self.store = Store.attach(spec, ("grads", "staging"), role=self.name)
 
     @guarded
     def step(self, step: int) -> dict:

@@ -14,10 +14,13 @@ from megatrain.ipc.protocol.workers import pack
 
 
 class Packer(Role):
-    def __init__(self, spec: StoreSpec, index: int, threads: int = 1):
+    def __init__(self, index: int, threads: int = 1):
         super().__init__(f"packer-{index}")
+        self.index = index
         torch.set_num_threads(max(threads, 1))
-        self.items = {walk: spec.weight_items(index, walk) for walk in ("step", "forward")}
+
+    def attach(self, spec: StoreSpec) -> None:
+        self.items = {walk: spec.weight_items(self.index, walk) for walk in ("step", "forward")}
         self.store = Store.attach(spec, ("params", "staging"), role=self.name)
 
     @guarded

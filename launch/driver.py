@@ -126,9 +126,13 @@ class Trainer:
             f"{self.out / 'config.yaml'}):\n  " + "\n  ".join(f"{k}: {_short(v)}" for k, v in changed))
         dem = demands(cfg.actors, cuda, clip=cfg.optim.max_grad_norm > 0)
         self.runner.place(bundle(dem))
-        self._start_store(dem)
+        # Worker processes start (and import torch, compile Numba, make a CUDA context) while the store
+        # owner makes and fills the store; they attach to it once it exists.
+        self.actors["store-owner"] = self.runner.spawn("store-owner", StoreOwner, (), dem["store-owner"])
+        self._spawn_workers(dem, packers=_expect_packers(cfg.ipc.staging, cuda))
+        self._start_store()
         self._write_config()  # now with ipc.staging as the store owner resolved it
-        self._start_workers(dem)
+        self._attach_workers(dem)
         self._describe()
         self.evaluator = Evaluator(self.data, cfg.train.eval_batches, list(self.actors),
                                    lambda name, method, *a: self.runner.call(self.actors[name], method, *a),
@@ -143,9 +147,8 @@ class Trainer:
     def _write_config(self) -> None:
         (self.out / "config.yaml").write_text(dump_yaml(self._resolved()))
 
-    def _start_store(self, dem: dict) -> None:
+    def _start_store(self) -> None:
         cfg = self.cfg
-        self.actors["store-owner"] = self.runner.spawn("store-owner", StoreOwner, (), dem["store-owner"])
         self.sentinel = self.runner.call(self.actors["store-owner"], "serve")
         self.spec = self._call_one("store-owner", "create", self.run_id, cfg.model, cfg.optim.no_decay_1d,
                                    cfg.optim.max_grad_norm > 0, self.engine_cfg, cfg.actors.num_packers,
@@ -153,17 +156,35 @@ class Trainer:
         log(f"weight staging: {self.spec.staging_mode}; gradients: "
             + ("fp32 plane, global-norm clipping" if self.spec.clip else "straight to Adam (no clipping)"))
 
-    def _start_workers(self, dem: dict) -> None:
-        a, spec = self.cfg.actors, self.spec
-        plan: list[tuple[str, type, tuple]] = [("gpu-executor", GpuExecutor, (spec, self.engine_cfg,
-                                                                              a.executor_threads))]
-        if not spec.resident:  # resident mode has nothing to pack per step: Adam writes the copy
-            plan += [(f"packer-{i}", Packer, (spec, i, a.packer_threads)) for i in range(a.num_packers)]
-        plan += [(f"grad-accumulator-{i}", GradAccumulator, (spec, i, a.accumulator_threads))
-                 for i in range(a.num_accumulators if spec.clip else 0)]
-        plan += [("adam-updater", AdamUpdater, (spec, self.cfg.optim, a.adam_threads))]
+    def _spawn_workers(self, dem: dict, packers: bool) -> None:
+        a, clip = self.cfg.actors, self.cfg.optim.max_grad_norm > 0
+        family = resolve_hf_config(self.cfg.model)[0]
+        plan: list[tuple[str, type, tuple]] = [("gpu-executor", GpuExecutor, (self.engine_cfg, a.executor_threads,
+                                                                              family))]
+        plan += [(f"grad-accumulator-{i}", GradAccumulator, (i, a.accumulator_threads))
+                 for i in range(a.num_accumulators if clip else 0)]
+        plan += [("adam-updater", AdamUpdater, (self.cfg.optim, a.adam_threads))]
+        if packers:
+            plan += self._packer_plan()
         for name, cls, args in plan:
             self.actors[name] = self.runner.spawn(name, cls, args, dem[name])
+
+    def _packer_plan(self) -> list[tuple[str, type, tuple]]:
+        a = self.cfg.actors
+        return [(f"packer-{i}", Packer, (i, a.packer_threads)) for i in range(a.num_packers)]
+
+    def _attach_workers(self, dem: dict) -> None:
+        spec = self.spec
+        packers = [n for n in self.actors if n.startswith("packer-")]
+        if spec.resident:  # nothing to pack per step: Adam writes the resident copy
+            for name in packers:
+                self.runner.kill(self.actors.pop(name))
+        elif not packers:
+            for name, cls, args in self._packer_plan():
+                self.actors[name] = self.runner.spawn(name, cls, args, dem[name])
+        workers = {n: h for n, h in self.actors.items() if n != "store-owner"}
+        self._gather({n: self.runner.call(h, "attach", spec) for n, h in workers.items()},
+                     self.cfg.train.setup_timeout_s, "starting the actors")
         infos = self._gather({n: self.runner.call(h, "info") for n, h in self.actors.items()},
                              self.cfg.train.setup_timeout_s, "starting the actors")
         self.pids = {n: i["pid"] for n, i in infos.items()}
@@ -365,3 +386,10 @@ class Trainer:
 def _short(value: Any) -> str:
     """A config value on one console line."""
     return json.dumps(value) if isinstance(value, (dict, list, tuple)) else str(value)
+
+
+def _expect_packers(staging: str, cuda: bool) -> bool:
+    """Whether the store will be in slabs mode (packers needed), as far as the driver can tell before the
+    store owner resolves 'auto' on the GPU's node: auto means slabs on the CPU device, resident on CUDA
+    unless it does not fit (then the packers start late)."""
+    return staging == "slabs" or (staging == "auto" and not cuda)

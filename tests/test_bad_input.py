@@ -10,8 +10,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from megatrain.launch import cli
+
 from tests.conftest import ROOT, run_leftovers
 from tests.helpers import TINY, tiny_hf
 
@@ -93,6 +93,7 @@ def test_output_dir_that_is_a_file(capsys, tmp_path: Path) -> None:
 
 def test_run_id_of_a_live_run(capsys, tmp_path: Path, rid: str, model_spec) -> None:
     from megatrain.ipc.protocol import Store
+
     from tests.shm_fixtures import make_spec
 
     store = Store.create(make_spec(rid, model_spec))  # this process owns it: a live run
