@@ -23,7 +23,7 @@ from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.workers import free_grad, take_grad, wait_all_grads
 
 from megatrain.adamw import OptimConfig, adamw_update, clip_scale
-from megatrain.errors import NonFiniteGradient
+from megatrain.errors import NonFiniteGradient, ProtocolError, WaitTimeout
 from megatrain.hostops import sqnorm, warm_up
 
 
@@ -61,12 +61,17 @@ class AdamUpdater(Role):
                 self.turn.notify_all()
 
     def _wait_turn(self, step: int) -> None:
+        ipc = self.store.spec.ipc
+        deadline = time.monotonic() + ipc.wait_timeout_s
         with self.turn:
             while self.next_step != step:
                 self.store.check_abort()
                 if self.next_step > step:
-                    raise RuntimeError(f"Adam step {step} requested after step {self.next_step - 1}")
-                self.turn.wait(self.store.spec.ipc.poll_s)
+                    raise ProtocolError(f"Adam step {step} requested after step {self.next_step - 1}")
+                if time.monotonic() > deadline:
+                    raise WaitTimeout(f"waited {ipc.wait_timeout_s:g}s for Adam's step {self.next_step} to end "
+                                      f"before step {step}")
+                self.turn.wait(ipc.poll_s)
 
     def _clipped(self, step: int, lr: float) -> dict:
         store = self.store

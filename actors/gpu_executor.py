@@ -11,6 +11,7 @@ import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -76,19 +77,29 @@ class GpuExecutor(Role):
         """One step; `timeline` records the per-unit lanes, `profile` (a path) runs the step under
         torch.profiler and checks that the layer loop never blocks the host."""
         run = functools.partial(self._profiled, profile) if profile else self._step
-        return self.compute.submit(run, step, ids, labels, timeline).result()
+        return self._on_compute(run, step, ids, labels, timeline)
 
     @guarded
     def evaluate(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
         """Forward-only passes (one weight walk per batch) with the weights after step-1's update: the
         summed token loss and the labelled tokens over all batches."""
-        return self.compute.submit(self._evaluate, step, batches).result()
+        return self._on_compute(self._evaluate, step, batches)
 
     @guarded
     def generate(self, step: int, ids: torch.Tensor, pos: torch.Tensor, new_tokens: int) -> torch.Tensor:
         """Greedy decoding of exactly `new_tokens` tokens (one weight walk each; the packers pack exactly
         that many): row r continues after position pos[r], its right padding overwritten as it grows."""
-        return self.compute.submit(self._generate, step, ids, pos, new_tokens).result()
+        return self._on_compute(self._generate, step, ids, pos, new_tokens)
+
+    def _on_compute(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run on the compute thread; the caller returns on an abort even if that thread never does (its
+        own waits are timed; a hang in its own work is the stall monitor's to name)."""
+        fut = self.compute.submit(fn, *args)
+        while True:
+            try:
+                return fut.result(timeout=self.store.spec.ipc.poll_s)
+            except FutureTimeout:
+                self.store.check_abort()
 
     def _walks(self, step: int, count: int, fn: Callable[[], Any]) -> list:
         out = []

@@ -319,3 +319,12 @@ def test_reference_documents_every_key() -> None:
     # Sections carry a doc too.
     for f in dataclasses.fields(Config):
         assert f.metadata.get("doc", "").strip(), f.name
+
+
+def test_a_stalled_actor_is_named_within_30s_with_the_defaults() -> None:
+    """The monitor fails a stalled run after ipc.stall_timeout_s plus one beat; the driver then waits at
+    most 5 s for the others' answers (launch/driver.py _root_cause)."""
+    from megatrain.ipc.protocol.store import BEAT_S
+
+    cfg = load_config(DEFAULT_YAML)
+    assert cfg.ipc.stall_timeout_s + BEAT_S + 5 < 30

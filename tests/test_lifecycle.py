@@ -134,8 +134,7 @@ def test_bad_override_names_the_command_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", ["packer-0", "grad-accumulator-0", "adam-updater", "gpu-executor",
-                                    "store-owner"])
+@pytest.mark.parametrize("victim", ["packer-0", "adam-updater", "gpu-executor", "store-owner"])
 def test_killed_actor_is_named_and_everything_is_released(tmp_path: Path, victim: str) -> None:
     cli = Cli(tmp_path, steps=100000)
     pids = cli.actor_pids()
@@ -153,10 +152,11 @@ def test_killed_actor_is_named_and_everything_is_released(tmp_path: Path, victim
 
 
 @pytest.mark.slow
-def test_a_stopped_actor_is_named_within_30s_with_the_defaults(tmp_path: Path) -> None:
+def test_a_stopped_actor_is_named_by_the_monitor(tmp_path: Path) -> None:
     """SIGSTOP: the process neither dies nor raises; its peers wait on it. The monitor must name it (from
-    its heartbeat), not a peer that times out waiting, and well before ipc.wait_timeout_s (600 s)."""
-    cli = Cli(tmp_path, steps=100000)
+    its heartbeat), not a peer that times out waiting, and long before ipc.wait_timeout_s (600 s). With
+    the default ipc.stall_timeout_s (15 s, test_config checks it) that is within 30 s; here 5 s, for speed."""
+    cli = Cli(tmp_path, "ipc.stall_timeout_s=5", steps=100000)
     pids = cli.actor_pids()
     cli.wait_for(r"step \d+/")
     cli.snapshot()
@@ -168,7 +168,7 @@ def test_a_stopped_actor_is_named_within_30s_with_the_defaults(tmp_path: Path) -
     err = "".join(cli.stderr)
     assert rc == 1, cli.text()
     assert "stalled: actor 'adam-updater'" in err and "stopped running" in err, cli.text()
-    assert took < 30, f"took {took:.1f}s to name the stopped actor"
+    assert took < 20, f"took {took:.1f}s to name the stopped actor"
     cli.assert_clean()
 
 

@@ -136,17 +136,25 @@ class _Worker:
             raise self.error
 
     def join(self) -> None:
+        deadline = time.monotonic() + self.store.spec.ipc.wait_timeout_s
         if self.thread is not None:
             while self.thread.is_alive():
                 self.thread.join(self.store.spec.ipc.poll_s)
                 self.store.check_abort()
+                self._check_deadline(deadline, f"the {self.name} thread to finish its walk")
         self.check()
 
-    def acquire(self, sem: threading.Semaphore) -> None:
-        """Semaphore acquire that honours the abort flag and this worker's failure."""
+    def acquire(self, sem: threading.Semaphore, what: str) -> None:
+        """Semaphore acquire that honours the abort flag, the deadline and this worker's failure."""
+        deadline = time.monotonic() + self.store.spec.ipc.wait_timeout_s
         while not sem.acquire(timeout=self.store.spec.ipc.poll_s):
             self.check()
             self.store.check_abort()
+            self._check_deadline(deadline, what)
+
+    def _check_deadline(self, deadline: float, what: str) -> None:
+        if time.monotonic() > deadline:
+            raise WaitTimeout(f"waited {self.store.spec.ipc.wait_timeout_s:g}s for {what}")
 
     def take(self, q: queue.Queue, what: str) -> Any:
         """Queue get that honours the abort flag, the deadline and this worker's failure."""
@@ -191,8 +199,8 @@ class StreamedSource(SyncSource):
     def _load(self) -> None:
         try:
             for items in self.walk.items:
-                self.worker.acquire(self.credits)
                 unit = items[0].unit
+                self.worker.acquire(self.credits, f"the engine to take a unit before loading unit {unit}")
                 with torch.cuda.stream(self.h2d):
                     out = self._buffer(unit)
                 for item in items:
@@ -252,7 +260,7 @@ class StreamedSink(SyncSink):
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         t0 = time.perf_counter()
-        self.worker.acquire(self.credits)  # at most G gradients queued on the GPU
+        self.worker.acquire(self.credits, f"a gradient credit for unit {unit}")  # at most G queued on the GPU
         self.wait_s += time.perf_counter() - t0
         self.bytes += grad.numel() * 4
         self.todo.put((unit, grad, done))
