@@ -55,15 +55,23 @@ megatrain_env() {
         fi
         stamp="$root/.venv/.megatrain-setup"
     fi
-    want="$(cat "$root/pyproject.toml" | sha256sum | cut -c1-16) ${MEGATRAIN_EXTRAS:-none} $root"
-    if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$PY" -c 'import megatrain, torch' 2>/dev/null; then
+    # The stamp: "<pyproject hash> <root>", then one line per extras set installed ("-" for none).
+    want="$(sha256sum < "$root/pyproject.toml" | cut -c1-16) $root"
+    local extras="${MEGATRAIN_EXTRAS:--}"
+    if [ -f "$stamp" ] && [ "$(head -1 "$stamp")" = "$want" ] \
+        && { [ "$extras" = "-" ] || tail -n +2 "$stamp" | grep -qx "$extras"; } \
+        && "$PY" -c 'import megatrain, torch' 2>/dev/null; then
         return 0  # set up by an earlier run with this very pyproject.toml
     fi
     "$PY" -c 'import torch' 2>/dev/null || _install_torch || { say "error: installing torch failed"; return 1; }
     local target="."
-    [ -n "${MEGATRAIN_EXTRAS:-}" ] && target=".[$MEGATRAIN_EXTRAS]"
+    [ "$extras" != "-" ] && target=".[$extras]"
     say "installing MegaTrain and its dependencies into $("$PY" -c 'import sys; print(sys.prefix)')"
     _pip_progress -e "$target" || { say "error: installing MegaTrain failed"; return 1; }
-    echo "$want" > "$stamp"
+    if [ -f "$stamp" ] && [ "$(head -1 "$stamp")" = "$want" ]; then
+        echo "$extras" >> "$stamp"
+    else
+        printf '%s\n%s\n' "$want" "$extras" > "$stamp"
+    fi
     say "ready"
 }
