@@ -41,7 +41,9 @@ class AdamUpdater(Role):
         a = np.zeros(4, np.float32)
         adamw_update(a, a.copy(), a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0)
 
-    def attach(self, spec: StoreSpec) -> None:
+    def attach(self, spec: StoreSpec, start_step: int = 0) -> None:
+        """`start_step`: the first step this updater will be called for (a resumed run's)."""
+        self.next_step = start_step
         parts = spec.planes + (("resident",) if spec.resident else ()) + (() if spec.clip else ("staging",))
         self.store = Store.attach(spec, parts, role=self.name)
 

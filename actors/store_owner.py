@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import torch
 from megatrain.actors.base import Role, guarded
@@ -18,8 +19,9 @@ from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, checkpoint_host_
 from megatrain.ipc.protocol.monitor import Monitor
 from megatrain.ipc.shm import pss_split, remove_cuda_ipc_files, seg_name, sweep
 
+from megatrain import checkpoint as ckpt
 from megatrain.engine import EngineConfig
-from megatrain.errors import AbortError
+from megatrain.errors import AbortError, ConfigError
 from megatrain.model import ModelConfig, build_spec, init_unit, meta_model
 from megatrain.weights import checkpoint_index, fill_tile, read_unit, save_units
 
@@ -41,8 +43,9 @@ class StoreOwner(Role):
 
     def create(self, run_id: str, model_cfg: ModelConfig, no_decay_1d: bool, clip: bool, engine: EngineConfig,
                num_packers: int, num_accumulators: int, ipc_cfg: IpcConfig,
-               batch_shape: tuple[int, int] = (0, 0)) -> StoreSpec:
-        """Plan (resolving the staging mode on this node's memory), create and fill the store.
+               batch_shape: tuple[int, int] = (0, 0), resume: str | None = None) -> StoreSpec:
+        """Plan (resolving the staging mode on this node's memory), create and fill the store: from the
+        model config, or from checkpoint directory `resume` (weights and Adam state, versions at its step).
         `batch_shape` (sequences, tokens each) sizes the executor's pinned checkpoints for the fit check."""
         removed = sweep(shm_dir=ipc_cfg.shm_dir)
         if removed:
@@ -54,7 +57,10 @@ class StoreOwner(Role):
                           ram_only=ram_only, last_block_layers=engine.last_block_layers)
         self.store = Store.create(spec, ram_only)
         self._start_reaper(run_id)
-        self._fill(model_cfg)
+        if resume:
+            self._restore(Path(resume))
+        else:
+            self._fill(model_cfg)
         self.monitor = Monitor(self.store).start()
         return spec
 
@@ -73,6 +79,19 @@ class StoreOwner(Role):
         for u in range(len(spec.layout.units)):
             fill_tile(spec, u, self.store.torch_tile("params", u), tensors_of(u))
             if self.store.spec.resident:
+                self.store.refresh_resident(u)
+
+    def _restore(self, directory: Path) -> None:
+        """The state after the checkpoint's step: every plane read back (CRC-checked), the version counters
+        at that step (its updates are applied), the resident copy rewritten."""
+        manifest = ckpt.manifest_of(directory)
+        if manifest is None:
+            raise ConfigError(f"train.resume: {directory} is not a complete checkpoint")
+        for part in ckpt.PLANES:
+            ckpt.read_plane(directory / f"{part}.bin", self.store.plane(part), manifest["files"][f"{part}.bin"])
+        self.store.versions[:] = int(manifest["step"])
+        if self.store.spec.resident:
+            for u in range(self.store.spec.num_units):
                 self.store.refresh_resident(u)
 
     @guarded

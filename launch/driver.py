@@ -20,16 +20,19 @@ from pathlib import Path
 from typing import Any
 
 from megatrain.actors.adam_updater import AdamUpdater
+from megatrain.actors.checkpoint_writer import CheckpointWriter
 from megatrain.actors.gpu_executor import GpuExecutor
 from megatrain.actors.grad_accumulator import GradAccumulator
 from megatrain.actors.packer import Packer
 from megatrain.actors.store_owner import StoreOwner
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes
 from megatrain.ipc.shm import check_run_id, check_run_id_free, gib
+from megatrain.launch.checkpointing import Checkpointer
 from megatrain.launch.config import Config
 from megatrain.launch.evaluation import Evaluator
 from megatrain.launch.output import prepare_output
 from megatrain.launch.placement import bundle, demands
+from megatrain.launch.resume import check_fits, find_checkpoint
 from megatrain.launch.runners import Handle, Pending, make_runner
 
 from megatrain import log
@@ -72,6 +75,8 @@ class Trainer:
         self.metrics: list[dict] = []
         self.data: Data | None = None
         self.steps = cfg.train.steps
+        self.start = 0  # the first step to run (a resumed run's checkpoint step)
+        self.resume_dir: Path | None = None
         self.loader: Prefetcher | None = None
         self.evaluator: Evaluator | None = None
         self._closed = False
@@ -108,11 +113,18 @@ class Trainer:
         cfg = self.cfg
         if cfg.train.run_id and not (cfg.launch.address or os.environ.get("RAY_ADDRESS")):
             check_run_id_free(cfg.train.run_id, cfg.ipc.shm_dir)  # the store is on this machine: say it now
-        prepare_output(self.out, cfg.train.overwrite)
+        self.resume_dir = find_checkpoint(cfg.train.resume, self.out)
+        manifest = check_fits(self.resume_dir, cfg) if self.resume_dir else None
+        self.start = int(manifest["step"]) if manifest else 0
+        in_place = self.resume_dir is not None and self.resume_dir.parent.parent.resolve() == self.out.resolve()
+        prepare_output(self.out, cfg.train.overwrite, self.start if in_place else None)
         self.log_dir = self.out
         # The data first: a bad file is reported (and tokenizing is done) before any process starts.
         self.data = open_data(cfg.data, resolve_hf_config(cfg.model)[1], cfg.model.pretrained)
         self.steps = self.data.steps(cfg.train.steps)
+        self.checkpointer = Checkpointer(cfg.train, self.out / "checkpoints", self.steps)
+        if self.resume_dir:
+            log(f"resuming from {self.resume_dir} (after step {self.start} of {self.steps})")
         if self.steps != cfg.train.steps:
             log(f"data.epochs {cfg.data.epochs} x {self.data.batches_per_epoch} batches per epoch = {self.steps} "
                 f"steps (train.steps {cfg.train.steps} is not used)")
@@ -124,7 +136,7 @@ class Trainer:
         changed = differences(self._resolved(), Config())
         log(f"run {self.run_id}; config (what differs from the defaults; all of it, resolved, in "
             f"{self.out / 'config.yaml'}):\n  " + "\n  ".join(f"{k}: {_short(v)}" for k, v in changed))
-        dem = demands(cfg.actors, cuda, clip=cfg.optim.max_grad_norm > 0)
+        dem = demands(cfg.actors, cuda, clip=cfg.optim.max_grad_norm > 0, writer=self.checkpointer.enabled)
         self.runner.place(bundle(dem))
         # Worker processes start (and import torch, compile Numba, make a CUDA context) while the store
         # owner makes and fills the store; they attach to it once it exists.
@@ -152,7 +164,8 @@ class Trainer:
         self.sentinel = self.runner.call(self.actors["store-owner"], "serve")
         self.spec = self._call_one("store-owner", "create", self.run_id, cfg.model, cfg.optim.no_decay_1d,
                                    cfg.optim.max_grad_norm > 0, self.engine_cfg, cfg.actors.num_packers,
-                                   cfg.actors.num_accumulators, cfg.ipc, (cfg.data.batch_size, cfg.data.seq_len))
+                                   cfg.actors.num_accumulators, cfg.ipc, (cfg.data.batch_size, cfg.data.seq_len),
+                                   str(self.resume_dir) if self.resume_dir else None)
         log(f"weight staging: {self.spec.staging_mode}; gradients: "
             + ("fp32 plane, global-norm clipping" if self.spec.clip else "straight to Adam (no clipping)"))
 
@@ -164,6 +177,8 @@ class Trainer:
         plan += [(f"grad-accumulator-{i}", GradAccumulator, (i, a.accumulator_threads))
                  for i in range(a.num_accumulators if clip else 0)]
         plan += [("adam-updater", AdamUpdater, (self.cfg.optim, a.adam_threads))]
+        if self.checkpointer.enabled:
+            plan += [("checkpoint-writer", CheckpointWriter, ())]
         if packers:
             plan += self._packer_plan()
         for name, cls, args in plan:
@@ -183,7 +198,8 @@ class Trainer:
             for name, cls, args in self._packer_plan():
                 self.actors[name] = self.runner.spawn(name, cls, args, dem[name])
         workers = {n: h for n, h in self.actors.items() if n != "store-owner"}
-        self._gather({n: self.runner.call(h, "attach", spec) for n, h in workers.items()},
+        extra = {"adam-updater": (self.start,)}  # Adam's step count (bias correction) continues
+        self._gather({n: self.runner.call(h, "attach", spec, *extra.get(n, ())) for n, h in workers.items()},
                      self.cfg.train.setup_timeout_s, "starting the actors")
         infos = self._gather({n: self.runner.call(h, "info") for n, h in self.actors.items()},
                              self.cfg.train.setup_timeout_s, "starting the actors")
@@ -214,30 +230,45 @@ class Trainer:
         after step t runs before step t+1 is launched, on the same version counters."""
         cfg = self.cfg
         prev: tuple[dict, Pending] | None = None
-        self.loader = Prefetcher(self.data.batch, 0, self.steps, cfg.data.prefetch)
+        self.loader = Prefetcher(self.data.batch, self.start, self.steps, cfg.data.prefetch)
         try:
-            with open(self.out / "metrics.jsonl", "w", buffering=1) as f:
-                for t in range(self.steps):
+            with open(self.out / "metrics.jsonl", "a", buffering=1) as f:  # prepare_output emptied or trimmed it
+                for t in range(self.start, self.steps):
                     calls, row = self._launch(t)
                     adam = calls.pop("adam-updater")
                     if prev is not None:
                         calls["adam-previous"] = prev[1]
-                    if not cfg.train.overlap_adam:
+                    save = self.checkpointer.due(t + 1)  # then this step's update must be complete first
+                    overlap = cfg.train.overlap_adam and not save
+                    if not overlap:
                         calls["adam-updater"] = adam
                     res = self._gather(calls, cfg.train.step_timeout_s, f"step {t}")
                     row = self._executor_row(row, res["gpu-executor"])
                     row.update(self._maybe_evaluate(t + 1))
                     if prev is not None:
                         self._record(f, prev[0], res["adam-previous"])
-                    if cfg.train.overlap_adam:
+                    if overlap:
                         prev = (row, adam)
                     else:
                         self._record(f, row, res["adam-updater"])
+                        prev = None
+                    if save:
+                        self.checkpointer.save(t + 1, self._write_checkpoint)
                 if prev is not None:
                     self._record(f, prev[0], self._gather({"adam-previous": prev[1]}, cfg.train.step_timeout_s,
                                                           "the last Adam update")["adam-previous"])
         finally:
             self.loader.close()
+
+    def _write_checkpoint(self, step: int) -> dict:
+        """The writer reads the planes between steps: Adam's update of `step` is done, the next not begun."""
+        meta = {"config": dump_yaml(self._resolved()), "steps_total": self.steps,
+                "data": {"position": step, "seed": self.cfg.data.seed, "epoch": self.data.batch(step - 1).epoch},
+                "lr_schedule_position": step,
+                "rng": "none: a step draws nothing at random; batch t is a function of (data, data.seed, t)"}
+        return self._gather({"checkpoint-writer": self.runner.call(self.actors["checkpoint-writer"], "write", step,
+                                                                   str(self.checkpointer.root.resolve()), meta)},
+                            self.cfg.train.step_timeout_s, f"the checkpoint after step {step}")["checkpoint-writer"]
 
     def _maybe_evaluate(self, step: int) -> dict:
         every = self.cfg.train.eval_every

@@ -19,6 +19,16 @@ class TrainConfig:
                                  "refuses to start there.")
     log_every: int = opt(1, "Print a progress line every this many steps (metrics.jsonl gets every step).")
     save_final: bool = opt(False, "Write the final fp32 weights to OUTPUT_DIR/final as an HF model directory.")
+    save_every: int = opt(0, "Write a checkpoint (fp32 weights, Adam moments, the step) to "
+                             "OUTPUT_DIR/checkpoints/step-N every this many steps, and one after the last step; "
+                             "0 = off (unless save_every_minutes).")
+    save_every_minutes: float = opt(0.0, "Also write a checkpoint once this many minutes have passed since the "
+                                         "last one (checked after each step); 0 = off.")
+    keep_last: int = opt(0, "Keep only the newest this many complete checkpoints (older ones are removed after "
+                            "a new one is complete); 0 = keep all.")
+    resume: str = opt("auto", "Where to start from: 'auto' (the newest complete checkpoint in OUTPUT_DIR, if "
+                              "any, else from scratch), 'none', or a checkpoint directory or run directory. "
+                              "metrics.jsonl is then appended and step numbers continue.")
     overlap_adam: bool = opt(True, "Launch step t+1 while Adam still updates step t (per-piece version "
                                    "counters keep it exact); false waits for Adam between steps.")
     timeline_step: int = opt(0, "Record a per-unit timeline (H2D, compute, D2H, CPU Adam) of this step "
@@ -44,6 +54,10 @@ class TrainConfig:
             raise ValueError("train.steps must be >= 0 and train.log_every >= 1")
         if self.eval_every < 0 or self.eval_batches < 0:
             raise ValueError("train.eval_every and train.eval_batches must be >= 0")
+        if self.save_every < 0 or self.save_every_minutes < 0 or self.keep_last < 0:
+            raise ValueError("train.save_every, train.save_every_minutes and train.keep_last must be >= 0")
+        if not self.resume.strip():
+            raise ValueError("train.resume must be 'auto', 'none' or a path")
         if self.timeline_step < 0 or self.profile_step < 0:
             raise ValueError("train.timeline_step and train.profile_step must be >= 0 (0 = none)")
         if self.step_timeout_s <= 0 or self.setup_timeout_s <= 0:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -13,13 +15,16 @@ from megatrain.errors import ConfigError
 RUN_FILES = ("metrics.jsonl", "config.yaml", "config-full.yaml", "error.log", "timeline.json")
 
 
-def prepare_output(out: Path, overwrite: bool) -> None:
-    """Create `out`, or reuse it when it holds no other run's metrics (or train.overwrite says to replace
-    them); an earlier run's files are removed so none is left beside the new metrics."""
+def prepare_output(out: Path, overwrite: bool, resume_step: int | None = None) -> None:
+    """Create `out`, or reuse it: to continue its own run from a checkpoint at `resume_step` (metrics.jsonl
+    kept up to that step), or when it holds no other run's metrics, or when train.overwrite says to
+    replace them; an earlier run's other files are removed so none is left beside the new metrics."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"train.output_dir: '{out}' exists and is not a directory")
     metrics = out / "metrics.jsonl"
-    if metrics.is_file() and metrics.stat().st_size > 0 and not overwrite:
+    if resume_step is not None and metrics.is_file():
+        _keep_rows_up_to(metrics, resume_step)
+    elif metrics.is_file() and metrics.stat().st_size > 0 and not overwrite:
         steps = sum(1 for _ in metrics.open())
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(metrics.stat().st_mtime))
         raise ConfigError(f"train.output_dir: '{out}' holds another run's metrics ({steps} steps in metrics.jsonl, "
@@ -32,10 +37,23 @@ def prepare_output(out: Path, overwrite: bool) -> None:
         probe.unlink()
     except OSError as exc:
         raise ConfigError(f"train.output_dir: cannot write to '{out}': {exc.strerror or exc}") from None
-    stale = [out / name for name in RUN_FILES if (out / name).exists()] + sorted(out.glob("profile-step-*.json"))
+    keep = {"metrics.jsonl"} if resume_step is not None else set()
+    stale = [out / name for name in RUN_FILES if (out / name).exists() and name not in keep]
+    stale += sorted(out.glob("profile-step-*.json"))
     if (out / "final" / "config.json").is_file():
         stale.append(out / "final")
+    if resume_step is None and overwrite and (out / "checkpoints").is_dir():
+        stale.append(out / "checkpoints")
     for path in stale:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     if stale:
         log(f"removed an earlier run's files from {out}: {', '.join(p.name for p in stale)}")
+
+
+def _keep_rows_up_to(metrics: Path, step: int) -> None:
+    """A resumed run redoes the steps after its checkpoint: their old rows go (written atomically)."""
+    rows = [line for line in metrics.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    tmp = metrics.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(rows))
+    os.replace(tmp, metrics)

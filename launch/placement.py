@@ -32,7 +32,7 @@ class Demand:
     gpus: float
 
 
-def demands(cfg: ActorsConfig, cuda: bool, clip: bool = True) -> dict[str, Demand]:
+def demands(cfg: ActorsConfig, cuda: bool, clip: bool = True, writer: bool = False) -> dict[str, Demand]:
     """Per role. On CUDA the processes that drain gradient slabs (the accumulators, or the Adam updater
     without clipping) need a sliver of the GPU: Ray hides GPUs from actors that ask for none, and they
     must open the executor's IPC events on the same device."""
@@ -43,6 +43,8 @@ def demands(cfg: ActorsConfig, cuda: bool, clip: bool = True) -> dict[str, Deman
            "adam-updater": Demand(1.0, 0.0 if clip else sliver)}
     out.update({f"packer-{i}": Demand(1.0, 0.0) for i in range(cfg.num_packers)})
     out.update({f"grad-accumulator-{i}": Demand(1.0, sliver) for i in range(cfg.num_accumulators if clip else 0)})
+    if writer:  # checkpoints, between steps: disk-bound, it takes no core from the step's actors
+        out["checkpoint-writer"] = Demand(0.0, 0.0)
     return out
 
 

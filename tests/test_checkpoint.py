@@ -1,0 +1,85 @@
+"""Checkpoints and resume, through the in-process runner on the CPU in fp32: a run of 10 steps equals
+5 steps + resume for 5, bit for bit (weights, Adam moments, per-step losses)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from megatrain.launch.config import load_config
+from megatrain.launch.driver import Trainer
+
+from megatrain import checkpoint as ckpt
+from megatrain.errors import ConfigError
+from tests.helpers import TINY
+
+
+def run(out: Path, family: str, *extra: str, steps: int = 10) -> dict:
+    hf = {**TINY, "num_hidden_layers": 3, "tie_word_embeddings": family == "qwen2"}
+    if family == "mistral":
+        hf["sliding_window"] = None
+    cfg = load_config(None, [f"model.family={family}", f"model.hf={json.dumps(hf)}", "data.seq_len=32",
+                             "data.batch_size=4", "optim.lr=2e-3", "optim.weight_decay=0.1", "optim.warmup_steps=2",
+                             f"train.steps={steps}", "train.save_every=5", f"train.output_dir={out}",
+                             "launch.runner=inprocess", *extra])
+    return Trainer(cfg).run()
+
+
+def planes(step_dir: Path) -> dict[str, bytes]:
+    return {p: (step_dir / f"{p}.bin").read_bytes() for p in ckpt.PLANES}
+
+
+def losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+
+
+@pytest.mark.parametrize("family, extra", [("llama", []), ("qwen2", ["optim.max_grad_norm=0"]),
+                                           ("mistral", ["ipc.staging=resident", "train.overlap_adam=false"])])
+def test_resume_is_bit_identical(tmp_path: Path, family: str, extra: list[str]) -> None:
+    run(tmp_path / "a", family, *extra)
+    a = tmp_path / "a" / "checkpoints"
+    assert [s for s, _ in ckpt.complete(a)] == [5, 10] and ckpt.latest(a) == ckpt.step_dir(a, 10)
+    run(tmp_path / "b", family, *extra, f"train.resume={ckpt.step_dir(a, 5)}")
+    assert planes(ckpt.step_dir(a, 10)) == planes(ckpt.step_dir(tmp_path / "b" / "checkpoints", 10))
+    la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(lb) == [6, 7, 8, 9, 10] and all(la[s] == lb[s] for s in lb)
+
+
+def test_auto_resume_in_place_appends_metrics_and_ignores_torn_saves(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    run(out, "llama", steps=10)
+    full = planes(ckpt.step_dir(out / "checkpoints", 10))
+    ref = losses(out)
+    # Back to the state of a run killed after step 7 while writing step 8's checkpoint.
+    root = out / "checkpoints"
+    for s, p in ckpt.complete(root):
+        if s == 10:
+            shutil.rmtree(p)
+    (root / "latest").write_text("step-0000010\n")  # names a checkpoint that is gone: not trusted
+    (root / "step-0000008.tmp-4242").mkdir()
+    (root / "step-0000008.tmp-4242" / "params.bin").write_bytes(b"torn")
+    rows = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join(rows[:7]) + "\n")
+    run(out, "llama", steps=10)  # train.resume: auto
+    assert losses(out) == ref and planes(ckpt.step_dir(root, 10)) == full
+    assert not list(root.glob("*.tmp-*"))
+
+
+def test_resume_refuses_another_model_and_a_corrupt_file(tmp_path: Path) -> None:
+    run(tmp_path / "a", "llama", steps=5)
+    step5 = ckpt.step_dir(tmp_path / "a" / "checkpoints", 5)
+    hf = json.dumps({**TINY, "num_hidden_layers": 3, "hidden_size": 64})
+    with pytest.raises(ConfigError, match=r"holds another model: tensor 'model.embed_tokens.weight'"):
+        run(tmp_path / "b", "llama", f"model.hf={hf}", f"train.resume={step5}")
+    data = bytearray((step5 / "exp_avg.bin").read_bytes())
+    data[100] ^= 0xFF
+    (step5 / "exp_avg.bin").write_bytes(bytes(data))
+    with pytest.raises(Exception, match=r"exp_avg.bin is corrupt"):
+        run(tmp_path / "c", "llama", f"train.resume={step5}")
+
+
+def test_keep_last_prunes_after_a_new_one_is_complete(tmp_path: Path) -> None:
+    run(tmp_path / "a", "llama", "train.keep_last=1", steps=10)
+    assert [s for s, _ in ckpt.complete(tmp_path / "a" / "checkpoints")] == [10]
