@@ -29,10 +29,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _sigterm(*_: object) -> None:
-    raise KeyboardInterrupt  # `ray job stop`, kill(1) and a hang-up get the same cleanup as Ctrl-C
-
-
 def cleanup() -> int:
     from megatrain.ipc.shm import sweep
 
@@ -74,17 +70,16 @@ def main(argv: list[str] | None = None) -> int:
         return reference()
     if not args.config:
         _parser().error("a CONFIG file is required")
-    # A dropped SSH session (SIGHUP) and kill(1) get the same cleanup as Ctrl-C; restored on return, for
-    # callers that run main() in their own process (tests, notebooks).
-    old = {sig: signal.signal(sig, _sigterm) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        return _run(args)
-    finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
+    # Ctrl-C, kill(1) and a dropped SSH session (SIGHUP): finish the step, checkpoint, exit 128 + signum;
+    # a second one stops at once. Restored on return, for callers that run main() in-process.
+    from megatrain.launch.stopping import StopRequest
+
+    stop = StopRequest()
+    with stop.installed():
+        return _run(args, stop)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, stop: Any) -> int:
     trainer = None
     try:
         from megatrain.launch.config import load_config
@@ -98,14 +93,20 @@ def _run(args: argparse.Namespace) -> int:
             return 0
         from megatrain.launch.driver import Trainer
 
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, stop)
         summary = trainer.run()
+        if summary.get("stopped_by"):
+            saved = summary.get("checkpoint")
+            print(f"megatrain-launch: stopped by {summary['stopped_by']} after step {summary['last_step']}; "
+                  + (f"checkpoint {saved}: the same command resumes from it (train.resume: auto)" if saved
+                     else "no checkpoint written"), file=sys.stderr)
+            return 128 + stop.signum
         print(f"megatrain-launch: done, {len(summary['metrics'])} steps; metrics in {trainer.out / 'metrics.jsonl'}")
         return 0
     except KeyboardInterrupt:
         print("megatrain-launch: interrupted; the run's processes and shared memory were released",
               file=sys.stderr)
-        return 130
+        return 128 + (stop.signum or signal.SIGINT)
     except (ConfigError, DataError) as exc:  # the user's input: nothing was started
         return _report(exc, str(exc), trainer, USAGE_ERROR)
     except MegatrainError as exc:

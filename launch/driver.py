@@ -31,12 +31,14 @@ from megatrain.launch.checkpointing import Checkpointer
 from megatrain.launch.config import Config
 from megatrain.launch.evaluation import Evaluator
 from megatrain.launch.output import prepare_output
-from megatrain.launch.placement import bundle, demands
+from megatrain.launch.placement import Demand, bundle, demands
 from megatrain.launch.resume import check_fits, find_checkpoint
 from megatrain.launch.runners import Handle, Pending, make_runner
+from megatrain.launch.stopping import StopRequest
 
 from megatrain import log
 from megatrain.adamw import lr_at
+from megatrain.checkpoint import step_dir as ckpt_step_dir
 from megatrain.configbase import differences, dump_yaml
 from megatrain.data import Data, open_data
 from megatrain.data.loader import Prefetcher
@@ -62,8 +64,10 @@ def sigint_deferred():
 
 
 class Trainer:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, stop: StopRequest | None = None):
         self.cfg = cfg
+        self.stop = stop  # a graceful-stop request (signal), checked between steps
+        self.stopped_after: int | None = None
         self.run_id = check_run_id(cfg.train.run_id or secrets.token_hex(5))
         self.out = Path(cfg.train.output_dir.replace("{run_id}", self.run_id))
         self.log_dir: Path | None = None  # where error.log may go: set once the output directory is ours
@@ -88,16 +92,13 @@ class Trainer:
             self.setup()
             self.train()
             mem = self._call_one("store-owner", "host_memory")  # after the last step: every page is in use
-            log(f"host memory of the run's {mem['processes']} processes (PSS): {gib(mem['pss_bytes'])}, "
-                f"{mem['pss_bytes'] / self.spec.layout.num_params:.2f} bytes per parameter; outside the store: "
-                + ", ".join(f"{r} {gib(b)}" for r, b in mem["pss_own_by_role"].items()))
-            if self.evaluator is not None and self.evaluator.examples:
-                log("held-out problems answered by greedy decoding after the last step:\n  "
-                    + "\n  ".join(self.evaluator.solved_examples()))
-            if self.cfg.train.save_final:
-                path = self._call_one("store-owner", "save", str(self.out / "final"))
-                log(f"saved final fp32 weights to {path}")
+            if self.stopped_after is None:
+                self._finish(mem)
+            written = self.checkpointer.written
             return {"run_id": self.run_id, "output_dir": str(self.out), "metrics": self.metrics,
+                    "stopped_by": self.stop.name if self.stopped_after is not None else "",
+                    "last_step": self.stopped_after if self.stopped_after is not None else self.steps,
+                    "checkpoint": str(ckpt_step_dir(self.checkpointer.root, written)) if written else "",
                     "pids": dict(self.pids), "num_params": self.spec.layout.num_params,
                     "store_bytes": sum(self.spec.part_bytes().values()), "staging": self.spec.staging_mode,
                     "executor_host_bytes": checkpoint_host_bytes(self.spec.model, self.engine_cfg,
@@ -107,6 +108,18 @@ class Trainer:
         finally:
             self.shutdown()
             atexit.unregister(self.shutdown)
+
+    def _finish(self, mem: dict) -> None:
+        """After the last step (not after a graceful stop)."""
+        log(f"host memory of the run's {mem['processes']} processes (PSS): {gib(mem['pss_bytes'])}, "
+            f"{mem['pss_bytes'] / self.spec.layout.num_params:.2f} bytes per parameter; outside the store: "
+            + ", ".join(f"{r} {gib(b)}" for r, b in mem["pss_own_by_role"].items()))
+        if self.evaluator is not None and self.evaluator.examples:
+            log("held-out problems answered by greedy decoding after the last step:\n  "
+                + "\n  ".join(self.evaluator.solved_examples()))
+        if self.cfg.train.save_final:
+            path = self._call_one("store-owner", "save", str(self.out / "final"))
+            log(f"saved final fp32 weights to {path}")
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -234,6 +247,13 @@ class Trainer:
         try:
             with open(self.out / "metrics.jsonl", "a", buffering=1) as f:  # prepare_output emptied or trimmed it
                 for t in range(self.start, self.steps):
+                    if self.stop is not None and self.stop.signum is not None:
+                        if prev is not None:  # the last launched step's update, then the checkpoint
+                            self._record(f, prev[0], self._gather({"adam-previous": prev[1]},
+                                                                  cfg.train.step_timeout_s, "Adam")["adam-previous"])
+                            prev = None
+                        self._stop_gracefully(t)
+                        break
                     calls, row = self._launch(t)
                     adam = calls.pop("adam-updater")
                     if prev is not None:
@@ -259,6 +279,18 @@ class Trainer:
                                                           "the last Adam update")["adam-previous"])
         finally:
             self.loader.close()
+
+    def _stop_gracefully(self, step: int) -> None:
+        """A signal asked to stop: `step` steps are done and applied; checkpoint them unless that is off,
+        nothing is new since the start, or it was just written."""
+        self.stopped_after = step
+        if not self.cfg.train.save_on_signal or step == self.start or step == self.checkpointer.written:
+            return
+        if "checkpoint-writer" not in self.actors:  # started on demand when no periodic saves were asked for
+            self.actors["checkpoint-writer"] = self.runner.spawn("checkpoint-writer", CheckpointWriter, (),
+                                                                 Demand(0.0, 0.0))
+            self._call_one("checkpoint-writer", "attach", self.spec)
+        self.checkpointer.save(step, self._write_checkpoint)
 
     def _write_checkpoint(self, step: int) -> dict:
         """The writer reads the planes between steps: Adam's update of `step` is done, the next not begun."""

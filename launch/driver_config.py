@@ -26,6 +26,8 @@ class TrainConfig:
                                          "last one (checked after each step); 0 = off.")
     keep_last: int = opt(0, "Keep only the newest this many complete checkpoints (older ones are removed after "
                             "a new one is complete); 0 = keep all.")
+    save_on_signal: bool = opt(True, "On the first SIGINT, SIGTERM or SIGHUP finish the current step and write a "
+                                     "checkpoint before exiting (a second signal exits at once).")
     resume: str = opt("auto", "Where to start from: 'auto' (the newest complete checkpoint in OUTPUT_DIR, if "
                               "any, else from scratch), 'none', or a checkpoint directory or run directory. "
                               "metrics.jsonl is then appended and step numbers continue.")

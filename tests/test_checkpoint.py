@@ -83,3 +83,39 @@ def test_resume_refuses_another_model_and_a_corrupt_file(tmp_path: Path) -> None
 def test_keep_last_prunes_after_a_new_one_is_complete(tmp_path: Path) -> None:
     run(tmp_path / "a", "llama", "train.keep_last=1", steps=10)
     assert [s for s, _ in ckpt.complete(tmp_path / "a" / "checkpoints")] == [10]
+
+
+def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_is_exact(tmp_path: Path) -> None:
+    """SIGTERM to this process while megatrain-launch's main() runs here: the step in flight finishes, a
+    checkpoint is written (no save_every needed), exit 143; running the same command again resumes and
+    ends where the uninterrupted run ends, bit for bit."""
+    import os
+    import signal
+    import threading
+
+    from megatrain.launch import cli
+
+    run(tmp_path / "ref", "llama", steps=8)
+    out = tmp_path / "run"
+    args = [str(Path(__file__).parents[1] / "examples/default.yaml"), "model.family=llama",
+            f"model.hf={json.dumps({**TINY, 'num_hidden_layers': 3, 'tie_word_embeddings': False})}",
+            "data.seq_len=32", "data.batch_size=4", "data.ops=+-*", "data.loss_on=all", "optim.lr=2e-3",
+            "optim.weight_decay=0.1", "optim.warmup_steps=2", "optim.schedule=cosine", "optim.min_lr_ratio=0.1",
+            "train.steps=8", "train.eval_every=0", "train.log_every=1", "train.save_every=100",
+            f"train.output_dir={out}",
+            "launch.runner=inprocess"]
+    metrics = out / "metrics.jsonl"
+
+    def kill_after_step_3() -> None:
+        while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+            threading.Event().wait(0.01)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=kill_after_step_3, daemon=True).start()
+    assert cli.main(args) == 128 + signal.SIGTERM
+    stopped = ckpt.complete(out / "checkpoints")
+    assert len(stopped) == 1 and 3 <= stopped[0][0] < 8
+    assert cli.main(args) == 0
+    assert [s for s, _ in ckpt.complete(out / "checkpoints")] == [stopped[0][0], 8]  # 8: the end's
+    assert losses(out) == losses(tmp_path / "ref")
+    assert planes(ckpt.step_dir(out / "checkpoints", 8)) == planes(ckpt.step_dir(tmp_path / "ref" / "checkpoints", 8))

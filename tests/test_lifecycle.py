@@ -174,7 +174,7 @@ def test_a_stopped_actor_is_named_by_the_monitor(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sighup"])
-def test_interrupt_releases_everything(tmp_path: Path, how: str) -> None:
+def test_a_signal_stops_gracefully_with_a_checkpoint(tmp_path: Path, how: str) -> None:
     cli = Cli(tmp_path, steps=100000)
     cli.actor_pids()
     cli.wait_for(r"step \d+/")
@@ -184,7 +184,26 @@ def test_interrupt_releases_everything(tmp_path: Path, how: str) -> None:
     else:
         os.kill(cli.proc.pid, signal.SIGTERM if how == "sigterm" else signal.SIGHUP)
     rc = cli.finish(timeout=90)
-    assert rc == 130, cli.text()
+    sig = {"ctrl-c": signal.SIGINT, "sigterm": signal.SIGTERM, "sighup": signal.SIGHUP}[how]
+    assert rc == 128 + sig, cli.text()
+    assert list((cli.out / "checkpoints").glob("step-*/manifest.json")), cli.text()
+    cli.assert_clean()
+
+
+@pytest.mark.slow
+def test_a_second_signal_stops_at_once(tmp_path: Path) -> None:
+    cli = Cli(tmp_path, "train.save_every=1", steps=100000)  # a checkpoint after every step: the second
+    cli.actor_pids()                                          # signal lands while one is being written
+    cli.wait_for(r"checkpoint after step \d+")
+    cli.snapshot()
+    os.kill(cli.proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + 30  # two signals at once would merge into one: wait for the first's word
+    while "finishing the current step" not in "".join(cli.stderr) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(cli.proc.pid, signal.SIGTERM)
+    rc = cli.finish(timeout=90)
+    assert rc == 128 + signal.SIGTERM, cli.text()
+    assert "interrupted" in "".join(cli.stderr), cli.text()
     cli.assert_clean()
 
 
