@@ -173,7 +173,7 @@ def test_a_stopped_actor_is_named_by_the_monitor(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["ctrl-c", "sigterm", "sighup"])
+@pytest.mark.parametrize("how", ["ctrl-c", "sighup"])  # SIGTERM: tests/test_checkpoint.py, in-process
 def test_a_signal_stops_gracefully_with_a_checkpoint(tmp_path: Path, how: str) -> None:
     cli = Cli(tmp_path, steps=100000)
     cli.actor_pids()
