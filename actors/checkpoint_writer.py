@@ -37,7 +37,8 @@ class CheckpointWriter(Role):
         files = {f"{part}.bin": ckpt.write_plane(tmp / f"{part}.bin", self.store.plane(part)) for part in ckpt.PLANES}
         spec = self.store.spec
         manifest = {"format": ckpt.FORMAT, "step": step, "layout_hash": spec.layout.digest().hex(),
-                    "family": spec.model.family, "total_elems": spec.layout.total, "files": files,
+                    "family": spec.model.family, "hf_config": spec.model.hf_config.to_dict(),
+                    "total_elems": spec.layout.total, "files": files,
                     "units": ckpt.unit_table(spec.layout), "written_at": ckpt.now(), **meta}
         final = ckpt.step_dir(base, step)
         ckpt.publish(tmp, final, manifest)

@@ -22,8 +22,9 @@ from megatrain.ipc.shm import pss_split, remove_cuda_ipc_files, seg_name, sweep
 from megatrain import checkpoint as ckpt
 from megatrain.engine import EngineConfig
 from megatrain.errors import AbortError, ConfigError
+from megatrain.export import export
 from megatrain.model import ModelConfig, build_spec, init_unit, meta_model
-from megatrain.weights import checkpoint_index, fill_tile, read_unit, save_units
+from megatrain.weights import checkpoint_index, fill_tile, read_unit
 
 
 class StoreOwner(Role):
@@ -95,11 +96,12 @@ class StoreOwner(Role):
                 self.store.refresh_resident(u)
 
     @guarded
-    def save(self, directory: str) -> str:
-        """Write the fp32 master weights as an HF save_pretrained directory."""
-        tiles = ((u, self.store.torch_tile("params", u)) for u in range(self.store.spec.num_units))
+    def save(self, directory: str, tokenizer: str | None = None) -> str:
+        """Write the fp32 master weights as an HF save_pretrained directory, streamed unit by unit from
+        shared memory (sharded, with the tokenizer's files when the run has a tokenizer)."""
         with torch.no_grad():
-            return str(save_units(self.store.spec.model, tiles, directory))
+            return str(export(self.store.spec.model, lambda u: self.store.torch_tile("params", u), directory,
+                              tokenizer=tokenizer))
 
     def host_memory(self) -> dict:
         """Host memory of the run's processes on this node, as PSS: the owner, its reaper and every worker

@@ -14,7 +14,8 @@ from megatrain.errors import ConfigError, DataError, MegatrainError
 
 USAGE_ERROR, RUNTIME_ERROR = 2, 1
 
-USAGE = "megatrain-launch CONFIG.yaml [dotted.key=value ...] [--address ADDR] | --cleanup | --config-reference"
+USAGE = ("megatrain-launch CONFIG.yaml [dotted.key=value ...] [--address ADDR] | export SRC OUT [--dtype D] | "
+         "--cleanup | --config-reference")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,6 +64,11 @@ def _resolved_here(cfg: Any, dump: Callable[[Any], str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:
+        from megatrain.launch.export_cmd import main as export_main
+
+        return export_main(argv[1:])
     args = _parser().parse_intermixed_args(argv)  # overrides may come after --address too
     if args.cleanup:
         return cleanup()

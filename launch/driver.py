@@ -118,7 +118,9 @@ class Trainer:
             log("held-out problems answered by greedy decoding after the last step:\n  "
                 + "\n  ".join(self.evaluator.solved_examples()))
         if self.cfg.train.save_final:
-            path = self._call_one("store-owner", "save", str(self.out / "final"))
+            tok = None if self.cfg.data.kind in ("arithmetic", "tokens") else (self.cfg.data.tokenizer
+                                                                               or self.cfg.model.pretrained)
+            path = self._call_one("store-owner", "save", str(self.out / "final"), tok)
             log(f"saved final fp32 weights to {path}")
 
     # ---- setup ------------------------------------------------------------------------------

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from megatrain.errors import ConfigError
 from megatrain.model import ModelSpec
@@ -104,15 +102,3 @@ def read_unit(spec: ModelSpec, unit: int, where: dict[str, Path]) -> dict[str, t
         except Exception as exc:  # safetensors raises its own types; name the file either way
             raise ConfigError(f"model.pretrained: cannot read tensor '{name}' from {where[name]}: {exc}") from None
     return out
-
-
-def save_units(spec: ModelSpec, tiles: Iterable[tuple[int, torch.Tensor]], directory: str | Path) -> Path:
-    """Write fp32 weights as an HF save_pretrained directory (config.json + model.safetensors)."""
-    root = Path(directory)
-    root.mkdir(parents=True, exist_ok=True)
-    state = {}
-    for unit, tile in tiles:
-        state.update({k: v.clone() for k, v in tile_tensors(spec, unit, tile).items()})
-    save_file(state, root / "model.safetensors", metadata={"format": "pt"})
-    spec.hf_config.save_pretrained(root)
-    return root

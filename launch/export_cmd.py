@@ -1,0 +1,68 @@
+"""`megatrain-launch export CHECKPOINT_DIR|RUN_DIR OUT_DIR [--dtype bf16|fp32]`: a checkpoint's weights as
+an HF save_pretrained directory, streamed unit by unit from the memory-mapped checkpoint file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from megatrain.launch.resume import find_checkpoint
+
+from megatrain import checkpoint as ckpt
+from megatrain.errors import ConfigError, DataError, MegatrainError
+from megatrain.export import DTYPES, export
+from megatrain.model import ModelConfig, build_spec
+
+_NOT_FIELDS = ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megatrain-launch export",
+                                description="Write a checkpoint's weights as an HF save_pretrained directory.")
+    p.add_argument("source", help="a checkpoint directory, or a run's output directory (its newest checkpoint)")
+    p.add_argument("out", help="the HF directory to write")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors shard, in GB (default 5)")
+    return p
+
+
+def run(source: str, out: str, dtype: str = "fp32", shard_gb: float = 5.0) -> Path:
+    src = find_checkpoint(source, Path(source))
+    if src is None:
+        raise ConfigError(f"export: '{source}' holds no complete checkpoint")
+    manifest = ckpt.manifest_of(src)
+    run_cfg = yaml.safe_load(manifest.get("config", "")) or {}
+    hf = {k: v for k, v in manifest["hf_config"].items() if k not in _NOT_FIELDS}
+    spec = build_spec(ModelConfig(family=manifest["family"], hf=hf), run_cfg.get("optim", {}).get("no_decay_1d", True))
+    if spec.layout.digest().hex() != manifest["layout_hash"]:
+        raise ConfigError(f"export: {src} does not match the model its manifest describes (layout hash)")
+    params = np.memmap(src / "params.bin", dtype=np.float32, mode="r")  # pages are read as units are written
+    units = {u["unit"]: (u["offset"], u["numel"]) for u in manifest["units"]}
+
+    def tile(u: int) -> torch.Tensor:
+        lo, n = units[u]
+        return torch.from_numpy(np.array(params[lo: lo + n]))
+
+    data = run_cfg.get("data", {})
+    tok = None
+    if data.get("kind") not in ("arithmetic", "tokens", None):
+        tok = data.get("tokenizer") or run_cfg.get("model", {}).get("pretrained")
+    return export(spec, tile, out, dtype, int(shard_gb * 1e9), tokenizer=tok)
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        path = run(args.source, args.out, args.dtype, args.shard_gb)
+    except (ConfigError, DataError) as exc:
+        print(f"megatrain-launch export: error: {exc}", file=sys.stderr)
+        return 2
+    except MegatrainError as exc:
+        print(f"megatrain-launch export: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"megatrain-launch export: wrote {path}")
+    return 0

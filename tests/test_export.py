@@ -1,0 +1,78 @@
+"""`megatrain-launch export`: a checkpoint as an HF directory that from_pretrained loads, streamed into
+shards; the weights are the checkpoint's exactly (fp32) or rounded once (bf16), and the loaded model's
+loss equals the engine's with the same weights."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from megatrain.launch import cli
+from transformers import AutoModelForCausalLM
+
+from megatrain import checkpoint as ckpt
+from megatrain.data import DataConfig, batch
+from megatrain.engine import EngineConfig, StepEngine
+from tests.helpers import DictSource, spec_for
+from tests.test_checkpoint import run
+
+
+def checkpoint_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
+    m = ckpt.manifest_of(step_dir)
+    params = np.fromfile(step_dir / "params.bin", dtype=np.float32)
+    out = {}
+    for u in m["units"]:
+        for name, (shape, off) in u["tensors"].items():
+            lo = u["offset"] + off
+            out[name] = torch.from_numpy(params[lo: lo + int(np.prod(shape))].reshape(shape).copy())
+    return out
+
+
+@pytest.mark.parametrize("family, dtype, shard_gb", [("llama", "fp32", 5.0), ("qwen2", "bf16", 0.00005),
+                                                     ("mistral", "fp32", 0.00005)])
+def test_export_loads_with_from_pretrained_and_matches(tmp_path: Path, family: str, dtype: str, shard_gb: float,
+                                                       capsys) -> None:
+    run(tmp_path / "run", family, steps=5)  # qwen2 ties its embeddings in this helper
+    step = ckpt.step_dir(tmp_path / "run" / "checkpoints", 5)
+    out = tmp_path / "hf"
+    assert cli.main(["export", str(tmp_path / "run"), str(out), "--dtype", dtype, "--shard-gb", str(shard_gb)]) == 0
+    files = sorted(p.name for p in out.iterdir())
+    assert "config.json" in files and all(stat.S_IMODE((out / f).stat().st_mode) == 0o644 for f in files)
+    sharded = shard_gb < 1
+    assert ("model.safetensors.index.json" in files) == sharded
+    assert sum(f.endswith(".safetensors") for f in files) > (1 if sharded else 0)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    want = checkpoint_tensors(step)
+    got = model.state_dict()
+    for name, t in want.items():
+        expect = t if dtype == "fp32" else t.to(torch.bfloat16).float()
+        assert torch.equal(got[name], expect), name
+    # The engine, fed the checkpoint's fp32 weights, and the exported model agree on the loss.
+    ids, labels = batch(DataConfig(seq_len=32, batch_size=2), 0)
+    spec = spec_for(model, family)
+    engine = StepEngine(spec, EngineConfig(), torch.device("cpu"), torch.float32)
+    loss_sum, tokens = engine.evaluate(ids, labels, DictSource(spec, want))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(input_ids=ids, labels=labels).loss
+    ours = float(loss_sum) / int(tokens)
+    tol = 1e-5 if dtype == "fp32" else 2e-2
+    assert abs(ours - float(ref)) <= tol * abs(float(ref)), (ours, float(ref))
+
+
+def test_save_final_is_the_same_export(tmp_path: Path) -> None:
+    run(tmp_path / "run", "llama", "train.save_final=true", steps=5)
+    final = tmp_path / "run" / "final"
+    assert json.loads((final / "config.json").read_text())["use_cache"] is True
+    assert stat.S_IMODE((final / "model.safetensors").stat().st_mode) == 0o644
+    model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    want = checkpoint_tensors(ckpt.step_dir(tmp_path / "run" / "checkpoints", 5))
+    assert all(torch.equal(model.state_dict()[n], t) for n, t in want.items())
+
+
+def test_export_of_a_directory_without_checkpoints_is_a_usage_error(tmp_path: Path, capsys) -> None:
+    assert cli.main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert str(tmp_path) in capsys.readouterr().err
