@@ -76,3 +76,27 @@ def test_save_final_is_the_same_export(tmp_path: Path) -> None:
 def test_export_of_a_directory_without_checkpoints_is_a_usage_error(tmp_path: Path, capsys) -> None:
     assert cli.main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
     assert str(tmp_path) in capsys.readouterr().err
+
+
+def test_import_of_sharded_bf16_weights_and_a_truncated_shard(tmp_path: Path, capsys) -> None:
+    """model.pretrained: a sharded bf16 save_pretrained directory is read unit by unit into the fp32 store
+    (exactly the bf16 values), and a truncated shard is a usage error naming the file."""
+    from tests.helpers import tiny_hf
+
+    src = tmp_path / "src"
+    model = tiny_hf("llama", tied=False, layers=3).to(torch.bfloat16)
+    model.save_pretrained(src, max_shard_size="40KB")
+    assert (src / "model.safetensors.index.json").is_file()
+    run(tmp_path / "run", "llama", f"model.pretrained={src}", "model.hf={}", "train.save_final=true", steps=0)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "final", dtype=torch.float32).state_dict()
+    for name, t in model.state_dict().items():
+        assert torch.equal(loaded[name], t.float()), name
+    shard = sorted(src.glob("model-*.safetensors"))[1]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size - 100)
+    capsys.readouterr()
+    args = [str(Path(__file__).parents[1] / "examples/default.yaml"), f"model.pretrained={src}", "model.hf={}",
+            f"train.output_dir={tmp_path / 'run2'}", "launch.runner=inprocess"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert str(shard) in err and "truncated" in err
