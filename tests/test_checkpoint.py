@@ -119,3 +119,19 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_is_exact
     assert [s for s, _ in ckpt.complete(out / "checkpoints")] == [stopped[0][0], 8]  # 8: the end's
     assert losses(out) == losses(tmp_path / "ref")
     assert planes(ckpt.step_dir(out / "checkpoints", 8)) == planes(ckpt.step_dir(tmp_path / "ref" / "checkpoints", 8))
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM", "SIGHUP"])
+def test_the_first_signal_asks_the_second_insists(sig: str) -> None:
+    import signal
+
+    from megatrain.launch.stopping import StopRequest
+
+    stop, num = StopRequest(), getattr(signal, sig)
+    with stop.installed():
+        assert signal.getsignal(num) == stop._handle
+        stop._handle(num, None)
+        assert stop.signum == num and stop.name == sig  # the CLI exits 128 + signum after the checkpoint
+        with pytest.raises(KeyboardInterrupt):
+            stop._handle(num, None)
+    assert signal.getsignal(num) != stop._handle  # restored
