@@ -39,7 +39,7 @@ class CheckpointWriter(Role):
         manifest = {"format": ckpt.FORMAT, "step": step, "layout_hash": spec.layout.digest().hex(),
                     "family": spec.model.family, "hf_config": spec.model.hf_config.to_dict(),
                     "total_elems": spec.layout.total, "files": files,
-                    "units": ckpt.unit_table(spec.layout), "written_at": ckpt.now(), **meta}
+                    "units": ckpt.unit_table(spec.layout), "written_at": time.time(), **meta}
         final = ckpt.step_dir(base, step)
         ckpt.publish(tmp, final, manifest)
         nbytes = sum(f["bytes"] for f in files.values())

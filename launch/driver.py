@@ -297,7 +297,7 @@ class Trainer:
     def _write_checkpoint(self, step: int) -> dict:
         """The writer reads the planes between steps: Adam's update of `step` is done, the next not begun."""
         meta = {"config": dump_yaml(self._resolved()), "steps_total": self.steps,
-                "data": {"position": step, "seed": self.cfg.data.seed, "epoch": self.data.batch(step - 1).epoch},
+                "data": {"position": step, "seed": self.cfg.data.seed, "epoch": self.metrics[-1]["epoch"]},
                 "lr_schedule_position": step,
                 "rng": "none: a step draws nothing at random; batch t is a function of (data, data.seed, t)"}
         return self._gather({"checkpoint-writer": self.runner.call(self.actors["checkpoint-writer"], "write", step,

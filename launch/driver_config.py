@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+
+from megatrain.ipc.shm import check_run_id
 
 from megatrain.configbase import opt
 
@@ -47,9 +48,11 @@ class TrainConfig:
     setup_timeout_s: float = opt(600.0, "Starting and attaching all actors must finish within this.")
 
     def __post_init__(self) -> None:
-        if self.run_id and not re.fullmatch(r"[a-z0-9]{1,32}", self.run_id):
-            raise ValueError(f"train.run_id '{self.run_id}' must be 1-32 lowercase letters and digits (it names "
-                             "shared memory)")
+        if self.run_id:
+            try:
+                check_run_id(self.run_id)  # the one rule, where shared-memory names are made
+            except ValueError as exc:
+                raise ValueError(f"train.run_id: {exc} (it names shared memory)") from None
         if not self.output_dir.strip():
             raise ValueError("train.output_dir must not be empty")
         if self.steps < 0 or self.log_every < 1:

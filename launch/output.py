@@ -12,7 +12,7 @@ from megatrain import log
 from megatrain.errors import ConfigError
 
 # What a run writes at the top of its output directory (final/ is the saved model).
-RUN_FILES = ("metrics.jsonl", "config.yaml", "config-full.yaml", "error.log", "timeline.json")
+RUN_FILES = ("metrics.jsonl", "config.yaml", "error.log", "timeline.json")
 
 
 def prepare_output(out: Path, overwrite: bool, resume_step: int | None = None) -> None:

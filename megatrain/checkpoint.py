@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -152,15 +151,6 @@ def layout_difference(manifest: dict, units: list[dict], layout_hash: str) -> st
                 return (f"tensor '{name}': {a['tensors'].get(name)} in the checkpoint, {b['tensors'].get(name)} "
                         "in this model")
     return "the store layout differs (alignment or layout version)"
-
-
-def now() -> float:
-    return time.time()
-
-
-def describe(m: dict[str, Any]) -> str:
-    gb = sum(f["bytes"] for f in m["files"].values()) / 1e9
-    return f"step {m['step']}, {gb:.2f} GB"
 
 
 def unit_table(layout: Any) -> list[dict]:

@@ -57,7 +57,7 @@ def checkpoint_index(directory: str | Path) -> dict[str, Path]:
         except (ValueError, KeyError, AttributeError) as exc:
             raise ConfigError(f"model.pretrained: {index} is not a safetensors index ({exc})") from None
     elif (root / "model.safetensors").is_file():
-        where = dict.fromkeys(_header(root / "model.safetensors"), root / "model.safetensors")
+        return dict.fromkeys(_header(root / "model.safetensors"), root / "model.safetensors")  # checked whole
     else:
         raise ConfigError(f"model.pretrained: '{root}' holds no model.safetensors (or sharded index)")
     for path in sorted(set(where.values())):
