@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
+from megatrain.ipc.protocol.plan import Item
 from megatrain.ipc.protocol.workers import free_grad, take_grad, wait_all_grads
 
 from megatrain.adamw import OptimConfig, adamw_update, clip_scale
@@ -36,6 +37,7 @@ class AdamUpdater(Role):
         self.cfg = cfg
         self.turn = threading.Condition()
         self.next_step = 0
+        self.saving = False
         self.use_numba_threads()
         warm_up()  # compiled (or loaded from Numba's cache) while the store is being made, not in a step
         a = np.zeros(4, np.float32)
@@ -48,13 +50,16 @@ class AdamUpdater(Role):
         self.store = Store.attach(spec, parts, role=self.name)
 
     @guarded
-    def step(self, step: int, lr: float) -> dict:
+    def step(self, step: int, lr: float, saving: bool = False) -> dict:
         """With overlap the driver launches step t+1's call while step t's still runs (the actor is
-        threaded): the data plane must still see the steps one after the other, in order."""
+        threaded): the data plane must still see the steps one after the other, in order. `saving`: the
+        checkpoint of the state before this update (after `step` steps) is being written; each piece is
+        updated only once the writer has it on disk."""
         self._wait_turn(step)
         self.use_numba_threads()
         try:
             t0 = time.perf_counter()
+            self.saving = saving
             out = self._clipped(step, lr) if self.store.spec.clip else self._unclipped(step, lr)
             return {**out, "adam_s": time.perf_counter() - t0}
         finally:
@@ -82,13 +87,13 @@ class AdamUpdater(Role):
         finite = math.isfinite(norm)
         scale = clip_scale(norm, self.cfg.max_grad_norm)
         spans = []
-        for unit, table in enumerate(store.spec.piece_table):
-            start, grads = time.time(), store.tile("grads", unit)
-            for piece, lo, hi in table:  # piece by piece: the next step's packer follows right behind
-                if finite:  # else the step is skipped whole: no piece has been touched
-                    self._update(unit, lo, hi, grads[lo:hi], step + 1, lr, scale)
-                store.publish_version(piece, step + 1)
-            spans.append((unit, start, time.time()))
+        for item in store.spec.update_items:  # forward order: the next step's packer follows right behind
+            start, grads = time.time(), store.tile("grads", item.unit)
+            self._hold(item, step)
+            if finite:  # else the step is skipped whole: no piece has been touched
+                self._update(item.unit, item.lo, item.hi, grads[item.lo:item.hi], step + 1, lr, scale)
+            store.publish_version(item.piece, step + 1)
+            spans.append((item.unit, start, time.time()))
         return {"grad_norm": norm, "clip_scale": scale, "skipped": not finite, "unit_spans": spans}
 
     def _unclipped(self, step: int, lr: float) -> dict:
@@ -97,9 +102,10 @@ class AdamUpdater(Role):
         nothing reads the half-applied step)."""
         store = self.store
         spans = []
-        for item in store.spec.grad_items(None):
+        for item in store.spec.update_items:
             grad = take_grad(store, self.events, item, step)
             start = time.time()
+            self._hold(item, step)
             store.sqnorms[item.piece] = sqnorm(grad)
             if not math.isfinite(store.sqnorms[item.piece]):
                 raise NonFiniteGradient(self._non_finite(step, item.unit))
@@ -109,6 +115,11 @@ class AdamUpdater(Role):
             spans.append((item.unit, start, time.time()))
         return {"grad_norm": math.sqrt(float(store.sqnorms.sum())), "clip_scale": 1.0, "skipped": False,
                 "unit_spans": spans}
+
+    def _hold(self, item: Item, step: int) -> None:
+        if self.saving:
+            self.store.wait_saved(item.piece, step, f"the checkpoint writer to take unit {item.unit} (piece "
+                                                    f"{item.piece}) after step {step}")
 
     def _non_finite(self, step: int, unit: int) -> str:
         layout = self.store.spec.layout

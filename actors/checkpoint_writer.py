@@ -1,46 +1,120 @@
 """Checkpoint writer: a process on the store's node that writes the fp32 planes straight from shared
 memory to disk (no copy through the driver, Ray's object store, or a second buffer in RAM).
 
-The driver calls it between steps, once Adam's update of the step is complete and before the next step
-is launched, so the planes hold exactly the state after that step (see megatrain/checkpoint.py for the
-format and how a crash mid-write is made harmless).
+It joins the data plane, so training goes on while it writes. The checkpoint of step N is the state
+after Adam's N-th update, and that state exists piece by piece, never all at once:
+  1. the driver calls write(N) alongside step N+1 (or, after the last step, alone) and tells Adam's
+     step-N+1 call that this checkpoint is being written;
+  2. the writer takes the pieces in the order Adam updates them (ipc.protocol.plan update_items); for
+     each it waits until Adam's version counter says the N-th update is in (version N), writes the
+     piece's params, exp_avg and exp_avg_sq, checks the version is still N, and publishes saved=N;
+  3. Adam's step-N+1 update of a piece waits for saved >= N (Store.wait_saved) and only then writes it.
+So the writer never sees a piece half-updated or one update too far, and Adam follows right behind it:
+step N+1's forward and backward run meanwhile, and only its updates wait, each for one piece.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
+from megatrain.ipc.protocol.plan import Item
 
 from megatrain import checkpoint as ckpt
+from megatrain.errors import ProtocolError
+
+AHEAD = 2  # pieces in flight beyond the oldest: keeps every thread busy across piece boundaries
 
 
 class CheckpointWriter(Role):
-    def __init__(self) -> None:
+    def __init__(self, threads: int = 4):
         super().__init__("checkpoint-writer")
+        self.threads = max(threads, 1)
 
     def attach(self, spec: StoreSpec) -> None:
-        self.store = Store.attach(spec, ckpt.PLANES)  # no role slot: it is idle during steps
+        self.store = Store.attach(spec, ckpt.PLANES, role=self.name)
 
     @guarded
     def write(self, step: int, root: str, meta: dict) -> dict:
-        """Write the planes as checkpoint `step` under `root`; returns its path, bytes and seconds."""
+        """Write the state after `step` as checkpoint `step` under `root`; its path, bytes and seconds, and
+        how long it waited for Adam's update of the step."""
         t0 = time.perf_counter()
         base = Path(root)
         base.mkdir(parents=True, exist_ok=True)
         ckpt.remove_torn(base)
         tmp = base / f"step-{step:07d}.tmp-{os.getpid()}"
         tmp.mkdir()
-        files = {f"{part}.bin": ckpt.write_plane(tmp / f"{part}.bin", self.store.plane(part)) for part in ckpt.PLANES}
+        nbytes = self.store.spec.layout.total * 4
+        files = {part: ckpt.PlaneFile(tmp / f"{part}.bin", nbytes) for part in ckpt.PLANES}
+        try:
+            segments, waited = self._write_pieces(step, files)
+        finally:
+            for f in files.values():
+                f.close(sync=True)
         spec = self.store.spec
         manifest = {"format": ckpt.FORMAT, "step": step, "layout_hash": spec.layout.digest().hex(),
                     "family": spec.model.family, "hf_config": spec.model.hf_config.to_dict(),
-                    "total_elems": spec.layout.total, "files": files,
+                    "total_elems": spec.layout.total,
+                    "files": {f"{p}.bin": {"bytes": nbytes, "segments": sorted(segments[p])} for p in ckpt.PLANES},
                     "units": ckpt.unit_table(spec.layout), "written_at": time.time(), **meta}
         final = ckpt.step_dir(base, step)
         ckpt.publish(tmp, final, manifest)
-        nbytes = sum(f["bytes"] for f in files.values())
-        return {"path": str(final), "bytes": nbytes, "seconds": time.perf_counter() - t0}
+        return {"path": str(final), "bytes": nbytes * len(ckpt.PLANES), "seconds": time.perf_counter() - t0,
+                "waited_for_adam_s": waited, "direct_io": all(f.direct for f in files.values())}
+
+    def _write_pieces(self, step: int, files: dict[str, ckpt.PlaneFile]) -> tuple[dict[str, list], float]:
+        store = self.store
+        segments: dict[str, list] = {p: [] for p in ckpt.PLANES}
+        flight: deque[tuple[Item, list[tuple[str, Future]]]] = deque()
+        waited = 0.0
+        with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-write") as pool:
+            try:
+                for item in store.spec.update_items:
+                    w0 = time.perf_counter()
+                    store.wait_version(item.unit, step, f"Adam's update of unit {item.unit} (step {step}) to "
+                                                        f"checkpoint it", item.piece)
+                    waited += time.perf_counter() - w0
+                    self._check_version(item, step)
+                    flight.append((item, self._submit(pool, item, files)))
+                    while len(flight) > AHEAD or (flight and all(f.done() for _, f in flight[0][1])):
+                        self._retire(flight.popleft(), step, segments)
+                while flight:
+                    self._retire(flight.popleft(), step, segments)
+            finally:  # on an error, no write may still read shared memory once this returns
+                for _, futures in flight:
+                    for _, f in futures:
+                        f.cancel()
+        return segments, waited
+
+    def _submit(self, pool: ThreadPoolExecutor, item: Item, files: dict[str, ckpt.PlaneFile]) -> list:
+        """The piece's bytes in every plane, in chunks: elements [lo, hi) of its tile, with the tile's padding
+        when it is the unit's last piece (so the chunks cover the whole file)."""
+        unit = self.store.spec.layout.units[item.unit]
+        numel = self.store.spec.layout.structure_of(item.unit).numel
+        hi = unit.tile if item.hi >= numel else item.hi
+        lo_b, hi_b = 4 * (unit.offset + item.lo), 4 * (unit.offset + hi)
+        out = []
+        for part in ckpt.PLANES:
+            raw = self.store.plane(part).view(np.uint8)
+            for off, n in ckpt.chunks(lo_b, hi_b):
+                out.append((part, pool.submit(files[part].write, raw[off: off + n], off)))
+        return out
+
+    def _retire(self, entry: tuple[Item, list[tuple[str, Future]]], step: int, segments: dict[str, list]) -> None:
+        item, futures = entry
+        for part, f in futures:
+            segments[part].append(f.result())
+        self._check_version(item, step)  # Adam must not have touched it while it was being written
+        self.store.publish_saved(item.piece, step)
+
+    def _check_version(self, item: Item, step: int) -> None:
+        have = int(self.store.versions[item.piece])
+        if have != step:
+            raise ProtocolError(f"checkpoint of step {step}: unit {item.unit} (piece {item.piece}) is at version "
+                                f"{have}; Adam must hold its next update until the writer has it")

@@ -89,7 +89,8 @@ class StoreOwner(Role):
         if manifest is None:
             raise ConfigError(f"train.resume: {directory} is not a complete checkpoint")
         for part in ckpt.PLANES:
-            ckpt.read_plane(directory / f"{part}.bin", self.store.plane(part), manifest["files"][f"{part}.bin"])
+            ckpt.read_plane(directory / f"{part}.bin", self.store.plane(part), manifest["files"][f"{part}.bin"],
+                            lambda off: ckpt.unit_at(self.store.spec.layout, off))
         self.store.versions[:] = int(manifest["step"])
         if self.store.spec.resident:
             for u in range(self.store.spec.num_units):

@@ -4,7 +4,6 @@ step), and the bookkeeping around each: the writer actor does the writing, the d
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from megatrain.launch.driver_config import TrainConfig
@@ -18,20 +17,28 @@ class Checkpointer:
         self.cfg, self.root, self.steps = cfg, root, steps
         self.enabled = cfg.save_every > 0 or cfg.save_every_minutes > 0
         self.since = time.monotonic()
-        self.written: int | None = None
+        self.written: int | None = None  # the step of the newest complete checkpoint of this run
+        self.writing: int | None = None  # the step of the one being written
+        self.history: list[dict] = []  # what each write reported (path, bytes, seconds, ...)
 
     def due(self, step: int) -> bool:
         """Whether to write one after `step` optimizer steps."""
-        if not self.enabled or step == self.written:
+        if not self.enabled or step in (self.written, self.writing):
             return False
         every, minutes = self.cfg.save_every, self.cfg.save_every_minutes
         return (step == self.steps or bool(every and step % every == 0)
                 or bool(minutes and time.monotonic() - self.since >= 60 * minutes))
 
-    def save(self, step: int, write: Callable[[int], dict]) -> None:
-        res = write(step)
-        self.since, self.written = time.monotonic(), step
+    def started(self, step: int) -> None:
+        self.since, self.writing = time.monotonic(), step
+
+    def finished(self, res: dict) -> None:
+        """A write is complete (renamed into place, `latest` updated): prune the older ones and log it."""
+        step, self.writing = self.writing, None
+        self.written = step
+        self.history.append({"step": step, **res})
         gone = ckpt.prune(self.root, self.cfg.keep_last)
         log(f"checkpoint after step {step}: {res['path']}, {res['bytes'] / 1e9:.2f} GB in {res['seconds']:.1f} s "
-            f"({res['bytes'] / 1e9 / max(res['seconds'], 1e-9):.2f} GB/s)"
+            f"({res['bytes'] / 1e9 / max(res['seconds'], 1e-9):.2f} GB/s"
+            + ("" if res.get("direct_io", True) else ", buffered: the filesystem refused O_DIRECT") + ")"
             + (f"; removed {', '.join(gone)}" if gone else ""))

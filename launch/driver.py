@@ -83,6 +83,7 @@ class Trainer:
         self.resume_dir: Path | None = None
         self.loader: Prefetcher | None = None
         self.evaluator: Evaluator | None = None
+        self.pending_write: Pending | None = None  # the checkpoint being written
         self._closed = False
 
     # ---- public -----------------------------------------------------------------------------
@@ -99,6 +100,7 @@ class Trainer:
                     "stopped_by": self.stop.name if self.stopped_after is not None else "",
                     "last_step": self.stopped_after if self.stopped_after is not None else self.steps,
                     "checkpoint": str(ckpt_step_dir(self.checkpointer.root, written)) if written else "",
+                    "checkpoints": self.checkpointer.history,
                     "pids": dict(self.pids), "num_params": self.spec.layout.num_params,
                     "store_bytes": sum(self.spec.part_bytes().values()), "staging": self.spec.staging_mode,
                     "executor_host_bytes": checkpoint_host_bytes(self.spec.model, self.engine_cfg,
@@ -193,7 +195,7 @@ class Trainer:
                  for i in range(a.num_accumulators if clip else 0)]
         plan += [("adam-updater", AdamUpdater, (self.cfg.optim, a.adam_threads))]
         if self.checkpointer.enabled:
-            plan += [("checkpoint-writer", CheckpointWriter, ())]
+            plan += [("checkpoint-writer", CheckpointWriter, (a.writer_threads,))]
         if packers:
             plan += self._packer_plan()
         for name, cls, args in plan:
@@ -242,7 +244,8 @@ class Trainer:
         """The step loop. With train.overlap_adam, step t+1 is launched while Adam still updates step
         t's units: packers wait per unit for its update (version counters), so the next forward
         starts as soon as the embedding is updated instead of after the whole model. An evaluation
-        after step t runs before step t+1 is launched, on the same version counters."""
+        after step t runs before step t+1 is launched, on the same version counters. A checkpoint after
+        step t is launched with step t+1 and written while it runs (actors/checkpoint_writer.py)."""
         cfg = self.cfg
         prev: tuple[dict, Pending] | None = None
         self.loader = Prefetcher(self.data.batch, self.start, self.steps, cfg.data.prefetch)
@@ -256,29 +259,29 @@ class Trainer:
                             prev = None
                         self._stop_gracefully(t)
                         break
-                    calls, row = self._launch(t)
+                    calls, row = self._launch(t, saving=self.checkpointer.writing == t)
                     adam = calls.pop("adam-updater")
                     if prev is not None:
                         calls["adam-previous"] = prev[1]
-                    save = self.checkpointer.due(t + 1)  # then this step's update must be complete first
-                    overlap = cfg.train.overlap_adam and not save
-                    if not overlap:
+                    if not cfg.train.overlap_adam:
                         calls["adam-updater"] = adam
-                    res = self._gather(calls, cfg.train.step_timeout_s, f"step {t}")
+                    res = self._gather(calls, cfg.train.step_timeout_s, f"step {t}", self._writing())
+                    self._maybe_written(res)
                     row = self._executor_row(row, res["gpu-executor"])
                     row.update(self._maybe_evaluate(t + 1))
                     if prev is not None:
                         self._record(f, prev[0], res["adam-previous"])
-                    if overlap:
+                    if cfg.train.overlap_adam:
                         prev = (row, adam)
                     else:
                         self._record(f, row, res["adam-updater"])
                         prev = None
-                    if save:
-                        self.checkpointer.save(t + 1, self._write_checkpoint)
+                    if self.checkpointer.due(t + 1):
+                        self._start_checkpoint(t + 1, row["epoch"])
                 if prev is not None:
                     self._record(f, prev[0], self._gather({"adam-previous": prev[1]}, cfg.train.step_timeout_s,
-                                                          "the last Adam update")["adam-previous"])
+                                                          "the last Adam update", self._writing())["adam-previous"])
+                self._wait_written()
         finally:
             self.loader.close()
 
@@ -286,23 +289,42 @@ class Trainer:
         """A signal asked to stop: `step` steps are done and applied; checkpoint them unless that is off,
         nothing is new since the start, or it was just written."""
         self.stopped_after = step
+        self._wait_written()
         if not self.cfg.train.save_on_signal or step == self.start or step == self.checkpointer.written:
             return
         if "checkpoint-writer" not in self.actors:  # started on demand when no periodic saves were asked for
-            self.actors["checkpoint-writer"] = self.runner.spawn("checkpoint-writer", CheckpointWriter, (),
-                                                                 Demand(0.0, 0.0))
+            self.actors["checkpoint-writer"] = self.runner.spawn("checkpoint-writer", CheckpointWriter,
+                                                                 (self.cfg.actors.writer_threads,), Demand(0.0, 0.0))
             self._call_one("checkpoint-writer", "attach", self.spec)
-        self.checkpointer.save(step, self._write_checkpoint)
+        self._start_checkpoint(step, self.metrics[-1]["epoch"])
+        self._wait_written()
 
-    def _write_checkpoint(self, step: int) -> dict:
-        """The writer reads the planes between steps: Adam's update of `step` is done, the next not begun."""
+    def _start_checkpoint(self, step: int, epoch: int) -> None:
+        """Launch the write of the state after `step`. The writer takes each piece once Adam's update of
+        `step` is in; the next step's call tells Adam to hold each piece's next update until it is taken."""
+        self._wait_written()  # one write at a time
         meta = {"config": dump_yaml(self._resolved()), "steps_total": self.steps,
-                "data": {"position": step, "seed": self.cfg.data.seed, "epoch": self.metrics[-1]["epoch"]},
+                "data": {"position": step, "seed": self.cfg.data.seed, "epoch": epoch},
                 "lr_schedule_position": step,
                 "rng": "none: a step draws nothing at random; batch t is a function of (data, data.seed, t)"}
-        return self._gather({"checkpoint-writer": self.runner.call(self.actors["checkpoint-writer"], "write", step,
-                                                                   str(self.checkpointer.root.resolve()), meta)},
-                            self.cfg.train.step_timeout_s, f"the checkpoint after step {step}")["checkpoint-writer"]
+        self.checkpointer.started(step)
+        self.pending_write = self.runner.call(self.actors["checkpoint-writer"], "write", step,
+                                              str(self.checkpointer.root.resolve()), meta)
+
+    def _writing(self) -> dict[str, Pending]:
+        return {"checkpoint-writer": self.pending_write} if self.pending_write is not None else {}
+
+    def _maybe_written(self, res: dict) -> None:
+        if "checkpoint-writer" in res:
+            self.pending_write = None
+            self.checkpointer.finished(res["checkpoint-writer"])
+
+    def _wait_written(self) -> None:
+        """Wait for the checkpoint being written, if any."""
+        if self.pending_write is not None:
+            step = self.checkpointer.writing
+            self._maybe_written(self._gather(self._writing(), self.cfg.train.step_timeout_s,
+                                             f"the checkpoint after step {step}"))
 
     def _maybe_evaluate(self, step: int) -> dict:
         every = self.cfg.train.eval_every
@@ -310,7 +332,7 @@ class Trainer:
             return {}
         return self.evaluator(step)
 
-    def _launch(self, t: int) -> tuple[dict[str, Pending], dict]:
+    def _launch(self, t: int, saving: bool = False) -> tuple[dict[str, Pending], dict]:
         cfg = self.cfg
         b = self.loader.get(t)
         ids, labels = b.ids, b.labels
@@ -321,7 +343,7 @@ class Trainer:
         profile = str((self.out / f"profile-step-{t + 1}.json").resolve()) if t + 1 == cfg.train.profile_step else ""
         calls = {"gpu-executor": self.runner.call(self.actors["gpu-executor"], "step", t, ids, labels, timeline,
                                                   profile),
-                 "adam-updater": self.runner.call(self.actors["adam-updater"], "step", t, lr)}
+                 "adam-updater": self.runner.call(self.actors["adam-updater"], "step", t, lr, saving)}
         for name, h in self.actors.items():
             if name.startswith(("packer", "grad-accumulator")):
                 calls[name] = self.runner.call(h, "step", t)
@@ -368,12 +390,16 @@ class Trainer:
         return self._gather({name: self.runner.call(self.actors[name], method, *args)},
                             self.cfg.train.setup_timeout_s, f"{name}.{method}")[name]
 
-    def _gather(self, calls: dict[str, Pending], timeout: float, what: str) -> dict[str, Any]:
+    def _gather(self, calls: dict[str, Pending], timeout: float, what: str,
+                optional: dict[str, Pending] | None = None) -> dict[str, Any]:
+        """Wait for every call in `calls`; a call in `optional` (the checkpoint being written) is watched
+        for failure and its result taken if it ends meanwhile, but not waited for."""
         results: dict[str, Any] = {}
         pending = dict(calls)
+        extra = {k: v for k, v in (optional or {}).items() if k not in pending}
         deadline = time.monotonic() + timeout
         while pending:
-            watch = list(pending.values()) + ([self.sentinel] if self.sentinel else [])
+            watch = list(pending.values()) + list(extra.values()) + ([self.sentinel] if self.sentinel else [])
             done = self.runner.wait_any(watch, max(deadline - time.monotonic(), 0.0))
             if not done:
                 self._abort(f"{what} timed out")
@@ -382,13 +408,14 @@ class Trainer:
             for p in done:
                 if p is self.sentinel:
                     self.sentinel = None
-                    self._owner_died(p, pending)
-                key = next(k for k, v in pending.items() if v is p)
-                del pending[key]
+                    self._owner_died(p, {**pending, **extra})
+                key = next(k for k, v in {**pending, **extra}.items() if v is p)
+                pending.pop(key, None)
+                extra.pop(key, None)
                 try:
                     results[key] = self.runner.result(p)
                 except (ActorFailure, AbortError) as exc:
-                    raise self._root_cause(exc, p.actor, pending) from None
+                    raise self._root_cause(exc, p.actor, {**pending, **extra}) from None
         return results
 
     def _owner_died(self, serve: Pending, pending: dict[str, Pending]) -> None:

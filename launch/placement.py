@@ -16,10 +16,14 @@ class ActorsConfig:
                                       "0 = all cores of the node.")
     adam_threads: int = opt(0, "Numba threads of the Adam updater; 0 = all cores of the node.")
     executor_threads: int = opt(0, "Torch intra-op threads of the executor (matters on the CPU device); 0 = default.")
+    writer_threads: int = opt(4, "Threads of the checkpoint writer: each checksums and writes 64 MiB chunks, so "
+                                 "several keep a fast disk's queue full while training goes on.")
 
     def __post_init__(self) -> None:
         if self.num_packers < 1 or self.num_accumulators < 1:
             raise ValueError("actors.num_packers and actors.num_accumulators must be >= 1")
+        if self.writer_threads < 1:
+            raise ValueError("actors.writer_threads must be >= 1")
         if self.packer_threads < 1 or min(self.accumulator_threads, self.adam_threads, self.executor_threads) < 0:
             raise ValueError("actors: packer_threads must be >= 1, the other thread counts >= 0 (0 = default)")
 
@@ -43,7 +47,7 @@ def demands(cfg: ActorsConfig, cuda: bool, clip: bool = True, writer: bool = Fal
            "adam-updater": Demand(1.0, 0.0 if clip else sliver)}
     out.update({f"packer-{i}": Demand(1.0, 0.0) for i in range(cfg.num_packers)})
     out.update({f"grad-accumulator-{i}": Demand(1.0, sliver) for i in range(cfg.num_accumulators if clip else 0)})
-    if writer:  # checkpoints, between steps: disk-bound, it takes no core from the step's actors
+    if writer:  # disk-bound (it waits on the disk, not a core), so it asks for none
         out["checkpoint-writer"] = Demand(0.0, 0.0)
     return out
 

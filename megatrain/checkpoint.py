@@ -2,8 +2,9 @@
 
 OUTPUT_DIR/checkpoints/step-NNNNNNN/ holds, for each fp32 plane of the store (params, exp_avg,
 exp_avg_sq), one raw file with the plane exactly as it lies in shared memory (every unit's tile at its
-4 KiB-aligned offset, padding zero), and manifest.json: the step, the layout hash, per unit its HF
-tensor names, shapes and offsets, per file its bytes and CRC-32, the data position and seeds, and the
+8 KiB-aligned offset, padding zero), and manifest.json: the step, the layout hash, per unit its HF
+tensor names, shapes and offsets, per file its bytes and a CRC-32 per written segment (at most 64 MiB:
+the writer writes pieces in parallel and out of file order), the data position and seeds, and the
 resolved config. It is written into step-NNNNNNN.tmp-PID, every file fsync'ed, renamed, the parent
 fsync'ed, and only then `latest` (a one-line file, itself written by rename) points at it. A crash at
 any moment leaves either the previous state or a *.tmp-* directory, which nothing reads and the next
@@ -12,10 +13,15 @@ save removes; a directory without a valid manifest is never taken for a checkpoi
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import shutil
+import threading
 import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -23,43 +29,102 @@ import numpy as np
 
 from megatrain.errors import ConfigError
 
-FORMAT = 1
+FORMAT = 2  # 2: per-file checksums per written segment (format 1, one CRC per file, is still read)
 PLANES = ("params", "exp_avg", "exp_avg_sq")
-CHUNK = 64 * 2**20  # bytes per write and per checksum update
+CHUNK = 64 * 2**20  # bytes per write and per checksum: a multiple of any block size direct I/O needs
+READERS = 4  # threads reading a checkpoint back (each reads and checks whole segments)
 
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:07d}"
 
 
-def write_plane(path: Path, plane: np.ndarray) -> dict:
-    """Write a plane (a 1-D array view of shared memory) in chunks, fsync'ed; its bytes and CRC-32."""
-    raw = plane.view(np.uint8)
-    crc = 0
-    with open(path, "wb", buffering=0) as f:
-        for lo in range(0, raw.size, CHUNK):
-            part = raw[lo: lo + CHUNK]
-            crc = zlib.crc32(part, crc)
-            f.write(memoryview(part))
-        os.fsync(f.fileno())
-    return {"bytes": int(raw.size), "crc32": crc}
+class PlaneFile:
+    """One plane's file, written in chunks at their own offsets, in any order, from any thread: with
+    O_DIRECT where the filesystem allows it (the disk reads shared memory itself: no copy into the page
+    cache, no second copy of the state in RAM), else buffered. Every chunk gets its CRC-32."""
+
+    def __init__(self, path: Path, nbytes: int):
+        self.path, self.nbytes = path, nbytes
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        try:
+            self.fd, self.direct = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644), hasattr(os, "O_DIRECT")
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            self.fd, self.direct = os.open(path, flags, 0o644), False  # e.g. an older tmpfs
+        self._lock = threading.Lock()
+        os.ftruncate(self.fd, nbytes)  # bytes no chunk covers (none, for a whole plane) read as zeros
+
+    def write(self, data: np.ndarray, offset: int) -> list[int]:
+        """data: uint8 view of shared memory; returns [offset, length, crc32]."""
+        crc = zlib.crc32(data)  # releases the GIL: threads checksum and write in parallel
+        view, pos = memoryview(data), offset
+        while view.nbytes:
+            try:
+                n = os.pwrite(self.fd, view, pos)
+            except OSError as exc:  # an unaligned tail or a filesystem that refuses O_DIRECT writes
+                if exc.errno != errno.EINVAL or not self.direct:
+                    raise
+                self._buffered()
+                continue
+            view, pos = view[n:], pos + n
+        return [offset, int(data.size), crc]
+
+    def _buffered(self) -> None:
+        with self._lock:
+            if self.direct:
+                fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                self.direct = False
+
+    def close(self, sync: bool = True) -> None:
+        if self.fd < 0:
+            return
+        try:
+            if sync:
+                os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+            self.fd = -1
 
 
-def read_plane(path: Path, out: np.ndarray, expect: dict) -> None:
-    """Read a plane file into `out` (a view of shared memory), verifying its size and CRC-32."""
+def chunks(lo: int, hi: int) -> list[tuple[int, int]]:
+    """Byte range [lo, hi) as CHUNK-sized (offset, length) pieces."""
+    return [(o, min(CHUNK, hi - o)) for o in range(lo, hi, CHUNK)]
+
+
+def read_plane(path: Path, out: np.ndarray, expect: dict, where: Callable[[int], str] | None = None) -> None:
+    """Read a plane file into `out` (a view of shared memory), verifying its size and checksums;
+    `where(byte offset)` names what a corrupt segment holds."""
     raw = out.view(np.uint8)
     size = path.stat().st_size if path.exists() else -1
     if size != expect["bytes"] or size != raw.size:
         raise ConfigError(f"train.resume: {path} has {size} bytes; its manifest says {expect['bytes']} and the "
                           f"store needs {raw.size}")
-    crc = 0
-    with open(path, "rb", buffering=0) as f:
-        for lo in range(0, raw.size, CHUNK):
-            n = f.readinto(memoryview(raw[lo: lo + CHUNK]))
-            crc = zlib.crc32(raw[lo: lo + n], crc)
-    if crc != expect["crc32"]:
-        raise ConfigError(f"train.resume: {path} is corrupt (CRC-32 {crc:08x}, the manifest says "
-                          f"{expect['crc32']:08x})")
+    segments = expect.get("segments") or [[0, raw.size, expect["crc32"]]]  # format 1: one CRC for the file
+
+    def read(seg: list[int]) -> str | None:
+        off, n, crc = seg
+        got = 0
+        with open(path, "rb", buffering=0) as f:
+            f.seek(off)
+            while got < n:
+                part = memoryview(raw[off + got: off + n])
+                k = f.readinto(part)
+                if not k:
+                    break
+                got += k
+        have = zlib.crc32(raw[off: off + n])
+        if got == n and have == crc:
+            return None
+        what = f" ({where(off)})" if where else ""
+        return (f"train.resume: {path} is corrupt: bytes {off}-{off + n}{what} have CRC-32 {have:08x}, the manifest "
+                f"says {crc:08x}")
+
+    with ThreadPoolExecutor(READERS) as pool:
+        bad = [msg for msg in pool.map(read, segments) if msg]
+    if bad:
+        raise ConfigError(bad[0])
 
 
 def fsync_dir(path: Path) -> None:
@@ -151,6 +216,17 @@ def layout_difference(manifest: dict, units: list[dict], layout_hash: str) -> st
                 return (f"tensor '{name}': {a['tensors'].get(name)} in the checkpoint, {b['tensors'].get(name)} "
                         "in this model")
     return "the store layout differs (alignment or layout version)"
+
+
+def unit_at(layout: Any, byte_offset: int) -> str:
+    """What lies at a byte offset of a plane file: the unit and the tensor."""
+    elem = byte_offset // 4
+    for u in layout.units:
+        if u.offset <= elem < u.offset + u.tile:
+            inside = [s for s in layout.structure_of(u.index).slots if s.offset <= elem - u.offset]
+            name = layout.hf_name(u.index, inside[-1].name) if inside else "?"
+            return f"unit {u.index}, from tensor '{name}'"
+    return "past the last unit"
 
 
 def unit_table(layout: Any) -> list[dict]:

@@ -194,6 +194,15 @@ class StoreSpec:
             return []
         return [it for items in self.walk(walk)[1] for it in items if it.slab % self.num_packers == packer]
 
+    @cached_property
+    def update_items(self) -> list[Item]:
+        """Every piece in the order Adam updates them (with clipping: forward order, so the next forward
+        follows right behind; without: as the backward produces the gradients). A checkpoint writer takes
+        them in this same order, so the next step's update of each piece follows right behind it."""
+        if self.clip:
+            return [Item(u, lo, hi, -1, p) for u, pieces in enumerate(self.piece_table) for p, lo, hi in pieces]
+        return self.grad_items(None)
+
     def grad_items(self, acc: int | None) -> list[Item]:
         """The items accumulator `acc` drains, in order; None: all of them (without clipping the Adam
         updater drains every slab itself)."""
@@ -203,7 +212,7 @@ class StoreSpec:
     def part_bytes(self) -> dict[str, int]:
         plane = self.layout.total * 4
         staging = self.slab_elems * (self.num_weight_slabs * self.staging_bytes + self.ipc.grad_slabs * 4)
-        ctl = CTL_FIXED + self.num_pieces * 16
+        ctl = CTL_FIXED + self.num_pieces * 24  # per piece: version, squared gradient norm, saved step
         resident = {"resident": self.layout.total * self.staging_bytes} if self.resident else {}
         return {**dict.fromkeys(self.planes, plane), "staging": staging, **resident, "ctl": ctl}
 
@@ -215,7 +224,7 @@ class StoreSpec:
     def roles(self) -> list[str]:
         """Worker role names; a role's index is its pid slot in ctl."""
         return (["gpu-executor", "adam-updater"] + [f"packer-{i}" for i in range(self.num_packers)]
-                + [f"grad-accumulator-{i}" for i in range(self.num_accumulators)])
+                + [f"grad-accumulator-{i}" for i in range(self.num_accumulators)] + ["checkpoint-writer"])
 
     def pid_slot(self, role: str) -> int:
         """Where a worker records its pid in ctl, so cleanup can find what the CUDA driver left for it."""

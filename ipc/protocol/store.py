@@ -46,6 +46,9 @@ class Store:
         self.role_bytes = np.frombuffer(ctl, np.uint8, MAX_PIDS * ROLE_BYTES, table).reshape(MAX_PIDS, -1)
         self.versions = np.frombuffer(ctl, np.int64, u, HEADER_BYTES + CTL_FIXED)
         self.sqnorms = np.frombuffer(ctl, np.float64, u, HEADER_BYTES + CTL_FIXED + 8 * u)
+        # Per piece, the step of the last checkpoint that has it on disk: Adam's update after that step
+        # waits for it while that checkpoint is being written (see actors/checkpoint_writer.py).
+        self.saved = np.frombuffer(ctl, np.int64, u, HEADER_BYTES + CTL_FIXED + 16 * u)
         self.slot: int | None = None  # this process's role row, if it is a worker
         self._row_lock = threading.Lock()
 
@@ -251,14 +254,26 @@ class Store:
         """Wait until Adam's version of the unit's `piece` (None: of all its pieces) reaches `version`;
         the reads that follow see Adam's writes (acquire fence)."""
         span = self.spec.piece_range(unit) if piece is None else slice(piece, piece + 1)
-        if reached(self.versions, span.start, span.stop, version):
+        self._wait_reached(self.versions, span, version, what)
+
+    def publish_saved(self, piece: int, step: int) -> None:
+        """The checkpoint writer has the piece's state after `step` on disk: Adam may update it again."""
+        publish(self.saved, piece, step)
+        self.progressed()
+
+    def wait_saved(self, piece: int, step: int, what: str) -> None:
+        """Adam, before updating a piece while the checkpoint of `step` is written: wait for the writer."""
+        self._wait_reached(self.saved, slice(piece, piece + 1), step, what)
+
+    def _wait_reached(self, counters: np.ndarray, span: slice, value: int, what: str) -> None:
+        if reached(counters, span.start, span.stop, value):
             self.progressed()
             return
         cfg, nap = self.spec.ipc, 1e-4
         deadline = time.monotonic() + cfg.wait_timeout_s
         self._waiting(what, +1)
         try:
-            while not reached(self.versions, span.start, span.stop, version):
+            while not reached(counters, span.start, span.stop, value):
                 self.check_abort()
                 if time.monotonic() > deadline:
                     raise WaitTimeout(f"waited {cfg.wait_timeout_s:g}s for {what}")
