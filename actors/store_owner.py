@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -26,6 +27,8 @@ from megatrain.export import export
 from megatrain.model import ModelConfig, build_spec, init_unit, meta_model
 from megatrain.weights import checkpoint_index, fill_tile, read_unit
 
+LOADERS = 2  # units read from a pretrained checkpoint at once: one is read while the other is converted
+
 
 class StoreOwner(Role):
     def __init__(self, name: str = "store-owner"):
@@ -33,6 +36,7 @@ class StoreOwner(Role):
         self.reaper = 0  # pid of the reaper (not a child of this process: see megatrain.ipc.reaper)
         self.done = threading.Event()
         self.monitor: Monitor | None = None
+        self.filled: dict = {}  # how the store was filled: from what, bytes read, seconds
 
     def serve(self) -> None:
         """Held open by the driver for the whole run: if this process dies, the call fails at once, and
@@ -58,10 +62,12 @@ class StoreOwner(Role):
                           ram_only=ram_only, last_block_layers=engine.last_block_layers)
         self.store = Store.create(spec, ram_only)
         self._start_reaper(run_id)
+        t0 = time.perf_counter()
         if resume:
-            self._restore(Path(resume))
+            self.filled = {"source": str(resume), "bytes": self._restore(Path(resume))}
         else:
-            self._fill(model_cfg)
+            self.filled = {"source": model_cfg.pretrained or "init", "bytes": self._fill(model_cfg)}
+        self.filled["seconds"] = time.perf_counter() - t0
         self.monitor = Monitor(self.store).start()
         return spec
 
@@ -69,20 +75,31 @@ class StoreOwner(Role):
         pid = os.getpid()
         self.reaper = spawn_detached("megatrain.ipc.reaper", run_id, str(pid), str(start_ticks(pid)))
 
-    def _fill(self, cfg: ModelConfig) -> None:
-        spec = self.store.spec.model
-        if cfg.pretrained:
-            where = checkpoint_index(cfg.pretrained)
-            tensors_of = lambda u: read_unit(spec, u, where)  # noqa: E731
-        else:
-            model = meta_model(spec.family, spec.hf_config)
-            tensors_of = lambda u: init_unit(spec, model, u, cfg.init_seed)  # noqa: E731
-        for u in range(len(spec.layout.units)):
-            fill_tile(spec, u, self.store.torch_tile("params", u), tensors_of(u))
-            if self.store.spec.resident:
-                self.store.refresh_resident(u)
+    def fill_report(self) -> dict:
+        return self.filled
 
-    def _restore(self, directory: Path) -> None:
+    def _fill(self, cfg: ModelConfig) -> int:
+        """The weights, unit by unit: read from model.pretrained (LOADERS units at a time; the bytes of its
+        files are returned) or drawn fresh (in unit order, from one seed; 0 bytes read)."""
+        spec = self.store.spec.model
+        units = range(len(spec.layout.units))
+        if not cfg.pretrained:
+            model = meta_model(spec.family, spec.hf_config)
+            for u in units:
+                self._fill_unit(u, init_unit(spec, model, u, cfg.init_seed))
+            return 0
+        where = checkpoint_index(cfg.pretrained)
+        with ThreadPoolExecutor(LOADERS, thread_name_prefix="load") as pool:
+            for _ in pool.map(lambda u: self._fill_unit(u, read_unit(spec, u, where)), units):
+                pass  # each unit's tensors are dropped once its tile holds them: about LOADERS units in RAM
+        return sum(f.stat().st_size for f in set(where.values()))
+
+    def _fill_unit(self, unit: int, tensors: dict[str, torch.Tensor]) -> None:
+        fill_tile(self.store.spec.model, unit, self.store.torch_tile("params", unit), tensors)
+        if self.store.spec.resident:
+            self.store.refresh_resident(unit)
+
+    def _restore(self, directory: Path) -> int:
         """The state after the checkpoint's step: every plane read back (CRC-checked), the version counters
         at that step (its updates are applied), the resident copy rewritten."""
         manifest = ckpt.manifest_of(directory)
@@ -95,6 +112,7 @@ class StoreOwner(Role):
         if self.store.spec.resident:
             for u in range(self.store.spec.num_units):
                 self.store.refresh_resident(u)
+        return sum(int(manifest["files"][f"{part}.bin"]["bytes"]) for part in ckpt.PLANES)
 
     @guarded
     def save(self, directory: str, tokenizer: str | None = None) -> str:

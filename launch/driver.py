@@ -84,6 +84,7 @@ class Trainer:
         self.loader: Prefetcher | None = None
         self.evaluator: Evaluator | None = None
         self.pending_write: Pending | None = None  # the checkpoint being written
+        self.store_fill: dict = {}  # how the store was filled (StoreOwner.fill_report)
         self._closed = False
 
     # ---- public -----------------------------------------------------------------------------
@@ -100,7 +101,7 @@ class Trainer:
                     "stopped_by": self.stop.name if self.stopped_after is not None else "",
                     "last_step": self.stopped_after if self.stopped_after is not None else self.steps,
                     "checkpoint": str(ckpt_step_dir(self.checkpointer.root, written)) if written else "",
-                    "checkpoints": self.checkpointer.history,
+                    "checkpoints": self.checkpointer.history, "store_fill": self.store_fill,
                     "pids": dict(self.pids), "num_params": self.spec.layout.num_params,
                     "store_bytes": sum(self.spec.part_bytes().values()), "staging": self.spec.staging_mode,
                     "executor_host_bytes": checkpoint_host_bytes(self.spec.model, self.engine_cfg,
@@ -185,6 +186,10 @@ class Trainer:
                                    str(self.resume_dir) if self.resume_dir else None)
         log(f"weight staging: {self.spec.staging_mode}; gradients: "
             + ("fp32 plane, global-norm clipping" if self.spec.clip else "straight to Adam (no clipping)"))
+        fill = self.store_fill = self._call_one("store-owner", "fill_report")
+        log(f"store filled from {fill['source']} in {fill['seconds']:.1f} s" + (
+            f" ({fill['bytes'] / 1e9:.2f} GB read, {fill['bytes'] / 1e9 / max(fill['seconds'], 1e-9):.2f} GB/s)"
+            if fill["bytes"] else ""))
 
     def _spawn_workers(self, dem: dict, packers: bool) -> None:
         a, clip = self.cfg.actors, self.cfg.optim.max_grad_norm > 0

@@ -13,6 +13,7 @@ from megatrain.launch.driver import Trainer
 
 from megatrain import checkpoint as ckpt
 from megatrain.errors import ConfigError
+from tests.data_fixtures import MODEL_VOCAB, chat_records, make_tokenizer, write_jsonl
 from tests.helpers import TINY
 
 
@@ -45,6 +46,27 @@ def test_resume_is_bit_identical(tmp_path: Path, family: str, extra: list[str]) 
     assert planes(ckpt.step_dir(a, 10)) == planes(ckpt.step_dir(tmp_path / "b" / "checkpoints", 10))
     la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
     assert sorted(lb) == [6, 7, 8, 9, 10] and all(la[s] == lb[s] for s in lb)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_resume_on_shuffled_jsonl_is_bit_identical(tmp_path: Path, family: str) -> None:
+    """Shuffled chat examples, 7 batches an epoch: the resumed half starts mid-epoch and crosses into the
+    next epoch's permutation; losses, evaluation losses and the final planes equal the run's in one go."""
+    tok = make_tokenizer(tmp_path / "tok")
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_records(31))
+    extra = ["data.kind=chat", f"data.path={data}", f"data.tokenizer={tok}", "data.seq_len=64",
+             f"data.cache_dir={tmp_path / 'cache'}", "data.eval_fraction=0.1", "train.eval_every=4",
+             f"model.hf.vocab_size={MODEL_VOCAB}"]
+    run(tmp_path / "a", family, *extra)
+    run(tmp_path / "b", family, *extra, f"train.resume={ckpt.step_dir(tmp_path / 'a' / 'checkpoints', 5)}")
+    rows = {k: {r["step"]: r for r in map(json.loads, (tmp_path / k / "metrics.jsonl").read_text().splitlines())}
+            for k in "ab"}
+    assert rows["a"][10]["epoch"] > 1 and sorted(rows["b"]) == [6, 7, 8, 9, 10]
+    pick = lambda r: (r["loss"], r.get("eval_loss"))  # noqa: E731
+    assert all(pick(rows["a"][s]) == pick(rows["b"][s]) for s in rows["b"])
+    assert any("eval_loss" in r for r in rows["b"].values())
+    assert planes(ckpt.step_dir(tmp_path / "a" / "checkpoints", 10)) == \
+        planes(ckpt.step_dir(tmp_path / "b" / "checkpoints", 10))
 
 
 def test_auto_resume_in_place_appends_metrics_and_ignores_torn_saves(tmp_path: Path) -> None:
