@@ -11,6 +11,8 @@ after Adam's N-th update, and that state exists piece by piece, never all at onc
   3. Adam's step-N+1 update of a piece waits for saved >= N (Store.wait_saved) and only then writes it.
 So the writer never sees a piece half-updated or one update too far, and Adam follows right behind it:
 step N+1's forward and backward run meanwhile, and only its updates wait, each for one piece.
+  4. the files written and fsync'ed, the driver waits until step N's metrics row is on disk too, then
+     calls publish(N): manifest, rename, `latest`. So a checkpoint never runs ahead of metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -36,14 +38,16 @@ class CheckpointWriter(Role):
     def __init__(self, threads: int = 4):
         super().__init__("checkpoint-writer")
         self.threads = max(threads, 1)
+        self.staged: dict[int, tuple[Path, Path, dict]] = {}  # step -> (temporary dir, final dir, manifest)
 
     def attach(self, spec: StoreSpec) -> None:
         self.store = Store.attach(spec, ckpt.PLANES, role=self.name)
 
     @guarded
     def write(self, step: int, root: str, meta: dict) -> dict:
-        """Write the state after `step` as checkpoint `step` under `root`; its path, bytes and seconds, and
-        how long it waited for Adam's update of the step."""
+        """Write the state after `step` into a temporary directory under `root`, every file fsync'ed; it
+        is not a checkpoint until publish(step). Its bytes and seconds, and how long it waited for Adam's
+        update of the step."""
         t0 = time.perf_counter()
         base = Path(root)
         base.mkdir(parents=True, exist_ok=True)
@@ -63,10 +67,19 @@ class CheckpointWriter(Role):
                     "total_elems": spec.layout.total,
                     "files": {f"{p}.bin": {"bytes": nbytes, "segments": sorted(segments[p])} for p in ckpt.PLANES},
                     "units": ckpt.unit_table(spec.layout), "written_at": time.time(), **meta}
-        final = ckpt.step_dir(base, step)
+        self.staged[step] = (tmp, ckpt.step_dir(base, step), manifest)
+        return {"path": str(ckpt.step_dir(base, step)), "bytes": nbytes * len(ckpt.PLANES),
+                "seconds": time.perf_counter() - t0, "waited_for_adam_s": waited,
+                "direct_io": all(f.direct for f in files.values())}
+
+    @guarded
+    def publish(self, step: int) -> str:
+        """Make the written state of `step` a checkpoint: its manifest, the rename, then `latest`. The
+        driver calls it once the metrics of every step up to `step` are on disk, so that a run resumed
+        from it never lacks a step's metrics."""
+        tmp, final, manifest = self.staged.pop(step)
         ckpt.publish(tmp, final, manifest)
-        return {"path": str(final), "bytes": nbytes * len(ckpt.PLANES), "seconds": time.perf_counter() - t0,
-                "waited_for_adam_s": waited, "direct_io": all(f.direct for f in files.values())}
+        return str(final)
 
     def _write_pieces(self, step: int, files: dict[str, ckpt.PlaneFile]) -> tuple[dict[str, list], float]:
         store = self.store

@@ -6,6 +6,7 @@ if it is killed without running any code (SIGKILL from ray.kill or the OOM kille
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 from megatrain.actors.base import Role, guarded
-from megatrain.ipc.procs import pid_alive, spawn_detached, start_ticks
+from megatrain.ipc.procs import maps_path, pid_alive, running, spawn_detached, start_ticks
 from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, checkpoint_host_bytes, plan_store
 from megatrain.ipc.protocol.monitor import Monitor
 from megatrain.ipc.shm import pss_split, remove_cuda_ipc_files, seg_name, sweep
@@ -27,6 +28,7 @@ from megatrain.export import export
 from megatrain.model import ModelConfig, build_spec, init_unit, meta_model
 from megatrain.weights import checkpoint_index, fill_tile, read_unit
 
+STRAGGLER_S = 3.0  # how long workers get to exit after the driver's kill before they are ended by pid
 LOADERS = 2  # units read from a pretrained checkpoint at once: one is read while the other is converted
 
 
@@ -114,6 +116,19 @@ class StoreOwner(Role):
                 self.store.refresh_resident(u)
         return sum(int(manifest["files"][f"{part}.bin"]["bytes"]) for part in ckpt.PLANES)
 
+    @staticmethod
+    def _end_stragglers(pids: list[int], segment: str) -> None:
+        """Workers the driver's kill has not ended (a frozen process, SIGSTOPped or stuck in the kernel,
+        ignores Ray's kill until Ray's own timeout): SIGKILL them by pid, once they are proven to be this
+        run's (they map its segments), so that no process of the run outlives it."""
+        deadline = time.monotonic() + STRAGGLER_S
+        while any(running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in pids:
+            if running(pid) and maps_path(pid, segment):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
     @guarded
     def save(self, directory: str, tokenizer: str | None = None) -> str:
         """Write the fp32 master weights as an HF save_pretrained directory, streamed unit by unit from
@@ -146,8 +161,10 @@ class StoreOwner(Role):
         if self.monitor is not None:
             self.monitor.close()
         if self.store is not None:
+            workers = [int(p) for p in self.store.pids if p > 0 and p != os.getpid()]
             remove_cuda_ipc_files([int(p) for p in self.store.pids if p > 0], self.store.spec.ipc.shm_dir)
             self.store.unlink()
+            self._end_stragglers(workers, seg_name(self.store.spec.run_id, ""))
         if self.reaper:
             deadline = time.monotonic() + 5
             while pid_alive(self.reaper) and time.monotonic() < deadline:

@@ -30,6 +30,17 @@ def pid_alive(pid: int, ticks: int = 0) -> bool:
     return not ticks or start_ticks(pid) in (0, ticks)
 
 
+def running(pid: int) -> bool:
+    """The process exists and is not a zombie (dead, not yet reaped by its parent)."""
+    if not pid_alive(pid):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return not os.path.isdir("/proc/self")  # gone meanwhile, or no /proc: trust the signal check
+
+
 def _parents() -> dict[int, int]:
     """pid -> parent pid of every process visible in /proc."""
     out = {}
@@ -73,3 +84,13 @@ def _detach(argv: list[str]) -> None:
 
 if __name__ == "__main__":
     _detach(sys.argv[1:])
+
+
+def maps_path(pid: int, needle: str) -> bool:
+    """Whether the process maps a file whose path contains `needle`: proof that a pid is still the
+    process it was (a pid reused by another process does not map the run's segments)."""
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            return any(needle in line for line in f)
+    except OSError:
+        return False

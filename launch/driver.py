@@ -17,7 +17,7 @@ import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from megatrain.actors.adam_updater import AdamUpdater
 from megatrain.actors.checkpoint_writer import CheckpointWriter
@@ -84,6 +84,8 @@ class Trainer:
         self.loader: Prefetcher | None = None
         self.evaluator: Evaluator | None = None
         self.pending_write: Pending | None = None  # the checkpoint being written
+        self.staged: dict | None = None  # the checkpoint written but not yet published (CheckpointWriter.publish)
+        self.metrics_file: IO[str] | None = None
         self.store_fill: dict = {}  # how the store was filled (StoreOwner.fill_report)
         self._closed = False
 
@@ -256,6 +258,7 @@ class Trainer:
         self.loader = Prefetcher(self.data.batch, self.start, self.steps, cfg.data.prefetch)
         try:
             with open(self.out / "metrics.jsonl", "a", buffering=1) as f:  # prepare_output emptied or trimmed it
+                self.metrics_file = f
                 for t in range(self.start, self.steps):
                     if self.stop is not None and self.stop.signum is not None:
                         if prev is not None:  # the last launched step's update, then the checkpoint
@@ -288,6 +291,7 @@ class Trainer:
                                                           "the last Adam update", self._writing())["adam-previous"])
                 self._wait_written()
         finally:
+            self.metrics_file = None
             self.loader.close()
 
     def _stop_gracefully(self, step: int) -> None:
@@ -321,11 +325,25 @@ class Trainer:
 
     def _maybe_written(self, res: dict) -> None:
         if "checkpoint-writer" in res:
-            self.pending_write = None
-            self.checkpointer.finished(res["checkpoint-writer"])
+            self.pending_write, self.staged = None, res["checkpoint-writer"]
+            self._publish_ready()
+
+    def _publish_ready(self) -> None:
+        """Publish the written checkpoint once metrics.jsonl holds its step's row, on disk: a run resumed
+        from it keeps the rows up to its step, so none may be missing."""
+        step = self.checkpointer.writing
+        if self.staged is None or (self.metrics[-1]["step"] if self.metrics else self.start) < step:
+            return
+        if self.metrics_file is not None:
+            self.metrics_file.flush()
+            os.fsync(self.metrics_file.fileno())
+        res, self.staged = self.staged, None
+        self._call_one("checkpoint-writer", "publish", step)
+        self.checkpointer.finished(res)
 
     def _wait_written(self) -> None:
-        """Wait for the checkpoint being written, if any."""
+        """Wait for the checkpoint being written, if any, and publish it (every caller has recorded the
+        metrics of its step)."""
         if self.pending_write is not None:
             step = self.checkpointer.writing
             self._maybe_written(self._gather(self._writing(), self.cfg.train.step_timeout_s,
@@ -383,6 +401,7 @@ class Trainer:
                "adam_s": adam["adam_s"]}
         self.metrics.append(row)
         f.write(json.dumps(row) + "\n")
+        self._publish_ready()
         t, steps = row["step"] - 1, self.steps
         if t % self.cfg.train.log_every == 0 or t == steps - 1:
             log(f"step {t + 1}/{steps} loss {row['loss']:.4f} lr {row['lr']:.2e} grad_norm {row['grad_norm']:.3f} "

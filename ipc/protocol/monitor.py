@@ -1,5 +1,9 @@
 """Stall detection from the role table: which actor stopped, not which one is waiting on it.
 
+First, and at once: while a step is in flight, a worker whose process is gone is named as dead. The
+driver learns of a death from a failed call, but an actor that dies between its calls fails none, and
+its peers would only wait on it until the stall timeout.
+
 A step in flight always makes progress somewhere within a fraction of a second (a slab filled, a
 gradient drained, a version published). When none has been made by any actor for ipc.stall_timeout_s
 while some driver call is in flight, the run is stalled, and the culprit is, in this order:
@@ -16,6 +20,7 @@ from __future__ import annotations
 import threading
 import time
 
+from megatrain.ipc.procs import running
 from megatrain.ipc.protocol.store import BEAT, BEAT_S, CALLS, PROGRESS, WAITS, Store
 
 STALE_BEATS = 5  # heartbeats missed before a process counts as stopped
@@ -28,6 +33,11 @@ def find_stall(store: Store, timeout: float, now: float | None = None) -> str | 
             if store.pids[slot] > 0]
     if not rows or not any(row[CALLS] > 0 for _, _, row in rows):
         return None  # between steps: nothing is owed
+    gone = [(role, slot) for role, slot, _ in rows if not running(int(store.pids[slot]))]
+    if gone:  # at once: a worker that is idle when it dies fails no call the driver waits on
+        role, slot = gone[0]
+        return (f"actor '{role}' (pid {int(store.pids[slot])}) died: its process is gone (killed, or crashed in "
+                f"native code) while the run was in a step")
     idle = now - max(row[PROGRESS] for _, _, row in rows)
     if idle < timeout:
         return None
@@ -52,7 +62,8 @@ def find_stall(store: Store, timeout: float, now: float | None = None) -> str | 
 
 
 class Monitor:
-    """A thread of the store owner: checks for a stall once a second and aborts the run on one."""
+    """A thread of the store owner: checks once a second for a dead worker or a stall, and aborts the run
+    on either."""
 
     def __init__(self, store: Store):
         self.store = store
