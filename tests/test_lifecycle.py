@@ -113,27 +113,6 @@ def test_bad_override_names_the_command_line(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "checkpoint_interval" in proc.stderr and "Traceback" not in proc.stderr
 
 
-@pytest.mark.slow
-def test_a_stopped_actor_is_named_by_the_monitor(tmp_path: Path) -> None:
-    """SIGSTOP: the process neither dies nor raises; its peers wait on it. The monitor must name it (from
-    its heartbeat), not a peer that times out waiting, and long before ipc.wait_timeout_s (600 s). With
-    the default ipc.stall_timeout_s (15 s, test_config checks it) that is within 30 s; here 5 s, for speed."""
-    cli = Cli(tmp_path, "ipc.stall_timeout_s=5", steps=100000)
-    pids = cli.actor_pids()
-    cli.wait_for(r"step \d+/")
-    cli.snapshot()
-    os.kill(pids["adam-updater"], signal.SIGSTOP)
-    t0 = time.monotonic()
-    cli.wait_for(r"stalled: actor 'adam-updater'.*stopped running", timeout=60)  # the monitor's verdict
-    took = time.monotonic() - t0
-    rc = cli.finish(timeout=90)
-    err = "".join(cli.stderr)
-    assert rc == 1, cli.text()
-    assert "stalled: actor 'adam-updater'" in err and "stopped running" in err, cli.text()
-    assert took < 20, f"took {took:.1f}s to name the stopped actor"
-    cli.assert_clean()
-
-
 NO_AUTH = {"RAY_AUTH_MODE": "disabled"}  # a throwaway cluster on localhost: no token to hand around
 
 
@@ -172,7 +151,7 @@ CHAIN = ["train.save_every=1", "actors.adam_threads=1", "actors.accumulator_thre
          f"train.profile_step={STEPS}"]
 # Each link: who is SIGKILLed in the middle of a checkpoint write (several at the same instant); a
 # driver joined to a `ray start` cluster; or a signal.
-LINKS = [("ctrl-c",), ("gpu-executor", "packer-0", "grad-accumulator-0"),
+LINKS = [("ctrl-c",), ("gpu-executor", "packer-0", "grad-accumulator-0"), ("sigstop",),
          ("adam-updater", "checkpoint-writer", "store-owner"), ("driver",), ("driver-joined",), ("sigterm-twice",)]
 
 
@@ -211,6 +190,24 @@ def kill_mid_write(cli: Cli, victims: tuple[str, ...]) -> None:
     assert torn.is_dir() and done and all(s < step for s in done), (torn, done)  # never taken for complete
 
 
+def stopped_actor(cli: Cli) -> None:
+    """SIGSTOP: the process neither dies nor raises; its peers wait on it. The monitor must name it (from
+    its heartbeat), not a peer that times out waiting, and long before ipc.wait_timeout_s (600 s). With
+    the default ipc.stall_timeout_s (15 s, test_config checks it) that is within 30 s; here 5 s."""
+    pids = cli.actor_pids()
+    cli.wait_for(r"checkpoint after step \d+")
+    cli.snapshot()
+    os.kill(pids["adam-updater"], signal.SIGSTOP)
+    t0 = time.monotonic()
+    cli.wait_for(r"stalled: actor 'adam-updater'.*stopped running", timeout=60)  # the monitor's verdict
+    took = time.monotonic() - t0
+    assert cli.finish(timeout=90) == 1, cli.text()
+    err = "".join(cli.stderr)
+    assert "stalled: actor 'adam-updater'" in err and "stopped running" in err, cli.text()
+    assert took < 20, f"took {took:.1f}s to name the stopped actor"
+    cli.assert_clean()
+
+
 def stop_by_signal(cli: Cli, how: str) -> None:
     """Ctrl-C to the process group: the step finishes, a checkpoint, exit 130. SIGTERM twice: the second
     lands while the stop's checkpoint is written (a checkpoint after every step) and ends it at once."""
@@ -235,12 +232,13 @@ def stop_by_signal(cli: Cli, how: str) -> None:
 
 @pytest.mark.slow
 def test_one_run_stopped_and_killed_mid_checkpoint_resumes_bit_identical(tmp_path: Path, head_node: str) -> None:
-    """Through Ray, one process per actor. The same run is stopped by Ctrl-C, then SIGKILLed in the
-    middle of a checkpoint write (the executor, a packer and an accumulator at once; the Adam updater,
-    the checkpoint writer and the store owner at once; the local driver; a driver joined to a `ray
-    start` cluster), then stopped by two SIGTERMs, and resumed (train.resume: auto) after each. Every
-    time: the exit code, the dead actor named, nothing left running or in /dev/shm, the torn
-    checkpoint never taken for a complete one. At the end the run finishes in its own processes and
+    """Through Ray, one process per actor. The same run is stopped by Ctrl-C; SIGKILLed in the middle
+    of a checkpoint write (the executor, a packer and an accumulator at once); stopped by a SIGSTOPped
+    Adam updater (named by the monitor); SIGKILLed mid-write again (the Adam updater, the checkpoint
+    writer and the store owner at once; the local driver; a driver joined to a `ray start` cluster);
+    stopped by two SIGTERMs; and resumed (train.resume: auto) after each. Every time: the exit code,
+    the dead or stopped actor named, nothing left running or in /dev/shm, a torn checkpoint never taken
+    for a complete one. At the end the run finishes in its own processes and
     equals an uninterrupted run bit for bit: every loss, every weight and both Adam moments."""
     from megatrain.launch.config import load_config
     from megatrain.launch.driver import Trainer
@@ -248,14 +246,18 @@ def test_one_run_stopped_and_killed_mid_checkpoint_resumes_bit_identical(tmp_pat
     ref = tmp_path / "ref"
     Trainer(load_config(ROOT / "examples/default.yaml", [*SMALL, *CHAIN, f"train.steps={STEPS}",
                                                          f"train.output_dir={ref}", "launch.runner=inprocess"])).run()
+    joined = ["--address", head_node]  # no Ray start per link; the local driver's link starts its own
     for link in LINKS:
-        joined = ["--address", head_node] if link == ("driver-joined",) else []
-        cli = Cli(tmp_path / "run", *CHAIN, *joined, steps=STEPS, env=NO_AUTH)
-        if link[0] in ("ctrl-c", "sigterm-twice"):
+        extra = ["ipc.stall_timeout_s=5"] if link == ("sigstop",) else []
+        cli = Cli(tmp_path / "run", *CHAIN, *extra, *([] if link == ("driver",) else joined), steps=STEPS,
+                  env=NO_AUTH)
+        if link == ("sigstop",):
+            stopped_actor(cli)
+        elif link[0] in ("ctrl-c", "sigterm-twice"):
             stop_by_signal(cli, link[0])
         else:
             kill_mid_write(cli, link)
-    last = Cli(tmp_path / "run", *CHAIN, steps=STEPS, env=NO_AUTH)
+    last = Cli(tmp_path / "run", *CHAIN, *joined, steps=STEPS, env=NO_AUTH)
     pids = last.actor_pids()
     assert last.finish() == 0, last.text()
     roles = ["gpu-executor", "packer-0", "grad-accumulator-0", "adam-updater", "checkpoint-writer", "store-owner"]
