@@ -12,10 +12,8 @@ import dataclasses
 import json
 import os
 import secrets
-import signal
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
 
@@ -34,7 +32,7 @@ from megatrain.launch.output import prepare_output
 from megatrain.launch.placement import Demand, bundle, demands
 from megatrain.launch.resume import check_fits, find_checkpoint
 from megatrain.launch.runners import Handle, Pending, make_runner
-from megatrain.launch.stopping import StopRequest
+from megatrain.launch.stopping import StopRequest, sigint_deferred
 
 from megatrain import log
 from megatrain.adamw import lr_at
@@ -47,20 +45,6 @@ from megatrain.errors import AbortError, ActorFailure, MegatrainError
 from megatrain.model import resolve_hf_config
 
 SHUTDOWN_S = 15.0
-
-
-@contextmanager
-def sigint_deferred():
-    """Cleanup must finish: a second Ctrl-C during it is reported, not obeyed."""
-    try:
-        old = signal.signal(signal.SIGINT, lambda *_: log("cleaning up, please wait"))
-    except ValueError:  # not the main thread
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
 
 
 class Trainer:

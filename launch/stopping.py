@@ -9,6 +9,8 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from megatrain import log
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -36,3 +38,17 @@ class StopRequest:
         finally:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
+
+
+@contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """Cleanup must finish: a second Ctrl-C during it is reported, not obeyed."""
+    try:
+        old = signal.signal(signal.SIGINT, lambda *_: log("cleaning up, please wait"))
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
