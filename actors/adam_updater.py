@@ -17,7 +17,6 @@ import threading
 import time
 
 import numpy as np
-import torch
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.plan import Item
@@ -29,16 +28,12 @@ from megatrain.hostops import sqnorm, warm_up
 
 
 class AdamUpdater(Role):
-    def __init__(self, cfg: OptimConfig, threads: int = 0):
+    def __init__(self, cfg: OptimConfig):
         super().__init__("adam-updater")
-        self.numba_threads = threads
-        if threads > 0:
-            torch.set_num_threads(threads)  # process-wide (the resident cast)
         self.cfg = cfg
         self.turn = threading.Condition()
         self.next_step = 0
         self.saving = False
-        self.use_numba_threads()
         warm_up()  # compiled (or loaded from Numba's cache) while the store is being made, not in a step
         a = np.zeros(4, np.float32)
         adamw_update(a, a.copy(), a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0)
@@ -46,6 +41,7 @@ class AdamUpdater(Role):
     def attach(self, spec: StoreSpec, start_step: int = 0) -> None:
         """`start_step`: the first step this updater will be called for (a resumed run's)."""
         self.next_step = start_step
+        self.apply_threads(spec)  # Numba's for the update, torch's for the resident cast
         parts = spec.planes + (("resident",) if spec.resident else ()) + (() if spec.clip else ("staging",))
         self.store = Store.attach(spec, parts, role=self.name)
 
@@ -56,7 +52,6 @@ class AdamUpdater(Role):
         checkpoint of the state before this update (after `step` steps) is being written; each piece is
         updated only once the writer has it on disk."""
         self._wait_turn(step)
-        self.use_numba_threads()
         try:
             t0 = time.perf_counter()
             self.saving = saving

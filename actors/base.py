@@ -8,6 +8,8 @@ import socket
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from megatrain.ipc.protocol import StoreSpec
+
 from megatrain.errors import AbortError
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -18,6 +20,7 @@ def guarded(fn: F) -> F:
 
     @functools.wraps(fn)
     def wrapper(self: Role, *args: Any, **kwargs: Any) -> Any:
+        self.use_threads()  # on every call's thread: Ray runs calls on threads other than the constructor's
         store = self.store
         if store is not None:
             store.call_started()  # the stall monitor counts from here
@@ -43,15 +46,36 @@ class Role:
         self.name = name
         self.store: Any = None
         self.events: list | None = None
-        self.numba_threads = 0  # 0: Numba's default (all cores)
+        self.numba_threads = 0  # 0: Numba's default (all cores); set from the node's CPU plan at attach
+        self.shared_process = False  # the in-process runner: every role in one process (tests)
+        self.observed: dict[str, int] = {}  # the thread counts the last data-plane call ran with
 
-    def use_numba_threads(self) -> None:
-        """Apply the role's Numba thread count on the calling thread: Numba's setting is per thread, and
-        Ray runs a threaded actor's calls on threads other than the one that built it."""
+    def apply_threads(self, spec: StoreSpec) -> None:
+        """Take this role's thread counts from the CPU plan in the spec (ipc/protocol/cpus.py). torch's
+        count is process-wide: set here, unless every role shares this process (then it stays torch's
+        default, all cores); Numba's is per thread: set on each call's thread by use_threads()."""
+        mine = spec.threads.get(self.name)
+        if mine is None:
+            return
+        self.numba_threads = mine.numba
+        if not self.shared_process:
+            import torch
+
+            torch.set_num_threads(mine.torch)
+        self.use_threads()
+
+    def use_threads(self) -> None:
+        """Apply the role's Numba thread count on the calling thread and record what this call runs with
+        (threads() reports it: the check that the plan is what the work really gets)."""
+        import numba
+        import torch
+
         if self.numba_threads > 0:
-            import numba
-
             numba.set_num_threads(min(self.numba_threads, numba.config.NUMBA_NUM_THREADS))
+        self.observed = {"torch": torch.get_num_threads(), "numba": numba.get_num_threads()}
+
+    def threads(self) -> dict[str, int]:
+        return self.observed
 
     def open_events(self, handles: list[bytes]) -> None:
         """Open the executor's interprocess events of the gradient slabs (workers that drain them)."""

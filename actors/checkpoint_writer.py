@@ -41,6 +41,7 @@ class CheckpointWriter(Role):
         self.staged: dict[int, tuple[Path, Path, dict]] = {}  # step -> (temporary dir, final dir, manifest)
 
     def attach(self, spec: StoreSpec) -> None:
+        self.apply_threads(spec)
         self.store = Store.attach(spec, ckpt.PLANES, role=self.name)
 
     @guarded

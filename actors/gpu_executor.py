@@ -25,12 +25,10 @@ from megatrain.profiling import StepProfile
 
 
 class GpuExecutor(Role):
-    def __init__(self, cfg: EngineConfig, threads: int = 0, family: str = ""):
+    def __init__(self, cfg: EngineConfig, family: str = ""):
         """Process-level set-up, done while the store owner makes the store: the CUDA context, and the
         modeling code of the model's family (the engine's templates come from it)."""
         super().__init__("gpu-executor")
-        if threads > 0:
-            torch.set_num_threads(threads)
         self.cfg = cfg
         self.device = resolve_device(cfg)
         self.cuda = self.device.type == "cuda"
@@ -41,6 +39,7 @@ class GpuExecutor(Role):
             family_classes(family)  # imports the family's modeling module
 
     def attach(self, spec: StoreSpec) -> None:
+        self.apply_threads(spec)
         cfg = self.cfg
         self.store = Store.attach(spec, ("staging", "resident") if spec.resident else ("staging",), role=self.name)
         dtype = resolve_dtype(cfg, self.device)

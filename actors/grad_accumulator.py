@@ -15,20 +15,18 @@ from megatrain.hostops import warm_up
 
 
 class GradAccumulator(Role):
-    def __init__(self, index: int, threads: int = 0):
+    def __init__(self, index: int):
         super().__init__(f"grad-accumulator-{index}")
         self.index = index
-        self.numba_threads = threads
-        self.use_numba_threads()
         warm_up()  # compiled (or loaded from Numba's cache) while the store is being made, not in a step
 
     def attach(self, spec: StoreSpec) -> None:
+        self.apply_threads(spec)
         self.items = spec.grad_items(self.index)
         self.store = Store.attach(spec, ("grads", "staging"), role=self.name)
 
     @guarded
     def step(self, step: int) -> dict:
-        self.use_numba_threads()
         for item in self.items:
             drain(self.store, self.events, item, step)
         return {"drained": len(self.items)}

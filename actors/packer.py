@@ -7,19 +7,18 @@ while Adam still works on later pieces.
 
 from __future__ import annotations
 
-import torch
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.workers import pack
 
 
 class Packer(Role):
-    def __init__(self, index: int, threads: int = 1):
+    def __init__(self, index: int):
         super().__init__(f"packer-{index}")
         self.index = index
-        torch.set_num_threads(max(threads, 1))
 
     def attach(self, spec: StoreSpec) -> None:
+        self.apply_threads(spec)  # torch's threads do the cast
         self.items = {walk: spec.weight_items(self.index, walk) for walk in ("step", "forward")}
         self.store = Store.attach(spec, ("params", "staging"), role=self.name)
 

@@ -7,6 +7,7 @@ if it is killed without running any code (SIGKILL from ray.kill or the OOM kille
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import threading
@@ -18,6 +19,7 @@ import torch
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.procs import maps_path, pid_alive, running, spawn_detached, start_ticks
 from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, checkpoint_host_bytes, plan_store
+from megatrain.ipc.protocol.cpus import ThreadRequest, cpu_plan, node_cores
 from megatrain.ipc.protocol.monitor import Monitor
 from megatrain.ipc.shm import pss_split, remove_cuda_ipc_files, seg_name, sweep
 
@@ -50,10 +52,12 @@ class StoreOwner(Role):
 
     def create(self, run_id: str, model_cfg: ModelConfig, no_decay_1d: bool, clip: bool, engine: EngineConfig,
                num_packers: int, num_accumulators: int, ipc_cfg: IpcConfig,
-               batch_shape: tuple[int, int] = (0, 0), resume: str | None = None) -> StoreSpec:
+               batch_shape: tuple[int, int] = (0, 0), resume: str | None = None,
+               threads: ThreadRequest | None = None) -> StoreSpec:
         """Plan (resolving the staging mode on this node's memory), create and fill the store: from the
         model config, or from checkpoint directory `resume` (weights and Adam state, versions at its step).
-        `batch_shape` (sequences, tokens each) sizes the executor's pinned checkpoints for the fit check."""
+        `batch_shape` (sequences, tokens each) sizes the executor's pinned checkpoints for the fit check.
+        The node's CPU plan is made here, on the node the workers share, and travels in the spec."""
         removed = sweep(shm_dir=ipc_cfg.shm_dir)
         if removed:
             print(f"[{self.name}] swept {len(removed)} objects of dead runs from {ipc_cfg.shm_dir}", flush=True)
@@ -62,6 +66,7 @@ class StoreOwner(Role):
         spec = plan_store(run_id, model, engine.compute_dtype, engine.checkpoint_interval,
                           num_packers, num_accumulators, ipc_cfg, cuda=engine.device == "cuda", clip=clip,
                           ram_only=ram_only, last_block_layers=engine.last_block_layers)
+        spec = self._with_cpu_plan(spec, engine.device == "cuda", threads or ThreadRequest())
         self.store = Store.create(spec, ram_only)
         self._start_reaper(run_id)
         t0 = time.perf_counter()
@@ -71,6 +76,16 @@ class StoreOwner(Role):
             self.filled = {"source": model_cfg.pretrained or "init", "bytes": self._fill(model_cfg)}
         self.filled["seconds"] = time.perf_counter() - t0
         self.monitor = Monitor(self.store).start()
+        return spec
+
+    def _with_cpu_plan(self, spec: StoreSpec, cuda: bool, request: ThreadRequest) -> StoreSpec:
+        import numba
+
+        cores = node_cores()
+        plan = cpu_plan(cores, cuda, spec.num_packers if not spec.resident else 0, spec.num_accumulators if spec.clip
+                        else 0, request, numba.config.NUMBA_NUM_THREADS)
+        spec = dataclasses.replace(spec, threads=plan, cores=cores)
+        self.apply_threads(spec)  # the fill (init, import, resume) runs on this process's threads
         return spec
 
     def _start_reaper(self, run_id: str) -> None:

@@ -24,12 +24,13 @@ from megatrain.actors.grad_accumulator import GradAccumulator
 from megatrain.actors.packer import Packer
 from megatrain.actors.store_owner import StoreOwner
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes
+from megatrain.ipc.protocol.cpus import describe as describe_cpu_plan
 from megatrain.ipc.shm import check_run_id, check_run_id_free, gib
 from megatrain.launch.checkpointing import Checkpointer
 from megatrain.launch.config import Config
 from megatrain.launch.evaluation import Evaluator
 from megatrain.launch.output import prepare_output
-from megatrain.launch.placement import Demand, bundle, demands
+from megatrain.launch.placement import Demand, bundle, demands, thread_request
 from megatrain.launch.resume import check_fits, find_checkpoint
 from megatrain.launch.runners import Handle, Pending, make_runner
 from megatrain.launch.stopping import StopRequest, sigint_deferred
@@ -80,6 +81,8 @@ class Trainer:
             self.setup()
             self.train()
             mem = self._call_one("store-owner", "host_memory")  # after the last step: every page is in use
+            observed = self._gather({n: self.runner.call(h, "threads") for n, h in self.actors.items()},
+                                    self.cfg.train.setup_timeout_s, "thread counts")
             if self.stopped_after is None:
                 self._finish(mem)
             written = self.checkpointer.written
@@ -88,7 +91,8 @@ class Trainer:
                     "last_step": self.stopped_after if self.stopped_after is not None else self.steps,
                     "checkpoint": str(ckpt_step_dir(self.checkpointer.root, written)) if written else "",
                     "checkpoints": self.checkpointer.history, "store_fill": self.store_fill,
-                    "pids": dict(self.pids), "num_params": self.spec.layout.num_params,
+                    "cpu_plan": {n: dataclasses.asdict(t) for n, t in self.spec.threads.items() if n in self.actors},
+                    "threads_observed": observed, "pids": dict(self.pids), "num_params": self.spec.layout.num_params,
                     "store_bytes": sum(self.spec.part_bytes().values()), "staging": self.spec.staging_mode,
                     "executor_host_bytes": checkpoint_host_bytes(self.spec.model, self.engine_cfg,
                                                                  self.cfg.data.batch_size, self.cfg.data.seq_len),
@@ -169,7 +173,7 @@ class Trainer:
         self.spec = self._call_one("store-owner", "create", self.run_id, cfg.model, cfg.optim.no_decay_1d,
                                    cfg.optim.max_grad_norm > 0, self.engine_cfg, cfg.actors.num_packers,
                                    cfg.actors.num_accumulators, cfg.ipc, (cfg.data.batch_size, cfg.data.seq_len),
-                                   str(self.resume_dir) if self.resume_dir else None)
+                                   str(self.resume_dir) if self.resume_dir else None, thread_request(cfg.actors))
         log(f"weight staging: {self.spec.staging_mode}; gradients: "
             + ("fp32 plane, global-norm clipping" if self.spec.clip else "straight to Adam (no clipping)"))
         fill = self.store_fill = self._call_one("store-owner", "fill_report")
@@ -180,11 +184,9 @@ class Trainer:
     def _spawn_workers(self, dem: dict, packers: bool) -> None:
         a, clip = self.cfg.actors, self.cfg.optim.max_grad_norm > 0
         family = resolve_hf_config(self.cfg.model)[0]
-        plan: list[tuple[str, type, tuple]] = [("gpu-executor", GpuExecutor, (self.engine_cfg, a.executor_threads,
-                                                                              family))]
-        plan += [(f"grad-accumulator-{i}", GradAccumulator, (i, a.accumulator_threads))
-                 for i in range(a.num_accumulators if clip else 0)]
-        plan += [("adam-updater", AdamUpdater, (self.cfg.optim, a.adam_threads))]
+        plan: list[tuple[str, type, tuple]] = [("gpu-executor", GpuExecutor, (self.engine_cfg, family))]
+        plan += [(f"grad-accumulator-{i}", GradAccumulator, (i,)) for i in range(a.num_accumulators if clip else 0)]
+        plan += [("adam-updater", AdamUpdater, (self.cfg.optim,))]
         if self.checkpointer.enabled:
             plan += [("checkpoint-writer", CheckpointWriter, (a.writer_threads,))]
         if packers:
@@ -194,7 +196,7 @@ class Trainer:
 
     def _packer_plan(self) -> list[tuple[str, type, tuple]]:
         a = self.cfg.actors
-        return [(f"packer-{i}", Packer, (i, a.packer_threads)) for i in range(a.num_packers)]
+        return [(f"packer-{i}", Packer, (i,)) for i in range(a.num_packers)]
 
     def _attach_workers(self, dem: dict) -> None:
         spec = self.spec
@@ -229,6 +231,9 @@ class Trainer:
         log(f"host store: {gib(sum(parts.values()))} in shared memory = {sum(parts.values()) / n:.2f} bytes/param "
             f"({', '.join(f'{k} {gib(v)}' for k, v in parts.items())})")
         log("actors: " + ", ".join(f"{k} pid {v}" for k, v in self.pids.items()))
+        log(describe_cpu_plan(spec.threads, spec.cores, list(self.actors))
+            + ("; in one process (launch.runner=inprocess): torch's count is shared, left at its default"
+               if self.cfg.launch.runner == "inprocess" else ""))
 
     # ---- the loop ---------------------------------------------------------------------------
     def train(self) -> None:

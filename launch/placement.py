@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatrain.ipc.protocol.cpus import ThreadRequest
+
 from megatrain.configbase import opt
 
 
@@ -11,11 +13,16 @@ from megatrain.configbase import opt
 class ActorsConfig:
     num_packers: int = opt(1, "Pinned-packing worker processes (fp32 master -> compute-dtype slabs).")
     num_accumulators: int = opt(1, "Gradient-accumulation worker processes (gradient slabs -> fp32 plane).")
-    packer_threads: int = opt(1, "Torch threads per packing worker.")
+    # Thread counts: 0 = the node's CPU plan (ipc/protocol/cpus.py; printed at start), which splits the
+    # cores of the store's node by which roles run at the same time.
+    packer_threads: int = opt(0, "Torch threads per packing worker (the cast); 0 = half the node's cores, split "
+                                 "between the packers.")
     accumulator_threads: int = opt(0, "Numba threads per accumulation worker (copy + norm of each gradient); "
-                                      "0 = all cores of the node.")
-    adam_threads: int = opt(0, "Numba threads of the Adam updater; 0 = all cores of the node.")
-    executor_threads: int = opt(0, "Torch intra-op threads of the executor (matters on the CPU device); 0 = default.")
+                                      "0 = the node's cores, split between the accumulators.")
+    adam_threads: int = opt(0, "Numba and torch threads of the Adam updater (update, resident cast); 0 = all cores "
+                               "of the node.")
+    executor_threads: int = opt(0, "Torch intra-op threads of the executor; 0 = 2 on CUDA (it launches and "
+                                   "copies), all cores on the CPU device (it computes).")
     writer_threads: int = opt(4, "Threads of the checkpoint writer: each checksums and writes 64 MiB chunks, so "
                                  "several keep a fast disk's queue full while training goes on.")
 
@@ -24,8 +31,13 @@ class ActorsConfig:
             raise ValueError("actors.num_packers and actors.num_accumulators must be >= 1")
         if self.writer_threads < 1:
             raise ValueError("actors.writer_threads must be >= 1")
-        if self.packer_threads < 1 or min(self.accumulator_threads, self.adam_threads, self.executor_threads) < 0:
-            raise ValueError("actors: packer_threads must be >= 1, the other thread counts >= 0 (0 = default)")
+        if min(self.packer_threads, self.accumulator_threads, self.adam_threads, self.executor_threads) < 0:
+            raise ValueError("actors: thread counts must be >= 0 (0 = the node's CPU plan)")
+
+
+def thread_request(cfg: ActorsConfig) -> ThreadRequest:
+    return ThreadRequest(executor=cfg.executor_threads, adam=cfg.adam_threads, packer=cfg.packer_threads,
+                         accumulator=cfg.accumulator_threads)
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,9 @@ class InProcessRunner:
 
     def spawn(self, name: str, cls: type, args: tuple, demand: Demand) -> Handle:
         self.pools[name] = cf.ThreadPoolExecutor(max_workers=3, thread_name_prefix=name)
-        return Handle(name, cls(*args))
+        obj = cls(*args)
+        obj.shared_process = True  # one process for every role: torch's thread count is not a role's to set
+        return Handle(name, obj)
 
     def call(self, h: Handle, method: str, *args: Any) -> Pending:
         return Pending(h.name, self.pools[h.name].submit(getattr(h.obj, method), *args))

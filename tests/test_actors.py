@@ -18,7 +18,7 @@ def test_adam_takes_overlapping_step_calls_in_order(rid: str, model_spec) -> Non
     spec = make_spec(rid, model_spec, staging="fp32")
     owner = Store.create(spec)
     try:
-        adam = AdamUpdater(OptimConfig(), threads=1)
+        adam = AdamUpdater(OptimConfig())
         adam.attach(spec)
         later: dict = {}
         thread = threading.Thread(target=lambda: later.update(adam.step(1, 1e-3)))

@@ -9,7 +9,9 @@ from __future__ import annotations
 import itertools
 import json
 
+import numba
 import pytest
+from megatrain.ipc.protocol.cpus import node_cores
 from megatrain.launch.config import load_config
 from megatrain.launch.fidelity import compare
 
@@ -85,6 +87,12 @@ def test_through_ray_one_process_per_actor(ray_cluster, tmp_path, family: str, t
     own = s["pss_own_by_role"]
     assert {"store-owner", "reaper", "gpu-executor", "adam-updater"} <= set(own)
     assert 0 < sum(own.values()) < s["process_pss_bytes"] - 12 * s["num_params"]
+    # Every actor's work ran with the node's CPU plan, as seen from inside its process (Ray leaves torch
+    # at one thread: OMP_NUM_THREADS follows an actor's CPU request).
+    cores = node_cores()
+    assert s["threads_observed"] == s["cpu_plan"] and set(s["cpu_plan"]) == set(s["pids"])
+    assert s["cpu_plan"]["adam-updater"] == {"torch": cores, "numba": min(cores, numba.config.NUMBA_NUM_THREADS)}
+    assert s["cpu_plan"]["store-owner"]["torch"] == cores
 
 
 def check(rep: dict, tied: bool) -> None:

@@ -10,6 +10,7 @@ from functools import cached_property
 from typing import NamedTuple
 
 import torch
+from megatrain.ipc.protocol.cpus import Threads
 from megatrain.ipc.shm import CTL_PIDS_OFFSET, MAX_PIDS, check_space, sem_name
 
 from megatrain.configbase import opt
@@ -84,6 +85,8 @@ class StoreSpec:
     staging_mode: str = "slabs"  # resolved: "slabs" or "resident"
     clip: bool = True  # global-norm clipping: gradients wait in the grads plane until the norm is known
     last_block_layers: int = 0  # engine.last_block_layers: with K, fixes the order the engine fetches units
+    threads: dict[str, Threads] = field(default_factory=dict)  # the node's CPU plan (cpus.py); empty: none
+    cores: int = 0  # the cores the plan split
 
     @property
     def planes(self) -> tuple[str, ...]:

@@ -28,6 +28,11 @@ from megatrain.errors import AbortError, ProtocolError, ResourceError, WaitTimeo
 BEAT, PROGRESS, CALLS, WAITS, WAIT_SINCE = range(5)  # words 0-4
 WHAT_OFFSET, WHAT_BYTES = 48, ROLE_BYTES - 48
 BEAT_S = 1.0
+# A counter wait sleeps in naps that grow from NAP_MIN_S to NAP_MAX_S: a published version is seen
+# within about NAP_MAX_S plus the scheduler's wake-up (bench/wake.py measures it), at a cost of a few
+# thousand wake-ups a second per blocked waiter. A 50 ms cap (the abort poll) once delayed a version
+# published at 60 ms until 102 ms, and the next forward with it.
+NAP_MIN_S, NAP_MAX_S = 2e-5, 5e-4
 
 
 class Store:
@@ -269,16 +274,16 @@ class Store:
         if reached(counters, span.start, span.stop, value):
             self.progressed()
             return
-        cfg, nap = self.spec.ipc, 1e-4
+        cfg, nap = self.spec.ipc, NAP_MIN_S
         deadline = time.monotonic() + cfg.wait_timeout_s
         self._waiting(what, +1)
         try:
             while not reached(counters, span.start, span.stop, value):
-                self.check_abort()
+                self.check_abort()  # one word of shared memory: cheap enough for every nap
                 if time.monotonic() > deadline:
                     raise WaitTimeout(f"waited {cfg.wait_timeout_s:g}s for {what}")
                 time.sleep(nap)
-                nap = min(nap * 2, cfg.poll_s)
+                nap = min(nap * 2, NAP_MAX_S)
         finally:
             self._waiting(what, -1)
 
