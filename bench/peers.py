@@ -2,15 +2,24 @@
 
 DeepSpeed ZeRO-3 offload runs when deepspeed is importable (../shared/device/make-bundle.sh
 --with-deepspeed bundles it); otherwise it is reported as "not installed", never skipped silently.
+The official MegaTrain code (bench/official, vendored upstream) runs as a subprocess and needs DeepSpeed too.
 
 Each returns {"name", "step_time_s", "gpu_peak_bytes"} or {"name", "status": "OOM" | "error: ..."}.
 """
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -162,4 +171,110 @@ def deepspeed_zero3(hf, data: DataConfig, steps: int) -> dict:
     return res
 
 
-PEERS = {"plain": plain_pytorch, "fsdp2": fsdp2_offload, "deepspeed": deepspeed_zero3}
+OFFICIAL_DIR = Path(__file__).resolve().parent / "official"
+OFFICIAL_NAME = "official MegaTrain (DLYuanGod/MegaTrain 919520f)"
+
+
+def _official_model_args(hf) -> list[str]:
+    """make_model.py flags for exactly hf's shape: its defaults are Qwen2.5-7B's, but passing every one keeps
+    the two models the same if bench/run.py's shape ever changes."""
+    rope = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta") or getattr(hf, "rope_theta", None)
+    return ["--layers", str(hf.num_hidden_layers), "--hidden", str(hf.hidden_size),
+            "--intermediate", str(hf.intermediate_size), "--heads", str(hf.num_attention_heads),
+            "--kv-heads", str(hf.num_key_value_heads), "--vocab", str(hf.vocab_size),
+            "--rope-theta", str(rope or 1e6)]
+
+
+def _official_model_dir(hf) -> Path:
+    # keyed by the shape so a later run reuses it (make_model.py keeps a directory it completed for the same
+    # arguments); the full 28-layer model is ~15 GiB of bf16, so writing it once matters
+    return Path(tempfile.gettempdir()) / (
+        f"megatrain-official-qwen2-L{hf.num_hidden_layers}-H{hf.hidden_size}-I{hf.intermediate_size}"
+        f"-A{hf.num_attention_heads}-KV{hf.num_key_value_heads}-V{hf.vocab_size}")
+
+
+def _stream(cmd: Sequence[str], cwd: str, tail: deque[str]) -> int:
+    """Run cmd, echoing each output line with a prefix (a device log then shows its progress live) and keeping
+    the last lines for the error message. Returns the exit status."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, errors="replace") as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(f"[official] {line.rstrip()}", flush=True)
+            tail.append(line.rstrip())
+    return proc.returncode
+
+
+def _last_meaningful(lines: Sequence[str]) -> str:
+    """The last line that says something: not the summary JSON, not a traceback's ~~~^^^ marker line."""
+    for line in reversed(lines):
+        text = line.strip()
+        if text and not text.startswith("[bench] JSON ") and set(text) - set("~^ "):
+            return text[:300]
+    return "no output"
+
+
+def _official_failure(reason: str) -> dict:
+    oom = "OutOfMemoryError" in reason or "CUDA out of memory" in reason
+    return {"name": OFFICIAL_NAME, "status": "OOM" if oom else f"error: {reason}"}
+
+
+def _official_result(summ: dict, warmup: int) -> dict:
+    """Our result dict from bench_official.py's JSON: their per-step wall times (their own perf_counter pair
+    around the step, all steps: bench/run.py leaves out its warm-up) and their 6*N*B*S/t TFLOPS."""
+    per = summ["per_step"]
+    theirs = [s["tflops_theirs"] for s in per]
+    kept = theirs[warmup:] or theirs
+    # their GPU figure is max_memory_allocated / 1024**3, logged with 2 decimals: exact to about 10 MiB
+    gpu_gib = max((s.get("gpu_peak_gb", 0.0) for s in per), default=0.0)
+    return {"name": OFFICIAL_NAME, "status": "ok", "step_times_s": [s["t"] for s in per],
+            "gpu_peak_bytes": int(gpu_gib * 2**30),
+            "tflops_theirs_median": statistics.median(kept), "tflops_theirs_warmup_steps": warmup,
+            "tflops_theirs_avg_all_steps": statistics.mean(theirs),  # = their own "Avg Throughput" line
+            "tflops_theirs_per_step": theirs, "num_params_theirs": summ.get("N"), "attn": summ.get("attn"),
+            "flash_ce": summ.get("flash_ce"), "cpu_adam": summ.get("cpu_adam"),
+            "cpu_rss_peak_gib": max((s.get("cpu_rss_gb", 0.0) for s in per), default=0.0),
+            "losses": [s.get("loss") for s in per]}
+
+
+def official_megatrain(hf, data: DataConfig, steps: int, warmup: int = 2) -> dict:
+    """The official MegaTrain trainer (bench/official/src, unmodified) through its glue bench_official.py, on a
+    random-initialised model of hf's shape and random tokens, batch and sequence as ours. A subprocess: their
+    code sets process-wide state (logging, PYTORCH_CUDA_ALLOC_CONF) and pins its own host memory.
+
+    warmup only sets which steps tflops_theirs_median leaves out (bench/run.py's default --warmup)."""
+    if importlib.util.find_spec("deepspeed") is None:  # their default optimizer is DeepSpeedCPUAdam
+        return {"name": OFFICIAL_NAME, "status": "not installed"}
+    if hf.tie_word_embeddings:
+        return _official_failure("make_model.py writes untied embeddings only")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # hand our cached blocks back so the subprocess gets the whole GPU
+    try:
+        return _official_run(hf, data, steps, warmup)
+    except Exception as exc:  # a peer that cannot run is reported, never raised into bench/run.py
+        return _official_failure(f"{type(exc).__name__}: {str(exc)[:300]}")
+
+
+def _official_run(hf, data: DataConfig, steps: int, warmup: int) -> dict:
+    """make_model.py (skipped when the directory is already complete), then bench_official.py; both streamed."""
+    tail: deque[str] = deque(maxlen=200)
+    with tempfile.TemporaryDirectory(prefix="official-") as tmp:
+        model_dir = _official_model_dir(hf)
+        cmd = [sys.executable, str(OFFICIAL_DIR / "make_model.py"), str(model_dir), *_official_model_args(hf)]
+        if _stream(cmd, tmp, tail) != 0:
+            return _official_failure(f"make_model.py: {_last_meaningful(tail)}")
+        out = Path(tmp) / "official.json"
+        cmd = [sys.executable, str(OFFICIAL_DIR / "bench_official.py"), "--model-dir", str(model_dir),
+               "--batch-size", str(data.batch_size), "--seq", str(data.seq_len), "--steps", str(steps),
+               "--json-out", str(out)]
+        rc = _stream(cmd, tmp, tail)
+        summ = json.loads(out.read_text()) if out.is_file() else {}
+    if rc != 0 or summ.get("error") or not summ.get("per_step"):
+        reason = (summ.get("error") or "").strip() or _last_meaningful(tail)
+        return _official_failure(f"{reason.splitlines()[0][:300]} (exit {rc})")
+    return _official_result(summ, warmup)
+
+
+PEERS = {"plain": plain_pytorch, "fsdp2": fsdp2_offload, "deepspeed": deepspeed_zero3,
+         "official": official_megatrain}

@@ -29,7 +29,7 @@ from megatrain.ipc.shm import check_run_id, check_run_id_free, gib
 from megatrain.launch.checkpointing import Checkpointer
 from megatrain.launch.config import Config
 from megatrain.launch.evaluation import Evaluator
-from megatrain.launch.output import prepare_output
+from megatrain.launch.output import log_profile, prepare_output
 from megatrain.launch.placement import Demand, bundle, demands, thread_request
 from megatrain.launch.resume import check_fits, find_checkpoint
 from megatrain.launch.runners import Handle, Pending, make_runner
@@ -73,9 +73,11 @@ class Trainer:
         self.metrics_file: IO[str] | None = None
         self.store_fill: dict = {}  # how the store was filled (StoreOwner.fill_report)
         self._closed = False
+        self.launched, self.first_step_s = time.monotonic(), None  # launch -> the first step's end (s)
 
     # ---- public -----------------------------------------------------------------------------
     def run(self) -> dict:
+        self.launched = time.monotonic()
         atexit.register(self.shutdown)
         try:
             self.setup()
@@ -91,6 +93,7 @@ class Trainer:
                     "last_step": self.stopped_after if self.stopped_after is not None else self.steps,
                     "checkpoint": str(ckpt_step_dir(self.checkpointer.root, written)) if written else "",
                     "checkpoints": self.checkpointer.history, "store_fill": self.store_fill,
+                    "time_to_first_step_s": self.first_step_s,
                     "cpu_plan": {n: dataclasses.asdict(t) for n, t in self.spec.threads.items() if n in self.actors},
                     "threads_observed": observed, "pids": dict(self.pids), "num_params": self.spec.layout.num_params,
                     "store_bytes": sum(self.spec.part_bytes().values()), "staging": self.spec.staging_mode,
@@ -368,27 +371,18 @@ class Trainer:
                 "step_time_s": dt, "tokens_per_s": row.pop("batch_tokens") / dt,
                 **{k: v for k, v in ex.items() if k not in ("loss", "tokens")}}
 
-    def _log_profile(self, row: dict) -> None:
-        where = f"profiled step {row['step']} into {row['profile_trace']} (on the executor's node)"
-        if "profile_error" in row:
-            log(f"{where}, but the check failed: {row['profile_error']}")
-            return
-        cuda = self.engine_cfg.device == "cuda"
-        verdict = ("inconclusive: no CUDA runtime call was attributed to the compute thread"
-                   if cuda and not row["loop_runtime_calls"] else
-                   f"{row['loop_blocking_calls']} host-blocking CUDA calls on the compute thread inside the layer "
-                   f"loop {row['loop_blocking_names']} (of {row['loop_runtime_calls']} runtime calls there)")
-        log(f"{where}: {verdict}; {row['helper_thread_blocking_calls']} on the copy threads (slab hand-offs)")
-
     def _record(self, f, row: dict, adam: dict) -> None:
         if "timeline" in row:  # kept out of metrics.jsonl: one file per picture
             timeline = {**row.pop("timeline"), "adam": adam["unit_spans"], "step": row["step"]}
             (self.out / "timeline.json").write_text(json.dumps(timeline))
         if "profile_trace" in row:
-            self._log_profile(row)
+            log_profile(row, self.engine_cfg.device == "cuda")
         row = {**row, "grad_norm": adam["grad_norm"], "clip_scale": adam["clip_scale"], "skipped": adam["skipped"],
                "adam_s": adam["adam_s"]}
         self.metrics.append(row)
+        if self.first_step_s is None:  # launch to the first step's end: set-up, store fill, first step
+            self.first_step_s = time.monotonic() - self.launched
+            log(f"first step done {self.first_step_s:.1f} s after launch")
         f.write(json.dumps(row) + "\n")
         self._publish_ready()
         t, steps = row["step"] - 1, self.steps

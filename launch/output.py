@@ -1,4 +1,5 @@
-"""The run's output directory: refuse to mix two runs' files, and make sure it can be written."""
+"""The run's output directory (refuse to mix two runs' files, make sure it can be written), and the
+log line about a profiled step."""
 
 from __future__ import annotations
 
@@ -57,3 +58,16 @@ def _keep_rows_up_to(metrics: Path, step: int) -> None:
     tmp = metrics.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(rows))
     os.replace(tmp, metrics)
+
+
+def log_profile(row: dict, cuda: bool) -> None:
+    """The executor's verdict on a profiled step (train.profile_step), on one line."""
+    where = f"profiled step {row['step']} into {row['profile_trace']} (on the executor's node)"
+    if "profile_error" in row:
+        log(f"{where}, but the check failed: {row['profile_error']}")
+        return
+    verdict = ("inconclusive: no CUDA runtime call was attributed to the compute thread"
+               if cuda and not row["loop_runtime_calls"] else
+               f"{row['loop_blocking_calls']} host-blocking CUDA calls on the compute thread inside the layer "
+               f"loop {row['loop_blocking_names']} (of {row['loop_runtime_calls']} runtime calls there)")
+    log(f"{where}: {verdict}; {row['helper_thread_blocking_calls']} on the copy threads (slab hand-offs)")
