@@ -66,7 +66,7 @@ class Role:
 
     def use_threads(self) -> None:
         """Apply the role's Numba thread count on the calling thread and record what this call runs with
-        (threads() reports it: the check that the plan is what the work really gets)."""
+        (thread_counts() reports it: the check that the plan is what the work really gets)."""
         import numba
         import torch
 
@@ -74,7 +74,7 @@ class Role:
             numba.set_num_threads(min(self.numba_threads, numba.config.NUMBA_NUM_THREADS))
         self.observed = {"torch": torch.get_num_threads(), "numba": numba.get_num_threads()}
 
-    def threads(self) -> dict[str, int]:
+    def thread_counts(self) -> dict[str, int]:
         return self.observed
 
     def open_events(self, handles: list[bytes]) -> None:

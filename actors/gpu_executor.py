@@ -38,9 +38,15 @@ class GpuExecutor(Role):
         if family:
             family_classes(family)  # imports the family's modeling module
 
-    def attach(self, spec: StoreSpec) -> None:
+    def gpu_free_bytes(self) -> int:
+        """Free GPU memory now, after this process's CUDA context: what autosize.py may plan with."""
+        return int(torch.cuda.mem_get_info(self.device)[0])
+
+    def attach(self, spec: StoreSpec, cfg: EngineConfig | None = None) -> None:
+        """`cfg`: the engine config with its `auto` sizes resolved (the driver chose them after this
+        process started)."""
         self.apply_threads(spec)
-        cfg = self.cfg
+        self.cfg = cfg = cfg or self.cfg
         self.store = Store.attach(spec, ("staging", "resident") if spec.resident else ("staging",), role=self.name)
         dtype = resolve_dtype(cfg, self.device)
         self.engine = StepEngine(spec.model, cfg, self.device, dtype)

@@ -63,7 +63,7 @@ def validate(cfg: Config, where: Where | None = None) -> None:
     if cfg.data.seq_len > hf.max_position_embeddings:
         raise fail("data.seq_len", f"{cfg.data.seq_len} exceeds model max_position_embeddings "
                                    f"{hf.max_position_embeddings}")
-    if cfg.engine.checkpoint_interval > hf.num_hidden_layers:
+    if cfg.engine.checkpoint_interval != "auto" and cfg.engine.checkpoint_interval > hf.num_hidden_layers:
         raise fail("engine.checkpoint_interval", f"{cfg.engine.checkpoint_interval} exceeds the model's "
                                                  f"{hf.num_hidden_layers} layers (model.hf.num_hidden_layers); "
                                                  f"use at most {hf.num_hidden_layers}")

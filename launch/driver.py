@@ -29,13 +29,13 @@ from megatrain.ipc.shm import check_run_id, check_run_id_free, gib
 from megatrain.launch.checkpointing import Checkpointer
 from megatrain.launch.config import Config
 from megatrain.launch.evaluation import Evaluator
-from megatrain.launch.output import log_profile, prepare_output
-from megatrain.launch.placement import Demand, bundle, demands, thread_request
+from megatrain.launch.output import log_profile, prepare_output, short
+from megatrain.launch.placement import Demand, bundle, demands, expect_packers, thread_request
 from megatrain.launch.resume import check_fits, find_checkpoint
 from megatrain.launch.runners import Handle, Pending, make_runner
 from megatrain.launch.stopping import StopRequest, sigint_deferred
 
-from megatrain import log
+from megatrain import autosize, log
 from megatrain.adamw import lr_at
 from megatrain.checkpoint import step_dir as ckpt_step_dir
 from megatrain.configbase import differences, dump_yaml
@@ -43,7 +43,7 @@ from megatrain.data import Data, open_data
 from megatrain.data.loader import Prefetcher
 from megatrain.engine import resolve_engine
 from megatrain.errors import AbortError, ActorFailure, MegatrainError
-from megatrain.model import resolve_hf_config
+from megatrain.model import build_spec, resolve_hf_config
 
 SHUTDOWN_S = 15.0
 
@@ -83,7 +83,7 @@ class Trainer:
             self.setup()
             self.train()
             mem = self._call_one("store-owner", "host_memory")  # after the last step: every page is in use
-            observed = self._gather({n: self.runner.call(h, "threads") for n, h in self.actors.items()},
+            observed = self._gather({n: self.runner.call(h, "thread_counts") for n, h in self.actors.items()},
                                     self.cfg.train.setup_timeout_s, "thread counts")
             if self.stopped_after is None:
                 self._finish(mem)
@@ -146,13 +146,14 @@ class Trainer:
         self._write_config()
         changed = differences(self._resolved(), Config())
         log(f"run {self.run_id}; config (what differs from the defaults; all of it, resolved, in "
-            f"{self.out / 'config.yaml'}):\n  " + "\n  ".join(f"{k}: {_short(v)}" for k, v in changed))
+            f"{self.out / 'config.yaml'}):\n  " + "\n  ".join(f"{k}: {short(v)}" for k, v in changed))
         dem = demands(cfg.actors, cuda, clip=cfg.optim.max_grad_norm > 0, writer=self.checkpointer.enabled)
         self.runner.place(bundle(dem))
         # Worker processes start (and import torch, compile Numba, make a CUDA context) while the store
         # owner makes and fills the store; they attach to it once it exists.
         self.actors["store-owner"] = self.runner.spawn("store-owner", StoreOwner, (), dem["store-owner"])
-        self._spawn_workers(dem, packers=_expect_packers(cfg.ipc.staging, cuda))
+        self._spawn_workers(dem, packers=expect_packers(cfg.ipc.staging, cuda))
+        self._autosize()
         self._start_store()
         self._write_config()  # now with ipc.staging as the store owner resolved it
         self._attach_workers(dem)
@@ -184,6 +185,17 @@ class Trainer:
             f" ({fill['bytes'] / 1e9:.2f} GB read, {fill['bytes'] / 1e9 / max(fill['seconds'], 1e-9):.2f} GB/s)"
             if fill["bytes"] else ""))
 
+    def _autosize(self) -> None:
+        """Resolve the engine's `auto` sizes from the GPU memory the executor finds free (autosize.py)."""
+        cfg = self.cfg
+        free = self._call_one("gpu-executor", "gpu_free_bytes") if self.engine_cfg.device == "cuda" else None
+        sizes, why = autosize.choose(build_spec(cfg.model, cfg.optim.no_decay_1d), self.engine_cfg,
+                                     cfg.data.batch_size, cfg.data.seq_len, free)
+        self.engine_cfg = autosize.apply(self.engine_cfg, sizes)
+        log(f"engine sizes: checkpoint_interval {sizes.checkpoint_interval}, last_block_layers "
+            f"{sizes.last_block_layers}, chunk_sequences {sizes.chunk_sequences}, loss_chunk_tokens "
+            f"{sizes.loss_chunk_tokens} ({why}; the rule for 'auto': megatrain/autosize.py)")
+
     def _spawn_workers(self, dem: dict, packers: bool) -> None:
         a, clip = self.cfg.actors, self.cfg.optim.max_grad_norm > 0
         family = resolve_hf_config(self.cfg.model)[0]
@@ -211,7 +223,8 @@ class Trainer:
             for name, cls, args in self._packer_plan():
                 self.actors[name] = self.runner.spawn(name, cls, args, dem[name])
         workers = {n: h for n, h in self.actors.items() if n != "store-owner"}
-        extra = {"adam-updater": (self.start,)}  # Adam's step count (bias correction) continues
+        extra = {"adam-updater": (self.start,),  # Adam's step count (bias correction) continues
+                 "gpu-executor": (self.engine_cfg,)}  # with the sizes chosen since it started
         self._gather({n: self.runner.call(h, "attach", spec, *extra.get(n, ())) for n, h in workers.items()},
                      self.cfg.train.setup_timeout_s, "starting the actors")
         infos = self._gather({n: self.runner.call(h, "info") for n, h in self.actors.items()},
@@ -480,15 +493,3 @@ class Trainer:
                     print(f"[megatrain] store owner did not shut down cleanly: {exc}", file=sys.stderr)
                 self.runner.kill(owner)
             self.runner.close()
-
-
-def _short(value: Any) -> str:
-    """A config value on one console line."""
-    return json.dumps(value) if isinstance(value, (dict, list, tuple)) else str(value)
-
-
-def _expect_packers(staging: str, cuda: bool) -> bool:
-    """Whether the store will be in slabs mode (packers needed), as far as the driver can tell before the
-    store owner resolves 'auto' on the GPU's node: auto means slabs on the CPU device, resident on CUDA
-    unless it does not fit (then the packers start late)."""
-    return staging == "slabs" or (staging == "auto" and not cuda)

@@ -8,6 +8,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 from megatrain import log
 from megatrain.errors import ConfigError
@@ -71,3 +72,8 @@ def log_profile(row: dict, cuda: bool) -> None:
                f"{row['loop_blocking_calls']} host-blocking CUDA calls on the compute thread inside the layer "
                f"loop {row['loop_blocking_names']} (of {row['loop_runtime_calls']} runtime calls there)")
     log(f"{where}: {verdict}; {row['helper_thread_blocking_calls']} on the copy threads (slab hand-offs)")
+
+
+def short(value: Any) -> str:
+    """A config value on one console line."""
+    return json.dumps(value) if isinstance(value, (dict, list, tuple)) else str(value)

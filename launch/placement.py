@@ -69,3 +69,10 @@ def bundle(d: dict[str, Demand]) -> dict[str, float]:
     cpus = sum(x.cpus for x in d.values())
     gpus = round(sum(x.gpus for x in d.values()), 4)
     return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+
+
+def expect_packers(staging: str, cuda: bool) -> bool:
+    """Whether the store will be in slabs mode (packers needed), as far as the driver can tell before the
+    store owner resolves 'auto' on the GPU's node: auto means slabs on the CPU device, resident on CUDA
+    unless it does not fit (then the packers start late)."""
+    return staging == "slabs" or (staging == "auto" and not cuda)

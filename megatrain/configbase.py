@@ -86,7 +86,12 @@ def _coerce(tp: Any, value: Any, path: str, where: Where | None) -> Any:
         if value is None and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        return _coerce(inner[0], value, path, where)
+        for tp_i in inner[:-1]:  # in order: `int | str` takes 3 as an int and "auto" as a string
+            try:
+                return _coerce(tp_i, value, path, where)
+            except ConfigError:
+                pass
+        return _coerce(inner[-1], value, path, where)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise key_error(where, path, f"expected a mapping, got {value!r}")

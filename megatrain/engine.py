@@ -32,20 +32,26 @@ class EngineConfig:
     device: str = opt("auto", "Where the layers compute: auto (cuda if present), cuda or cpu.")
     compute_dtype: str = opt("auto", "Compute and weight-streaming dtype: auto (bf16 on cuda, fp32 on cpu), "
                                      "bf16 or fp32. Master weights and Adam state are fp32 regardless.")
-    checkpoint_interval: int = opt(2, "K: keep the activation at the input of every K-th layer; a block of "
-                                      "K layers is recomputed once, with grad, right before its backward.")
-    last_block_layers: int = opt(0, "Layers in the last block, the one never recomputed: it runs with grad in "
-                                    "the forward and keeps its activations on the GPU until its backward. "
-                                    "0 = K. Each extra layer saves one layer's recompute and costs one layer's "
-                                    "activations of GPU memory (about 15 GiB for a 7B layer at 64k tokens).")
+    checkpoint_interval: int | str = opt("auto", "K: keep the activation at the input of every K-th layer; a block "
+                                                 "of K layers is recomputed once, with grad, right before its "
+                                                 "backward. auto: megatrain/autosize.py (2; 1 when the GPU holds "
+                                                 "fewer than 2 layers' activations).")
+    last_block_layers: int | str = opt("auto", "Layers in the last block, the one never recomputed: it runs with grad "
+                                               "in the forward and keeps its activations on the GPU until its "
+                                               "backward. 0 = K. Each extra layer saves one layer's recompute and "
+                                               "costs one layer's activations of GPU memory (about 17 GiB for a 7B "
+                                               "layer at 64k tokens). auto: as many as the free GPU memory holds.")
     prefetch: int = opt(2, "CUDA: units whose weights may be loaded ahead of compute (1 = double buffering, "
                            "2 = triple); 0 copies on the compute stream (the no-double-buffering ablation).")
-    loss_chunk_tokens: int = opt(2048, "Tokens per LM-head/loss chunk; [chunk, vocab] logits is the largest "
-                                       "head activation.")
-    chunk_sequences: int = opt(0, "Sequences per compute chunk: every layer runs the batch in chunks of this "
-                                  "many sequences and sums its gradient over the chunks on the device in fp32 "
-                                  "before it leaves, so activation memory follows the chunk and PCIe traffic "
-                                  "stays one gradient per layer per step; 0 = the whole batch in one chunk.")
+    loss_chunk_tokens: int | str = opt("auto", "Tokens per LM-head/loss chunk; [chunk, vocab] logits is the "
+                                               "largest head activation. auto: 8192 where an eighth of the free GPU "
+                                               "memory holds the chunk's logits, else less (2048 on the CPU).")
+    chunk_sequences: int | str = opt("auto", "Sequences per compute chunk: every layer runs the batch in chunks of "
+                                             "this many sequences and sums its gradient over the chunks on the device "
+                                             "in fp32 before it leaves, so activation memory follows the chunk and "
+                                             "PCIe traffic stays one gradient per layer per step; 0 = the whole batch "
+                                             "in one chunk. auto: the whole batch when K layers' activations fit, "
+                                             "else the largest chunk that does.")
     offload_checkpoints: bool = opt(True, "CUDA: keep the activation checkpoints in pinned host memory (out "
                                           "in the forward, back one block ahead in the backward) so GPU memory "
                                           "does not grow with depth; costs blocks·tokens·hidden·2 bytes of host "
@@ -56,16 +62,23 @@ class EngineConfig:
             raise ValueError(f"engine.device must be auto, cpu or cuda, not '{self.device}'")
         if self.compute_dtype not in ("auto", "bf16", "fp32"):
             raise ValueError(f"engine.compute_dtype must be auto, bf16 or fp32, not '{self.compute_dtype}'")
-        if self.checkpoint_interval < 1:
-            raise ValueError("engine.checkpoint_interval must be >= 1")
-        if self.last_block_layers < 0:
-            raise ValueError("engine.last_block_layers must be >= 0 (0 = engine.checkpoint_interval)")
+        for key, least, what in (("checkpoint_interval", 1, ">= 1"), ("last_block_layers", 0, ">= 0 (0 = K)"),
+                                 ("loss_chunk_tokens", 1, ">= 1"),
+                                 ("chunk_sequences", 0, ">= 0 (0 = the whole batch in one chunk)")):
+            value = getattr(self, key)
+            if value != "auto" and (isinstance(value, str) or value < least):
+                raise ValueError(f"engine.{key} must be 'auto' or an integer {what}, not {value!r}")
         if self.prefetch < 0:
             raise ValueError("engine.prefetch must be >= 0")
-        if self.loss_chunk_tokens < 1:
-            raise ValueError("engine.loss_chunk_tokens must be >= 1")
-        if self.chunk_sequences < 0:
-            raise ValueError("engine.chunk_sequences must be >= 0 (0 = the whole batch in one chunk)")
+
+
+# What an `auto` size is where no memory is scarce (the CPU device; megatrain/autosize.py decides on CUDA).
+FIXED_SIZES = {"checkpoint_interval": 2, "last_block_layers": 0, "chunk_sequences": 0, "loss_chunk_tokens": 2048}
+
+
+def fixed_sizes(cfg: EngineConfig) -> EngineConfig:
+    """`cfg` with every size still 'auto' set to FIXED_SIZES."""
+    return dataclasses.replace(cfg, **{k: v for k, v in FIXED_SIZES.items() if getattr(cfg, k) == "auto"})
 
 
 def resolve_engine(cfg: EngineConfig, cuda: bool) -> EngineConfig:
@@ -227,6 +240,7 @@ class _Block:
 
 class StepEngine:
     def __init__(self, spec: ModelSpec, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
+        cfg = fixed_sizes(cfg)  # the driver resolves them (autosize.py); a bare engine (tests) takes these
         self.spec, self.cfg, self.device, self.dtype = spec, cfg, device, dtype
         self.t = Templates(spec, device)
         self.n = spec.layout.num_layers

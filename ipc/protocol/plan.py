@@ -14,7 +14,7 @@ from megatrain.ipc.protocol.cpus import Threads
 from megatrain.ipc.shm import CTL_PIDS_OFFSET, MAX_PIDS, check_space, sem_name
 
 from megatrain.configbase import opt
-from megatrain.engine import EngineConfig, resolve_dtype
+from megatrain.engine import EngineConfig, fixed_sizes, resolve_dtype
 from megatrain.errors import ProtocolError, ResourceError
 from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
 from megatrain.model import ModelSpec
@@ -306,5 +306,6 @@ def checkpoint_host_bytes(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: i
     """Pinned host RAM the executor takes for offloaded checkpoints (a resolved config; 0 if on the GPU)."""
     if cfg.device != "cuda" or not cfg.offload_checkpoints:
         return 0
+    cfg = fixed_sizes(cfg)
     saved = len(blocks(spec.layout.num_layers, cfg.checkpoint_interval, cfg.last_block_layers)) - 1
     return saved * batch * seq * spec.hf_config.hidden_size * resolve_dtype(cfg, torch.device("cuda")).itemsize

@@ -1,0 +1,78 @@
+"""The `auto` engine sizes (megatrain/autosize.py): the rule, on the Qwen2.5-7B layer shape it was
+calibrated on, and explicit values winning over it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from megatrain.launch.config import load_config
+
+from megatrain import autosize
+from megatrain.engine import EngineConfig, resolve_engine
+from megatrain.model import ModelConfig, build_spec
+
+GIB = 2**30
+QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4,
+          "vocab_size": 152064, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+          "use_sliding_window": False}
+
+
+@pytest.fixture(scope="module")
+def spec8():
+    return build_spec(ModelConfig(family="qwen2", hf={**QWEN7B, "num_hidden_layers": 8}))
+
+
+def cuda_cfg(**kw) -> EngineConfig:
+    return resolve_engine(EngineConfig(**kw), cuda=True)
+
+
+def test_the_cpu_device_keeps_the_fixed_defaults(spec8) -> None:
+    sizes, why = autosize.choose(spec8, resolve_engine(EngineConfig(), cuda=False), 4, 128, None)
+    assert sizes == autosize.Sizes(2, 0, 0, 2048) and "CPU" in why
+
+
+def test_an_h200_gets_the_measured_headline_shape(spec8) -> None:
+    """138 GiB free, 16x4096 tokens: 14.6 GiB per layer measured (the hand-picked 28-layer headline, 6
+    layers in the last block, peaked at 109.5 GiB; 7 are predicted at about 122 GiB, within 92 % of the
+    free memory), K 2, the whole batch, 8192-token loss chunks."""
+    sizes, why = autosize.choose(spec8, cuda_cfg(), 16, 4096, 138 * GIB)
+    assert sizes == autosize.Sizes(2, 7, 0, 8192), why
+    assert abs(autosize.layer_activation_bytes(spec8, 16 * 4096, 2) / GIB - 14.6) < 0.2
+
+
+def test_the_papers_batch_keeps_two_layers(spec8) -> None:
+    """158x1024 tokens (36 GiB per layer): measured at 89.7 GiB with 2 layers; a third would not fit."""
+    sizes, why = autosize.choose(spec8, cuda_cfg(), 158, 1024, 138 * GIB)
+    assert sizes == autosize.Sizes(2, 2, 0, 8192), why
+
+
+def test_room_for_every_layer_means_no_recompute(spec8) -> None:
+    sizes, _ = autosize.choose(spec8, cuda_cfg(), 2, 1024, 138 * GIB)
+    assert sizes.last_block_layers == 8 and sizes.chunk_sequences == 0
+
+
+def test_a_small_gpu_chunks_the_batch_and_the_loss(spec8) -> None:
+    """Less than one layer's activations free: the last block is one layer, K 1, the batch in chunks
+    that fit, and smaller loss chunks."""
+    sizes, _ = autosize.choose(spec8, cuda_cfg(), 16, 4096, 20 * GIB)
+    assert sizes.checkpoint_interval == 1 and sizes.last_block_layers == 1
+    assert 1 <= sizes.chunk_sequences < 16 and sizes.loss_chunk_tokens < 8192
+    per_seq = autosize.layer_activation_bytes(spec8, 4096, 2)
+    assert sizes.chunk_sequences * per_seq <= 20 * GIB * autosize.MARGIN
+
+
+def test_explicit_values_win(spec8) -> None:
+    cfg = cuda_cfg(checkpoint_interval=3, loss_chunk_tokens=1000)
+    sizes, _ = autosize.choose(spec8, cfg, 16, 4096, 138 * GIB)
+    assert sizes.checkpoint_interval == 3 and sizes.loss_chunk_tokens == 1000 and sizes.last_block_layers == 7
+    resolved = autosize.apply(cfg, sizes)
+    assert dataclasses.asdict(sizes).items() <= dataclasses.asdict(resolved).items()
+
+
+def test_auto_is_the_default_and_a_bad_value_names_the_key() -> None:
+    cfg = load_config(None, [])
+    assert cfg.engine.checkpoint_interval == cfg.engine.last_block_layers == "auto"
+    assert load_config(None, ["engine.checkpoint_interval=3"]).engine.checkpoint_interval == 3
+    with pytest.raises(Exception, match="engine.chunk_sequences"):
+        load_config(None, ["engine.chunk_sequences=lots"])
