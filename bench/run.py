@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import shlex
 import statistics
 import subprocess
@@ -199,7 +200,10 @@ def main() -> int:
 
 
 def commit() -> str:
-    """The commit measured (with '+dirty' when the tree has changes): a number holds only for it."""
+    """The commit measured (with '+dirty' when the tree has changes): a number holds only for it.
+    MEGATRAIN_COMMIT wins: a copied working tree (the device tool's) may carry a stale .git."""
+    if os.environ.get("MEGATRAIN_COMMIT"):
+        return os.environ["MEGATRAIN_COMMIT"]
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()
