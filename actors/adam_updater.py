@@ -17,6 +17,7 @@ import threading
 import time
 
 import numpy as np
+import torch
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.plan import Item
@@ -37,6 +38,8 @@ class AdamUpdater(Role):
         warm_up()  # compiled (or loaded from Numba's cache) while the store is being made, not in a step
         a = np.zeros(4, np.float32)
         adamw_update(a, a.copy(), a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0)
+        adamw_update(a, a.copy(), a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0,
+                     bf16_out=np.zeros(4, np.uint16))
 
     def attach(self, spec: StoreSpec, start_step: int = 0) -> None:
         """`start_step`: the first step this updater will be called for (a resumed run's)."""
@@ -131,9 +134,16 @@ class AdamUpdater(Role):
         store = self.store
         p, m, v = (store.tile(part, unit)[lo:hi] for part in ("params", "exp_avg", "exp_avg_sq"))
         split = min(max(store.spec.layout.structure_of(unit).decay_split() - lo, 0), hi - lo)
+        fused = self._bf16_resident(unit, lo, hi)  # the copy the next forward streams, written in the same pass
         for sl, wd in ((slice(0, split), self.cfg.weight_decay), (slice(split, None), 0.0)):
             if p[sl].size:
                 adamw_update(p[sl], g[sl], m[sl], v[sl], step=t, lr=lr, cfg=self.cfg, weight_decay=wd,
-                             grad_scale=scale)
-        if store.spec.resident:  # the copy the next forward streams, cast right after the update
+                             grad_scale=scale, bf16_out=None if fused is None else fused[sl])
+        if store.spec.resident and fused is None:  # another compute dtype: cast right after the update
             store.refresh_resident(unit, lo, hi)
+
+    def _bf16_resident(self, unit: int, lo: int, hi: int) -> np.ndarray | None:
+        """The unit's bf16 resident copy [lo, hi) as uint16 bits, for the fused update; None otherwise."""
+        if not self.store.spec.resident or self.store.spec.staging_dtype != "bf16":
+            return None
+        return self.store.resident_tile(unit)[lo:hi].view(torch.int16).numpy().view(np.uint16)

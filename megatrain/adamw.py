@@ -69,9 +69,31 @@ def _adamw(p, g, m, v, decay, w1, b2, w2, step, bc2_sqrt, eps, gscale):  # pragm
         p[i] = p[i] * decay - step * (mi / (np.sqrt(vi) / bc2_sqrt + eps))
 
 
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _adamw_bf16(p, pbits, out, g, m, v, decay, w1, b2, w2, step, bc2_sqrt, eps, gscale):  # pragma: no cover
+    """_adamw, and the new weight's bfloat16 bits into `out` in the same pass (the resident copy): one read
+    of p instead of two. `pbits` is p viewed as uint32. The rounding is torch's (c10::BFloat16): round to
+    nearest even, any NaN to the quiet NaN 0x7FC0."""
+    for i in numba.prange(p.size):
+        gi = g[i] * gscale
+        mi = m[i] + w1 * (gi - m[i])
+        vi = v[i] * b2 + w2 * gi * gi
+        m[i] = mi
+        v[i] = vi
+        pi = p[i] * decay - step * (mi / (np.sqrt(vi) / bc2_sqrt + eps))
+        p[i] = pi
+        if pi != pi:
+            out[i] = 0x7FC0
+        else:
+            u = np.uint64(pbits[i])
+            out[i] = np.uint16((u + ((u >> np.uint64(16)) & np.uint64(1)) + np.uint64(0x7FFF)) >> np.uint64(16))
+
+
 def adamw_update(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, step: int, lr: float,
-                 cfg: OptimConfig, weight_decay: float, grad_scale: float = 1.0) -> None:
-    """One AdamW step in place over fp32 arrays; `step` is 1-based (bias correction).
+                 cfg: OptimConfig, weight_decay: float, grad_scale: float = 1.0,
+                 bf16_out: np.ndarray | None = None) -> None:
+    """One AdamW step in place over fp32 arrays; `step` is 1-based (bias correction). `bf16_out` (uint16,
+    p's size): also write the new weights there as bfloat16 bits, in the same pass.
 
     Scalars are formed in double and rounded once to fp32, as torch does (1 - b2 computed in fp32
     from an fp32 b2 would be off by 1e-5 relative for b2 = 0.999).
@@ -80,5 +102,9 @@ def adamw_update(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, 
     b1, b2 = cfg.betas
     bc1 = 1 - b1**step
     bc2_sqrt = math.sqrt(1 - b2**step)
-    _adamw(p, g, m, v, f(1 - lr * weight_decay), f(1 - b1), f(b2), f(1 - b2), f(lr / bc1), f(bc2_sqrt),
-           f(cfg.eps), f(grad_scale))
+    scalars = (f(1 - lr * weight_decay), f(1 - b1), f(b2), f(1 - b2), f(lr / bc1), f(bc2_sqrt), f(cfg.eps),
+               f(grad_scale))
+    if bf16_out is None:
+        _adamw(p, g, m, v, *scalars)
+    else:
+        _adamw_bf16(p, p.view(np.uint32), bf16_out, g, m, v, *scalars)

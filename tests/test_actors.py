@@ -35,3 +35,31 @@ def test_adam_takes_overlapping_step_calls_in_order(rid: str, model_spec) -> Non
         adam.store.close()
     finally:
         owner.unlink()
+
+
+def test_adam_writes_the_bf16_resident_copy_in_its_update(rid: str, model_spec) -> None:
+    """Resident mode in bf16: right after each piece's update the copy the next forward streams equals
+    torch's cast of the new fp32 params, bit for bit (the fused kernel, not a second pass)."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+
+    spec = dataclasses.replace(make_spec(rid, model_spec, staging="bf16"), staging_mode="resident")
+    owner = Store.create(spec)
+    try:
+        rng = np.random.default_rng(0)
+        for u in range(spec.num_units):
+            owner.tile("params", u)[:] = rng.standard_normal(owner.tile("params", u).size).astype(np.float32)
+            owner.tile("grads", u)[:] = rng.standard_normal(owner.tile("grads", u).size).astype(np.float32)
+        adam = AdamUpdater(OptimConfig(lr=1e-2))
+        adam.attach(spec)
+        for _ in range(spec.num_pieces):
+            owner.post("grads_ready")
+        adam.step(0, 1e-2)
+        for u in range(spec.num_units):
+            want = torch.from_numpy(owner.tile("params", u).copy()).to(torch.bfloat16)
+            assert torch.equal(owner.resident_tile(u).view(torch.int16), want.view(torch.int16)), u
+        adam.store.close()
+    finally:
+        owner.unlink()

@@ -185,3 +185,35 @@ def test_clip_scale_disabled_and_bounds() -> None:
     assert clip_scale(123.0, 0.0) == 1.0
     assert clip_scale(0.0, 1.0) == 1.0
     assert clip_scale(4.0, 1.0) == pytest.approx(1.0 / (4.0 + 1e-6))
+
+
+def test_fused_bf16_copy_equals_the_update_then_torchs_cast() -> None:
+    """The resident-mode kernel: params, m and v bit-identical to the plain update, and the bf16 bits equal
+    torch's cast of the new params (round to nearest even) at every magnitude, ties, subnormals, the
+    largest finite values (which round to inf) and inf; a NaN stays a NaN."""
+    rng = np.random.default_rng(0)
+    n = 1 << 16
+    p = (rng.standard_normal(n) * np.exp(rng.uniform(-60, 60, n))).astype(np.float32)
+    p[:8] = [0.0, -0.0, np.inf, -np.inf, 3.0e38, -3.39e38, 1e-40, -1e-42]
+    ties = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x3F80FFFF, 0x3F807FFF], np.uint32).view(np.float32)
+    p[8:13] = ties
+    g, m, v = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
+    v = np.abs(v)
+    g[:13] = m[:13] = v[:13] = 0.0  # the special values pass through unchanged (lr * 0 / eps)
+    g[13] = np.nan  # a NaN weight after the update
+    cfg = OptimConfig(lr=1e-3, weight_decay=0.0)
+    plain = [x.copy() for x in (p, g, m, v)]
+    adamw_update(plain[0], plain[1], plain[2], plain[3], step=3, lr=1e-3, cfg=cfg, weight_decay=0.0,
+                 grad_scale=0.5)
+    out = np.zeros(n, np.uint16)
+    fused = [x.copy() for x in (p, g, m, v)]
+    adamw_update(fused[0], fused[1], fused[2], fused[3], step=3, lr=1e-3, cfg=cfg, weight_decay=0.0,
+                 grad_scale=0.5, bf16_out=out)
+    for a, b in zip(plain, fused):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert np.isnan(fused[0][13])
+    ref = torch.from_numpy(plain[0]).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    got = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
+    finite = ~np.isnan(plain[0])
+    assert np.array_equal(out[finite], ref[finite])
+    assert torch.isnan(got[13]) and (~finite).sum() == 1
