@@ -194,7 +194,20 @@ def check_space(parts: dict[str, int], shm_dir: str = "/dev/shm", ram_only: dict
     avail = mem_available_bytes()
     if avail and need > avail:
         raise ResourceError(f"the host store needs {gib(need)} of RAM ({detail}) but only {gib(avail)} is "
-                            f"available (MemAvailable)")
+                            f"available (MemAvailable){_lighter(parts, ram_only)}")
+
+
+def _lighter(parts: dict[str, int], ram_only: dict[str, int]) -> str:
+    """The settings that shrink the largest optional parts, for the refusal message."""
+    tips = []
+    if parts.get("grads"):
+        tips.append(f"optim.max_grad_norm=0 (no clipping: no fp32 gradient plane, -{gib(parts['grads'])})")
+    if parts.get("resident"):
+        tips.append(f"ipc.staging=slabs (no resident copy, -{gib(parts['resident'])})")
+    if any(ram_only.values()):
+        tips.append("a larger engine.checkpoint_interval or engine.offload_checkpoints=false (fewer pinned "
+                    "activation checkpoints)")
+    return "; settings that need less: " + "; ".join(tips) if tips else ""
 
 
 def run_entries(shm_dir: str = "/dev/shm") -> dict[str, list[str]]:
