@@ -27,8 +27,8 @@ from megatrain import checkpoint as ckpt
 from megatrain.engine import EngineConfig
 from megatrain.errors import AbortError, ConfigError
 from megatrain.export import export
-from megatrain.model import ModelConfig, build_spec, init_unit, meta_model
-from megatrain.weights import checkpoint_index, fill_tile, read_unit
+from megatrain.model import ModelConfig, build_spec, init_unit, meta_model, unit_seed
+from megatrain.weights import checkpoint_index, copy_slots, fill_tile, read_unit, slot_views
 
 STRAGGLER_S = 3.0  # how long workers get to exit after the driver's kill before they are ended by pid
 LOADERS = 2  # units read from a pretrained checkpoint at once: one is read while the other is converted
@@ -101,15 +101,42 @@ class StoreOwner(Role):
         spec = self.store.spec.model
         units = range(len(spec.layout.units))
         if not cfg.pretrained:
-            model = meta_model(spec.family, spec.hf_config)
-            for u in units:
-                self._fill_unit(u, init_unit(spec, model, u, cfg.init_seed))
+            self._draw(cfg.init_seed)
             return 0
         where = checkpoint_index(cfg.pretrained)
         with ThreadPoolExecutor(LOADERS, thread_name_prefix="load") as pool:
             for _ in pool.map(lambda u: self._fill_unit(u, read_unit(spec, u, where)), units):
                 pass  # each unit's tensors are dropped once its tile holds them: about LOADERS units in RAM
         return sum(f.stat().st_size for f in set(where.values()))
+
+    def _draw(self, seed: int) -> None:
+        """A fresh init, drawn straight into the params plane by one thread per core of the plan (each unit
+        from its own seed and generator, so the result does not depend on the thread count; a 7.6B model's
+        normal draws take about 45 s on one core), then the resident copy in one parallel cast per unit.
+        A family whose init draws outside torch's random ops (seen by the global generator moving) is drawn
+        again unit by unit in order, with the global generator seeded too, so it is still deterministic."""
+        spec = self.store.spec.model
+        model = meta_model(spec.family, spec.hf_config)
+        units = range(len(spec.layout.units))
+        before = torch.random.get_rng_state()
+        with ThreadPoolExecutor(self.store.spec.threads["store-owner"].torch, thread_name_prefix="init") as pool:
+            for _ in pool.map(lambda u: self._draw_unit(model, u, seed), units):
+                pass
+        if not torch.equal(before, torch.random.get_rng_state()):
+            print(f"[{self.name}] the init of '{spec.family}' draws from the global generator: drawing again "
+                  "in unit order", flush=True)
+            for u in units:
+                self.store.torch_tile("params", u).zero_()
+                torch.manual_seed(unit_seed(seed, u))
+                self._draw_unit(model, u, seed)
+        if self.store.spec.resident:
+            for u in units:
+                self.store.refresh_resident(u)
+
+    def _draw_unit(self, model: torch.nn.Module, unit: int, seed: int) -> None:
+        spec = self.store.spec.model
+        tile = self.store.torch_tile("params", unit)  # zero: the segments are created zeroed
+        copy_slots(spec, unit, tile, init_unit(spec, model, unit, seed, into=slot_views(spec, unit, tile)))
 
     def _fill_unit(self, unit: int, tensors: dict[str, torch.Tensor]) -> None:
         fill_tile(self.store.spec.model, unit, self.store.torch_tile("params", unit), tensors)

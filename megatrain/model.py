@@ -140,18 +140,67 @@ def build_spec(cfg: ModelConfig, no_decay_1d: bool = True) -> ModelSpec:
     return ModelSpec(family, hf, build_layout(unit_tensors, tied, hf_names))
 
 
-def init_unit(spec: ModelSpec, model: torch.nn.Module, unit: int, seed: int) -> dict[str, torch.Tensor]:
-    """Fresh HF-style init of one unit (normal(0, initializer_range) matrices, unit norms), on the CPU.
+# Random draws that take a `generator`: the Tensor methods HF's init reaches through torch.nn.init.
+_RANDOM_METHODS = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.random_, torch.Tensor.bernoulli_,
+                   torch.Tensor.exponential_, torch.Tensor.cauchy_, torch.Tensor.log_normal_,
+                   torch.Tensor.geometric_, torch.normal, torch.rand, torch.randn, torch.randint, torch.randperm}
 
-    Drawn unit by unit from a per-unit seed, so a 9B model never has to exist whole in one process.
-    """
-    kind, _, mods = _unit_modules(model)[unit]
-    torch.manual_seed(seed * 1_000_003 + unit)
+
+class UnitRng(torch.overrides.TorchFunctionMode):
+    """Sends every random draw made in this thread to one generator (torch function modes are per
+    thread), so units can be drawn in parallel threads and each still gets exactly the numbers the
+    global generator seeded with its seed would give (the same CPU generator, the same sequence)."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if kwargs.get("generator", 0) is None or ("generator" not in kwargs and func in _RANDOM_METHODS):
+            kwargs["generator"] = self.gen  # torch.nn.init.* pass generator=None down explicitly
+        return func(*args, **kwargs)
+
+
+def unit_seed(seed: int, unit: int) -> int:
+    return seed * 1_000_003 + unit
+
+
+def init_unit(spec: ModelSpec, model: torch.nn.Module, unit: int, seed: int,
+              into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Fresh HF-style init of one unit (the family's `_init_weights`), on the CPU, from the unit's own seed,
+    so a 9B model never has to exist whole in one process and units may be drawn in parallel threads.
+
+    `into`: fp32 views (keyed by slot name, e.g. slices of the unit's tile in shared memory) that the
+    parameters are bound to, so the draws land there with no copy; returned as given."""
+    _, _, mods = _unit_modules(model)[unit]
     out: dict[str, torch.Tensor] = {}
-    for sub, mod in mods.items():
-        real = copy.deepcopy(mod).to_empty(device="cpu")  # the meta model stays storage-free
-        for m in real.modules():
-            model._init_weights(m)
-        for pname, p in real.named_parameters():
-            out[sub + pname] = p.detach().float()
+    with UnitRng(unit_seed(seed, unit)):
+        for sub, mod in mods.items():
+            real = _materialize(copy.deepcopy(mod), sub, into or {})  # the meta model stays storage-free
+            for m in real.modules():
+                model._init_weights(m)
+            for pname, p in real.named_parameters():
+                if into is not None and sub + pname in into and p.data_ptr() == into[sub + pname].data_ptr():
+                    out[sub + pname] = into[sub + pname]
+                else:
+                    out[sub + pname] = p.detach().float()
     return out
+
+
+def _materialize(mod: torch.nn.Module, sub: str, views: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """Give a meta module CPU storage: a parameter with an fp32 view of its shape in `views` is bound to
+    it, everything else is allocated empty."""
+    for name, p in list(mod.named_parameters()):
+        view = views.get(sub + name)
+        owner, _, leaf = name.rpartition(".")
+        target = mod.get_submodule(owner)
+        if view is not None and p.dtype == view.dtype and tuple(p.shape) == tuple(view.shape):
+            setattr(target, leaf, torch.nn.Parameter(view, requires_grad=p.requires_grad))
+        else:
+            setattr(target, leaf, torch.nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad))
+    for m in mod.modules():
+        for bname, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                m._buffers[bname] = torch.empty_like(b, device="cpu")
+    return mod

@@ -14,16 +14,28 @@ from megatrain.model import ModelSpec
 
 def fill_tile(spec: ModelSpec, unit: int, tile: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
     """Write a unit's tensors (keyed by slot name) into its flat tile; padding is zeroed."""
-    st = spec.layout.structure_of(unit)
     tile.zero_()
-    for s in st.slots:
+    copy_slots(spec, unit, tile, tensors)
+
+
+def copy_slots(spec: ModelSpec, unit: int, tile: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+    """Write each slot of a unit's tile from `tensors` (keyed by slot name), checking names and shapes; a
+    tensor that already is its slot (drawn in place) is left as it is."""
+    for s in spec.layout.structure_of(unit).slots:
         if s.name not in tensors:
             raise ConfigError(f"weights for unit {unit} lack '{spec.layout.hf_name(unit, s.name)}'")
         src = tensors[s.name]
         if tuple(src.shape) != s.shape:
             raise ConfigError(f"'{spec.layout.hf_name(unit, s.name)}' has shape {tuple(src.shape)}, "
                               f"the model config expects {s.shape}")
-        tile[s.offset: s.offset + s.numel].copy_(src.reshape(-1))
+        dst = tile[s.offset: s.offset + s.numel]
+        if src.data_ptr() != dst.data_ptr():
+            dst.copy_(src.reshape(-1))
+
+
+def slot_views(spec: ModelSpec, unit: int, tile: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Views of a unit's tile keyed by slot name, each in its tensor's shape."""
+    return {s.name: tile[s.offset: s.offset + s.numel].view(s.shape) for s in spec.layout.structure_of(unit).slots}
 
 
 def tile_tensors(spec: ModelSpec, unit: int, tile: torch.Tensor) -> dict[str, torch.Tensor]:

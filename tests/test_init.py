@@ -1,0 +1,84 @@
+"""A fresh init drawn in parallel threads straight into the store is the init drawn unit by unit in order.
+
+The store owner draws units in as many threads as the CPU plan gives it; each unit's draws go to its own
+generator (model.UnitRng). These tests hold that to the plain scheme (the global generator seeded per
+unit, the family's `_init_weights` on an allocated copy of the unit), bit for bit, and check the fallback
+for an init that bypasses the unit's generator.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from megatrain.actors.store_owner import StoreOwner
+from megatrain.ipc.protocol import Store
+from megatrain.ipc.protocol.cpus import Threads
+
+from megatrain.model import _unit_modules, meta_model, unit_seed
+from tests.helpers import spec_for, tiny_hf
+from tests.shm_fixtures import make_spec, owned
+
+
+def plain_init(spec, unit: int, seed: int) -> torch.Tensor:
+    """The unit's tile the way a single thread with the global generator draws it."""
+    model = meta_model(spec.family, spec.hf_config)
+    _, _, mods = _unit_modules(model)[unit]
+    torch.manual_seed(unit_seed(seed, unit))
+    tile = torch.zeros(spec.layout.structure_of(unit).numel)
+    for sub, mod in mods.items():
+        real = copy.deepcopy(mod).to_empty(device="cpu")
+        for m in real.modules():
+            model._init_weights(m)
+        for name, p in real.named_parameters():
+            slot = next(s for s in spec.layout.structure_of(unit).slots if s.name == sub + name)
+            tile[slot.offset: slot.offset + slot.numel] = p.detach().reshape(-1)
+    return tile
+
+
+def owner_with_store(rid: str, spec, threads: int, resident: bool) -> StoreOwner:
+    store_spec = make_spec(rid, spec, staging="bf16")
+    store_spec = dataclasses.replace(store_spec, threads={"store-owner": Threads(threads, 1)},
+                                     staging_mode="resident" if resident else "slabs")
+    owner = StoreOwner()
+    owner.store = Store.create(store_spec)
+    return owner
+
+
+@pytest.mark.parametrize("family,tied", [("llama", True), ("qwen2", False), ("mistral", False)])
+def test_parallel_draw_is_the_sequential_init(rid: str, family: str, tied: bool) -> None:
+    spec = spec_for(tiny_hf(family, tied=tied, layers=4), family)
+    owner = owner_with_store(rid, spec, threads=4, resident=True)
+    with owned(owner.store) as store:
+        before = torch.random.get_rng_state()
+        owner._draw(seed=5)
+        assert torch.equal(before, torch.random.get_rng_state()), "the parallel draw used the global generator"
+        for u in range(len(spec.layout.units)):
+            want = plain_init(spec, u, 5)
+            assert torch.equal(store.torch_tile("params", u), want), f"unit {u}"
+            assert torch.equal(store.resident_tile(u), want.to(torch.bfloat16)), f"resident copy of unit {u}"
+        assert store.torch_tile("params", 1).std() > 0  # a decoder layer really drawn
+
+
+def test_an_init_that_bypasses_the_unit_generator_is_drawn_again_in_order(rid: str, monkeypatch, capsys) -> None:
+    spec = spec_for(tiny_hf("llama", tied=False, layers=3), "llama")
+    cls = type(meta_model(spec.family, spec.hf_config))
+    plain = cls._init_weights
+
+    def stray(self, module):  # a family drawing from the global generator by name
+        plain(self, module)
+        if isinstance(module, torch.nn.Linear):
+            module.weight.data.normal_(generator=torch.default_generator)
+
+    monkeypatch.setattr(cls, "_init_weights", stray)
+    tiles = []
+    for threads in (1, 3):
+        owner = owner_with_store(f"{rid}{threads}", spec, threads=threads, resident=False)
+        with owned(owner.store) as store:
+            owner._draw(seed=2)
+            tiles.append(store.plane("params").copy())
+        assert "drawing again in unit order" in capsys.readouterr().out
+    assert (tiles[0] == tiles[1]).all(), "the result depends on the thread count"
+    assert (tiles[0] != 0).any()
