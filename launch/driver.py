@@ -24,12 +24,11 @@ from megatrain.actors.grad_accumulator import GradAccumulator
 from megatrain.actors.packer import Packer
 from megatrain.actors.store_owner import StoreOwner
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes
-from megatrain.ipc.protocol.cpus import describe as describe_cpu_plan
-from megatrain.ipc.shm import check_run_id, check_run_id_free, gib
+from megatrain.ipc.shm import check_run_id, check_run_id_free
 from megatrain.launch.checkpointing import Checkpointer
 from megatrain.launch.config import Config
 from megatrain.launch.evaluation import Evaluator
-from megatrain.launch.output import log_profile, prepare_output, short
+from megatrain.launch.output import describe_memory, describe_run, log_profile, prepare_output, short
 from megatrain.launch.placement import Demand, bundle, demands, expect_packers, thread_request
 from megatrain.launch.resume import check_fits, find_checkpoint
 from megatrain.launch.runners import Handle, Pending, make_runner
@@ -74,6 +73,7 @@ class Trainer:
         self.store_fill: dict = {}  # how the store was filled (StoreOwner.fill_report)
         self._closed = False
         self.launched, self.first_step_s = time.monotonic(), None  # launch -> the first step's end (s)
+        self.startup: dict[str, float] = {}  # seconds per start-up phase, in order (logged before step 1)
 
     # ---- public -----------------------------------------------------------------------------
     def run(self) -> dict:
@@ -93,7 +93,7 @@ class Trainer:
                     "last_step": self.stopped_after if self.stopped_after is not None else self.steps,
                     "checkpoint": str(ckpt_step_dir(self.checkpointer.root, written)) if written else "",
                     "checkpoints": self.checkpointer.history, "store_fill": self.store_fill,
-                    "time_to_first_step_s": self.first_step_s,
+                    "time_to_first_step_s": self.first_step_s, "startup_s": dict(self.startup),
                     "cpu_plan": {n: dataclasses.asdict(t) for n, t in self.spec.threads.items() if n in self.actors},
                     "threads_observed": observed, "pids": dict(self.pids), "num_params": self.spec.layout.num_params,
                     "store_bytes": sum(self.spec.part_bytes().values()), "staging": self.spec.staging_mode,
@@ -107,9 +107,7 @@ class Trainer:
 
     def _finish(self, mem: dict) -> None:
         """After the last step (not after a graceful stop)."""
-        log(f"host memory of the run's {mem['processes']} processes (PSS): {gib(mem['pss_bytes'])}, "
-            f"{mem['pss_bytes'] / self.spec.layout.num_params:.2f} bytes per parameter; outside the store: "
-            + ", ".join(f"{r} {gib(b)}" for r, b in mem["pss_own_by_role"].items()))
+        describe_memory(mem, self.spec.layout.num_params)
         if self.evaluator is not None and self.evaluator.examples:
             log("held-out problems answered by greedy decoding after the last step:\n  "
                 + "\n  ".join(self.evaluator.solved_examples()))
@@ -139,8 +137,10 @@ class Trainer:
         if self.steps != cfg.train.steps:
             log(f"data.epochs {cfg.data.epochs} x {self.data.batches_per_epoch} batches per epoch = {self.steps} "
                 f"steps (train.steps {cfg.train.steps} is not used)")
+        self._phase("config and data")
         dem = demands(cfg.actors, cuda=False)
         self.runner.connect(bundle(dem)["CPU"])
+        self._phase("Ray")
         cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and self.runner.has_gpu())
         self.engine_cfg = resolve_engine(cfg.engine, cuda)
         self._write_config()
@@ -149,18 +149,27 @@ class Trainer:
             f"{self.out / 'config.yaml'}):\n  " + "\n  ".join(f"{k}: {short(v)}" for k, v in changed))
         dem = demands(cfg.actors, cuda, clip=cfg.optim.max_grad_norm > 0, writer=self.checkpointer.enabled)
         self.runner.place(bundle(dem))
+        self._phase("placement")
         # Worker processes start (and import torch, compile Numba, make a CUDA context) while the store
         # owner makes and fills the store; they attach to it once it exists.
         self.actors["store-owner"] = self.runner.spawn("store-owner", StoreOwner, (), dem["store-owner"])
         self._spawn_workers(dem, packers=expect_packers(cfg.ipc.staging, cuda))
         self._autosize()
+        if self.engine_cfg.device == "cuda":  # the sizes wait for the executor's free GPU memory
+            self._phase("executor started (imports, CUDA context)")
         self._start_store()
+        self._phase("store made and filled (with the owner's start)")
         self._write_config()  # now with ipc.staging as the store owner resolved it
         self._attach_workers(dem)
+        self._phase("actors attached (pinning, CUDA IPC events)")
         self._describe()
         self.evaluator = Evaluator(self.data, cfg.train.eval_batches, list(self.actors),
                                    lambda name, method, *a: self.runner.call(self.actors[name], method, *a),
                                    lambda calls, what: self._gather(calls, cfg.train.step_timeout_s, what))
+
+    def _phase(self, name: str) -> None:
+        """Close a start-up phase: the time since launch not yet given to an earlier one."""
+        self.startup[name] = time.monotonic() - self.launched - sum(self.startup.values())
 
     def _resolved(self) -> Config:
         cfg = self.cfg
@@ -238,18 +247,11 @@ class Trainer:
                          "opening CUDA IPC events")
 
     def _describe(self) -> None:
-        spec = self.spec
-        parts = spec.part_bytes()
-        n = spec.layout.num_params
         device = self._call_one("gpu-executor", "device_name")
-        log(f"model: {spec.model.family}, {spec.layout.num_layers} layers, {n / 1e6:.2f}M params, "
-            f"tied={spec.layout.tied}; executor on {device} ({self.engine_cfg.compute_dtype})")
-        log(f"host store: {gib(sum(parts.values()))} in shared memory = {sum(parts.values()) / n:.2f} bytes/param "
-            f"({', '.join(f'{k} {gib(v)}' for k, v in parts.items())})")
-        log("actors: " + ", ".join(f"{k} pid {v}" for k, v in self.pids.items()))
-        log(describe_cpu_plan(spec.threads, spec.cores, list(self.actors))
-            + ("; in one process (launch.runner=inprocess): torch's count is shared, left at its default"
-               if self.cfg.launch.runner == "inprocess" else ""))
+        describe_run(self.spec, device, self.engine_cfg.compute_dtype, self.pids, list(self.actors),
+                     self.cfg.launch.runner == "inprocess")
+        log(f"start-up {sum(self.startup.values()):.1f} s: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in self.startup.items()))
 
     # ---- the loop ---------------------------------------------------------------------------
     def train(self) -> None:
@@ -279,6 +281,7 @@ class Trainer:
                     if not cfg.train.overlap_adam:
                         calls["adam-updater"] = adam
                     res = self._gather(calls, cfg.train.step_timeout_s, f"step {t}", self._writing())
+                    self._first_step_done()
                     self._maybe_written(res)
                     row = self._executor_row(row, res["gpu-executor"])
                     row.update(self._maybe_evaluate(t + 1))
@@ -384,6 +387,13 @@ class Trainer:
                 "step_time_s": dt, "tokens_per_s": row.pop("batch_tokens") / dt,
                 **{k: v for k, v in ex.items() if k not in ("loss", "tokens")}}
 
+    def _first_step_done(self) -> None:
+        """Launch to the end of the first step's forward and backward (its loss is known; its Adam update
+        overlaps the next step, so its metrics row is written after that one)."""
+        if self.first_step_s is None:
+            self.first_step_s = time.monotonic() - self.launched
+            log(f"first step done {self.first_step_s:.1f} s after launch")
+
     def _record(self, f, row: dict, adam: dict) -> None:
         if "timeline" in row:  # kept out of metrics.jsonl: one file per picture
             timeline = {**row.pop("timeline"), "adam": adam["unit_spans"], "step": row["step"]}
@@ -393,9 +403,6 @@ class Trainer:
         row = {**row, "grad_norm": adam["grad_norm"], "clip_scale": adam["clip_scale"], "skipped": adam["skipped"],
                "adam_s": adam["adam_s"]}
         self.metrics.append(row)
-        if self.first_step_s is None:  # launch to the first step's end: set-up, store fill, first step
-            self.first_step_s = time.monotonic() - self.launched
-            log(f"first step done {self.first_step_s:.1f} s after launch")
         f.write(json.dumps(row) + "\n")
         self._publish_ready()
         t, steps = row["step"] - 1, self.steps
