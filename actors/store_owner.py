@@ -53,11 +53,12 @@ class StoreOwner(Role):
     def create(self, run_id: str, model_cfg: ModelConfig, no_decay_1d: bool, clip: bool, engine: EngineConfig,
                num_packers: int, num_accumulators: int, ipc_cfg: IpcConfig,
                batch_shape: tuple[int, int] = (0, 0), resume: str | None = None,
-               threads: ThreadRequest | None = None) -> StoreSpec:
+               threads: ThreadRequest | None = None, about: dict | None = None) -> StoreSpec:
         """Plan (resolving the staging mode on this node's memory), create and fill the store: from the
         model config, or from checkpoint directory `resume` (weights and Adam state, versions at its step).
         `batch_shape` (sequences, tokens each) sizes the executor's pinned checkpoints for the fit check.
-        The node's CPU plan is made here, on the node the workers share, and travels in the spec."""
+        The node's CPU plan is made here, on the node the workers share, and travels in the spec. `about`:
+        what the driver adds to the run's description in ctl (megatrain-launch status)."""
         removed = sweep(shm_dir=ipc_cfg.shm_dir)
         if removed:
             print(f"[{self.name}] swept {len(removed)} objects of dead runs from {ipc_cfg.shm_dir}", flush=True)
@@ -68,6 +69,7 @@ class StoreOwner(Role):
                           ram_only=ram_only, last_block_layers=engine.last_block_layers)
         spec = self._with_cpu_plan(spec, engine.device == "cuda", threads or ThreadRequest())
         self.store = Store.create(spec, ram_only)
+        self.store.write_about(about)
         self._start_reaper(run_id)
         t0 = time.perf_counter()
         if resume:

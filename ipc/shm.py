@@ -22,7 +22,7 @@ from megatrain.ipc.procs import pid_alive, start_ticks
 from megatrain.errors import ConfigError, LayoutMismatch, ResourceError
 
 MAGIC = b"MEGATRN\x01"
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: the control segment's 'about' area
 HEADER_BYTES = 4096
 _HEADER = struct.Struct("<8sII16s32sQQQ")
 CTL_PIDS_OFFSET = 64  # bytes into the ctl data area: worker pids (int64), fixed so the reaper finds them
@@ -224,7 +224,7 @@ def run_entries(shm_dir: str = "/dev/shm") -> dict[str, list[str]]:
     return runs
 
 
-def _read_ctl(run_id: str, start: int, size: int) -> bytes | None:
+def read_ctl(run_id: str, start: int, size: int) -> bytes | None:
     """Bytes [start, start + size) of the run's control segment, read-only; None if it is unreadable."""
     try:
         shm = posix_ipc.SharedMemory(seg_name(run_id, "ctl"))
@@ -241,7 +241,7 @@ def _read_ctl(run_id: str, start: int, size: int) -> bytes | None:
 
 def read_owner(run_id: str) -> tuple[int, int] | None:
     """(pid, start ticks) of the run's owner from its control segment, None if unreadable."""
-    raw = _read_ctl(run_id, 0, _HEADER.size)
+    raw = read_ctl(run_id, 0, _HEADER.size)
     try:
         magic, _, hdr = Header.unpack(raw) if raw is not None else (None, None, None)
     except (ValueError, struct.error):
@@ -251,7 +251,7 @@ def read_owner(run_id: str) -> tuple[int, int] | None:
 
 def read_worker_pids(run_id: str) -> list[int]:
     """Worker pids recorded in the run's ctl segment (empty if it is gone)."""
-    raw = _read_ctl(run_id, HEADER_BYTES + CTL_PIDS_OFFSET, 8 * MAX_PIDS)
+    raw = read_ctl(run_id, HEADER_BYTES + CTL_PIDS_OFFSET, 8 * MAX_PIDS)
     return [p for p in struct.unpack(f"<{MAX_PIDS}q", raw) if p > 0] if raw is not None else []
 
 

@@ -15,7 +15,7 @@ from megatrain.errors import ConfigError, DataError, MegatrainError
 USAGE_ERROR, RUNTIME_ERROR = 2, 1
 
 USAGE = ("megatrain-launch CONFIG.yaml [dotted.key=value ...] [--address ADDR] | export SRC OUT [--dtype D] | "
-         "--cleanup | --config-reference")
+         "status | --cleanup | --config-reference")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         from megatrain.launch.export_cmd import main as export_main
 
         return export_main(argv[1:])
+    if argv[:1] == ["status"]:
+        from megatrain.launch.status_cmd import main as status_main
+
+        return status_main(argv[1:])
     args = _parser().parse_intermixed_args(argv)  # overrides may come after --address too
     if args.cleanup:
         return cleanup()

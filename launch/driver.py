@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import json
 import os
 import secrets
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from megatrain.actors.adam_updater import AdamUpdater
 from megatrain.actors.checkpoint_writer import CheckpointWriter
@@ -28,11 +27,14 @@ from megatrain.ipc.shm import check_run_id, check_run_id_free
 from megatrain.launch.checkpointing import Checkpointer
 from megatrain.launch.config import Config
 from megatrain.launch.evaluation import Evaluator
-from megatrain.launch.output import describe_memory, describe_run, log_profile, prepare_output, short
+from megatrain.launch.metrics import executor_row
+from megatrain.launch.output import describe_memory, describe_run, prepare_output, short
 from megatrain.launch.placement import Demand, bundle, demands, expect_packers, thread_request
+from megatrain.launch.reporting import Reporter
 from megatrain.launch.resume import check_fits, find_checkpoint
 from megatrain.launch.runners import Handle, Pending, make_runner
 from megatrain.launch.stopping import StopRequest, sigint_deferred
+from megatrain.launch.tensorboard import summary_writer
 
 from megatrain import autosize, log
 from megatrain.adamw import lr_at
@@ -42,6 +44,7 @@ from megatrain.data import Data, open_data
 from megatrain.data.loader import Prefetcher
 from megatrain.engine import resolve_engine
 from megatrain.errors import AbortError, ActorFailure, MegatrainError
+from megatrain.flops import step_flops
 from megatrain.model import build_spec, resolve_hf_config
 
 SHUTDOWN_S = 15.0
@@ -69,7 +72,7 @@ class Trainer:
         self.evaluator: Evaluator | None = None
         self.pending_write: Pending | None = None  # the checkpoint being written
         self.staged: dict | None = None  # the checkpoint written but not yet published (CheckpointWriter.publish)
-        self.metrics_file: IO[str] | None = None
+        self.reporter: Reporter | None = None  # while the step loop runs
         self.store_fill: dict = {}  # how the store was filled (StoreOwner.fill_report)
         self._closed = False
         self.launched, self.first_step_s = time.monotonic(), None  # launch -> the first step's end (s)
@@ -122,6 +125,8 @@ class Trainer:
         cfg = self.cfg
         if cfg.train.run_id and not (cfg.launch.address or os.environ.get("RAY_ADDRESS")):
             check_run_id_free(cfg.train.run_id, cfg.ipc.shm_dir)  # the store is on this machine: say it now
+        if cfg.train.tensorboard:
+            summary_writer()  # a missing package is a usage error before anything starts
         self.resume_dir = find_checkpoint(cfg.train.resume, self.out)
         manifest = check_fits(self.resume_dir, cfg) if self.resume_dir else None
         self.start = int(manifest["step"]) if manifest else 0
@@ -186,7 +191,8 @@ class Trainer:
         self.spec = self._call_one("store-owner", "create", self.run_id, cfg.model, cfg.optim.no_decay_1d,
                                    cfg.optim.max_grad_norm > 0, self.engine_cfg, cfg.actors.num_packers,
                                    cfg.actors.num_accumulators, cfg.ipc, (cfg.data.batch_size, cfg.data.seq_len),
-                                   str(self.resume_dir) if self.resume_dir else None, thread_request(cfg.actors))
+                                   str(self.resume_dir) if self.resume_dir else None, thread_request(cfg.actors),
+                                   {"output_dir": str(self.out.resolve()), "steps": self.steps, "first": self.start})
         log(f"weight staging: {self.spec.staging_mode}; gradients: "
             + ("fp32 plane, global-norm clipping" if self.spec.clip else "straight to Adam (no clipping)"))
         fill = self.store_fill = self._call_one("store-owner", "fill_report")
@@ -263,44 +269,50 @@ class Trainer:
         cfg = self.cfg
         prev: tuple[dict, Pending] | None = None
         self.loader = Prefetcher(self.data.batch, self.start, self.steps, cfg.data.prefetch)
+        self.reporter = Reporter(self.out, cfg.train, self.engine_cfg.device == "cuda", self._step_flops(),
+                                 self.start, self.steps, lambda step, row: self.evaluator.describe(step, row))
         try:
-            with open(self.out / "metrics.jsonl", "a", buffering=1) as f:  # prepare_output emptied or trimmed it
-                self.metrics_file = f
-                for t in range(self.start, self.steps):
-                    if self.stop is not None and self.stop.signum is not None:
-                        if prev is not None:  # the last launched step's update, then the checkpoint
-                            self._record(f, prev[0], self._gather({"adam-previous": prev[1]},
-                                                                  cfg.train.step_timeout_s, "Adam")["adam-previous"])
-                            prev = None
-                        self._stop_gracefully(t)
-                        break
-                    calls, row = self._launch(t, saving=self.checkpointer.writing == t)
-                    adam = calls.pop("adam-updater")
-                    if prev is not None:
-                        calls["adam-previous"] = prev[1]
-                    if not cfg.train.overlap_adam:
-                        calls["adam-updater"] = adam
-                    res = self._gather(calls, cfg.train.step_timeout_s, f"step {t}", self._writing())
-                    self._first_step_done()
-                    self._maybe_written(res)
-                    row = self._executor_row(row, res["gpu-executor"])
-                    row.update(self._maybe_evaluate(t + 1))
-                    if prev is not None:
-                        self._record(f, prev[0], res["adam-previous"])
-                    if cfg.train.overlap_adam:
-                        prev = (row, adam)
-                    else:
-                        self._record(f, row, res["adam-updater"])
+            for t in range(self.start, self.steps):
+                if self.stop is not None and self.stop.signum is not None:
+                    if prev is not None:  # the last launched step's update, then the checkpoint
+                        self._record(prev[0], self._gather({"adam-previous": prev[1]}, cfg.train.step_timeout_s,
+                                                           "Adam")["adam-previous"])
                         prev = None
-                    if self.checkpointer.due(t + 1):
-                        self._start_checkpoint(t + 1, row["epoch"])
+                    self._stop_gracefully(t)
+                    break
+                calls, row = self._launch(t, saving=self.checkpointer.writing == t)
+                adam = calls.pop("adam-updater")
                 if prev is not None:
-                    self._record(f, prev[0], self._gather({"adam-previous": prev[1]}, cfg.train.step_timeout_s,
-                                                          "the last Adam update", self._writing())["adam-previous"])
-                self._wait_written()
+                    calls["adam-previous"] = prev[1]
+                if not cfg.train.overlap_adam:
+                    calls["adam-updater"] = adam
+                res = self._gather(calls, cfg.train.step_timeout_s, f"step {t}", self._writing())
+                self._first_step_done()
+                self._maybe_written(res)
+                row = executor_row(row, res["gpu-executor"])
+                row.update(self._maybe_evaluate(t + 1))
+                if prev is not None:
+                    self._record(prev[0], res["adam-previous"])
+                if cfg.train.overlap_adam:
+                    prev = (row, adam)
+                else:
+                    self._record(row, res["adam-updater"])
+                    prev = None
+                if self.checkpointer.due(t + 1):
+                    self._start_checkpoint(t + 1, row["epoch"])
+            if prev is not None:
+                self._record(prev[0], self._gather({"adam-previous": prev[1]}, cfg.train.step_timeout_s,
+                                                   "the last Adam update", self._writing())["adam-previous"])
+            self._wait_written()
         finally:
-            self.metrics_file = None
+            self.reporter.close()
+            self.reporter = None
             self.loader.close()
+
+    def _step_flops(self) -> float:
+        hf, data = self.spec.model.hf_config, self.cfg.data
+        return step_flops(self.spec.layout.num_params, self.spec.layout.num_layers, hf.hidden_size, data.seq_len,
+                          data.batch_size * data.seq_len)
 
     def _stop_gracefully(self, step: int) -> None:
         """A signal asked to stop: `step` steps are done and applied; checkpoint them unless that is off,
@@ -342,9 +354,8 @@ class Trainer:
         step = self.checkpointer.writing
         if self.staged is None or (self.metrics[-1]["step"] if self.metrics else self.start) < step:
             return
-        if self.metrics_file is not None:
-            self.metrics_file.flush()
-            os.fsync(self.metrics_file.fileno())
+        if self.reporter is not None:
+            self.reporter.sync()
         res, self.staged = self.staged, None
         self._call_one("checkpoint-writer", "publish", step)
         self.checkpointer.finished(res)
@@ -380,13 +391,6 @@ class Trainer:
                 calls[name] = self.runner.call(h, "step", t)
         return calls, row
 
-    @staticmethod
-    def _executor_row(row: dict, ex: dict) -> dict:
-        dt = time.perf_counter() - row.pop("t0")
-        return {"step": row["step"], "epoch": row["epoch"], "loss": ex["loss"], "lr": row["lr"], "tokens": ex["tokens"],
-                "step_time_s": dt, "tokens_per_s": row.pop("batch_tokens") / dt,
-                **{k: v for k, v in ex.items() if k not in ("loss", "tokens")}}
-
     def _first_step_done(self) -> None:
         """Launch to the end of the first step's forward and backward (its loss is known; its Adam update
         overlaps the next step, so its metrics row is written after that one)."""
@@ -394,23 +398,9 @@ class Trainer:
             self.first_step_s = time.monotonic() - self.launched
             log(f"first step done {self.first_step_s:.1f} s after launch")
 
-    def _record(self, f, row: dict, adam: dict) -> None:
-        if "timeline" in row:  # kept out of metrics.jsonl: one file per picture
-            timeline = {**row.pop("timeline"), "adam": adam["unit_spans"], "step": row["step"]}
-            (self.out / "timeline.json").write_text(json.dumps(timeline))
-        if "profile_trace" in row:
-            log_profile(row, self.engine_cfg.device == "cuda")
-        row = {**row, "grad_norm": adam["grad_norm"], "clip_scale": adam["clip_scale"], "skipped": adam["skipped"],
-               "adam_s": adam["adam_s"]}
-        self.metrics.append(row)
-        f.write(json.dumps(row) + "\n")
+    def _record(self, row: dict, adam: dict) -> None:
+        self.metrics.append(self.reporter.record(row, adam))
         self._publish_ready()
-        t, steps = row["step"] - 1, self.steps
-        if t % self.cfg.train.log_every == 0 or t == steps - 1:
-            log(f"step {t + 1}/{steps} loss {row['loss']:.4f} lr {row['lr']:.2e} grad_norm {row['grad_norm']:.3f} "
-                f"{row['tokens_per_s']:.0f} tok/s {row['step_time_s']:.3f} s/step")
-        if any(k.startswith("eval_") for k in row):  # printed after its step's line, whatever the overlap
-            log(self.evaluator.describe(row["step"], row))
 
     # ---- calls and failures -----------------------------------------------------------------
     def _call_one(self, name: str, method: str, *args: Any) -> Any:

@@ -19,6 +19,13 @@ class TrainConfig:
                                  "its metrics, config, error.log, timeline, profiles and final weights; false "
                                  "refuses to start there.")
     log_every: int = opt(1, "Print a progress line every this many steps (metrics.jsonl gets every step).")
+    progress: str = opt("auto", "How progress is shown: 'bar' (a tqdm bar with step, loss, tokens/s, TFLOPS and "
+                                "ETA), 'lines' (a plain line every log_every steps, with the same and the ETA), "
+                                "or 'auto' (bar on a terminal; lines under ray job submit, CI or redirected "
+                                "output).")
+    tensorboard: bool = opt(False, "Write loss, lr, grad_norm, tokens/s, TFLOPS, step time, GPU memory and "
+                                   "eval_loss as TensorBoard scalars to OUTPUT_DIR/tb (needs the tensorboard "
+                                   "package: pip install 'megatrain[tensorboard]').")
     save_final: bool = opt(False, "Write the final fp32 weights to OUTPUT_DIR/final as an HF model directory.")
     save_every: int = opt(0, "Write a checkpoint (fp32 weights, Adam moments, the step) to "
                              "OUTPUT_DIR/checkpoints/step-N every this many steps, and one after the last step; "
@@ -65,5 +72,7 @@ class TrainConfig:
             raise ValueError("train.resume must be 'auto', 'none' or a path")
         if self.timeline_step < 0 or self.profile_step < 0:
             raise ValueError("train.timeline_step and train.profile_step must be >= 0 (0 = none)")
+        if self.progress not in ("auto", "bar", "lines"):
+            raise ValueError(f"train.progress must be 'auto', 'bar' or 'lines', not '{self.progress}'")
         if self.step_timeout_s <= 0 or self.setup_timeout_s <= 0:
             raise ValueError("train.step_timeout_s and train.setup_timeout_s must be > 0")

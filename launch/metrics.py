@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 METRICS: dict[str, str] = {
     "step": "optimizer step, from 1",
     "epoch": "the data epoch the step's batch comes from, from 0",
@@ -41,3 +43,11 @@ METRICS: dict[str, str] = {
 def metrics_table() -> str:
     lines = ["| field | meaning |", "|---|---|"] + [f"| `{k}` | {v} |" for k, v in METRICS.items()]
     return "\n".join(lines) + "\n"
+
+
+def executor_row(row: dict, ex: dict) -> dict:
+    """A step's metrics row from the driver's part (`t0` of its launch) and the executor's result."""
+    dt = time.perf_counter() - row.pop("t0")
+    return {"step": row["step"], "epoch": row["epoch"], "loss": ex["loss"], "lr": row["lr"], "tokens": ex["tokens"],
+            "step_time_s": dt, "tokens_per_s": row.pop("batch_tokens") / dt,
+            **{k: v for k, v in ex.items() if k not in ("loss", "tokens")}}

@@ -24,7 +24,10 @@ STAGING = {"bf16": (torch.bfloat16, 2), "fp32": (torch.float32, 4)}
 REASON_BYTES = 1024
 ROLE_BYTES = 128  # per role: heartbeat, progress, calls in flight, waits in flight, what it waits on
 ROLE_TABLE_OFFSET = CTL_PIDS_OFFSET + 8 * MAX_PIDS + REASON_BYTES
-CTL_FIXED = ROLE_TABLE_OFFSET + ROLE_BYTES * MAX_PIDS
+# About the run, as JSON (role names by slot, pieces, model, output directory, steps): what
+# `megatrain-launch status` needs to read a run from its control segment alone, without its StoreSpec.
+ABOUT_OFFSET, ABOUT_BYTES = ROLE_TABLE_OFFSET + ROLE_BYTES * MAX_PIDS, 4096
+CTL_FIXED = ABOUT_OFFSET + ABOUT_BYTES
 
 
 @dataclass

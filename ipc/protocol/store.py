@@ -3,6 +3,7 @@ role table that heartbeats and stall detection read. Every wait is timed and pol
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -13,6 +14,8 @@ import posix_ipc
 import torch
 from megatrain.ipc.protocol.fence import publish, reached
 from megatrain.ipc.protocol.plan import (
+    ABOUT_BYTES,
+    ABOUT_OFFSET,
     CTL_FIXED,
     REASON_BYTES,
     ROLE_BYTES,
@@ -54,6 +57,7 @@ class Store:
         # Per piece, the step of the last checkpoint that has it on disk: Adam's update after that step
         # waits for it while that checkpoint is being written (see actors/checkpoint_writer.py).
         self.saved = np.frombuffer(ctl, np.int64, u, HEADER_BYTES + CTL_FIXED + 16 * u)
+        self._about = np.frombuffer(ctl, np.uint8, ABOUT_BYTES, HEADER_BYTES + ABOUT_OFFSET)
         self.slot: int | None = None  # this process's role row, if it is a worker
         self._row_lock = threading.Lock()
 
@@ -99,6 +103,20 @@ class Store:
             store.pids[store.slot] = os.getpid()
             _Heartbeat.register(store)
         return store
+
+    def write_about(self, extra: dict | None = None) -> None:
+        """Owner only: describe the run in ctl (role names by slot, pieces, model, and what the driver adds:
+        output directory, steps), so `megatrain-launch status` can read it without the StoreSpec."""
+        spec = self.spec
+        about = {"roles": spec.roles(), "pieces": spec.num_pieces, "family": spec.model.family,
+                 "layers": spec.layout.num_layers, "params": spec.layout.num_params, "staging": spec.staging_mode,
+                 "clip": spec.clip, "created": time.time(), **(extra or {})}
+        raw = json.dumps(about).encode()
+        for key in [k for k in (extra or {}) if len(raw) >= ABOUT_BYTES]:  # a very long path: drop, not fail
+            about.pop(key)
+            raw = json.dumps(about).encode()
+        self._about[:] = 0
+        self._about[: len(raw)] = np.frombuffer(raw, np.uint8)
 
     def unlink(self) -> None:
         """Owner only, idempotent. Names go away now; memory goes when the last process unmaps."""

@@ -1,0 +1,136 @@
+"""What a run is doing, read from its control segment alone (read-only): `megatrain-launch status`.
+
+Any process on the node can read it, with no StoreSpec and without attaching: the owner wrote the
+run's description (role names by slot, pieces, model, output directory, steps) into ctl's about area
+at creation; the role table holds each worker's heartbeat, calls and waits, and what it waits on; the
+version counters say how many updates Adam has applied. Times in the role table are CLOCK_MONOTONIC,
+one clock for every process of the host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+from megatrain.ipc.procs import pid_alive, running
+from megatrain.ipc.protocol.plan import ABOUT_BYTES, ABOUT_OFFSET, CTL_FIXED, ROLE_BYTES, ROLE_TABLE_OFFSET
+from megatrain.ipc.protocol.store import BEAT, CALLS, PROGRESS, WAIT_SINCE, WAITS, WHAT_BYTES, WHAT_OFFSET
+from megatrain.ipc.shm import (
+    CTL_PIDS_OFFSET,
+    HEADER_BYTES,
+    LAYOUT_VERSION,
+    MAGIC,
+    MAX_PIDS,
+    PREFIX,
+    Header,
+    pss_split,
+    read_ctl,
+    run_entries,
+    seg_name,
+)
+
+
+@dataclass
+class Actor:
+    role: str
+    pid: int
+    alive: bool
+    beat_age_s: float  # since its last heartbeat
+    state: str  # "idle", "working", "waiting"
+    waiting_on: str = ""
+    for_s: float = 0.0  # in that state (waiting: since the wait began; working: since the last progress)
+    own_bytes: int = 0  # its memory outside the store (PSS)
+
+
+@dataclass
+class RunStatus:
+    run_id: str
+    owner_pid: int
+    about: dict
+    updates: int  # steps Adam has applied (the lowest version counter)
+    shm_bytes: int  # the run's shared memory actually held (tmpfs blocks)
+    actors: list[Actor] = field(default_factory=list)
+    aborted: str = ""
+
+
+def live_runs(shm_dir: str = "/dev/shm") -> tuple[list[RunStatus], list[str]]:
+    """The runs on this node whose owner is alive, and the ids of those left by dead owners."""
+    runs, dead = [], []
+    for rid, entries in sorted(run_entries(shm_dir).items()):
+        status = read_run(rid, shm_dir)
+        if status is None:
+            dead.append(rid)
+        else:
+            status.shm_bytes = _held(shm_dir, entries)
+            runs.append(status)
+    return runs, dead
+
+
+def read_run(run_id: str, shm_dir: str = "/dev/shm") -> RunStatus | None:
+    """The run's status; None if its control segment is gone, unreadable, of another layout, or its owner
+    is dead."""
+    try:
+        size = os.stat(os.path.join(shm_dir, f"{PREFIX}{run_id}-ctl")).st_size
+    except OSError:
+        return None
+    raw = read_ctl(run_id, 0, size) if size >= HEADER_BYTES + CTL_FIXED else None
+    if raw is None:
+        return None
+    try:
+        magic, version, hdr = Header.unpack(raw[:HEADER_BYTES])
+    except (ValueError, struct.error):
+        return None
+    if magic != MAGIC or version != LAYOUT_VERSION or not pid_alive(hdr.owner_pid, hdr.owner_ticks):
+        return None
+    data = raw[HEADER_BYTES:]
+    about = _about(data)
+    pieces = int(about.get("pieces", 0))
+    versions = np.frombuffer(data, np.int64, pieces, CTL_FIXED) if pieces else np.zeros(1, np.int64)
+    reason = data[CTL_PIDS_OFFSET + 8 * MAX_PIDS: ROLE_TABLE_OFFSET].rstrip(b"\0").decode(errors="replace")
+    flags = np.frombuffer(data, np.int64, 1, 0)
+    status = RunStatus(run_id, hdr.owner_pid, about, int(versions.min()), 0,
+                       aborted=reason if flags[0] else "")
+    status.actors = _actors(data, about.get("roles", []), seg_name(run_id, ""))
+    return status
+
+
+def _about(data: bytes) -> dict:
+    blob = data[ABOUT_OFFSET: ABOUT_OFFSET + ABOUT_BYTES].rstrip(b"\0")
+    try:
+        return json.loads(blob) if blob else {}
+    except ValueError:
+        return {}
+
+
+def _actors(data: bytes, roles: list[str], prefix: str) -> list[Actor]:
+    pids = struct.unpack_from(f"<{MAX_PIDS}q", data, CTL_PIDS_OFFSET)
+    now, out = time.monotonic(), []
+    for slot, role in enumerate(roles[:MAX_PIDS]):
+        if pids[slot] <= 0:
+            continue  # never attached (a packer of a resident run, the writer of a run that saves nothing)
+        off = ROLE_TABLE_OFFSET + slot * ROLE_BYTES
+        words = np.frombuffer(data, np.float64, 5, off)
+        what = data[off + WHAT_OFFSET: off + WHAT_OFFSET + WHAT_BYTES].rstrip(b"\0").decode(errors="replace")
+        if words[WAITS] > 0:
+            state, since = "waiting", now - words[WAIT_SINCE]
+        elif words[CALLS] > 0:
+            state, since = "working", now - words[PROGRESS]
+        else:
+            state, since = "idle", now - words[PROGRESS]
+        out.append(Actor(role, pids[slot], running(pids[slot]), now - words[BEAT], state,
+                         what if state == "waiting" else "", since, pss_split(pids[slot], prefix)[1]))
+    return out
+
+
+def _held(shm_dir: str, entries: list[str]) -> int:
+    total = 0
+    for name in entries:
+        try:
+            total += os.stat(os.path.join(shm_dir, name)).st_blocks * 512
+        except OSError:
+            pass
+    return total

@@ -1,0 +1,55 @@
+"""Where a finished step goes: metrics.jsonl (one row per step, kept on disk before a checkpoint that
+includes the step is published), the console (launch/progress.py), TensorBoard (train.tensorboard),
+timeline.json (train.timeline_step) and the profiled step's verdict (train.profile_step)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from megatrain.launch.driver_config import TrainConfig
+from megatrain.launch.output import log_profile
+from megatrain.launch.progress import Progress
+from megatrain.launch.tensorboard import TensorBoard
+
+from megatrain import log
+
+
+class Reporter:
+    def __init__(self, out: Path, cfg: TrainConfig, cuda: bool, flops_per_step: float, first: int, total: int,
+                 describe_eval: Callable[[int, dict], str]):
+        self.out, self.cuda, self.flops, self.describe_eval = out, cuda, flops_per_step, describe_eval
+        # prepare_output emptied or trimmed it; closed by close(), which the driver calls on every path
+        self.file = open(out / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.progress = Progress(cfg.progress, first, total, flops_per_step, cfg.log_every)
+        self.tb = TensorBoard(out) if cfg.tensorboard else None
+
+    def record(self, row: dict, adam: dict) -> dict:
+        """The step's row, completed with its Adam update's results, written everywhere; returned."""
+        if "timeline" in row:  # kept out of metrics.jsonl: one file per picture
+            timeline = {**row.pop("timeline"), "adam": adam["unit_spans"], "step": row["step"]}
+            (self.out / "timeline.json").write_text(json.dumps(timeline))
+        if "profile_trace" in row:
+            log_profile(row, self.cuda)
+        row = {**row, "grad_norm": adam["grad_norm"], "clip_scale": adam["clip_scale"], "skipped": adam["skipped"],
+               "adam_s": adam["adam_s"]}
+        self.file.write(json.dumps(row) + "\n")
+        self.progress.step(row)
+        if self.tb is not None:
+            self.tb.step(row, self.flops)
+        if any(k.startswith("eval_") for k in row):  # printed after its step's line, whatever the overlap
+            log(self.describe_eval(row["step"], row))
+        return row
+
+    def sync(self) -> None:
+        """metrics.jsonl on disk (a checkpoint is published only after its step's row is)."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        self.progress.close()
+        if self.tb is not None:
+            self.tb.close()
+        self.file.close()

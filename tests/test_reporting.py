@@ -1,0 +1,83 @@
+"""Where a step goes besides metrics.jsonl: the console (a bar on a terminal, lines elsewhere) and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from megatrain.launch.config import load_config
+from megatrain.launch.driver import Trainer
+from megatrain.launch.progress import Progress, eta
+
+import megatrain
+from megatrain.errors import ConfigError
+from tests.helpers import TINY
+
+
+def row(step: int, seconds: float = 0.5) -> dict:
+    return {"step": step, "step_time_s": seconds, "loss": 2.0 / step, "tokens_per_s": 1000.0, "lr": 1e-3,
+            "grad_norm": 1.5}
+
+
+def test_lines_every_log_every_steps_with_tflops_and_eta(capsys) -> None:
+    p = Progress("lines", 0, 10, flops_per_step=2e12, log_every=4)
+    for s in range(1, 11):
+        p.step(row(s))
+    p.close()
+    lines = [line for line in capsys.readouterr().out.splitlines() if "step " in line]
+    assert [line.split()[2] for line in lines] == ["1/10", "5/10", "9/10", "10/10"]
+    assert "4.0 TFLOPS" in lines[0] and "0.500 s/step" in lines[0]
+    assert lines[1].endswith("ETA 0:02") and lines[-1].endswith("ETA 0:00")  # 5 steps left at 0.5 s
+    assert eta(3725.0) == "1:02:05" and eta(float("nan")) == "?"
+
+
+def test_auto_is_lines_when_stdout_is_no_terminal(capsys) -> None:
+    p = Progress("auto", 0, 2, 1e12, 1)  # pytest captures stdout: not a terminal
+    assert p.bar is None
+    p.close()
+
+
+def test_bar_shows_step_loss_and_tflops_and_carries_the_log(capsys) -> None:
+    p = Progress("bar", 2, 5, flops_per_step=3e12, log_every=1)  # a resumed run: starts at step 2
+    try:
+        p.step(row(3))
+        megatrain.log("evaluated")  # goes through the bar, not across it
+        p.step(row(4))
+        p.step(row(5))
+    finally:
+        p.close()
+    out = capsys.readouterr().out
+    assert "5/5" in out and "loss 0.4000" in out and "6.0 TFLOPS" in out and "[megatrain] evaluated" in out
+    assert "step 3/5" not in out  # no plain lines while the bar is up
+    megatrain.log("after")  # the bar's writer is gone with it
+    assert capsys.readouterr().out == "[megatrain] after\n"
+
+
+def test_tensorboard_gets_every_step(tmp_path, rid: str) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    hf = json.dumps({**TINY, "num_hidden_layers": 2})
+    cfg = load_config(None, [f"model.hf={hf}", "data.seq_len=32", "data.batch_size=2", "train.steps=3",
+                             "train.eval_every=2", f"train.run_id={rid}", "train.tensorboard=true",
+                             f"train.output_dir={tmp_path / 'out'}", "launch.runner=inprocess"])
+    Trainer(cfg).run()
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    acc = EventAccumulator(str(tmp_path / "out" / "tb"))
+    acc.Reload()
+    loss = acc.Scalars("train/loss")
+    assert [e.step for e in loss] == [1, 2, 3]
+    assert [e.value for e in loss] == pytest.approx([r["loss"] for r in rows])
+    assert {"train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/tflops", "perf/step_time_s",
+            "eval/loss"} <= set(acc.Tags()["scalars"])
+    assert [e.step for e in acc.Scalars("eval/loss")] == [2, 3]
+
+
+def test_tensorboard_missing_is_a_usage_error_before_anything_starts(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
+    cfg = load_config(None, ["train.tensorboard=true", f"train.output_dir={tmp_path / 'out'}",
+                             "launch.runner=inprocess"])
+    with pytest.raises(ConfigError, match=r"train.tensorboard.*pip install 'megatrain\[tensorboard\]'"):
+        Trainer(cfg).run()
+    assert not (tmp_path / "out").exists()
