@@ -24,9 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 from megatrain.launch.config import load_config  # noqa: E402
 from megatrain.launch.driver import Trainer  # noqa: E402
+from megatrain.launch.plots import plot_timeline  # noqa: E402
 
 from bench.peers import PEERS  # noqa: E402
-from bench.timeline import plot_timeline  # noqa: E402
 from megatrain.model import resolve_hf_config  # noqa: E402
 
 QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4,

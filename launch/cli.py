@@ -15,7 +15,7 @@ from megatrain.errors import ConfigError, DataError, MegatrainError
 USAGE_ERROR, RUNTIME_ERROR = 2, 1
 
 USAGE = ("megatrain-launch CONFIG.yaml [dotted.key=value ...] [--address ADDR] | export SRC OUT [--dtype D] | "
-         "status | --cleanup | --config-reference")
+         "status | plot RUN_DIR | --cleanup | --config-reference")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -63,12 +63,25 @@ def _resolved_here(cfg: Any, dump: Callable[[Any], str]) -> str:
     return head + dump(dataclasses.replace(cfg, engine=engine))
 
 
+def _usage_errors(command: Callable[[], int]) -> int:
+    """A subcommand's ConfigError is one line on stderr and exit 2."""
+    try:
+        return command()
+    except ConfigError as exc:
+        print(f"megatrain-launch: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["export"]:
         from megatrain.launch.export_cmd import main as export_main
 
         return export_main(argv[1:])
+    if argv[:1] == ["plot"]:
+        from megatrain.launch.plots import main as plot_main
+
+        return _usage_errors(lambda: plot_main(argv[1:]))
     if argv[:1] == ["status"]:
         from megatrain.launch.status_cmd import main as status_main
 
