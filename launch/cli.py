@@ -15,7 +15,7 @@ from megatrain.errors import ConfigError, DataError, MegatrainError
 USAGE_ERROR, RUNTIME_ERROR = 2, 1
 
 USAGE = ("megatrain-launch CONFIG.yaml [dotted.key=value ...] [--address ADDR] | export SRC OUT [--dtype D] | "
-         "status | plot RUN_DIR | --cleanup | --config-reference")
+         "plan CONFIG [overrides] | status | plot RUN_DIR | --cleanup | --config-reference")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -82,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         from megatrain.launch.plots import main as plot_main
 
         return _usage_errors(lambda: plot_main(argv[1:]))
+    if argv[:1] == ["plan"]:
+        from megatrain.launch.memplan import main as plan_main
+
+        return _usage_errors(lambda: plan_main(argv[1:]))
     if argv[:1] == ["status"]:
         from megatrain.launch.status_cmd import main as status_main
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 
 from megatrain.engine import FIXED_SIZES, EngineConfig
+from megatrain.errors import ResourceError
 from megatrain.model import ModelSpec
 
 GIB = 2**30
@@ -76,11 +77,34 @@ def choose(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, gpu_free: i
     fit = max(budget // per_layer, 0)
     k = 2 if fit >= 2 and layers >= 2 else 1
     last = int(min(max(fit, 1), layers))
+    if k * per_layer / batch > budget and cfg.chunk_sequences == "auto":
+        raise ResourceError(
+            f"the GPU cannot hold one sequence of {seq} tokens through {k} layer(s): {gpu_free / GIB:.1f} GiB free, "
+            f"{max(budget, 0) / GIB:.1f} GiB of it left for activations after the weight buffers, the loss chunk "
+            f"and the hidden states, one sequence needs {k * per_layer / batch / GIB:.2f} GiB; use a shorter "
+            f"data.seq_len or a GPU with more free memory (megatrain-launch plan CONFIG shows the whole plan)")
     chunk = 0 if k * per_layer <= budget else max(1, int(budget // (k * per_layer / batch)))
     sizes = _keep(cfg, Sizes(k, last, chunk, loss))
     why = (f"{gpu_free / GIB:.1f} GiB free on the GPU, {max(budget, 0) / GIB:.1f} GiB left for layer activations; "
            f"one layer's {per_layer / GIB:.2f} GiB for {batch}x{seq} tokens")
     return sizes, why
+
+
+def gpu_terms(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, sizes: Sizes) -> dict[str, int]:
+    """GPU bytes of a step at the given sizes, by the model above, term by term (megatrain-launch plan). Plus
+    what the rule leaves to its margin: the head's unit (the LM head or embedding, the largest) in bf16
+    and its fp32 gradient, summed over the step; that is what the margin covers at small token counts."""
+    hf, dtype_bytes = spec.hf_config, 2 if cfg.compute_dtype == "bf16" else 4
+    chunk_tokens = (sizes.chunk_sequences or batch) * seq
+    kept = max(sizes.last_block_layers or sizes.checkpoint_interval, sizes.checkpoint_interval)
+    largest = spec.layout.max_unit_numel
+    return {f"weight buffers ({cfg.prefetch + 1} layers, compute dtype)": buffer_bytes(spec, cfg.prefetch, dtype_bytes),
+            f"loss chunk logits ({sizes.loss_chunk_tokens} tokens x vocab, 12 B each)":
+                sizes.loss_chunk_tokens * hf.vocab_size * LOSS_BYTES,
+            "hidden states, checkpoint in flight, head input": stream_bytes(spec, batch * seq, dtype_bytes),
+            f"activations of {kept} layers ({chunk_tokens} tokens each)":
+                kept * layer_activation_bytes(spec, chunk_tokens, dtype_bytes),
+            "largest unit's weights and fp32 gradient": largest * (dtype_bytes + 4)}
 
 
 def _loss_chunk(vocab: int, budget: int) -> int:

@@ -1,0 +1,82 @@
+"""`megatrain-launch plan`: the memory plan against measured peaks, its verdict, and the refusals it predicts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from megatrain.launch import memplan
+from megatrain.launch.cli import main
+from megatrain.launch.config import load_config
+
+from megatrain import autosize
+from megatrain.engine import EngineConfig, resolve_engine
+from megatrain.errors import ResourceError
+from megatrain.model import build_spec
+
+GIB = 2**30
+ROOT = Path(__file__).resolve().parents[1]
+QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4,
+          "vocab_size": 152064, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+          "use_sliding_window": False}
+
+# Measured on one H200 (139.3 GiB free after the CUDA context), commit f5d5370, 2026-11-23, the product's
+# defaults (BENCHMARKS.md "Seventh round"): (layers, batch, seq, extra overrides) -> the last block the run
+# chose, the PSS of all its processes after the last step (GiB), and the GPU's peak allocation (GiB).
+MEASURED = [((8, 16, 4096, []), 7, 56.71, 123.7), ((8, 4, 4096, []), 8, 56.16, 51.7),
+            ((8, 158, 1024, []), 2, 59.45, 94.6), ((28, 16, 4096, ["optim.max_grad_norm=0"]), 7, 110.32, 124.2)]
+
+
+def qwen_cfg(layers: int, batch: int, seq: int, extra: list[str], *more: str):
+    hf = json.dumps({**QWEN7B, "num_hidden_layers": layers})
+    return load_config(None, ["model.family=qwen2", f"model.hf={hf}", f"data.seq_len={seq}",
+                              f"data.batch_size={batch}", "ipc.staging=resident", *extra, *more])
+
+
+@pytest.mark.parametrize("shape,last,host_gib,gpu_gib", MEASURED, ids=lambda v: str(v))
+def test_plan_is_within_10_percent_of_the_measured_peaks(shape, last, host_gib, gpu_gib) -> None:
+    plan = memplan.make_plan(qwen_cfg(*shape), int(139.3 * GIB), cuda=True)
+    assert f"last_block_layers {last}," in plan.sizes  # the sizes the measured run chose
+    assert sum(plan.host.values()) / GIB == pytest.approx(host_gib, rel=0.10)
+    assert sum(plan.gpu.values()) / GIB == pytest.approx(gpu_gib, rel=0.10)
+
+
+def test_a_plan_that_does_not_fit_says_so_and_what_needs_less(monkeypatch, capsys, tmp_path) -> None:
+    monkeypatch.setattr(memplan, "mem_available_bytes", lambda: 40 * GIB)
+    monkeypatch.setattr(memplan, "shm_free_bytes", lambda _: 64 * GIB)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"model: {{family: qwen2, hf: {json.dumps({**QWEN7B, 'num_hidden_layers': 8})}}}\n"
+                   "data: {seq_len: 4096, batch_size: 16}\nipc: {staging: resident}\n")
+    assert main(["plan", str(cfg), "--gpu-gib", "139.3"]) == 1
+    out = capsys.readouterr().out
+    assert "host: 56.9" in out and "40.00 GiB RAM available" in out and "DOES NOT FIT" in out
+    assert "optim.max_grad_norm=0: no clipping, no fp32 gradient plane (-11.01 GiB" in out
+    assert "ipc.staging=slabs: no resident copy (-5.50 GiB" in out
+    assert "GPU: 124.8" in out and "verdict: does not fit" in out
+    monkeypatch.setattr(memplan, "mem_available_bytes", lambda: 100 * GIB)
+    assert main(["plan", str(cfg), "--gpu-gib", "139.3"]) == 0
+    assert "verdict: fits" in capsys.readouterr().out
+
+
+def test_a_gpu_too_small_for_one_sequence_is_refused_by_the_auto_sizes(capsys, tmp_path) -> None:
+    cfg = qwen_cfg(8, 16, 4096, [])
+    spec = build_spec(cfg.model)
+    engine = resolve_engine(EngineConfig(), cuda=True)
+    with pytest.raises(ResourceError, match=r"cannot hold one sequence of 4096 tokens.*8.0 GiB free"):
+        autosize.choose(spec, engine, 16, 4096, 8 * GIB)
+    sizes, _ = autosize.choose(spec, engine, 16, 4096, 20 * GIB)  # a chunk of the sequences fits
+    assert sizes.chunk_sequences >= 1
+    plan = memplan.make_plan(cfg, 8 * GIB, cuda=True)
+    assert not plan.gpu_fits() and "cannot hold one sequence" in plan.gpu_error
+
+
+def test_plan_on_the_cpu_device_has_no_gpu_part(capsys) -> None:
+    cfg = str(ROOT / "examples" / "default.yaml")
+    assert main(["plan", cfg, "engine.device=cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "engine on cpu" in out and "GPU:" not in out and "verdict: fits" in out
+    if not torch.cuda.is_available():
+        assert main(["plan", cfg, "engine.device=cuda"]) == 2
+        assert "give --gpu-gib N" in capsys.readouterr().err
