@@ -28,8 +28,8 @@ from megatrain.launch.checkpointing import Checkpointer
 from megatrain.launch.config import Config
 from megatrain.launch.evaluation import Evaluator
 from megatrain.launch.metrics import executor_row
-from megatrain.launch.output import describe_memory, describe_run, prepare_output, short
-from megatrain.launch.placement import Demand, bundle, demands, expect_packers, thread_request
+from megatrain.launch.output import describe_memory, describe_run, prepare_output, resolve_output, short
+from megatrain.launch.placement import Demand, bundle, demands, describe_need, expect_packers, thread_request
 from megatrain.launch.reporting import Reporter
 from megatrain.launch.resume import check_fits, find_checkpoint
 from megatrain.launch.runners import Handle, Pending, make_runner
@@ -56,7 +56,7 @@ class Trainer:
         self.stop = stop  # a graceful-stop request (signal), checked between steps
         self.stopped_after: int | None = None
         self.run_id = check_run_id(cfg.train.run_id or secrets.token_hex(5))
-        self.out = Path(cfg.train.output_dir.replace("{run_id}", self.run_id))
+        self.out = resolve_output(cfg.train.output_dir, self.run_id)  # absolute; printed at start
         self.log_dir: Path | None = None  # where error.log may go: set once the output directory is ours
         self.runner = make_runner(cfg.launch)
         self.actors: dict[str, Handle] = {}
@@ -150,10 +150,11 @@ class Trainer:
         self.engine_cfg = resolve_engine(cfg.engine, cuda)
         self._write_config()
         changed = differences(self._resolved(), Config())
-        log(f"run {self.run_id}; config (what differs from the defaults; all of it, resolved, in "
+        log(f"run {self.run_id}; output directory {self.out}")
+        log(f"config (what differs from the defaults; all of it, resolved, in "
             f"{self.out / 'config.yaml'}):\n  " + "\n  ".join(f"{k}: {short(v)}" for k, v in changed))
         dem = demands(cfg.actors, cuda, clip=cfg.optim.max_grad_norm > 0, writer=self.checkpointer.enabled)
-        self.runner.place(bundle(dem))
+        self.runner.place(bundle(dem), describe_need(dem))
         self._phase("placement")
         # Worker processes start (and import torch, compile Numba, make a CUDA context) while the store
         # owner makes and fills the store; they attach to it once it exists.

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, plan_store
 from megatrain.ipc.shm import HEADER_BYTES, gib, mem_available_bytes, shm_free_bytes
 from megatrain.launch.config import Config, load_config
+from megatrain.launch.placement import demands, describe_need
 
 from megatrain import autosize
 from megatrain.engine import resolve_engine
@@ -40,6 +41,7 @@ class MemPlan:
     gpu_note: str = ""
     sizes: str = ""
     gpu_error: str = ""
+    need: str = ""  # what the actors ask of one node (launch/placement.py)
 
     def host_fits(self) -> bool:
         return sum(self.host.values()) <= self.ram and self.shm_part <= self.shm
@@ -75,6 +77,7 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool) -> MemPlan:
                    f"staging {store.staging_mode}, clipping {'on' if store.clip else 'off'}",
                    host, mem_available_bytes(), shm_free_bytes(cfg.ipc.shm_dir),
                    sum(v for k, v in host.items() if k.startswith("shm:")), gpu_error=gpu_error)
+    plan.need = describe_need(demands(cfg.actors, cuda, store.clip, _saves(cfg)))
     plan.sizes = (f"checkpoint_interval {sizes.checkpoint_interval}, last_block_layers {sizes.last_block_layers}, "
                   f"chunk_sequences {sizes.chunk_sequences}, loss_chunk_tokens {sizes.loss_chunk_tokens}"
                   + (f" ({why})" if why else ""))
@@ -133,6 +136,7 @@ def render(plan: MemPlan, cfg: Config) -> str:
         lines += [f"  {k:<52} {gib(v):>12}" for k, v in plan.gpu.items()]
         lines.append(f"  -> {'fits' if plan.gpu_fits() else 'DOES NOT FIT'}" + (f": {plan.gpu_error}" if plan.gpu_error
                                                                                   else ""))
+    lines += ["", f"Ray: the actors ask for {plan.need}"]
     lines += ["", "verdict: " + ("fits" if plan.fits() else "does not fit")]
     tips = suggestions(plan, cfg)
     if tips:

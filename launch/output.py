@@ -21,6 +21,24 @@ from megatrain.errors import ConfigError
 RUN_FILES = ("metrics.jsonl", "config.yaml", "error.log", "timeline.json")
 
 
+def resolve_output(template: str, run_id: str) -> Path:
+    """train.output_dir as an absolute path. A relative one is relative to the working directory, except
+    under `ray job submit`, whose working directory is Ray's package cache (shared by every job with the
+    same files, and deleted with the cluster): there it is relative to $MEGATRAIN_OUTPUT_ROOT, else
+    ~/megatrain, on the node that runs the driver."""
+    path = Path(template.replace("{run_id}", run_id)).expanduser()
+    if path.is_absolute():
+        return path
+    if in_ray_job():
+        return Path(os.environ.get("MEGATRAIN_OUTPUT_ROOT") or Path.home() / "megatrain").expanduser().resolve() / path
+    return path.resolve()
+
+
+def in_ray_job() -> bool:
+    """This process is a `ray job submit` entrypoint (Ray sets this variable for it and its children)."""
+    return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+
+
 def prepare_output(out: Path, overwrite: bool, resume_step: int | None = None) -> None:
     """Create `out`, or reuse it: to continue its own run from a checkpoint at `resume_step` (metrics.jsonl
     kept up to that step), or when it holds no other run's metrics, or when train.overwrite says to

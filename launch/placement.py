@@ -76,3 +76,13 @@ def expect_packers(staging: str, cuda: bool) -> bool:
     store owner resolves 'auto' on the GPU's node: auto means slabs on the CPU device, resident on CUDA
     unless it does not fit (then the packers start late)."""
     return staging == "slabs" or (staging == "auto" and not cuda)
+
+
+def describe_need(d: dict[str, Demand]) -> str:
+    """What the actors ask of one node, per role, and the settings that lower it (the message of a cluster
+    too small for the run, and `megatrain-launch plan`)."""
+    b = bundle(d)
+    roles = ", ".join(f"{r} {x.cpus:g}" + (f" + {x.gpus:g} GPU" if x.gpus else "") for r, x in d.items())
+    cpus = f"{b['CPU']:g} CPUs" + (f" and {b['GPU']:g} GPU" if b.get("GPU") else "")
+    return (f"{cpus} on one node ({roles}); fewer CPUs: actors.num_packers and actors.num_accumulators (at least 1 "
+            "each, one CPU each), optim.max_grad_norm=0 (no accumulators); the thread counts do not change it")

@@ -64,7 +64,7 @@ class InProcessRunner:
 
         return torch.cuda.is_available()
 
-    def place(self, bundle: dict[str, float]) -> None:
+    def place(self, bundle: dict[str, float], need: str = "") -> None:
         pass
 
     def spawn(self, name: str, cls: type, args: tuple, demand: Demand) -> Handle:
@@ -144,14 +144,15 @@ class RayRunner:
     def has_gpu(self) -> bool:
         return any(n.get("Resources", {}).get("GPU", 0) > 0 for n in self.ray.nodes() if n.get("Alive"))
 
-    def place(self, bundle: dict[str, float]) -> None:
+    def place(self, bundle: dict[str, float], need: str = "") -> None:
+        """`need`: the demand per role, for the message when the cluster cannot hold it."""
         from ray.util.placement_group import placement_group
 
         self.pg = placement_group([bundle], strategy="STRICT_PACK")
         ready, _ = self.ray.wait([self.pg.ready()], timeout=self.cfg.placement_timeout_s)
         if not ready:
             have = {k: v for k, v in self.ray.available_resources().items() if k in ("CPU", "GPU")}
-            raise ResourceError(f"cannot place the store's actors on one node: they need {bundle}, the "
+            raise ResourceError(f"cannot place the store's actors on one node: they need {need or bundle}; the "
                                 f"cluster has {have} available (waited {self.cfg.placement_timeout_s:.0f}s)")
 
     def spawn(self, name: str, cls: type, args: tuple, demand: Demand) -> Handle:
