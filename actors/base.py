@@ -84,6 +84,17 @@ class Role:
 
         self.events = open_ipc_events(handles, torch.device("cuda", torch.cuda.current_device()))
 
+    def profile_start(self, path: str) -> str:
+        """Sample this actor's process with py-spy into `path` (speedscope) until profile_stop; '' or why not."""
+        from megatrain.ipc.sampler import Sampler
+
+        self.sampler = Sampler()
+        return self.sampler.start(path)
+
+    def profile_stop(self) -> str:
+        sampler = getattr(self, "sampler", None)
+        return sampler.stop() if sampler is not None else "no sampler was running"
+
     def info(self) -> dict:
         return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname()}
 

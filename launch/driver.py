@@ -24,6 +24,7 @@ from megatrain.actors.packer import Packer
 from megatrain.actors.store_owner import StoreOwner
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes
 from megatrain.ipc.shm import check_run_id, check_run_id_free
+from megatrain.launch.actor_profile import ActorProfile
 from megatrain.launch.checkpointing import Checkpointer
 from megatrain.launch.config import Config
 from megatrain.launch.evaluation import Evaluator
@@ -272,6 +273,7 @@ class Trainer:
         self.loader = Prefetcher(self.data.batch, self.start, self.steps, cfg.data.prefetch)
         self.reporter = Reporter(self.out, cfg.train, self.engine_cfg.device == "cuda", self._step_flops(),
                                  self.start, self.steps, lambda step, row: self.evaluator.describe(step, row))
+        sampled = ActorProfile(cfg.train, self.out, list(self.actors), self._call_one)
         try:
             for t in range(self.start, self.steps):
                 if self.stop is not None and self.stop.signum is not None:
@@ -281,6 +283,7 @@ class Trainer:
                         prev = None
                     self._stop_gracefully(t)
                     break
+                sampled.before(t)
                 calls, row = self._launch(t, saving=self.checkpointer.writing == t)
                 adam = calls.pop("adam-updater")
                 if prev is not None:
@@ -289,6 +292,7 @@ class Trainer:
                     calls["adam-updater"] = adam
                 res = self._gather(calls, cfg.train.step_timeout_s, f"step {t}", self._writing())
                 self._first_step_done()
+                sampled.after(t)
                 self._maybe_written(res)
                 row = executor_row(row, res["gpu-executor"])
                 row.update(self._maybe_evaluate(t + 1))
@@ -383,7 +387,8 @@ class Trainer:
         row = {"step": t + 1, "epoch": b.epoch, "lr": lr, "t0": time.perf_counter(), "batch_tokens": ids.numel()}
         timeline = t + 1 == cfg.train.timeline_step
         # Absolute: the executor writes it, from its own working directory (on the GPU's node).
-        profile = str((self.out / f"profile-step-{t + 1}.json").resolve()) if t + 1 == cfg.train.profile_step else ""
+        profile = (str((self.out / f"profile-step-{t + 1}.json").resolve()) if t + 1 == cfg.train.profile_step
+                   and cfg.train.profile_actor == "gpu-executor" else "")
         calls = {"gpu-executor": self.runner.call(self.actors["gpu-executor"], "step", t, ids, labels, timeline,
                                                   profile),
                  "adam-updater": self.runner.call(self.actors["adam-updater"], "step", t, lr, saving)}

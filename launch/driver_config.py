@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from megatrain.ipc.shm import check_run_id
@@ -46,6 +47,11 @@ class TrainConfig:
     profile_step: int = opt(0, "Run this step of the GPU executor under torch.profiler: a Chrome trace in "
                                "OUTPUT_DIR/profile-step-N.json, and a count of host-blocking CUDA calls the "
                                "compute thread made inside the layer loop (logged; should be 0); 0 = none.")
+    profile_actor: str = opt("gpu-executor", "The actor train.profile_step profiles: 'gpu-executor' (torch.profiler, "
+                                             "above) or a CPU actor (adam-updater, store-owner, packer-N, "
+                                             "grad-accumulator-N, checkpoint-writer), sampled with py-spy during "
+                                             "that step into OUTPUT_DIR/profiles/ACTOR-step-N.speedscope.json (needs "
+                                             "py-spy and ptrace rights: root, or kernel.yama.ptrace_scope 0).")
     eval_every: int = opt(0, "Evaluate every this many steps (and always after the last one, when there is "
                              "evaluation data: data.eval_path, data.eval_fraction, or the arithmetic's held-out "
                              "problems); 0: only after the last step.")
@@ -72,6 +78,10 @@ class TrainConfig:
             raise ValueError("train.resume must be 'auto', 'none' or a path")
         if self.timeline_step < 0 or self.profile_step < 0:
             raise ValueError("train.timeline_step and train.profile_step must be >= 0 (0 = none)")
+        if not re.fullmatch(r"gpu-executor|adam-updater|store-owner|checkpoint-writer|packer-\d+|grad-accumulator-\d+",
+                            self.profile_actor):
+            raise ValueError(f"train.profile_actor: '{self.profile_actor}' is not an actor (gpu-executor, "
+                             "adam-updater, store-owner, checkpoint-writer, packer-N, grad-accumulator-N)")
         if self.progress not in ("auto", "bar", "lines"):
             raise ValueError(f"train.progress must be 'auto', 'bar' or 'lines', not '{self.progress}'")
         if self.step_timeout_s <= 0 or self.setup_timeout_s <= 0:

@@ -53,3 +53,41 @@ def test_detector_sees_an_item_in_a_cuda_loop(tmp_path: Path, sync: bool) -> Non
     res = prof.result()
     assert res["loop_runtime_calls"] >= 8  # the launches are attributed to the loop's thread
     assert (res["loop_blocking_calls"] >= 8) == sync and (res["loop_blocking_calls"] == 0) == (not sync)
+
+
+# ---- a CPU actor sampled by py-spy over one step (train.profile_actor) --------------------------------
+def _profiled_run(tmp_path: Path, rid: str, actor: str, capsys) -> tuple[Path, str]:
+    import json
+
+    from megatrain.launch.config import load_config
+    from megatrain.launch.driver import Trainer
+
+    from tests.helpers import TINY
+
+    hf = json.dumps({**TINY, "num_hidden_layers": 2})
+    out = tmp_path / "out"
+    cfg = load_config(None, [f"model.hf={hf}", "data.seq_len=32", "data.batch_size=2", "train.steps=4",
+                             "train.profile_step=3", f"train.profile_actor={actor}", f"train.run_id={rid}",
+                             f"train.output_dir={out}", "launch.runner=inprocess"])
+    Trainer(cfg).run()
+    return out, capsys.readouterr().out
+
+
+def test_a_cpu_actor_is_sampled_over_its_step(tmp_path: Path, rid: str, capsys) -> None:
+    import json
+    import shutil
+
+    if shutil.which("py-spy") is None:
+        pytest.skip("py-spy is not installed (pip install 'megatrain[profile]')")
+    out, log = _profiled_run(tmp_path, rid, "adam-updater", capsys)
+    trace = out / "profiles" / "adam-updater-step-3.speedscope.json"
+    assert f"profiled adam-updater during step 3 with py-spy into {trace}" in log
+    data = json.loads(trace.read_text())
+    assert "speedscope" in data["$schema"] and data["shared"]["frames"]
+    assert not (out / "profile-step-3.json").exists()  # the executor was not profiled
+
+
+def test_an_actor_the_run_does_not_have_is_named_and_nothing_is_profiled(tmp_path: Path, rid: str, capsys) -> None:
+    out, log = _profiled_run(tmp_path, rid, "packer-5", capsys)
+    assert "this run has no actor 'packer-5'" in log and "nothing profiled" in log
+    assert not (out / "profiles").exists()

@@ -81,3 +81,10 @@ def test_tensorboard_missing_is_a_usage_error_before_anything_starts(tmp_path, m
     with pytest.raises(ConfigError, match=r"train.tensorboard.*pip install 'megatrain\[tensorboard\]'"):
         Trainer(cfg).run()
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("override,message", [("train.progress=fancy", "train.progress must be 'auto', 'bar' or"),
+                                              ("train.profile_actor=packer", "train.profile_actor: 'packer' is not")])
+def test_bad_progress_and_profile_keys_are_named(override: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])
