@@ -27,6 +27,7 @@ from megatrain.launch.driver import Trainer  # noqa: E402
 from megatrain.launch.plots import plot_timeline  # noqa: E402
 
 from bench.peers import PEERS  # noqa: E402
+from megatrain.flops import step_flops  # noqa: E402
 from megatrain.model import resolve_hf_config  # noqa: E402
 
 QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4,
@@ -57,7 +58,7 @@ def overrides(args: argparse.Namespace, out: Path, extra: list[str]) -> list[str
 
 
 def tflops(n_params: int, tokens: int, layers: int, hidden: int, seq: int, seconds: float) -> float:
-    return (6 * n_params * tokens + 12 * layers * hidden * seq * tokens) / seconds / 1e12
+    return step_flops(n_params, layers, hidden, seq, tokens) / seconds / 1e12
 
 
 def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str]) -> dict:
