@@ -162,13 +162,17 @@ def main(argv: list[str]) -> int:
 
 
 def _gpu(cfg: Config, gib_given: float | None) -> tuple[int | None, bool, str]:
+    if cfg.engine.device == "cpu":
+        if gib_given is not None:
+            raise ConfigError("--gpu-gib plans for a GPU, but engine.device is cpu")
+        return None, False, ""
     if gib_given is not None:
         if gib_given <= 0:
             raise ConfigError("--gpu-gib must be > 0")
         return int(gib_given * GIB), True, " (--gpu-gib)"
     import torch
 
-    if cfg.engine.device == "cpu" or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         if cfg.engine.device == "cuda":
             raise ConfigError("engine.device is cuda but this machine has no GPU: give --gpu-gib N to plan for "
                               "a GPU with N GiB free")
