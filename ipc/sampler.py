@@ -32,7 +32,8 @@ class Sampler:
 
     def start(self, path: str) -> str:
         """Sample this process into `path` until stop(); '' when started, else why not."""
-        exe = shutil.which("py-spy")
+        # Also beside this interpreter: a virtual environment's scripts are there even when it is not on PATH.
+        exe = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
         if exe is None:
             return "py-spy is not installed on this node (pip install py-spy)"
         self.path = Path(path)

@@ -45,8 +45,10 @@ def job_head():
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **NO_AUTH})
     address = f"http://127.0.0.1:{dash}"
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline and jobs(address, "list").returncode != 0:
+        # The job server answers before its agent on the head has registered ("No available agent to
+        # submit job"): ready once a no-op job is taken.
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and jobs(address, "submit", "--no-wait", "--", "true").returncode != 0:
             time.sleep(1)
         yield address
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -77,7 +78,7 @@ def test_a_cpu_actor_is_sampled_over_its_step(tmp_path: Path, rid: str, capsys) 
     import json
     import shutil
 
-    if shutil.which("py-spy") is None:
+    if shutil.which("py-spy") is None and shutil.which("py-spy", path=str(Path(sys.executable).parent)) is None:
         pytest.skip("py-spy is not installed (pip install 'megatrain[profile]')")
     out, log = _profiled_run(tmp_path, rid, "adam-updater", capsys)
     trace = out / "profiles" / "adam-updater-step-3.speedscope.json"
