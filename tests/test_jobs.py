@@ -38,8 +38,13 @@ def job_head():
     from megatrain.ipc.procs import descendants
 
     temp = tempfile.mkdtemp(prefix="mtjob", dir="/tmp")
-    gcs, dash = free_port(), free_port()
-    proc = subprocess.Popen([*RAY, "start", "--head", "--block", f"--port={gcs}", f"--dashboard-port={dash}",
+    dash = free_port()
+    # Every port of its own: another Ray instance of the session (tests/conftest.py) holds the defaults,
+    # and a job agent that cannot bind its port leaves the job server with "No available agent".
+    ports = [f"--{name}={free_port()}" for name in ("port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                     "metrics-export-port", "runtime-env-agent-port",
+                                                     "ray-client-server-port")]
+    proc = subprocess.Popen([*RAY, "start", "--head", "--block", *ports, f"--dashboard-port={dash}",
                              "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--num-cpus=8",
                              "--disable-usage-stats", f"--temp-dir={temp}"], start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **NO_AUTH})
