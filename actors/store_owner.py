@@ -84,8 +84,8 @@ class StoreOwner(Role):
         import numba
 
         cores = node_cores()
-        plan = cpu_plan(cores, cuda, spec.num_packers if not spec.resident else 0, spec.num_accumulators if spec.clip
-                        else 0, request, numba.config.NUMBA_NUM_THREADS)
+        plan = cpu_plan(cores, cuda, spec.running_packers, spec.running_accumulators, request,
+                        numba.config.NUMBA_NUM_THREADS)
         spec = dataclasses.replace(spec, threads=plan, cores=cores)
         self.apply_threads(spec)  # the fill (init, import, resume) runs on this process's threads
         return spec

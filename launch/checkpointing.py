@@ -15,7 +15,7 @@ from megatrain import log
 class Checkpointer:
     def __init__(self, cfg: TrainConfig, root: Path, steps: int):
         self.cfg, self.root, self.steps = cfg, root, steps
-        self.enabled = cfg.save_every > 0 or cfg.save_every_minutes > 0
+        self.enabled = cfg.saves_checkpoints
         self.since = time.monotonic()
         self.written: int | None = None  # the step of the newest complete checkpoint of this run
         self.writing: int | None = None  # the step of the one being written

@@ -45,7 +45,7 @@ from megatrain.data import Data, open_data
 from megatrain.data.loader import Prefetcher
 from megatrain.engine import resolve_engine
 from megatrain.errors import AbortError, ActorFailure, MegatrainError
-from megatrain.flops import step_flops
+from megatrain.flops import model_step_flops
 from megatrain.model import build_spec, resolve_hf_config
 
 SHUTDOWN_S = 15.0
@@ -194,7 +194,7 @@ class Trainer:
                                    cfg.optim.max_grad_norm > 0, self.engine_cfg, cfg.actors.num_packers,
                                    cfg.actors.num_accumulators, cfg.ipc, (cfg.data.batch_size, cfg.data.seq_len),
                                    str(self.resume_dir) if self.resume_dir else None, thread_request(cfg.actors),
-                                   {"output_dir": str(self.out.resolve()), "steps": self.steps, "first": self.start})
+                                   {"output_dir": str(self.out), "steps": self.steps, "first": self.start})
         log(f"weight staging: {self.spec.staging_mode}; gradients: "
             + ("fp32 plane, global-norm clipping" if self.spec.clip else "straight to Adam (no clipping)"))
         fill = self.store_fill = self._call_one("store-owner", "fill_report")
@@ -271,7 +271,8 @@ class Trainer:
         cfg = self.cfg
         prev: tuple[dict, Pending] | None = None
         self.loader = Prefetcher(self.data.batch, self.start, self.steps, cfg.data.prefetch)
-        self.reporter = Reporter(self.out, cfg.train, self.engine_cfg.device == "cuda", self._step_flops(),
+        flops = model_step_flops(self.spec.model, cfg.data.batch_size, cfg.data.seq_len)
+        self.reporter = Reporter(self.out, cfg.train, self.engine_cfg.device == "cuda", flops,
                                  self.start, self.steps, lambda step, row: self.evaluator.describe(step, row))
         sampled = ActorProfile(cfg.train, self.out, list(self.actors), self._call_one)
         try:
@@ -313,11 +314,6 @@ class Trainer:
             self.reporter.close()
             self.reporter = None
             self.loader.close()
-
-    def _step_flops(self) -> float:
-        hf, data = self.spec.model.hf_config, self.cfg.data
-        return step_flops(self.spec.layout.num_params, self.spec.layout.num_layers, hf.hidden_size, data.seq_len,
-                          data.batch_size * data.seq_len)
 
     def _stop_gracefully(self, step: int) -> None:
         """A signal asked to stop: `step` steps are done and applied; checkpoint them unless that is off,

@@ -60,6 +60,11 @@ class TrainConfig:
     step_timeout_s: float = opt(1800.0, "A step that takes longer than this fails the run.")
     setup_timeout_s: float = opt(600.0, "Starting and attaching all actors must finish within this.")
 
+    @property
+    def saves_checkpoints(self) -> bool:
+        """Periodic checkpoints are on (the checkpoint writer runs from the start)."""
+        return self.save_every > 0 or self.save_every_minutes > 0
+
     def __post_init__(self) -> None:
         if self.run_id:
             try:

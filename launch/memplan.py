@@ -62,8 +62,7 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool) -> MemPlan:
         sizes, why = autosize.choose(spec, engine, d.batch_size, d.seq_len, gpu_free if cuda else None)
     except ResourceError as exc:
         gpu_error, why = str(exc), ""
-        sizes = autosize.Sizes(**{**dict.fromkeys(("checkpoint_interval", "last_block_layers", "chunk_sequences"), 1),
-                                  "loss_chunk_tokens": 512})
+        sizes = autosize.Sizes(1, 1, 1, 512)  # the least the engine can do, to show the rest of the plan
     engine = autosize.apply(engine, sizes)
     pinned = checkpoint_host_bytes(spec, engine, d.batch_size, d.seq_len)
     store = plan_store("plan", spec, engine.compute_dtype, engine.checkpoint_interval, cfg.actors.num_packers,
@@ -77,7 +76,7 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool) -> MemPlan:
                    f"staging {store.staging_mode}, clipping {'on' if store.clip else 'off'}",
                    host, mem_available_bytes(), shm_free_bytes(cfg.ipc.shm_dir),
                    sum(v for k, v in host.items() if k.startswith("shm:")), gpu_error=gpu_error)
-    plan.need = describe_need(demands(cfg.actors, cuda, store.clip, _saves(cfg)))
+    plan.need = describe_need(demands(cfg.actors, cuda, store.clip, cfg.train.saves_checkpoints))
     plan.sizes = (f"checkpoint_interval {sizes.checkpoint_interval}, last_block_layers {sizes.last_block_layers}, "
                   f"chunk_sequences {sizes.chunk_sequences}, loss_chunk_tokens {sizes.loss_chunk_tokens}"
                   + (f" ({why})" if why else ""))
@@ -92,17 +91,11 @@ def _processes(store: StoreSpec, cfg: Config, cuda: bool) -> dict[str, int]:
     only when checkpoints are written."""
     out = {"process: gpu-executor": PROCESS_BYTES["gpu-executor"] if cuda else PROCESS_BYTES["cpu-role"],
            "process: store-owner": PROCESS_BYTES["cpu-role"], "process: reaper": PROCESS_BYTES["reaper"]}
-    for role in store.roles()[1:]:
-        if ((role.startswith("packer") and store.resident) or (role.startswith("grad-acc") and not store.clip)
-                or (role == "checkpoint-writer" and not _saves(cfg))):
-            continue
-        out[f"process: {role}"] = PROCESS_BYTES["cpu-role"]
+    roles = (["adam-updater"] + [f"packer-{i}" for i in range(store.running_packers)]
+             + [f"grad-accumulator-{i}" for i in range(store.running_accumulators)]
+             + (["checkpoint-writer"] if cfg.train.saves_checkpoints else []))
+    out.update({f"process: {role}": PROCESS_BYTES["cpu-role"] for role in roles})
     return out
-
-
-def _saves(cfg: Config) -> bool:
-    t = cfg.train
-    return bool(t.save_every or t.save_every_minutes)
 
 
 def suggestions(plan: MemPlan, cfg: Config) -> list[str]:

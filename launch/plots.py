@@ -101,7 +101,7 @@ def run_flops(run_dir: Path) -> float | None:
     """Useful work per step of the run, from its config.yaml; None when that cannot be read."""
     from megatrain.launch.config import load_config
 
-    from megatrain.flops import step_flops
+    from megatrain.flops import model_step_flops
     from megatrain.model import build_spec
 
     try:
@@ -109,9 +109,7 @@ def run_flops(run_dir: Path) -> float | None:
         spec = build_spec(cfg.model, cfg.optim.no_decay_1d)
     except (ConfigError, OSError, ValueError):
         return None
-    d = cfg.data
-    return step_flops(spec.layout.num_params, spec.layout.num_layers, spec.hf_config.hidden_size, d.seq_len,
-                      d.batch_size * d.seq_len)
+    return model_step_flops(spec, cfg.data.batch_size, cfg.data.seq_len)
 
 
 def main(argv: list[str]) -> int:

@@ -16,8 +16,8 @@ from megatrain import log
 
 
 class Progress:
-    def __init__(self, mode: str, first: int, total: int, flops_per_step: float, log_every: int):
-        self.first, self.total, self.flops, self.log_every = first, total, flops_per_step, log_every
+    def __init__(self, mode: str, first: int, total: int, log_every: int):
+        self.first, self.total, self.log_every = first, total, log_every
         self.recent: deque[float] = deque(maxlen=20)  # step times for the ETA
         self.bar = None
         if mode == "bar" or (mode == "auto" and sys.stdout.isatty()):
@@ -28,11 +28,10 @@ class Progress:
                             ncols=None if known else 100, nrows=None if known else 24)
             megatrain.set_log_writer(self.bar.write)
 
-    def step(self, row: dict) -> None:
+    def step(self, row: dict, tflops: float) -> None:
         """A step's metrics row is final (its Adam update applied)."""
         self.recent.append(row["step_time_s"])
         done = row["step"]
-        tflops = self.flops / row["step_time_s"] / 1e12
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss {row['loss']:.4f} {row['tokens_per_s']:.0f} tok/s {tflops:.1f} TFLOPS",
                                      refresh=False)
@@ -40,7 +39,7 @@ class Progress:
         elif (done - 1) % self.log_every == 0 or done == self.total:
             log(f"step {done}/{self.total} loss {row['loss']:.4f} lr {row['lr']:.2e} grad_norm {row['grad_norm']:.3f} "
                 f"{row['tokens_per_s']:.0f} tok/s {tflops:.1f} TFLOPS {row['step_time_s']:.3f} s/step "
-                f"ETA {eta(self.eta_s(done))}")
+                f"ETA {clock(self.eta_s(done))}")
 
     def eta_s(self, done: int) -> float:
         return (sum(self.recent) / len(self.recent)) * (self.total - done) if self.recent else float("nan")
@@ -59,9 +58,10 @@ def _width() -> int:
         return 0
 
 
-def eta(seconds: float) -> str:
-    if seconds != seconds:  # nan: no step timed yet
+def clock(seconds: float) -> str:
+    """h:mm:ss (m:ss under an hour); '?' for nan (nothing timed yet)."""
+    if seconds != seconds:
         return "?"
-    m, s = divmod(int(round(seconds)), 60)
+    m, s = divmod(int(round(max(seconds, 0))), 60)
     h, m = divmod(m, 60)
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"

@@ -23,7 +23,7 @@ class Reporter:
         self.out, self.cuda, self.flops, self.describe_eval = out, cuda, flops_per_step, describe_eval
         # prepare_output emptied or trimmed it; closed by close(), which the driver calls on every path
         self.file = open(out / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
-        self.progress = Progress(cfg.progress, first, total, flops_per_step, cfg.log_every)
+        self.progress = Progress(cfg.progress, first, total, cfg.log_every)
         self.tb = TensorBoard(out) if cfg.tensorboard else None
 
     def record(self, row: dict, adam: dict) -> dict:
@@ -36,9 +36,10 @@ class Reporter:
         row = {**row, "grad_norm": adam["grad_norm"], "clip_scale": adam["clip_scale"], "skipped": adam["skipped"],
                "adam_s": adam["adam_s"]}
         self.file.write(json.dumps(row) + "\n")
-        self.progress.step(row)
+        tflops = self.flops / row["step_time_s"] / 1e12
+        self.progress.step(row, tflops)
         if self.tb is not None:
-            self.tb.step(row, self.flops)
+            self.tb.step(row, tflops)
         if any(k.startswith("eval_") for k in row):  # printed after its step's line, whatever the overlap
             log(self.describe_eval(row["step"], row))
         return row

@@ -12,6 +12,7 @@ import time
 
 from megatrain.ipc.protocol.status import Actor, RunStatus, live_runs
 from megatrain.ipc.shm import gib
+from megatrain.launch.progress import clock
 
 
 def main(argv: list[str]) -> int:
@@ -33,7 +34,7 @@ def main(argv: list[str]) -> int:
 def describe(run: RunStatus) -> str:
     a = run.about
     steps = f"step {run.updates}" + (f" of {a['steps']}" if "steps" in a else "")
-    lines = [f"run {run.run_id}: {steps} applied, up {_age(time.time() - a.get('created', time.time()))}, "
+    lines = [f"run {run.run_id}: {steps} applied, up {clock(time.time() - a.get('created', time.time()))}, "
              f"owner pid {run.owner_pid}" + (f"; ABORTED: {run.aborted}" if run.aborted else ""),
              f"  model {a.get('family', '?')}, {a.get('layers', '?')} layers, {a.get('params', 0) / 1e6:.2f}M params; "
              f"staging {a.get('staging', '?')}; clipping {'on' if a.get('clip') else 'off'}",
@@ -54,8 +55,3 @@ def _state(x: Actor) -> str:
         return f"working (in a call; last progress {x.for_s:.2f} s ago){beat}"
     return f"idle (between calls){beat}"
 
-
-def _age(seconds: float) -> str:
-    m, s = divmod(int(max(seconds, 0)), 60)
-    h, m = divmod(m, 60)
-    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"

@@ -30,9 +30,9 @@ class TensorBoard:
         self.dir = out / "tb"
         self.writer = writer_cls(str(self.dir))
 
-    def step(self, row: dict, flops_per_step: float) -> None:
-        """One step's scalars: a row of metrics.jsonl, plus TFLOPS."""
-        values = {**row, "tflops": flops_per_step / row["step_time_s"] / 1e12}
+    def step(self, row: dict, tflops: float) -> None:
+        """One step's scalars: a row of metrics.jsonl, plus its TFLOPS."""
+        values = {**row, "tflops": tflops}
         for key, tag in TAGS.items():
             if isinstance(values.get(key), (int, float)):
                 self.writer.add_scalar(tag, values[key], row["step"])

@@ -8,7 +8,7 @@ import sys
 import pytest
 from megatrain.launch.config import load_config
 from megatrain.launch.driver import Trainer
-from megatrain.launch.progress import Progress, eta
+from megatrain.launch.progress import Progress, clock
 
 import megatrain
 from megatrain.errors import ConfigError
@@ -21,30 +21,30 @@ def row(step: int, seconds: float = 0.5) -> dict:
 
 
 def test_lines_every_log_every_steps_with_tflops_and_eta(capsys) -> None:
-    p = Progress("lines", 0, 10, flops_per_step=2e12, log_every=4)
+    p = Progress("lines", 0, 10, log_every=4)
     for s in range(1, 11):
-        p.step(row(s))
+        p.step(row(s), tflops=4.0)
     p.close()
     lines = [line for line in capsys.readouterr().out.splitlines() if "step " in line]
     assert [line.split()[2] for line in lines] == ["1/10", "5/10", "9/10", "10/10"]
     assert "4.0 TFLOPS" in lines[0] and "0.500 s/step" in lines[0]
     assert lines[1].endswith("ETA 0:02") and lines[-1].endswith("ETA 0:00")  # 5 steps left at 0.5 s
-    assert eta(3725.0) == "1:02:05" and eta(float("nan")) == "?"
+    assert clock(3725.0) == "1:02:05" and clock(float("nan")) == "?"
 
 
 def test_auto_is_lines_when_stdout_is_no_terminal(capsys) -> None:
-    p = Progress("auto", 0, 2, 1e12, 1)  # pytest captures stdout: not a terminal
+    p = Progress("auto", 0, 2, 1)  # pytest captures stdout: not a terminal
     assert p.bar is None
     p.close()
 
 
 def test_bar_shows_step_loss_and_tflops_and_carries_the_log(capsys) -> None:
-    p = Progress("bar", 2, 5, flops_per_step=3e12, log_every=1)  # a resumed run: starts at step 2
+    p = Progress("bar", 2, 5, log_every=1)  # a resumed run: starts at step 2
     try:
-        p.step(row(3))
+        p.step(row(3), tflops=6.0)
         megatrain.log("evaluated")  # goes through the bar, not across it
-        p.step(row(4))
-        p.step(row(5))
+        p.step(row(4), tflops=6.0)
+        p.step(row(5), tflops=6.0)
     finally:
         p.close()
     out = capsys.readouterr().out

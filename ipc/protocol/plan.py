@@ -101,6 +101,16 @@ class StoreSpec:
         return self.staging_mode == "resident"
 
     @property
+    def running_packers(self) -> int:
+        """Packers that run: none in resident mode (Adam writes the copy the DMA reads)."""
+        return 0 if self.resident else self.num_packers
+
+    @property
+    def running_accumulators(self) -> int:
+        """Accumulators that run: none without clipping (Adam drains the gradient slabs itself)."""
+        return self.num_accumulators if self.clip else 0
+
+    @property
     def num_weight_slabs(self) -> int:
         return 0 if self.resident else self.ipc.weight_slabs
 
