@@ -152,8 +152,11 @@ class GpuExecutor(Role):
         t0 = time.perf_counter()
         self.source.begin(step)
         self.sink.begin()
-        with prof.loop() if prof else contextlib.nullcontext():
-            res = self.engine.step(ids, labels, self.source, self.sink, marks)
+        try:
+            with prof.loop() if prof else contextlib.nullcontext():
+                res = self.engine.step(ids, labels, self.source, self.sink, marks)
+        finally:
+            marks.close()
         loss, tokens = float(res.loss), int(res.tokens)  # the one host sync of the step
         self.sink.end()
         self.source.end()

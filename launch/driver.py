@@ -207,7 +207,7 @@ class Trainer:
         cfg = self.cfg
         free = self._call_one("gpu-executor", "gpu_free_bytes") if self.engine_cfg.device == "cuda" else None
         sizes, why = autosize.choose(build_spec(cfg.model, cfg.optim.no_decay_1d), self.engine_cfg,
-                                     cfg.data.batch_size, cfg.data.seq_len, free)
+                                     cfg.data.batch_size, cfg.data.seq_len, free, cfg.optim.max_grad_norm > 0)
         self.engine_cfg = autosize.apply(self.engine_cfg, sizes)
         log(f"engine sizes: checkpoint_interval {sizes.checkpoint_interval}, last_block_layers "
             f"{sizes.last_block_layers}, chunk_sequences {sizes.chunk_sequences}, loss_chunk_tokens "

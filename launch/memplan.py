@@ -59,7 +59,8 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool) -> MemPlan:
     d = cfg.data
     gpu_error = ""
     try:
-        sizes, why = autosize.choose(spec, engine, d.batch_size, d.seq_len, gpu_free if cuda else None)
+        sizes, why = autosize.choose(spec, engine, d.batch_size, d.seq_len, gpu_free if cuda else None,
+                                     cfg.optim.max_grad_norm > 0)
     except ResourceError as exc:
         gpu_error, why = str(exc), ""
         sizes = autosize.Sizes(1, 1, 1, 512)  # the least the engine can do, to show the rest of the plan

@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -32,10 +33,18 @@ class LaunchConfig:
     num_cpus: int = opt(0, "Logical CPUs of a locally started Ray instance; 0 = enough for the actors.")
     object_store_mb: int = opt(128, "Object store of a locally started Ray (tensors never go through it).")
     placement_timeout_s: float = opt(60.0, "How long to wait for the placement group before failing.")
+    nsight: str | dict = opt("", "Run the gpu-executor under Nsight Systems through Ray's nsight runtime env "
+                                 "(runner 'ray', nsys on the GPU node): 'default' (-t cuda,cudnn,cublas,nvtx), or "
+                                 "a mapping of nsys options, e.g. {t: 'cuda,nvtx', o: executor}. The report lands "
+                                 "in Ray's session logs (logs/nsight/). '' = off.")
 
     def __post_init__(self) -> None:
         if self.runner not in ("ray", "inprocess"):
             raise ValueError(f"launch.runner must be 'ray' or 'inprocess', not '{self.runner}'")
+        if self.nsight not in ("", "default") and not isinstance(self.nsight, dict):
+            raise ValueError(f"launch.nsight must be '', 'default' or a mapping of nsys options, not '{self.nsight}'")
+        if self.nsight and self.runner != "ray":
+            raise ValueError("launch.nsight needs launch.runner 'ray' (nsys runs the executor's own process)")
 
 
 @dataclass
@@ -158,10 +167,15 @@ class RayRunner:
     def spawn(self, name: str, cls: type, args: tuple, demand: Demand) -> Handle:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        env: dict[str, Any] = {"env_vars": {"PYTHONUNBUFFERED": "1"}}
+        if name == "gpu-executor" and self.cfg.nsight:
+            if self.started_ray and shutil.which("nsys") is None:
+                raise ConfigError("launch.nsight: nsys (Nsight Systems) is not on PATH on this node")
+            env["nsight"] = self.cfg.nsight
         remote = self.ray.remote(cls).options(
             name=None, num_cpus=demand.cpus, num_gpus=demand.gpus, max_concurrency=3, max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
-            runtime_env={"env_vars": {"PYTHONUNBUFFERED": "1"}})
+            runtime_env=env)
         return Handle(name, remote.remote(*args))
 
     def call(self, h: Handle, method: str, *args: Any) -> Pending:

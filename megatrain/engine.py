@@ -51,7 +51,9 @@ class EngineConfig:
                                              "in fp32 before it leaves, so activation memory follows the chunk and "
                                              "PCIe traffic stays one gradient per layer per step; 0 = the whole batch "
                                              "in one chunk. auto: the whole batch when K layers' activations fit, "
-                                             "else the largest chunk that does.")
+                                             "else the largest chunk that does; with clipping, the fewest chunks "
+                                             "that put every layer in the last block where that saves a quarter "
+                                             "or more of the recompute (megatrain/autosize.py).")
     offload_checkpoints: bool = opt(True, "CUDA: keep the activation checkpoints in pinned host memory (out "
                                           "in the forward, back one block ahead in the backward) so GPU memory "
                                           "does not grow with depth; costs blocks·tokens·hidden·2 bytes of host "

@@ -22,11 +22,19 @@ QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads"
           "vocab_size": 152064, "max_position_embeddings": 32768, "tie_word_embeddings": False,
           "use_sliding_window": False}
 
-# Measured on one H200 (139.3 GiB free after the CUDA context), commit f5d5370, 2026-11-23, the product's
-# defaults (BENCHMARKS.md "Seventh round"): (layers, batch, seq, extra overrides) -> the last block the run
-# chose, the PSS of all its processes after the last step (GiB), and the GPU's peak allocation (GiB).
+# Measured on one H200 (139.3 GiB free after the CUDA context), 2026-11-23 (BENCHMARKS.md "Seventh round"):
+# (layers, batch, seq, extra overrides) -> the last block the run chose, the PSS of all its processes after
+# the last step (GiB), and the GPU's peak allocation (GiB). The product's defaults on f5d5370, then, on
+# c1f7158, the sizes the auto rule picks since (every layer in chunks: 8 layers at 158x1024), two chunked
+# 28-layer variants, and 34 layers (7.6B does not leave room for the resident copy: slabs).
+NO_CLIP = "optim.max_grad_norm=0"
 MEASURED = [((8, 16, 4096, []), 7, 56.71, 123.7), ((8, 4, 4096, []), 8, 56.16, 51.7),
-            ((8, 158, 1024, []), 2, 59.45, 94.6), ((28, 16, 4096, ["optim.max_grad_norm=0"]), 7, 110.32, 124.2)]
+            ((8, 158, 1024, ["engine.last_block_layers=2"]), 2, 59.45, 94.6),
+            ((28, 16, 4096, [NO_CLIP]), 7, 110.32, 124.2),
+            ((8, 158, 1024, []), 8, 56.34, 103.4),
+            ((28, 16, 4096, [NO_CLIP, "engine.chunk_sequences=2", "engine.last_block_layers=28"]), 28, 105.46, 106.7),
+            ((28, 16, 4096, [NO_CLIP, "engine.chunk_sequences=4", "engine.last_block_layers=21"]), 21, 107.22, 123.7),
+            ((34, 16, 4096, [NO_CLIP, "ipc.staging=slabs"]), 7, 115.27, 124.2)]
 
 
 def qwen_cfg(layers: int, batch: int, seq: int, extra: list[str], *more: str):
@@ -65,8 +73,8 @@ def test_a_gpu_too_small_for_one_sequence_is_refused_by_the_auto_sizes(capsys, t
     spec = build_spec(cfg.model)
     engine = resolve_engine(EngineConfig(), cuda=True)
     with pytest.raises(ResourceError, match=r"cannot hold one sequence of 4096 tokens.*8.0 GiB free"):
-        autosize.choose(spec, engine, 16, 4096, 8 * GIB)
-    sizes, _ = autosize.choose(spec, engine, 16, 4096, 20 * GIB)  # a chunk of the sequences fits
+        autosize.choose(spec, engine, 16, 4096, 8 * GIB, clip=True)
+    sizes, _ = autosize.choose(spec, engine, 16, 4096, 20 * GIB, clip=True)  # a chunk of the sequences fits
     assert sizes.chunk_sequences >= 1
     plan = memplan.make_plan(cfg, 8 * GIB, cuda=True)
     assert not plan.gpu_fits() and "cannot hold one sequence" in plan.gpu_error

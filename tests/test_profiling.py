@@ -92,3 +92,68 @@ def test_an_actor_the_run_does_not_have_is_named_and_nothing_is_profiled(tmp_pat
     out, log = _profiled_run(tmp_path, rid, "packer-5", capsys)
     assert "this run has no actor 'packer-5'" in log and "nothing profiled" in log
     assert not (out / "profiles").exists()
+
+
+def test_nvtx_ranges_follow_the_engines_phase_marks(monkeypatch) -> None:
+    """A real step's marks give one balanced NVTX range per phase, in mark order ('end' closes the last); a
+    step that raises leaves no range open once closed."""
+    from megatrain.ipc.protocol import blocks
+
+    from megatrain.data import DataConfig, batch
+    from megatrain.engine import EngineConfig, StepEngine
+    from megatrain.profiling import NvtxPhases
+    from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
+
+    calls: list[str] = []
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: calls.append(f"+{name}"))
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: calls.append("-"))
+    model = tiny_hf("llama", False, layers=4)
+    spec = spec_for(model, "llama")
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    names: list[str] = []
+    phases = NvtxPhases()
+
+    def mark(name: str) -> None:
+        names.append(name)
+        phases(name)
+
+    engine = StepEngine(spec, EngineConfig(checkpoint_interval=2, last_block_layers=1, chunk_sequences=1),
+                        torch.device("cpu"), torch.float32)
+    engine.step(*batch(DataConfig(seq_len=16, batch_size=2), 0), DictSource(spec, state, blocks=blocks(4, 2, 1)),
+                DictSink(), mark)
+    assert names[0] == "forward" and names[-1] == "end" and "recompute:1" in names and "bwd:1" in names
+    want = [c for n in names[:-1] for c in ("-", f"+{n}")][1:] + ["-"]
+    assert calls == want and not phases.open
+    calls.clear()
+    phases("fwd:1")
+    phases.close()  # as the executor does when a step raises
+    assert calls == ["+fwd:1", "-"] and not phases.open
+
+
+@pytest.mark.parametrize("value, msg", [("default", "needs launch.runner 'ray'"), ("always", "mapping of nsys")])
+def test_launch_nsight_is_checked_where_it_is_set(value: str, msg: str) -> None:
+    from megatrain.launch.config import load_config
+
+    runner = ["launch.runner=inprocess"] if "runner" in msg else []
+    with pytest.raises(Exception, match=msg) as info:
+        load_config(None, [f"launch.nsight={value}", *runner])
+    assert "launch.nsight" in str(info.value)
+    cfg = load_config(None, ['launch.nsight={"t": "cuda,nvtx", "o": "executor"}'])
+    assert cfg.launch.nsight == {"t": "cuda,nvtx", "o": "executor"}
+
+
+def test_launch_nsight_without_nsys_is_refused_before_the_executor_starts(monkeypatch) -> None:
+    """Only the gpu-executor runs under nsys; a local node without it gets a config error naming the key."""
+    import shutil
+
+    from megatrain.launch.config import load_config
+    from megatrain.launch.placement import Demand
+    from megatrain.launch.runners import RayRunner
+
+    from megatrain.errors import ConfigError
+
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    runner = RayRunner(load_config(None, ["launch.nsight=default"]).launch)
+    runner.started_ray = True
+    with pytest.raises(ConfigError, match="launch.nsight: nsys"):
+        runner.spawn("gpu-executor", object, (), Demand(1, 1))

@@ -23,6 +23,7 @@ from megatrain.ipc.protocol.plan import Item
 from megatrain.ipc.protocol.store import Store
 
 from megatrain.errors import AbortError, ProtocolError, WaitTimeout
+from megatrain.profiling import NvtxPhases
 
 _STOP = object()
 
@@ -203,21 +204,25 @@ class StreamedSource(SyncSource):
                 self.worker.acquire(self.credits, f"the engine to take a unit before loading unit {unit}")
                 with torch.cuda.stream(self.h2d):
                     out = self._buffer(unit)
-                for item in items:
-                    host, release = self.acquire(item)
-                    start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    with torch.cuda.stream(self.h2d):
-                        start.record(self.h2d)
-                        out[item.lo:item.hi].copy_(host, non_blocking=True)
-                        done.record(self.h2d)
-                    self.timeline.append((unit, start, done))
-                    if item is items[-1]:
-                        self.ready.put((unit, out, done))  # copies on one stream: the last done covers all
-                    if release is not None:
-                        done.synchronize()  # a slab may be refilled once this copy has read it
-                        release()
+                with torch.cuda.nvtx.range(f"h2d:{unit}"):
+                    self._load_unit(unit, items, out)
         finally:
             self.ready.put(_STOP)
+
+    def _load_unit(self, unit: int, items: list, out: torch.Tensor) -> None:
+        for item in items:
+            host, release = self.acquire(item)
+            start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self.h2d):
+                start.record(self.h2d)
+                out[item.lo:item.hi].copy_(host, non_blocking=True)
+                done.record(self.h2d)
+            self.timeline.append((unit, start, done))
+            if item is items[-1]:
+                self.ready.put((unit, out, done))  # copies on one stream: the last done covers all
+            if release is not None:
+                done.synchronize()  # a slab may be refilled once this copy has read it
+                release()
 
     def fetch(self, unit: int) -> torch.Tensor:
         self.walk.next(unit)  # the loader thread walks the same items
@@ -269,20 +274,23 @@ class StreamedSink(SyncSink):
         for k, items in enumerate(self.store.spec.emit_items):
             unit, grad, done = self.worker.take(self.todo, f"the gradient of item {k}")
             self.d2h.wait_event(done)
-            for item in items:
-                self.store.wait(f"g_free{item.slab}", f"a free gradient slab for unit {unit}")
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                with torch.cuda.stream(self.d2h):
-                    start.record(self.d2h)
-                    self.store.grad_slab(item.slab)[: item.hi - item.lo].copy_(grad[item.lo:item.hi],
-                                                                               non_blocking=True)
-                    end.record(self.d2h)
-                    self.ipc_events[item.slab].record(self.d2h)
-                self.timeline.append((unit, start, end))
-                self.store.post(f"g_full{item.slab}")
+            with torch.cuda.nvtx.range(f"d2h:{unit}"):
+                self._copy_out(unit, items, grad)
             grad.record_stream(self.d2h)
             del grad
             self.credits.release()
+
+    def _copy_out(self, unit: int, items: list, grad: torch.Tensor) -> None:
+        for item in items:
+            self.store.wait(f"g_free{item.slab}", f"a free gradient slab for unit {unit}")
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(self.d2h):
+                start.record(self.d2h)
+                self.store.grad_slab(item.slab)[: item.hi - item.lo].copy_(grad[item.lo:item.hi], non_blocking=True)
+                end.record(self.d2h)
+                self.ipc_events[item.slab].record(self.d2h)
+            self.timeline.append((unit, start, end))
+            self.store.post(f"g_full{item.slab}")
 
 
 class Marks:
@@ -291,14 +299,20 @@ class Marks:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.marks: list[tuple[str, Any]] = []
+        self.nvtx = NvtxPhases() if self.cuda else None
 
     def __call__(self, name: str) -> None:
-        if self.cuda:
+        if self.nvtx is not None:
+            self.nvtx(name)
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             self.marks.append((name, ev))
         else:
             self.marks.append((name, time.perf_counter()))
+
+    def close(self) -> None:
+        if self.nvtx is not None:
+            self.nvtx.close()
 
     def seconds(self) -> list[tuple[str, float]]:
         """(name, seconds since the first mark); call after the step has synchronized."""
