@@ -48,13 +48,14 @@ KNOBS = {"k": "engine.checkpoint_interval", "last": "engine.last_block_layers", 
 
 def overrides(args: argparse.Namespace, out: Path, extra: list[str]) -> list[str]:
     """The workload (model shape, batch, steps, a constant LR so every step does the same work) and the
-    flags given; nothing else."""
+    flags given; nothing else. A bench run replaces an earlier one in the same --out (not a training run
+    to keep or resume: resume none)."""
     hf = {**QWEN7B, "num_hidden_layers": args.layers}
     knobs = [f"{key}={getattr(args, flag)}" for flag, key in KNOBS.items() if getattr(args, flag) is not None]
     return ["model.family=qwen2", f"model.hf={json.dumps(hf)}", f"data.seq_len={args.seq}",
             f"data.batch_size={args.batch}", f"train.steps={args.steps}", f"train.timeline_step={args.steps}",
-            f"train.output_dir={out}", "train.log_every=1", "engine.device=cuda", "optim.lr=1e-5",
-            "optim.warmup_steps=0", "optim.schedule=constant", *knobs, *extra]
+            f"train.output_dir={out}", "train.overwrite=true", "train.resume=none", "train.log_every=1",
+            "engine.device=cuda", "optim.lr=1e-5", "optim.warmup_steps=0", "optim.schedule=constant", *knobs, *extra]
 
 
 def tflops(n_params: int, tokens: int, layers: int, hidden: int, seq: int, seconds: float) -> float:
