@@ -1,4 +1,4 @@
-"""py-spy sampling one process of a run (train.profile_actor), started by that process on its own node.
+"""py-spy sampling one process of a run (train.profile.actor), started by that process on its own node.
 
 py-spy runs as a child of the sampled process, which needs ptrace rights over its parent: root (or
 CAP_SYS_PTRACE), or kernel.yama.ptrace_scope 0. It samples without stopping the target (--nonblocking)

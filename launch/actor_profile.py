@@ -1,4 +1,4 @@
-"""train.profile_step with train.profile_actor a CPU actor: that actor's process sampled by py-spy over the
+"""train.profile with a CPU actor: that actor's process sampled by py-spy over the
 step (from its launch to its results; with the Adam overlap that window holds the Adam update of the
 step before), into OUTPUT_DIR/profiles/ACTOR-step-N.speedscope.json on the actor's node."""
 
@@ -15,21 +15,21 @@ from megatrain import log
 
 class ActorProfile:
     def __init__(self, cfg: TrainConfig, out: Path, actors: list[str], call_one: Callable[..., Any]):
-        self.step = cfg.profile_step if cfg.profile_actor != "gpu-executor" else 0
-        self.actor, self.actors, self.call_one = cfg.profile_actor, actors, call_one
+        self.step = cfg.profile.step if cfg.profile.actor != "gpu-executor" else 0
+        self.actor, self.actors, self.call_one = cfg.profile.actor, actors, call_one
         self.path = str((out / "profiles" / f"{self.actor}-step-{self.step}.speedscope.json").resolve())
 
     def before(self, t: int) -> None:
         if t + 1 != self.step:
             return
         if self.actor not in self.actors:
-            log(f"train.profile_actor: this run has no actor '{self.actor}' (its actors: {', '.join(self.actors)}); "
+            log(f"train.profile.actor: this run has no actor '{self.actor}' (its actors: {', '.join(self.actors)}); "
                 "nothing profiled")
             self.step = 0
             return
         why = self.call_one(self.actor, "profile_start", self.path)
         if why:
-            log(f"train.profile_actor: cannot sample {self.actor} at step {t + 1}: {why}")
+            log(f"train.profile.actor: cannot sample {self.actor} at step {t + 1}: {why}")
             self.step = 0
 
     def after(self, t: int) -> None:
@@ -37,4 +37,4 @@ class ActorProfile:
             return
         why = self.call_one(self.actor, "profile_stop")
         log(f"profiled {self.actor} during step {t + 1} with py-spy into {self.path} (on its node)" if not why else
-            f"train.profile_actor: sampling {self.actor} at step {t + 1} failed: {why}")
+            f"train.profile.actor: sampling {self.actor} at step {t + 1} failed: {why}")

@@ -383,8 +383,8 @@ class Trainer:
         row = {"step": t + 1, "epoch": b.epoch, "lr": lr, "t0": time.perf_counter(), "batch_tokens": ids.numel()}
         timeline = t + 1 == cfg.train.timeline_step
         # Absolute: the executor writes it, from its own working directory (on the GPU's node).
-        profile = (str((self.out / f"profile-step-{t + 1}.json").resolve()) if t + 1 == cfg.train.profile_step
-                   and cfg.train.profile_actor == "gpu-executor" else "")
+        profile = (str((self.out / f"profile-step-{t + 1}.json").resolve()) if t + 1 == cfg.train.profile.step
+                   and cfg.train.profile.actor == "gpu-executor" else "")
         calls = {"gpu-executor": self.runner.call(self.actors["gpu-executor"], "step", t, ids, labels, timeline,
                                                   profile),
                  "adam-updater": self.runner.call(self.actors["adam-updater"], "step", t, lr, saving)}

@@ -4,14 +4,37 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 from megatrain.ipc.shm import check_run_id
 
-from megatrain.configbase import opt
+from megatrain.configbase import opt, section
+
+
+@dataclass
+class ProfileConfig:
+    step: int = opt(0, "The step to profile; 0 = none.")
+    actor: str = opt("gpu-executor", "Which actor: 'gpu-executor' runs that step under torch.profiler (a Chrome "
+                                     "trace in OUTPUT_DIR/profile-step-N.json, and a count of host-blocking CUDA "
+                                     "calls the compute thread made inside the layer loop: logged, should be 0); a "
+                                     "CPU actor (adam-updater, store-owner, packer-N, grad-accumulator-N, "
+                                     "checkpoint-writer) is sampled with py-spy during that step into "
+                                     "OUTPUT_DIR/profiles/ACTOR-step-N.speedscope.json (needs py-spy and ptrace "
+                                     "rights: root, or kernel.yama.ptrace_scope 0).")
+
+    def __post_init__(self) -> None:
+        if self.step < 0:
+            raise ValueError("train.profile.step must be >= 0 (0 = none)")
+        if not re.fullmatch(r"gpu-executor|adam-updater|store-owner|checkpoint-writer|packer-\d+|grad-accumulator-\d+",
+                            self.actor):
+            raise ValueError(f"train.profile.actor: '{self.actor}' is not an actor (gpu-executor, "
+                             "adam-updater, store-owner, checkpoint-writer, packer-N, grad-accumulator-N)")
 
 
 @dataclass
 class TrainConfig:
+    RENAMED: ClassVar[dict[str, str]] = {"profile_step": "profile.step", "profile_actor": "profile.actor"}
+
     steps: int = opt(100, "Optimizer steps to run.")
     output_dir: str = opt("runs/{run_id}", "Where metrics.jsonl, config.yaml and saved weights go; "
                                            "{run_id} is replaced.")
@@ -44,14 +67,7 @@ class TrainConfig:
                                    "counters keep it exact); false waits for Adam between steps.")
     timeline_step: int = opt(0, "Record a per-unit timeline (H2D, compute, D2H, CPU Adam) of this step "
                                 "into OUTPUT_DIR/timeline.json; 0 = none.")
-    profile_step: int = opt(0, "Run this step of the GPU executor under torch.profiler: a Chrome trace in "
-                               "OUTPUT_DIR/profile-step-N.json, and a count of host-blocking CUDA calls the "
-                               "compute thread made inside the layer loop (logged; should be 0); 0 = none.")
-    profile_actor: str = opt("gpu-executor", "The actor train.profile_step profiles: 'gpu-executor' (torch.profiler, "
-                                             "above) or a CPU actor (adam-updater, store-owner, packer-N, "
-                                             "grad-accumulator-N, checkpoint-writer), sampled with py-spy during "
-                                             "that step into OUTPUT_DIR/profiles/ACTOR-step-N.speedscope.json (needs "
-                                             "py-spy and ptrace rights: root, or kernel.yama.ptrace_scope 0).")
+    profile: ProfileConfig = section(ProfileConfig, "Profile one actor over one step.")
     eval_every: int = opt(0, "Evaluate every this many steps (and always after the last one, when there is "
                              "evaluation data: data.eval_path, data.eval_fraction, or the arithmetic's held-out "
                              "problems); 0: only after the last step.")
@@ -81,12 +97,8 @@ class TrainConfig:
             raise ValueError("train.save_every, train.save_every_minutes and train.keep_last must be >= 0")
         if not self.resume.strip():
             raise ValueError("train.resume must be 'auto', 'none' or a path")
-        if self.timeline_step < 0 or self.profile_step < 0:
-            raise ValueError("train.timeline_step and train.profile_step must be >= 0 (0 = none)")
-        if not re.fullmatch(r"gpu-executor|adam-updater|store-owner|checkpoint-writer|packer-\d+|grad-accumulator-\d+",
-                            self.profile_actor):
-            raise ValueError(f"train.profile_actor: '{self.profile_actor}' is not an actor (gpu-executor, "
-                             "adam-updater, store-owner, checkpoint-writer, packer-N, grad-accumulator-N)")
+        if self.timeline_step < 0:
+            raise ValueError("train.timeline_step must be >= 0 (0 = none)")
         if self.progress not in ("auto", "bar", "lines"):
             raise ValueError(f"train.progress must be 'auto', 'bar' or 'lines', not '{self.progress}'")
         if self.step_timeout_s <= 0 or self.setup_timeout_s <= 0:

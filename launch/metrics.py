@@ -31,12 +31,12 @@ METRICS: dict[str, str] = {
     "eval_tokens": "evaluation steps only: labelled tokens evaluated",
     "eval_s": "evaluation steps only: executor time of the evaluation",
     "eval_accuracy": "evaluation steps, generated arithmetic only: exact-match accuracy of greedy answers",
-    "profile_trace": "train.profile_step only: path of the Chrome trace (on the executor's node)",
-    "loop_blocking_calls": "train.profile_step only: host-blocking CUDA calls of the compute thread in the layer loop",
-    "loop_blocking_names": "train.profile_step only: their names",
-    "loop_runtime_calls": "train.profile_step only: CUDA runtime calls of the compute thread in the layer loop",
-    "helper_thread_blocking_calls": "train.profile_step only: host-blocking CUDA calls of the copy threads",
-    "profile_error": "train.profile_step only: why the check could not be made",
+    "profile_trace": "profiled executor step: path of the Chrome trace (on the executor's node)",
+    "loop_blocking_calls": "profiled executor step: host-blocking CUDA calls of the compute thread in the layer loop",
+    "loop_blocking_names": "profiled executor step: their names",
+    "loop_runtime_calls": "profiled executor step: CUDA runtime calls of the compute thread in the layer loop",
+    "helper_thread_blocking_calls": "profiled executor step: host-blocking CUDA calls of the copy threads",
+    "profile_error": "profiled executor step: why the check could not be made",
 }
 
 

@@ -84,7 +84,7 @@ def _keep_rows_up_to(metrics: Path, step: int) -> None:
 
 
 def log_profile(row: dict, cuda: bool) -> None:
-    """The executor's verdict on a profiled step (train.profile_step), on one line."""
+    """The executor's verdict on a profiled step (train.profile), on one line."""
     where = f"profiled step {row['step']} into {row['profile_trace']} (on the executor's node)"
     if "profile_error" in row:
         log(f"{where}, but the check failed: {row['profile_error']}")

@@ -1,6 +1,6 @@
 """Where a finished step goes: metrics.jsonl (one row per step, kept on disk before a checkpoint that
 includes the step is published), the console (launch/progress.py), TensorBoard (train.tensorboard),
-timeline.json (train.timeline_step) and the profiled step's verdict (train.profile_step)."""
+timeline.json (train.timeline_step) and the profiled step's verdict (train.profile)."""
 
 from __future__ import annotations
 

@@ -138,6 +138,9 @@ def build(cls: type, data: dict, prefix: str = "", where: Where | None = None) -
     kwargs = {}
     for key, value in data.items():
         path = f"{prefix}{key}"
+        renamed = getattr(cls, "RENAMED", {})
+        if key in renamed:  # a key that moved: say where to, not "unknown"
+            raise key_error(where, path, f"renamed: use '{prefix}{renamed[key]}'")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"

@@ -34,7 +34,7 @@ def test_readme_metrics_table_is_generated_from_the_code() -> None:
 def test_every_field_a_run_writes_is_documented(tmp_path, rid: str) -> None:
     hf = json.dumps({**TINY, "num_hidden_layers": 2})
     cfg = load_config(None, [f"model.hf={hf}", "data.seq_len=32", "data.batch_size=2", "train.steps=2",
-                             "train.eval_every=1", "data.ops=+", f"train.run_id={rid}", "train.profile_step=2",
+                             "train.eval_every=1", "data.ops=+", f"train.run_id={rid}", "train.profile.step=2",
                              f"train.output_dir={tmp_path / 'out'}", "launch.runner=inprocess"])
     Trainer(cfg).run()
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]

@@ -148,7 +148,7 @@ def head_node(tmp_path: Path):
 STEPS = 200  # ~20 ms each here: every link has time to catch a checkpoint being written
 # Threads pinned, so the uninterrupted reference can run in-process (2 s instead of a Ray start).
 CHAIN = ["train.save_every=1", "actors.adam_threads=1", "actors.accumulator_threads=1", "actors.executor_threads=1",
-         f"train.profile_step={STEPS}"]
+         f"train.profile.step={STEPS}"]
 # Each link: who is SIGKILLed in the middle of a checkpoint write (several at the same instant); a
 # driver joined to a `ray start` cluster; or a signal.
 LINKS = [("ctrl-c",), ("gpu-executor", "packer-0", "grad-accumulator-0"), ("sigstop",),

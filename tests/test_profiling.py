@@ -56,7 +56,7 @@ def test_detector_sees_an_item_in_a_cuda_loop(tmp_path: Path, sync: bool) -> Non
     assert (res["loop_blocking_calls"] >= 8) == sync and (res["loop_blocking_calls"] == 0) == (not sync)
 
 
-# ---- a CPU actor sampled by py-spy over one step (train.profile_actor) --------------------------------
+# ---- a CPU actor sampled by py-spy over one step (train.profile.actor) --------------------------------
 def _profiled_run(tmp_path: Path, rid: str, actor: str, capsys) -> tuple[Path, str]:
     import json
 
@@ -68,7 +68,7 @@ def _profiled_run(tmp_path: Path, rid: str, actor: str, capsys) -> tuple[Path, s
     hf = json.dumps({**TINY, "num_hidden_layers": 2})
     out = tmp_path / "out"
     cfg = load_config(None, [f"model.hf={hf}", "data.seq_len=32", "data.batch_size=2", "train.steps=4",
-                             "train.profile_step=3", f"train.profile_actor={actor}", f"train.run_id={rid}",
+                             "train.profile.step=3", f"train.profile.actor={actor}", f"train.run_id={rid}",
                              f"train.output_dir={out}", "launch.runner=inprocess"])
     Trainer(cfg).run()
     return out, capsys.readouterr().out

@@ -84,7 +84,9 @@ def test_tensorboard_missing_is_a_usage_error_before_anything_starts(tmp_path, m
 
 
 @pytest.mark.parametrize("override,message", [("train.progress=fancy", "train.progress must be 'auto', 'bar' or"),
-                                              ("train.profile_actor=packer", "train.profile_actor: 'packer' is not")])
+                                              ("train.profile.actor=packer", "train.profile.actor: 'packer' is not"),
+                                              ("train.profile.step=-1", "train.profile.step must be >= 0"),
+                                              ("train.profile_step=3", r"renamed: use 'train.profile.step'")])
 def test_bad_progress_and_profile_keys_are_named(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
