@@ -136,11 +136,8 @@ def build(cls: type, data: dict, prefix: str = "", where: Where | None = None) -
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
-    for key, value in data.items():
+    for key, value in _moved(cls, data, prefix, where).items():
         path = f"{prefix}{key}"
-        renamed = getattr(cls, "RENAMED", {})
-        if key in renamed:  # a key that moved: say where to, not "unknown"
-            raise key_error(where, path, f"renamed: use '{prefix}{renamed[key]}'")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else f"; valid keys: {', '.join(names)}"
@@ -151,6 +148,29 @@ def build(cls: type, data: dict, prefix: str = "", where: Where | None = None) -
     except (TypeError, ValueError) as exc:
         raise _section_error(where, prefix, kwargs, exc) from None
     return obj
+
+
+def _moved(cls: type, data: dict, prefix: str, where: Where | None) -> dict:
+    """`data` with the keys `cls.RENAMED` lists (old name -> new dotted path inside the section) moved to
+    where they now live, so a config written before the rename (a run's saved config.yaml) still loads;
+    each move is logged. Both names given with different values is an error naming both."""
+    renamed: dict[str, str] = getattr(cls, "RENAMED", {})
+    if not any(k in data for k in renamed):
+        return data
+    from megatrain import log
+
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    for old, new in renamed.items():
+        if old not in data:
+            continue
+        value = data.pop(old)
+        head, _, leaf = new.partition(".")
+        target = data.setdefault(head, {})
+        if not isinstance(target, dict) or target.get(leaf, value) != value:
+            raise key_error(where, prefix + old, f"renamed to '{prefix}{new}', which is also given; keep one")
+        target[leaf] = value
+        log(f"config: '{prefix}{old}' is now '{prefix}{new}' (read as that)")
+    return data
 
 
 def _section_error(where: Where | None, prefix: str, kwargs: dict, exc: Exception) -> ConfigError:

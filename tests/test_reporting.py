@@ -85,8 +85,20 @@ def test_tensorboard_missing_is_a_usage_error_before_anything_starts(tmp_path, m
 
 @pytest.mark.parametrize("override,message", [("train.progress=fancy", "train.progress must be 'auto', 'bar' or"),
                                               ("train.profile.actor=packer", "train.profile.actor: 'packer' is not"),
-                                              ("train.profile.step=-1", "train.profile.step must be >= 0"),
-                                              ("train.profile_step=3", r"renamed: use 'train.profile.step'")])
+                                              ("train.profile.step=-1", "train.profile.step must be >= 0")])
 def test_bad_progress_and_profile_keys_are_named(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+def test_the_old_profile_keys_are_read_as_train_profile(tmp_path, capsys) -> None:
+    """A config saved before the rename (a run's config.yaml holds every key) still loads, as train.profile;
+    the old and new name with different values is refused, naming both."""
+    path = tmp_path / "old.yaml"
+    path.write_text("train:\n  profile_step: 3\n  profile_actor: adam-updater\n")
+    cfg = load_config(path, [])
+    assert (cfg.train.profile.step, cfg.train.profile.actor) == (3, "adam-updater")
+    assert "'train.profile_step' is now 'train.profile.step'" in capsys.readouterr().out
+    assert load_config(None, ["train.profile_step=2", "train.profile.step=2"]).train.profile.step == 2
+    with pytest.raises(ConfigError, match=r"train.profile_step.*renamed to 'train.profile.step', which is also"):
+        load_config(None, ["train.profile_step=2", "train.profile.step=4"])
