@@ -154,7 +154,7 @@ class Trainer:
         log(f"run {self.run_id}; output directory {self.out}")
         log(f"config (what differs from the defaults; all of it, resolved, in "
             f"{self.out / 'config.yaml'}):\n  " + "\n  ".join(f"{k}: {short(v)}" for k, v in changed))
-        dem = demands(cfg.actors, cuda, clip=cfg.optim.max_grad_norm > 0, writer=self.checkpointer.enabled)
+        dem = demands(cfg.actors, cuda, clip=cfg.optim.clips, writer=self.checkpointer.enabled)
         self.runner.place(bundle(dem), describe_need(dem))
         self._phase("placement")
         # Worker processes start (and import torch, compile Numba, make a CUDA context) while the store
@@ -191,7 +191,7 @@ class Trainer:
         cfg = self.cfg
         self.sentinel = self.runner.call(self.actors["store-owner"], "serve")
         self.spec = self._call_one("store-owner", "create", self.run_id, cfg.model, cfg.optim.no_decay_1d,
-                                   cfg.optim.max_grad_norm > 0, self.engine_cfg, cfg.actors.num_packers,
+                                   cfg.optim.clips, self.engine_cfg, cfg.actors.num_packers,
                                    cfg.actors.num_accumulators, cfg.ipc, (cfg.data.batch_size, cfg.data.seq_len),
                                    str(self.resume_dir) if self.resume_dir else None, thread_request(cfg.actors),
                                    {"output_dir": str(self.out), "steps": self.steps, "first": self.start})
@@ -207,14 +207,14 @@ class Trainer:
         cfg = self.cfg
         free = self._call_one("gpu-executor", "gpu_free_bytes") if self.engine_cfg.device == "cuda" else None
         sizes, why = autosize.choose(build_spec(cfg.model, cfg.optim.no_decay_1d), self.engine_cfg,
-                                     cfg.data.batch_size, cfg.data.seq_len, free, cfg.optim.max_grad_norm > 0)
+                                     cfg.data.batch_size, cfg.data.seq_len, free, cfg.optim.clips)
         self.engine_cfg = autosize.apply(self.engine_cfg, sizes)
         log(f"engine sizes: checkpoint_interval {sizes.checkpoint_interval}, last_block_layers "
             f"{sizes.last_block_layers}, chunk_sequences {sizes.chunk_sequences}, loss_chunk_tokens "
             f"{sizes.loss_chunk_tokens} ({why}; the rule for 'auto': megatrain/autosize.py)")
 
     def _spawn_workers(self, dem: dict, packers: bool) -> None:
-        a, clip = self.cfg.actors, self.cfg.optim.max_grad_norm > 0
+        a, clip = self.cfg.actors, self.cfg.optim.clips
         family = resolve_hf_config(self.cfg.model)[0]
         plan: list[tuple[str, type, tuple]] = [("gpu-executor", GpuExecutor, (self.engine_cfg, family))]
         plan += [(f"grad-accumulator-{i}", GradAccumulator, (i,)) for i in range(a.num_accumulators if clip else 0)]

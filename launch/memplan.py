@@ -60,14 +60,14 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool) -> MemPlan:
     gpu_error = ""
     try:
         sizes, why = autosize.choose(spec, engine, d.batch_size, d.seq_len, gpu_free if cuda else None,
-                                     cfg.optim.max_grad_norm > 0)
+                                     cfg.optim.clips)
     except ResourceError as exc:
         gpu_error, why = str(exc), ""
         sizes = autosize.Sizes(1, 1, 1, 512)  # the least the engine can do, to show the rest of the plan
     engine = autosize.apply(engine, sizes)
     pinned = checkpoint_host_bytes(spec, engine, d.batch_size, d.seq_len)
     store = plan_store("plan", spec, engine.compute_dtype, engine.checkpoint_interval, cfg.actors.num_packers,
-                       cfg.actors.num_accumulators, cfg.ipc, cuda, cfg.optim.max_grad_norm > 0,
+                       cfg.actors.num_accumulators, cfg.ipc, cuda, cfg.optim.clips,
                        {"checkpoints": pinned}, engine.last_block_layers)
     host = {f"shm: {k}": v + HEADER_BYTES for k, v in store.part_bytes().items()}
     host["executor: pinned activation checkpoints"] = pinned

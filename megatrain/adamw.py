@@ -28,6 +28,11 @@ class OptimConfig:
     warmup_steps: int = opt(0, "Linear warmup steps from 0 to lr.")
     min_lr_ratio: float = opt(0.1, "Final LR as a fraction of lr for linear/cosine.")
 
+    @property
+    def clips(self) -> bool:
+        """Global-norm clipping is on: the gradient plane, the accumulators, no update before the norm."""
+        return self.max_grad_norm > 0
+
     def __post_init__(self) -> None:
         if self.lr <= 0 or self.eps <= 0 or self.weight_decay < 0 or self.max_grad_norm < 0:
             raise ValueError("optim: lr and eps must be > 0, weight_decay and max_grad_norm >= 0")
