@@ -15,16 +15,17 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.procs import maps_path, pid_alive, running, spawn_detached, start_ticks
 from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, checkpoint_host_bytes, plan_store
 from megatrain.ipc.protocol.cpus import ThreadRequest, cpu_plan, node_cores
 from megatrain.ipc.protocol.monitor import Monitor
-from megatrain.ipc.shm import pss_split, remove_cuda_ipc_files, seg_name, sweep
+from megatrain.ipc.shm import check_space, populate, pss_split, remove_cuda_ipc_files, seg_name, space_now, sweep
 
 from megatrain import checkpoint as ckpt
-from megatrain.engine import EngineConfig
+from megatrain.engine import EngineConfig, fixed_sizes
 from megatrain.errors import AbortError, ConfigError
 from megatrain.export import export
 from megatrain.model import ModelConfig, build_spec, init_unit, meta_model, unit_seed
@@ -32,6 +33,8 @@ from megatrain.weights import checkpoint_index, copy_slots, fill_tile, read_unit
 
 STRAGGLER_S = 3.0  # how long workers get to exit after the driver's kill before they are ended by pid
 LOADERS = 2  # units read from a pretrained checkpoint at once: one is read while the other is converted
+PAGE_IN_BYTES = 1 << 28  # one madvise call of the page-in (a stop waits for at most one per thread)
+PAGE_IN_THREADS = 8  # page faults are the kernel's work: half the cores leave the attach and step 1 theirs
 
 
 class StoreOwner(Role):
@@ -41,6 +44,10 @@ class StoreOwner(Role):
         self.done = threading.Event()
         self.monitor: Monitor | None = None
         self.filled: dict = {}  # how the store was filled: from what, bytes read, seconds
+        self.making = threading.Lock()  # held while segments are created, and by shutdown
+        self.paging: threading.Thread | None = None  # pages in the zero planes (_page_in)
+        self.paging_stop = threading.Event()
+        self.space: tuple[int, int] | None = None  # shm free and MemAvailable before the store (create)
 
     def serve(self) -> None:
         """Held open by the driver for the whole run: if this process dies, the call fails at once, and
@@ -58,19 +65,56 @@ class StoreOwner(Role):
         model config, or from checkpoint directory `resume` (weights and Adam state, versions at its step).
         `batch_shape` (sequences, tokens each) sizes the executor's pinned checkpoints for the fit check.
         The node's CPU plan is made here, on the node the workers share, and travels in the spec. `about`:
-        what the driver adds to the run's description in ctl (megatrain-launch status)."""
+        what the driver adds to the run's description in ctl (megatrain-launch status).
+        `engine` may still have `auto` sizes (the driver chooses them from the executor's free GPU memory
+        while this runs): the plan then takes the fixed ones, and settle() gets the chosen ones."""
         removed = sweep(shm_dir=ipc_cfg.shm_dir)
         if removed:
             print(f"[{self.name}] swept {len(removed)} objects of dead runs from {ipc_cfg.shm_dir}", flush=True)
-        model = build_spec(model_cfg, no_decay_1d)
+        self.space = space_now(ipc_cfg.shm_dir)  # settle() re-decides against the memory as it was before
+        self.request = (run_id, build_spec(model_cfg, no_decay_1d), clip, num_packers, num_accumulators, ipc_cfg,
+                        batch_shape, threads or ThreadRequest())
+        self.source, self.about = (model_cfg, resume), about
+        spec, ram_only = self._plan(fixed_sizes(engine))
+        self._make(spec, ram_only)
+        return spec
+
+    def settle(self, engine: EngineConfig) -> StoreSpec:
+        """The spec with the engine's chosen sizes. The checkpoint plan they fix orders the walk, not the
+        memory; but the staging mode is decided again with the pinned checkpoints they imply (against the
+        memory as it was before the store): a store made for the other mode is made again (rare: only
+        near the host's limit), and one that no longer fits is refused with the numbers."""
+        spec, ram_only = self._plan(engine)
+        check_space(spec.part_bytes(), spec.ipc.shm_dir, ram_only, self.space)
+        if spec.staging_mode != self.store.spec.staging_mode:
+            print(f"[{self.name}] weight staging {spec.staging_mode}, not {self.store.spec.staging_mode}, with the "
+                  f"chosen engine sizes: making the store again", flush=True)
+            old = self.store
+            self._release()
+            for seg in old.segments.values():  # the first fill's pages go now, not when this process ends
+                seg.close()
+            self._make(spec, ram_only)
+        self.store.spec = spec
+        return spec
+
+    def _plan(self, engine: EngineConfig) -> tuple[StoreSpec, dict[str, int]]:
+        run_id, model, clip, packers, accumulators, ipc_cfg, batch_shape, threads = self.request
         ram_only = {"activation checkpoints (executor, pinned)": checkpoint_host_bytes(model, engine, *batch_shape)}
-        spec = plan_store(run_id, model, engine.compute_dtype, engine.checkpoint_interval,
-                          num_packers, num_accumulators, ipc_cfg, cuda=engine.device == "cuda", clip=clip,
-                          ram_only=ram_only, last_block_layers=engine.last_block_layers)
-        spec = self._with_cpu_plan(spec, engine.device == "cuda", threads or ThreadRequest())
-        self.store = Store.create(spec, ram_only)
-        self.store.write_about(about)
-        self._start_reaper(run_id)
+        spec = plan_store(run_id, model, engine.compute_dtype, engine.checkpoint_interval, packers, accumulators,
+                          ipc_cfg, cuda=engine.device == "cuda", clip=clip, ram_only=ram_only,
+                          last_block_layers=engine.last_block_layers, space=self.space)
+        return self._with_cpu_plan(spec, engine.device == "cuda", threads), ram_only
+
+    def _make(self, spec: StoreSpec, ram_only: dict[str, int]) -> None:
+        """Create the segments (under the lock shutdown takes, so it never misses a store being made), then
+        fill them."""
+        with self.making:
+            if self.done.is_set():
+                raise AbortError("the run was shut down before its store was made")
+            self.store = Store.create(spec, ram_only)
+            self._start_reaper(spec.run_id)
+        self.store.write_about(self.about)
+        model_cfg, resume = self.source
         t0 = time.perf_counter()
         if resume:
             self.filled = {"source": str(resume), "bytes": self._restore(Path(resume))}
@@ -78,7 +122,28 @@ class StoreOwner(Role):
             self.filled = {"source": model_cfg.pretrained or "init", "bytes": self._fill(model_cfg)}
         self.filled["seconds"] = time.perf_counter() - t0
         self.monitor = Monitor(self.store).start()
-        return spec
+        self.paging_stop = threading.Event()
+        self.paging = threading.Thread(target=self._page_in, args=(self.store, self.paging_stop), name="page-in",
+                                       daemon=True)
+        self.paging.start()
+
+    def _page_in(self, store: Store, stop: threading.Event) -> None:
+        """Page in the planes nothing has written yet (Adam's moments after a fresh init, the gradient plane),
+        in the background, from the store's creation into the first step: their first writes otherwise
+        fault in every 4 KiB page inside the first update (the first two steps took about twice as long
+        as the rest). It leaves the bytes alone (shm.populate), so the steps may already write them."""
+        parts = [p for p in ("exp_avg", "exp_avg_sq", "grads") if p in store.spec.planes]
+        planes = [store.plane(part) for part in parts]
+        pieces = [piece for a in planes for piece in np.array_split(a, max(a.nbytes // PAGE_IN_BYTES, 1))]
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(PAGE_IN_THREADS, thread_name_prefix="page-in") as pool:
+            done = list(pool.map(lambda a: not stop.is_set() and populate(a), pieces))
+        if all(done) and pieces:
+            print(f"[{self.name}] paged in {', '.join(parts)} ({sum(a.nbytes for a in pieces) / 2**30:.1f} GiB) "
+                  f"in {time.perf_counter() - t0:.1f} s", flush=True)
+        elif pieces and not any(done) and not stop.is_set():
+            print(f"[{self.name}] this kernel cannot page in ahead (madvise MADV_POPULATE_WRITE): the first "
+                  f"update faults {', '.join(parts)} in", flush=True)
 
     def _with_cpu_plan(self, spec: StoreSpec, cuda: bool, request: ThreadRequest) -> StoreSpec:
         import numba
@@ -136,14 +201,21 @@ class StoreOwner(Role):
                 self.store.refresh_resident(u)
 
     def _draw_unit(self, model: torch.nn.Module, unit: int, seed: int) -> None:
+        self._check_going()
         spec = self.store.spec.model
         tile = self.store.torch_tile("params", unit)  # zero: the segments are created zeroed
         copy_slots(spec, unit, tile, init_unit(spec, model, unit, seed, into=slot_views(spec, unit, tile)))
 
     def _fill_unit(self, unit: int, tensors: dict[str, torch.Tensor]) -> None:
+        self._check_going()
         fill_tile(self.store.spec.model, unit, self.store.torch_tile("params", unit), tensors)
         if self.store.spec.resident:
             self.store.refresh_resident(unit)
+
+    def _check_going(self) -> None:
+        """A fill stops at the next unit once the run is shut down (it runs beside the executor's start)."""
+        if self.done.is_set():
+            raise AbortError("the run was shut down while its store was being filled")
 
     def _restore(self, directory: Path) -> int:
         """The state after the checkpoint's step: every plane read back (CRC-checked), the version counters
@@ -202,8 +274,17 @@ class StoreOwner(Role):
         The driver kills the workers first; what the CUDA driver left for them goes once they are dead.
         """
         self.done.set()
+        with self.making:  # a store being created is released too; none is created after this
+            self._release()
+
+    def _release(self) -> None:
+        if self.paging is not None:
+            self.paging_stop.set()
+            self.paging.join()
+            self.paging = None
         if self.monitor is not None:
             self.monitor.close()
+            self.monitor = None
         if self.store is not None:
             workers = [int(p) for p in self.store.pids if p > 0 and p != os.getpid()]
             remove_cuda_ipc_files([int(p) for p in self.store.pids if p > 0], self.store.spec.ipc.shm_dir)

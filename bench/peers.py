@@ -69,9 +69,25 @@ def _guard(name: str, fn: Callable[[], dict]) -> dict:
 
 
 def _model(hf, device: str) -> torch.nn.Module:
-    with torch.device(device):
-        model = family_classes("qwen2")[1](hf).float()
+    """The model in fp32 on `device`. A CPU model is drawn on the GPU when it fits there and then moved:
+    torch's CPU normal draws run on one thread (about 30 s for 3B parameters), which is set-up, not step."""
+    t0 = time.perf_counter()
+    cls = family_classes("qwen2")[1]
+    model = None
+    if device == "cpu" and torch.cuda.is_available():
+        try:
+            with torch.device("cuda"):
+                model = cls(hf).float()
+            model = model.cpu()
+        except torch.cuda.OutOfMemoryError:
+            model = None
+        torch.cuda.empty_cache()
+    if model is None:
+        with torch.device(device):
+            model = cls(hf).float()
     model.config.use_cache = False
+    print(f"[peers] model of {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters on {device} in "
+          f"{time.perf_counter() - t0:.1f} s", flush=True)
     return model
 
 
@@ -150,8 +166,10 @@ def deepspeed_zero3(hf, data: DataConfig, steps: int) -> dict:
         model = _model(hf, "cpu")
         model.gradient_checkpointing_enable()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0) if torch_adam else None
+        t0 = time.perf_counter()
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(data, torch_adam),
                                           model_parameters=None if torch_adam else model.parameters())
+        print(f"[peers] deepspeed.initialize {time.perf_counter() - t0:.1f} s", flush=True)
 
         def step(t: int) -> None:
             ids, labels = (x.cuda() for x in batch(data, t))

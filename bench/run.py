@@ -17,6 +17,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,14 +48,14 @@ KNOBS = {"k": "engine.checkpoint_interval", "last": "engine.last_block_layers", 
 
 
 def overrides(args: argparse.Namespace, out: Path, extra: list[str]) -> list[str]:
-    """The workload (model shape, batch, steps, a constant LR so every step does the same work) and the
-    flags given; nothing else."""
+    """The workload (model shape, batch, steps, a constant LR so every step does the same work, no closing
+    evaluation: it measures nothing here and cost each row half a minute) and the flags given; nothing else."""
     hf = {**QWEN7B, "num_hidden_layers": args.layers}
     knobs = [f"{key}={getattr(args, flag)}" for flag, key in KNOBS.items() if getattr(args, flag) is not None]
     return ["model.family=qwen2", f"model.hf={json.dumps(hf)}", f"data.seq_len={args.seq}",
             f"data.batch_size={args.batch}", f"train.steps={args.steps}", f"train.timeline_step={args.steps}",
             f"train.output_dir={out}", "train.log_every=1", "engine.device=cuda", "optim.lr=1e-5",
-            "optim.warmup_steps=0", "optim.schedule=constant", *knobs, *extra]
+            "optim.warmup_steps=0", "optim.schedule=constant", "train.final_eval=false", *knobs, *extra]
 
 
 def tflops(n_params: int, tokens: int, layers: int, hidden: int, seq: int, seconds: float) -> float:
@@ -138,8 +139,8 @@ def table(results: list[dict], args: argparse.Namespace, hf) -> str:
 # not the next entry's problem), product defaults, the peers each target names in the same run, same model
 # and batch (the official code at 16x4096 too with --peers official: 5 s/step, outside the suite's budget).
 # The 28-layer entry runs without clipping: with it, 7.6B needs 16 B/param of fp32 planes (122 GB), more
-# than a 125 GiB host has. About 18 minutes of an H200 in all, so three calls under a device's 10-minute limit
-# (README, Benchmark): --only 8L-158x1024, then 8L-16x4096,28L-16x4096, then 8L-4x4096.
+# than a 125 GiB host has. Two calls under a device's 10-minute limit (README, Benchmark; BENCHMARKS.md has the
+# minutes): --only 8L-158x1024,8L-4x4096, then --only 8L-16x4096,28L-16x4096.
 SUITE = {"8L-16x4096": ["--layers", "8", "--batch", "16", "--seq", "4096", "--peers", "deepspeed"],
          "8L-4x4096": ["--layers", "8", "--batch", "4", "--seq", "4096", "--peers", "plain,fsdp2"],
          "8L-158x1024": ["--layers", "8", "--batch", "158", "--seq", "1024", "--peers", "official"],
@@ -153,12 +154,15 @@ def run_suite(args: argparse.Namespace) -> int:
     if unknown:
         print(f"bench/run.py: --only: unknown suite entries {unknown}; known: {', '.join(SUITE)}", file=sys.stderr)
         return 2
-    rc = 0
+    rc, t0 = 0, time.monotonic()
     for name in names:
         cmd = [sys.executable, __file__, *SUITE[name], "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--machine", args.machine, "--out", str(Path(args.out) / name)]
         print(f"[suite] {name}: {' '.join(cmd[1:])}", flush=True)
+        start = time.monotonic()
         rc = max(rc, subprocess.run(cmd, cwd=ROOT).returncode)
+        print(f"[suite] {name}: {time.monotonic() - start:.0f} s (suite so far {time.monotonic() - t0:.0f} s)",
+              flush=True)
     return rc
 
 
@@ -170,8 +174,8 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=4096)
-    p.add_argument("--steps", type=int, default=13, help="steps per system (at least 10 steady ones)")
-    p.add_argument("--warmup", type=int, default=3, help="first steps left out of the steady statistics")
+    p.add_argument("--steps", type=int, default=12, help="steps per system (at least 10 steady ones)")
+    p.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady statistics")
     for flag, key in KNOBS.items():
         p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=int, default=None, help=f"sets {key}")
     p.add_argument("--peers", default="plain", help="comma list of: " + ",".join(PEERS))

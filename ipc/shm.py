@@ -8,6 +8,7 @@ attachers never register anything with Python's resource tracker (posix_ipc does
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import re
@@ -16,6 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import posix_ipc
 from megatrain.ipc.procs import pid_alive, start_ticks
 
@@ -177,21 +179,43 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def check_space(parts: dict[str, int], shm_dir: str = "/dev/shm", ram_only: dict[str, int] | None = None) -> None:
+MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable without touching their bytes
+_LIBC: ctypes.CDLL | None = None
+
+
+def populate(array: np.ndarray) -> bool:
+    """Page in the mapping under `array` (a view of a segment), as a write would, leaving its bytes alone;
+    runs without the GIL. False where the kernel cannot (older than 5.14, or a sandbox's): nothing done."""
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    start = array.ctypes.data
+    lo = start - start % mmap.PAGESIZE
+    return _LIBC.madvise(lo, start + array.nbytes - lo, MADV_POPULATE_WRITE) == 0
+
+
+def space_now(shm_dir: str = "/dev/shm") -> tuple[int, int]:
+    """(bytes free in shm_dir, MemAvailable): what check_space compares with, taken now."""
+    return shm_free_bytes(shm_dir), mem_available_bytes()
+
+
+def check_space(parts: dict[str, int], shm_dir: str = "/dev/shm", ram_only: dict[str, int] | None = None,
+                space: tuple[int, int] | None = None) -> None:
     """Refuse, with the numbers, a store that would not fit in /dev/shm or in available RAM.
 
     `ram_only` is host memory the run will take outside shared memory (the executor's pinned
-    activation checkpoints): it counts against RAM, not against /dev/shm."""
+    activation checkpoints): it counts against RAM, not against /dev/shm. `space`: space_now() as it
+    was before this run's store existed (the store owner re-checks its plan once the sizes are known)."""
     need = sum(parts.values()) + len(parts) * HEADER_BYTES
     detail = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
-    free = shm_free_bytes(shm_dir)
+    free, avail = space or space_now(shm_dir)
     if need > free:
         raise ResourceError(f"the host store needs {gib(need)} in {shm_dir} ({detail}) but only {gib(free)} "
                             f"is free; free space there, enlarge it, or train a smaller model")
     ram_only = {k: v for k, v in (ram_only or {}).items() if v}
     need += sum(ram_only.values())
     detail += "".join(f", {k} {gib(v)}" for k, v in ram_only.items())
-    avail = mem_available_bytes()
     if avail and need > avail:
         raise ResourceError(f"the host store needs {gib(need)} of RAM ({detail}) but only {gib(avail)} is "
                             f"available (MemAvailable){_lighter(parts, ram_only)}")

@@ -112,7 +112,7 @@ class Trainer:
     def _finish(self, mem: dict) -> None:
         """After the last step (not after a graceful stop)."""
         describe_memory(mem, self.spec.layout.num_params)
-        if self.evaluator is not None and self.evaluator.examples:
+        if self.evaluator is not None and self.evaluator.examples and self.cfg.train.final_eval:
             log("held-out problems answered by greedy decoding after the last step:\n  "
                 + "\n  ".join(self.evaluator.solved_examples()))
         if self.cfg.train.save_final:
@@ -158,14 +158,16 @@ class Trainer:
         self.runner.place(bundle(dem), describe_need(dem))
         self._phase("placement")
         # Worker processes start (and import torch, compile Numba, make a CUDA context) while the store
-        # owner makes and fills the store; they attach to it once it exists.
+        # owner makes and fills the store; they attach to it once it exists. The engine's sizes wait for
+        # the executor's free GPU memory; the store does not wait for them (the owner settles them after).
         self.actors["store-owner"] = self.runner.spawn("store-owner", StoreOwner, (), dem["store-owner"])
         self._spawn_workers(dem, packers=expect_packers(cfg.ipc.staging, cuda))
+        creating = self._create_store()
         self._autosize()
-        if self.engine_cfg.device == "cuda":  # the sizes wait for the executor's free GPU memory
-            self._phase("executor started (imports, CUDA context)")
-        self._start_store()
-        self._phase("store made and filled (with the owner's start)")
+        if self.engine_cfg.device == "cuda":
+            self._phase("executor started (imports, CUDA context; the store is made meanwhile)")
+        self._settle_store(creating)
+        self._phase("store made and filled (beyond the executor's start)")
         self._write_config()  # now with ipc.staging as the store owner resolved it
         self._attach_workers(dem)
         self._phase("actors attached (pinning, CUDA IPC events)")
@@ -187,14 +189,19 @@ class Trainer:
     def _write_config(self) -> None:
         (self.out / "config.yaml").write_text(dump_yaml(self._resolved()))
 
-    def _start_store(self) -> None:
+    def _create_store(self) -> Pending:
+        """The owner's create call, not waited for: it plans with the engine's sizes still `auto`."""
         cfg = self.cfg
         self.sentinel = self.runner.call(self.actors["store-owner"], "serve")
-        self.spec = self._call_one("store-owner", "create", self.run_id, cfg.model, cfg.optim.no_decay_1d,
-                                   cfg.optim.clips, self.engine_cfg, cfg.actors.num_packers,
-                                   cfg.actors.num_accumulators, cfg.ipc, (cfg.data.batch_size, cfg.data.seq_len),
-                                   str(self.resume_dir) if self.resume_dir else None, thread_request(cfg.actors),
-                                   {"output_dir": str(self.out), "steps": self.steps, "first": self.start})
+        return self.runner.call(self.actors["store-owner"], "create", self.run_id, cfg.model, cfg.optim.no_decay_1d,
+                                cfg.optim.clips, self.engine_cfg, cfg.actors.num_packers,
+                                cfg.actors.num_accumulators, cfg.ipc, (cfg.data.batch_size, cfg.data.seq_len),
+                                str(self.resume_dir) if self.resume_dir else None, thread_request(cfg.actors),
+                                {"output_dir": str(self.out), "steps": self.steps, "first": self.start})
+
+    def _settle_store(self, creating: Pending) -> None:
+        self._gather({"store-owner": creating}, self.cfg.train.setup_timeout_s, "store-owner.create")
+        self.spec = self._call_one("store-owner", "settle", self.engine_cfg)
         log(f"weight staging: {self.spec.staging_mode}; gradients: "
             + ("fp32 plane, global-norm clipping" if self.spec.clip else "straight to Adam (no clipping)"))
         fill = self.store_fill = self._call_one("store-owner", "fill_report")
@@ -371,7 +378,8 @@ class Trainer:
 
     def _maybe_evaluate(self, step: int) -> dict:
         every = self.cfg.train.eval_every
-        if not self.evaluator.enabled or not (step == self.steps or (every and step % every == 0)):
+        last = step == self.steps and self.cfg.train.final_eval
+        if not self.evaluator.enabled or not (last or (every and step % every == 0)):
             return {}
         return self.evaluator(step)
 

@@ -71,6 +71,8 @@ class TrainConfig:
     eval_every: int = opt(0, "Evaluate every this many steps (and always after the last one, when there is "
                              "evaluation data: data.eval_path, data.eval_fraction, or the arithmetic's held-out "
                              "problems); 0: only after the last step.")
+    final_eval: bool = opt(True, "Evaluate after the last step (when there is evaluation data); false skips it, "
+                                 "as a benchmark does (bench/run.py). train.eval_every still applies.")
     eval_batches: int = opt(0, "Batches per evaluation, from the start of the evaluation set in file order; "
                                "0: the whole set (generated arithmetic: 8).")
     step_timeout_s: float = opt(1800.0, "A step that takes longer than this fails the run.")

@@ -74,6 +74,19 @@ def test_tensorboard_gets_every_step(tmp_path, rid: str) -> None:
     assert [e.step for e in acc.Scalars("eval/loss")] == [2, 3]
 
 
+def test_final_eval_false_leaves_out_only_the_closing_evaluation(tmp_path, rid: str, capsys) -> None:
+    hf = json.dumps({**TINY, "num_hidden_layers": 2})
+    cfg = load_config(None, [f"model.hf={hf}", "data.seq_len=32", "data.batch_size=2", "train.steps=3",
+                             "train.eval_every=2", "train.final_eval=false", f"train.run_id={rid}",
+                             f"train.output_dir={tmp_path / 'out'}", "launch.runner=inprocess"])
+    Trainer(cfg).run()
+    rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "eval_loss" in r] == [2]
+    out = capsys.readouterr().out
+    assert "eval after step 2" in out and "eval after step 3" not in out
+    assert "greedy decoding after the last step" not in out
+
+
 def test_tensorboard_missing_is_a_usage_error_before_anything_starts(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
     cfg = load_config(None, ["train.tensorboard=true", f"train.output_dir={tmp_path / 'out'}",

@@ -233,7 +233,9 @@ class StoreSpec:
         return {**dict.fromkeys(self.planes, plane), "staging": staging, **resident, "ctl": ctl}
 
     def layout_hash(self) -> bytes:
-        extra = (f"{self.clip}:{self.checkpoint_interval}:{self.last_block_layers}:{self.staging_mode}:"
+        """What the segments' bytes mean. Not the checkpoint plan (K, the last block): it orders the walk,
+        not the memory, and is settled after the store is made (actors/store_owner.py)."""
+        extra = (f"{self.clip}:{self.staging_mode}:"
                  f"{self.staging_dtype}:{self.slab_elems}:{self.num_weight_slabs}:{self.ipc.grad_slabs}")
         return hashlib.sha256(self.layout.digest() + extra.encode()).digest()[:16]
 
@@ -262,8 +264,10 @@ class StoreSpec:
 
 def plan_store(run_id: str, model: ModelSpec, staging_dtype: str, checkpoint_interval: int, num_packers: int,
                num_accumulators: int, ipc: IpcConfig, cuda: bool, clip: bool = True,
-               ram_only: dict[str, int] | None = None, last_block_layers: int = 0) -> StoreSpec:
-    """Resolve ipc.staging: as asked, or for 'auto' resident on cuda when it fits in memory, else slabs."""
+               ram_only: dict[str, int] | None = None, last_block_layers: int = 0,
+               space: tuple[int, int] | None = None) -> StoreSpec:
+    """Resolve ipc.staging: as asked, or for 'auto' resident on cuda when it fits in memory (`space`, as
+    check_space takes it; None: now), else slabs."""
     def make(mode: str) -> StoreSpec:
         return StoreSpec(run_id, model, staging_dtype, checkpoint_interval, num_packers, num_accumulators, ipc, mode,
                          clip, last_block_layers)
@@ -274,7 +278,7 @@ def plan_store(run_id: str, model: ModelSpec, staging_dtype: str, checkpoint_int
         return make("slabs")  # no DMA to feed: a resident copy would only cost memory
     resident = make("resident")
     try:
-        check_space(resident.part_bytes(), ipc.shm_dir, ram_only)
+        check_space(resident.part_bytes(), ipc.shm_dir, ram_only, space)
         return resident
     except ResourceError:
         return make("slabs")

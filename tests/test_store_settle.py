@@ -1,0 +1,117 @@
+"""The store is made while the executor starts: the owner plans it with the engine's sizes still `auto`
+(the fixed ones stand in) and settles the chosen sizes afterwards. The checkpoint plan they fix changes
+the walk, not the segments; a staging decision the chosen sizes overturn (their pinned checkpoints no
+longer leave room for the resident copy) makes the store again, filled again, and nothing is left over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from megatrain.actors.store_owner import StoreOwner
+from megatrain.ipc import shm
+from megatrain.ipc.protocol import IpcConfig, Store, checkpoint_host_bytes, plan_store
+from megatrain.ipc.shm import HEADER_BYTES
+
+from megatrain.engine import EngineConfig, fixed_sizes
+from megatrain.errors import ResourceError
+from megatrain.model import ModelConfig, build_spec
+from tests.helpers import TINY
+from tests.shm_fixtures import leftovers
+
+MODEL = ModelConfig(family="llama", hf={**TINY, "num_hidden_layers": 4, "vocab_size": 4096})
+BATCH = (4, 256)  # one pinned checkpoint: 4 x 256 tokens x 32 hidden x 2 bytes
+AUTO = EngineConfig(device="cuda", compute_dtype="bf16")  # K, last block, chunks still `auto`
+CHOSEN = dataclasses.replace(AUTO, checkpoint_interval=1, last_block_layers=1, chunk_sequences=0,
+                             loss_chunk_tokens=2048)  # 3 checkpoints where the fixed sizes keep 1
+
+
+def create(owner: StoreOwner, rid: str, ipc: IpcConfig) -> None:
+    owner.create(rid, MODEL, True, True, AUTO, 1, 1, ipc, BATCH)
+
+
+def need(mode: str, engine: EngineConfig) -> int:
+    """RAM the store and its pinned checkpoints need, as check_space counts it."""
+    spec = plan_store("x", build_spec(MODEL), "bf16", 2, 1, 1, IpcConfig(staging=mode), cuda=True)
+    parts = spec.part_bytes()
+    return sum(parts.values()) + len(parts) * HEADER_BYTES + checkpoint_host_bytes(spec.model, engine, *BATCH)
+
+
+def test_chosen_sizes_reorder_the_walk_and_keep_the_store(rid: str) -> None:
+    owner = StoreOwner()
+    try:
+        create(owner, rid, IpcConfig())
+        made = owner.store
+        params = made.torch_tile("params", 1).clone()
+        assert made.spec.checkpoint_interval == 2 and made.spec.staging_mode == "resident"
+        spec = owner.settle(CHOSEN)
+        assert owner.store is made and spec.checkpoint_interval == 1 and spec.last_block_layers == 1
+        assert spec.blocks == [[1], [2], [3], [4]]
+        assert torch.equal(owner.store.torch_tile("params", 1), params)
+        worker = Store.attach(spec, ("staging", "resident"))  # the segments' header fits the settled spec
+        worker.close()
+    finally:
+        owner.shutdown()
+    assert not leftovers(rid)
+
+
+def test_a_decision_the_chosen_sizes_overturn_makes_the_store_again(rid: str, monkeypatch, capsys) -> None:
+    fixed, true_resident, slabs = need("resident", fixed_sizes(AUTO)), need("resident", CHOSEN), need("slabs", CHOSEN)
+    avail = max(fixed, slabs)
+    assert avail < true_resident, "the test model must make the chosen sizes overturn the decision"
+    monkeypatch.setattr(shm, "mem_available_bytes", lambda: avail)
+    owner = StoreOwner()
+    try:
+        create(owner, rid, IpcConfig())
+        assert owner.store.spec.staging_mode == "resident"
+        spec = owner.settle(CHOSEN)
+        assert spec.staging_mode == "slabs" and owner.store.spec is spec
+        assert "making the store again" in capsys.readouterr().out
+        assert sorted(n.split("-")[-1] for n in leftovers(rid) if not n.startswith("sem.")) == [
+            "ctl", "exp_avg", "exp_avg_sq", "grads", "params", "staging"]  # no resident segment any more
+        assert owner.store.torch_tile("params", 1).abs().sum() > 0  # drawn again
+        Store.attach(spec, ("staging",)).close()
+    finally:
+        owner.shutdown()
+    assert not leftovers(rid)
+
+
+def test_an_explicit_staging_that_no_longer_fits_is_refused_with_the_numbers(rid: str, monkeypatch) -> None:
+    avail = need("resident", fixed_sizes(AUTO))
+    monkeypatch.setattr(shm, "mem_available_bytes", lambda: avail)
+    owner = StoreOwner()
+    try:
+        create(owner, rid, IpcConfig(staging="resident"))
+        with pytest.raises(ResourceError, match="activation checkpoints"):
+            owner.settle(CHOSEN)
+    finally:
+        owner.shutdown()
+    assert not leftovers(rid)
+
+
+def test_a_shutdown_during_the_fill_stops_it_and_leaves_nothing(rid: str) -> None:
+    owner = StoreOwner()
+    owner.done.set()  # the driver gave up (the executor failed) before the owner got to the store
+    with pytest.raises(Exception, match="shut down before its store was made"):
+        create(owner, rid, IpcConfig())
+    owner.shutdown()
+    assert not leftovers(rid)
+
+
+def test_the_zero_planes_are_paged_in_behind_the_fill_and_keep_their_bytes(rid: str) -> None:
+    owner = StoreOwner()
+    try:
+        create(owner, rid, IpcConfig())
+        owner.paging.join(timeout=60)
+        store = owner.store
+        inside = lambda: sum(shm.pss_split(os.getpid(), f"megatrain-{rid}-{p}")[0]  # noqa: E731
+                             - shm.pss_split(os.getpid(), f"megatrain-{rid}-{p}")[1] for p in ("exp_avg", "grads"))
+        assert inside() >= 0.9 * 2 * store.plane("exp_avg").nbytes  # resident without a byte written
+        assert not store.plane("exp_avg").any() and not store.plane("grads").any()
+        assert shm.populate(store.plane("params")[:1000])
+    finally:
+        owner.shutdown()
+    assert owner.paging is None and not leftovers(rid)
