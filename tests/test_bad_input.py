@@ -133,3 +133,29 @@ def test_fidelity_reports_a_bad_key_in_one_line(capsys) -> None:
 def test_nothing_of_a_refused_run_is_in_shm(capsys, tmp_path: Path, rid: str) -> None:
     usage_error(capsys, DEFAULT, f"train.run_id={rid}", "model.hf.num_hiden_layers=2")
     assert run_leftovers(rid) == []
+
+
+def test_sizes_refused_while_the_store_is_made_leave_nothing(capsys, tmp_path: Path, rid: str, monkeypatch) -> None:
+    """The store is made while the driver chooses the engine's sizes (the executor's free GPU memory):
+    a refusal then (here on the CPU device, forced) is one line, exit 1, and the store being made and
+    filled is released with everything else."""
+    import threading
+    import time
+
+    from megatrain import autosize
+    from megatrain.errors import ResourceError
+
+    def refuse(*_a, **_k):
+        time.sleep(0.5)  # the owner is inside create() by now
+        raise ResourceError("the GPU cannot hold one sequence (forced by the test)")
+
+    monkeypatch.setattr(autosize, "choose", refuse)
+    threads = threading.active_count()
+    code, err = launch(capsys, DEFAULT, f"train.run_id={rid}", f"train.output_dir={tmp_path / 'run'}",
+                       "launch.runner=inprocess", "model.hf.num_hidden_layers=2")
+    assert code == 1 and "cannot hold one sequence" in err and len(err.strip().splitlines()) == 1, err
+    assert run_leftovers(rid) == []
+    deadline = time.monotonic() + 10  # the fill stops at its next unit once the run is shut down
+    while threading.active_count() > threads and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert threading.active_count() <= threads
