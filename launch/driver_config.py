@@ -68,9 +68,9 @@ class TrainConfig:
     timeline_step: int = opt(0, "Record a per-unit timeline (H2D, compute, D2H, CPU Adam) of this step "
                                 "into OUTPUT_DIR/timeline.json; 0 = none.")
     profile: ProfileConfig = section(ProfileConfig, "Profile one actor over one step.")
-    eval_every: int = opt(0, "Evaluate every this many steps (and always after the last one, when there is "
-                             "evaluation data: data.eval_path, data.eval_fraction, or the arithmetic's held-out "
-                             "problems); 0: only after the last step.")
+    eval_every: int = opt(0, "Evaluate every this many steps (and after the last one, see train.final_eval), when "
+                             "there is evaluation data: data.eval_path, data.eval_fraction, or the arithmetic's "
+                             "held-out problems; 0: only after the last step.")
     final_eval: bool = opt(True, "Evaluate after the last step (when there is evaluation data); false skips it, "
                                  "as a benchmark does (bench/run.py). train.eval_every still applies.")
     eval_batches: int = opt(0, "Batches per evaluation, from the start of the evaluation set in file order; "
