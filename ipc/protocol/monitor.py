@@ -11,6 +11,11 @@ while some driver call is in flight, the run is stalled, and the culprit is, in 
   2. an actor inside a call that is not waiting on the data plane (stuck in its own work: a deadlock,
      a hung kernel, or a layer slower than the timeout);
   3. otherwise everyone waits on someone: the waits are listed.
+Between calls nothing is owed, with one exception: a worker whose process stopped beating. The driver
+may be waiting on it although no worker is inside a call: on a call it never started, or on the reply
+to one it ended just before it stopped (seen: SIGSTOP between an update's last version and its reply,
+after which every other call of the step could finish). It is named once its heartbeat is older than
+both the stale-beat limit and ipc.stall_timeout_s; a live idle worker beats every second.
 The store owner runs the monitor; it raises the abort flag with the verdict, so every waiter stops and
 the driver reports the verdict.
 """
@@ -31,8 +36,10 @@ def find_stall(store: Store, timeout: float, now: float | None = None) -> str | 
     now = time.monotonic() if now is None else now
     rows = [(role, slot, store.role_words[slot]) for slot, role in enumerate(store.spec.roles())
             if store.pids[slot] > 0]
-    if not rows or not any(row[CALLS] > 0 for _, _, row in rows):
-        return None  # between steps: nothing is owed
+    if not rows:
+        return None
+    if not any(row[CALLS] > 0 for _, _, row in rows):
+        return _stopped_between_calls(store, rows, now, timeout)
     gone = [(role, slot) for role, slot, _ in rows if not running(int(store.pids[slot]))]
     if gone:  # at once: a worker that is idle when it dies fails no call the driver waits on
         role, slot = gone[0]
@@ -59,6 +66,19 @@ def find_stall(store: Store, timeout: float, now: float | None = None) -> str | 
                 f"waiting on any peer){waiting}; if one unit legitimately takes this long, raise "
                 f"ipc.stall_timeout_s")
     return f"stalled: no progress anywhere for {idle:.0f}s, every actor in a call is waiting{waiting}"
+
+
+def _stopped_between_calls(store: Store, rows: list, now: float, timeout: float) -> str | None:
+    """No worker is inside a call: a verdict only for a process that exists but has not beaten for longer
+    than both limits (a frozen worker would hang the driver's next call, or its wait on this one)."""
+    limit = max(STALE_BEATS * BEAT_S, timeout)
+    quiet = [(role, slot, now - row[BEAT]) for role, slot, row in rows
+             if now - row[BEAT] > limit and running(int(store.pids[slot]))]
+    if not quiet:
+        return None
+    role, slot, age = max(quiet, key=lambda r: r[2])
+    return (f"stalled: actor '{role}' (pid {int(store.pids[slot])}) stopped running (no heartbeat for {age:.0f}s: "
+            f"stopped, frozen, or stuck in native code) while no worker was inside a call; the driver waits on it")
 
 
 class Monitor:
