@@ -213,7 +213,8 @@ class StoreOwner(Role):
             self.store.refresh_resident(unit)
 
     def _check_going(self) -> None:
-        """A fill stops at the next unit once the run is shut down (it runs beside the executor's start)."""
+        """A fill stops at the next unit (a resume: plane) once the run is shut down (it runs beside the
+        executor's start)."""
         if self.done.is_set():
             raise AbortError("the run was shut down while its store was being filled")
 
@@ -224,6 +225,7 @@ class StoreOwner(Role):
         if manifest is None:
             raise ConfigError(f"train.resume: {directory} is not a complete checkpoint")
         for part in ckpt.PLANES:
+            self._check_going()
             ckpt.read_plane(directory / f"{part}.bin", self.store.plane(part), manifest["files"][f"{part}.bin"],
                             lambda off: ckpt.unit_at(self.store.spec.layout, off))
         self.store.versions[:] = int(manifest["step"])

@@ -38,8 +38,9 @@ def find_stall(store: Store, timeout: float, now: float | None = None) -> str | 
             if store.pids[slot] > 0]
     if not rows:
         return None
-    if not any(row[CALLS] > 0 for _, _, row in rows):
-        return _stopped_between_calls(store, rows, now, timeout)
+    if not any(row[CALLS] > 0 for _, _, row in rows):  # a frozen worker only: see the module's docstring
+        stopped = _stopped(store, rows, now, max(STALE_BEATS * BEAT_S, timeout))
+        return stopped and f"{stopped} while no worker was inside a call; the driver waits on it"
     gone = [(role, slot) for role, slot, _ in rows if not running(int(store.pids[slot]))]
     if gone:  # at once: a worker that is idle when it dies fails no call the driver waits on
         role, slot = gone[0]
@@ -54,11 +55,9 @@ def find_stall(store: Store, timeout: float, now: float | None = None) -> str | 
 
     waits = "; ".join(f"{role} waits for {store.waiting_on(slot)}" for role, slot, row in rows if row[WAITS] > 0)
     waiting = f" ({waits})" if waits else ""
-    stopped = [(role, slot, now - row[BEAT]) for role, slot, row in rows if now - row[BEAT] > STALE_BEATS * BEAT_S]
+    stopped = _stopped(store, rows, now, STALE_BEATS * BEAT_S)
     if stopped:
-        role, slot, quiet = max(stopped, key=lambda r: r[2])
-        return (f"stalled: {who(role, slot)} stopped running (no heartbeat for {quiet:.0f}s: stopped, frozen, "
-                f"or stuck in native code); no progress anywhere for {idle:.0f}s{waiting}")
+        return f"{stopped}; no progress anywhere for {idle:.0f}s{waiting}"
     working = [(role, slot, row) for role, slot, row in rows if row[CALLS] > 0 and row[WAITS] == 0]
     if working:
         role, slot, row = min(working, key=lambda r: r[2][PROGRESS])
@@ -68,17 +67,15 @@ def find_stall(store: Store, timeout: float, now: float | None = None) -> str | 
     return f"stalled: no progress anywhere for {idle:.0f}s, every actor in a call is waiting{waiting}"
 
 
-def _stopped_between_calls(store: Store, rows: list, now: float, timeout: float) -> str | None:
-    """No worker is inside a call: a verdict only for a process that exists but has not beaten for longer
-    than both limits (a frozen worker would hang the driver's next call, or its wait on this one)."""
-    limit = max(STALE_BEATS * BEAT_S, timeout)
+def _stopped(store: Store, rows: list, now: float, limit: float) -> str | None:
+    """The worker whose process exists but has not beaten for longest, beyond `limit` seconds; None if none."""
     quiet = [(role, slot, now - row[BEAT]) for role, slot, row in rows
              if now - row[BEAT] > limit and running(int(store.pids[slot]))]
     if not quiet:
         return None
     role, slot, age = max(quiet, key=lambda r: r[2])
     return (f"stalled: actor '{role}' (pid {int(store.pids[slot])}) stopped running (no heartbeat for {age:.0f}s: "
-            f"stopped, frozen, or stuck in native code) while no worker was inside a call; the driver waits on it")
+            "stopped, frozen, or stuck in native code)")
 
 
 class Monitor:
