@@ -52,10 +52,10 @@ class GpuExecutor(Role):
         self.engine = StepEngine(spec.model, cfg, self.device, dtype)
         self.handles: list[bytes] | None = None
         if self.cuda:
-            from megatrain.ipc.cuda_events import make_ipc_events, register_host
+            from megatrain.ipc.cuda_events import make_ipc_events, pin_while_alive
 
-            for part in ("staging", "resident") if spec.resident else ("staging",):
-                register_host(self.store.region(part))
+            pinned = [self.store.region(part) for part in (("staging", "resident") if spec.resident else ("staging",))]
+            pin_while_alive(self, pinned, self.device)
             events, self.handles = make_ipc_events(spec.ipc.grad_slabs)
             self.source = StreamedSource(self.store, self.device, dtype, cfg.prefetch)
             self.sink = StreamedSink(self.store, self.device, events)

@@ -40,7 +40,8 @@ def test_step_profile_writes_a_trace_with_the_loop_range(tmp_path: Path) -> None
     assert Path(res["profile_trace"]).is_file() and res["loop_blocking_calls"] == 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (MEGATRAIN_TEST_CUDA=1)")
 @pytest.mark.parametrize("sync", [False, True])
 def test_detector_sees_an_item_in_a_cuda_loop(tmp_path: Path, sync: bool) -> None:
     x = torch.ones(1 << 20, device="cuda")
