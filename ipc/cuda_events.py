@@ -34,6 +34,9 @@ def make_ipc_events(n: int) -> tuple[list[torch.cuda.Event], list[bytes]]:
 
 def open_ipc_events(handles: list[bytes], device: torch.device) -> list[torch.cuda.Event]:
     """The events behind `handles`: opened from another process's handles, or this process's own."""
-    own = [_MADE_HERE.get(h) for h in handles]
-    return [e if e is not None else torch.cuda.Event.from_ipc_handle(device, h)
-            for e, h in zip(own, handles, strict=True)]
+    return [_open(h, device) for h in handles]
+
+
+def _open(handle: bytes, device: torch.device) -> torch.cuda.Event:
+    own = _MADE_HERE.get(handle)
+    return own if own is not None else torch.cuda.Event.from_ipc_handle(device, handle)

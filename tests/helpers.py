@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from megatrain.ipc.protocol import fetch_order
 
 from megatrain.model import ModelConfig, ModelSpec, build_spec, family_classes
 from megatrain.weights import flat_unit
+
+# The GPU tests: marked cuda, skipped without a GPU (tests/conftest.py hides GPUs unless MEGATRAIN_TEST_CUDA=1).
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
+                                   reason="needs a CUDA device (the suite hides it unless MEGATRAIN_TEST_CUDA=1)")
+NEEDS_CUDA = [pytest.mark.cuda, requires_cuda]  # a module's pytestmark
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-6)

@@ -11,10 +11,9 @@ from megatrain.ipc.protocol import blocks
 from megatrain.data import DataConfig, batch
 from megatrain.engine import EngineConfig, StepEngine
 from megatrain.weights import flat_unit
-from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
+from tests.helpers import NEEDS_CUDA, DictSink, DictSource, spec_for, tiny_hf
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device "
-                                                   "(the suite hides it unless MEGATRAIN_TEST_CUDA=1)")]
+pytestmark = NEEDS_CUDA
 
 
 class CudaSource(DictSource):

@@ -11,13 +11,12 @@ import gc
 from pathlib import Path
 
 import pytest
-import torch
 
 from megatrain import checkpoint as ckpt
+from tests.helpers import NEEDS_CUDA
 from tests.test_checkpoint import losses, planes, run
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device "
-                                                   "(the suite hides it unless MEGATRAIN_TEST_CUDA=1)")]
+pytestmark = NEEDS_CUDA
 
 
 @pytest.mark.parametrize("extra", [["ipc.staging=slabs"], ["ipc.staging=resident", "optim.max_grad_norm=0"]],

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatrain.profiling import LOOP, StepProfile, blocking_calls
+from tests.helpers import requires_cuda
 
 
 def _x(name: str, cat: str, tid: int, ts: float, dur: float = 1.0) -> dict:
@@ -41,7 +42,7 @@ def test_step_profile_writes_a_trace_with_the_loop_range(tmp_path: Path) -> None
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (MEGATRAIN_TEST_CUDA=1)")
+@requires_cuda
 @pytest.mark.parametrize("sync", [False, True])
 def test_detector_sees_an_item_in_a_cuda_loop(tmp_path: Path, sync: bool) -> None:
     x = torch.ones(1 << 20, device="cuda")
