@@ -42,6 +42,7 @@ ABLATIONS = {"no-double-buffering": ["engine.prefetch=0"], "no-adam-overlap": ["
 # Flag -> config key. A flag left out keeps the product's default: the benchmark measures the config a
 # user gets, and every override a number needs is on its command line (BENCHMARKS.md quotes it).
 KNOBS = {"k": "engine.checkpoint_interval", "last": "engine.last_block_layers", "chunk": "engine.chunk_sequences",
+         "lean": "engine.lean_layers",
          "slab_params": "ipc.slab_params", "loss_chunk": "engine.loss_chunk_tokens", "packers": "actors.num_packers",
          "packer_threads": "actors.packer_threads", "accumulators": "actors.num_accumulators",
          "adam_threads": "actors.adam_threads", "accumulator_threads": "actors.accumulator_threads"}

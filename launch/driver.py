@@ -216,9 +216,7 @@ class Trainer:
         sizes, why = autosize.choose(build_spec(cfg.model, cfg.optim.no_decay_1d), self.engine_cfg,
                                      cfg.data.batch_size, cfg.data.seq_len, free, cfg.optim.clips)
         self.engine_cfg = autosize.apply(self.engine_cfg, sizes)
-        log(f"engine sizes: checkpoint_interval {sizes.checkpoint_interval}, last_block_layers "
-            f"{sizes.last_block_layers}, chunk_sequences {sizes.chunk_sequences}, loss_chunk_tokens "
-            f"{sizes.loss_chunk_tokens} ({why}; the rule for 'auto': megatrain/autosize.py)")
+        log(f"engine sizes: {sizes} ({why}; the rule for 'auto': megatrain/autosize.py)")
 
     def _spawn_workers(self, dem: dict, packers: bool) -> None:
         a, clip = self.cfg.actors, self.cfg.optim.clips

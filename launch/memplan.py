@@ -63,7 +63,7 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool) -> MemPlan:
                                      cfg.optim.clips)
     except ResourceError as exc:
         gpu_error, why = str(exc), ""
-        sizes = autosize.Sizes(1, 1, 1, 512)  # the least the engine can do, to show the rest of the plan
+        sizes = autosize.Sizes(1, 1, 1, 512, 1)  # the least the engine can do, to show the rest of the plan
     engine = autosize.apply(engine, sizes)
     pinned = checkpoint_host_bytes(spec, engine, d.batch_size, d.seq_len)
     store = plan_store("plan", spec, engine.compute_dtype, engine.checkpoint_interval, cfg.actors.num_packers,
@@ -78,9 +78,7 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool) -> MemPlan:
                    host, mem_available_bytes(), shm_free_bytes(cfg.ipc.shm_dir),
                    sum(v for k, v in host.items() if k.startswith("shm:")), gpu_error=gpu_error)
     plan.need = describe_need(demands(cfg.actors, cuda, store.clip, cfg.train.saves_checkpoints))
-    plan.sizes = (f"checkpoint_interval {sizes.checkpoint_interval}, last_block_layers {sizes.last_block_layers}, "
-                  f"chunk_sequences {sizes.chunk_sequences}, loss_chunk_tokens {sizes.loss_chunk_tokens}"
-                  + (f" ({why})" if why else ""))
+    plan.sizes = str(sizes) + (f" ({why})" if why else "")
     if cuda:
         plan.gpu = autosize.gpu_terms(spec, engine, d.batch_size, d.seq_len, sizes)
         plan.gpu_free = gpu_free

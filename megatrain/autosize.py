@@ -5,6 +5,10 @@ What costs time, what costs memory (one step, L layers, K = engine.checkpoint_in
     forward+backward again, and its weights cross PCIe again); a layer in the last block is not, but
     keeps its activations on the GPU from its forward to its backward. So the last block gets as many
     layers as the free memory holds: that is the speed lever.
+  * a lean layer (megatrain/lean.py) keeps only its GEMM and attention outputs and remakes the rest
+    in its backward: about half the bytes for about 1 % of its time, against a whole forward for a
+    layer left out of the last block. So the last block takes as many layers as fit when lean, and the
+    fewest of them are made lean (its first ones) that let it fit: where every layer fits whole, none.
   * the last block's activations are freed by its backward before any recompute block runs, so the
     recompute blocks (K layers each) need room for K layers at once, not in addition. K itself barely
     changes the time (the recompute is one forward per layer whatever K), and a smaller K offloads more
@@ -27,7 +31,9 @@ Memory model, calibrated on the Qwen2.5-7B layer (bf16) against four measured GP
 16x4096 with 1 and 2 layers in the last block and 2048/8192-token loss chunks; 28 layers with 6; 8
 layers at 158x1024 with 2; all within 1.3 GiB):
   peak = weight buffers + loss chunk + tokens·12·hidden·dtype (hidden-state copies, the checkpoint in
-         flight, the head's input) + last block · tokens·(4·hidden + 5.5·intermediate)·dtype
+         flight, the head's input) + whole layers of the last block · tokens·(4·hidden + 5.5·intermediate)
+         ·dtype + its lean layers · (tokens·(3·hidden + 2·q + 2·kv + 2·intermediate)·dtype + their
+         weights), and an all-lean block one whole layer more (its top layer's backward remakes it)
          + with sequence chunks, an fp32 gradient sum per layer kept (in the last block, or K layers)
 and it must stay under 92 % of the free memory the executor measured after its CUDA context.
 On the CPU device nothing is scarce in this sense: the previous fixed defaults (K 2, last block K,
@@ -40,6 +46,7 @@ import dataclasses
 
 from megatrain.engine import FIXED_SIZES, EngineConfig
 from megatrain.errors import ResourceError
+from megatrain.lean import lean_layer_bytes
 from megatrain.model import ModelSpec
 
 GIB = 2**30
@@ -54,6 +61,10 @@ class Sizes:
     last_block_layers: int
     chunk_sequences: int
     loss_chunk_tokens: int
+    lean_layers: int
+
+    def __str__(self) -> str:  # the line the driver logs and `megatrain-launch plan` prints
+        return ", ".join(f"{f.name} {getattr(self, f.name)}" for f in dataclasses.fields(self))
 
 
 def layer_activation_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int) -> int:
@@ -97,7 +108,6 @@ def choose(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, gpu_free: i
     layers = spec.layout.num_layers
     fit = max(budget // per_layer, 0)
     k = 2 if fit >= 2 and layers >= 2 else 1
-    last = int(min(max(fit, 1), layers))
     room = budget - sum_bytes(spec, k)  # chunks keep an fp32 gradient sum per layer of the block
     if k * per_layer / batch > room and cfg.chunk_sequences == "auto":
         raise ResourceError(
@@ -107,15 +117,50 @@ def choose(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, gpu_free: i
             f"{k * per_layer / batch / GIB:.2f} GiB; use a shorter data.seq_len or a GPU with more free memory "
             f"(megatrain-launch plan CONFIG shows the whole plan)")
     chunk = 0 if k * per_layer <= budget else max(1, int(room // (k * per_layer / batch)))
+    cost = (per_layer, lean_bytes(spec, tokens, dtype_bytes), budget)
+    last, lean = _last_block(layers, k if cfg.last_block_layers == 0 else cfg.last_block_layers, cfg.lean_layers, cost)
     why = (f"{gpu_free / GIB:.1f} GiB free on the GPU, {max(budget, 0) / GIB:.1f} GiB left for layer activations; "
-           f"one layer's {per_layer / GIB:.2f} GiB for {batch}x{seq} tokens")
+           f"one layer's {per_layer / GIB:.2f} GiB for {batch}x{seq} tokens, a lean one's {cost[1] / GIB:.2f}")
     both_auto = cfg.last_block_layers == "auto" and cfg.chunk_sequences == "auto"
     if clip and both_auto and chunk == 0 and 4 * (layers - last) >= layers:
         every = _chunk_for_every_layer(spec, batch, seq, dtype_bytes, budget)
         if every:
-            last, chunk = layers, every
+            last, chunk, lean = layers, every, (0 if cfg.lean_layers == "auto" else cfg.lean_layers)
             why += f"; every layer in the last block, in chunks of {every} sequences (clipping on)"
-    return _keep(cfg, Sizes(k, last, chunk, loss)), why
+    return _keep(cfg, Sizes(k, last, chunk, loss, lean)), why
+
+
+def lean_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int) -> int:
+    """A lean layer's activations and weights (megatrain/lean.py), for `tokens` tokens."""
+    return lean_layer_bytes(spec, tokens, dtype_bytes, _layer_numel(spec))
+
+
+def _fits(n: int, lean: int, cost: tuple[int, int, int]) -> bool:
+    """Whether a last block of n layers, the first `lean` of them lean, fits. The backward runs from the
+    block's top: the full layers are freed before a lean one's backward makes its dropped tensors again
+    (one full layer's worth, at most), so only an all-lean block pays that on top of what it keeps."""
+    full, thin, budget = cost
+    lean = min(lean, n)
+    kept = (n - lean) * full + lean * thin if lean < n else (n - 1) * thin + full
+    return kept <= budget
+
+
+def _fewest_lean(n: int, cost: tuple[int, int, int]) -> int | None:
+    """The fewest lean layers with which a last block of n layers fits; None if none does."""
+    return next((j for j in range(n + 1) if _fits(n, j, cost)), None)
+
+
+def _last_block(layers: int, last, lean, cost: tuple[int, int, int]) -> tuple[int, int]:
+    """(last block layers, lean layers): an `auto` last block takes as many layers as fit (with the lean
+    layers given, or with as many as needed when those are `auto` too: lean layers are cheap, a recompute
+    is a whole forward); `auto` lean layers are then the fewest that let that block fit."""
+    if last == "auto":
+        fitting = [n for n in range(1, layers + 1) if _fits(n, layers if lean == "auto" else lean, cost)]
+        last = max(fitting, default=1)
+    if lean == "auto":
+        needed = _fewest_lean(min(last, layers), cost)
+        lean = last if needed is None else needed  # nothing fits: the least memory there is
+    return last, lean
 
 
 def _chunk_for_every_layer(spec: ModelSpec, batch: int, seq: int, dtype_bytes: int, budget: int) -> int:
@@ -137,15 +182,19 @@ def gpu_terms(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, sizes: S
     and its fp32 gradient, summed over the step; that is what the margin covers at small token counts."""
     hf, dtype_bytes = spec.hf_config, 2 if cfg.compute_dtype == "bf16" else 4
     chunk_tokens = (sizes.chunk_sequences or batch) * seq
-    kept = max(sizes.last_block_layers or sizes.checkpoint_interval, sizes.checkpoint_interval)
+    last = sizes.last_block_layers or sizes.checkpoint_interval
+    kept = max(last, sizes.checkpoint_interval)
+    lean = min(sizes.lean_layers, last)
+    cost = (layer_activation_bytes(spec, chunk_tokens, dtype_bytes), lean_bytes(spec, chunk_tokens, dtype_bytes), 0)
+    lean_kept = lean * cost[1] + (cost[0] - cost[1] if lean == kept else 0)  # an all-lean block remakes one layer
     chunked = 0 < sizes.chunk_sequences < batch
     largest = spec.layout.max_unit_numel
     return {f"weight buffers ({cfg.prefetch + 1} layers, compute dtype)": buffer_bytes(spec, cfg.prefetch, dtype_bytes),
             f"loss chunk logits ({sizes.loss_chunk_tokens} tokens x vocab, 12 B each)":
                 sizes.loss_chunk_tokens * hf.vocab_size * LOSS_BYTES,
             "hidden states, checkpoint in flight, head input": stream_bytes(spec, batch * seq, dtype_bytes),
-            f"activations of {kept} layers ({chunk_tokens} tokens each)":
-                kept * layer_activation_bytes(spec, chunk_tokens, dtype_bytes),
+            f"activations of {kept - lean} layers ({chunk_tokens} tokens each)": (kept - lean) * cost[0],
+            f"{lean} lean layers ({chunk_tokens} tokens each, weights too)": lean_kept,
             f"fp32 gradient sums over sequence chunks ({kept if chunked else 0} layers)":
                 sum_bytes(spec, kept) if chunked else 0,
             "largest unit's weights and fp32 gradient": largest * (dtype_bytes + 4)}

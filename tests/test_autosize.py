@@ -29,31 +29,65 @@ def cuda_cfg(**kw) -> EngineConfig:
 
 def test_the_cpu_device_keeps_the_fixed_defaults(spec8) -> None:
     sizes, why = autosize.choose(spec8, resolve_engine(EngineConfig(), cuda=False), 4, 128, None, clip=True)
-    assert sizes == autosize.Sizes(2, 0, 0, 2048) and "CPU" in why
+    assert sizes == autosize.Sizes(2, 0, 0, 2048, 0) and "CPU" in why
 
 
 def test_an_h200_gets_the_measured_headline_shape(spec8) -> None:
     """138 GiB free, 16x4096 tokens: 14.6 GiB per layer measured (the hand-picked 28-layer headline, 6
     layers in the last block, peaked at 109.5 GiB; 7 are predicted at about 122 GiB, within 92 % of the
-    free memory), K 2, the whole batch, 8192-token loss chunks."""
+    free memory), K 2, the whole batch, 8192-token loss chunks. With lean layers (7.4 GiB each) all 8 fit,
+    2 of them lean; without, 7 as measured."""
     sizes, why = autosize.choose(spec8, cuda_cfg(), 16, 4096, 138 * GIB, clip=True)
-    assert sizes == autosize.Sizes(2, 7, 0, 8192), why
+    assert sizes == autosize.Sizes(2, 8, 0, 8192, 2), why
+    assert autosize.choose(spec8, cuda_cfg(lean_layers=0), 16, 4096, 138 * GIB, clip=True)[0] == \
+        autosize.Sizes(2, 7, 0, 8192, 0)
     assert abs(autosize.layer_activation_bytes(spec8, 16 * 4096, 2) / GIB - 14.6) < 0.2
+    assert abs(autosize.lean_bytes(spec8, 16 * 4096, 2) / GIB - 7.4) < 0.1
+
+
+def test_lean_layers_let_the_last_block_of_28_layers_double(spec8) -> None:
+    """7.6B at 16x4096 on an H200: 13 layers in the last block (1 whole, 12 lean) where 7 whole fit, so 15
+    layers are recomputed instead of 21; the plan stays within the budget the rule allows."""
+    spec = build_spec(ModelConfig(family="qwen2", hf={**QWEN7B, "num_hidden_layers": 28}))
+    free = int(139.3 * GIB)
+    sizes, why = autosize.choose(spec, cuda_cfg(), 16, 4096, free, clip=False)
+    assert sizes == autosize.Sizes(2, 13, 0, 8192, 12) and "a lean one's 7.38" in why, why
+    terms = autosize.gpu_terms(spec, autosize.apply(cuda_cfg(), sizes), 16, 4096, sizes)
+    margin_covers = terms.pop("largest unit's weights and fp32 gradient")
+    assert margin_covers > 0 and sum(terms.values()) <= free * autosize.MARGIN
+    assert terms["12 lean layers (65536 tokens each, weights too)"] == 12 * autosize.lean_bytes(spec, 65536, 2)
+    # One more layer in the block would not fit even all lean.
+    assert not autosize._fits(14, 14, (autosize.layer_activation_bytes(spec, 65536, 2),
+                                       autosize.lean_bytes(spec, 65536, 2), int(107.7 * GIB)))
+
+
+def test_an_explicit_last_block_gets_the_fewest_lean_layers_that_fit(spec8) -> None:
+    """A given last block: no lean layer where it fits whole, the fewest that make it fit, all of them where
+    nothing fits; explicit lean layers cap the block the rule picks."""
+    free = int(139.3 * GIB)
+    assert autosize.choose(spec8, cuda_cfg(last_block_layers=7), 16, 4096, free, clip=True)[0].lean_layers == 0
+    assert autosize.choose(spec8, cuda_cfg(last_block_layers=8), 16, 4096, free, clip=True)[0].lean_layers == 2
+    assert autosize.choose(spec8, cuda_cfg(last_block_layers=8), 16, 4096, 60 * GIB, clip=True)[0].lean_layers == 8
+    sizes, _ = autosize.choose(spec8, cuda_cfg(lean_layers=1), 16, 4096, free, clip=True)
+    assert (sizes.last_block_layers, sizes.lean_layers) == (7, 1)
 
 
 def test_the_papers_batch_runs_every_layer_in_the_last_block_in_chunks_with_clipping(spec8) -> None:
     """158x1024 tokens (36 GiB per layer): the whole batch holds 2 layers (measured at 94.6 GiB, 5.87 s on an
     H200); with clipping, 4 chunks of 40 sequences hold all 8 (3 of 53 would not): measured 103.4 GiB, 5.32 s."""
     sizes, why = autosize.choose(spec8, cuda_cfg(), 158, 1024, int(139.3 * GIB), clip=True)
-    assert sizes == autosize.Sizes(2, 8, 40, 8192) and "chunks of 40" in why, why
+    assert sizes == autosize.Sizes(2, 8, 40, 8192, 0) and "chunks of 40" in why, why
     budget = 139.3 * GIB * autosize.MARGIN
     assert 8 * autosize.layer_activation_bytes(spec8, 40 * 1024, 2) + autosize.sum_bytes(spec8, 8) < budget
 
 
 def test_without_clipping_the_papers_batch_keeps_the_whole_batch(spec8) -> None:
-    """Without clipping each layer's update overlaps the backward, which chunking every layer would take away."""
+    """Without clipping each layer's update overlaps the backward, which chunking every layer would take away;
+    lean layers take the last block from 2 layers to 4 (3 of them lean)."""
     sizes, _ = autosize.choose(spec8, cuda_cfg(), 158, 1024, int(139.3 * GIB), clip=False)
-    assert sizes == autosize.Sizes(2, 2, 0, 8192)
+    assert sizes == autosize.Sizes(2, 4, 0, 8192, 3)
+    sizes, _ = autosize.choose(spec8, cuda_cfg(lean_layers=0), 158, 1024, int(139.3 * GIB), clip=False)
+    assert sizes == autosize.Sizes(2, 2, 0, 8192, 0)
 
 
 def test_chunking_is_left_out_where_it_saves_little_or_its_chunks_would_be_small(spec8) -> None:
@@ -61,7 +95,7 @@ def test_chunking_is_left_out_where_it_saves_little_or_its_chunks_would_be_small
     block or chunk size leaves the rule alone; a GPU that would need sub-32k-token chunks keeps the recompute."""
     assert autosize.choose(spec8, cuda_cfg(), 16, 4096, int(139.3 * GIB), clip=True)[0].chunk_sequences == 0
     assert autosize.choose(spec8, cuda_cfg(last_block_layers=2), 158, 1024, int(139.3 * GIB),
-                           clip=True)[0] == autosize.Sizes(2, 2, 0, 8192)
+                           clip=True)[0] == autosize.Sizes(2, 2, 0, 8192, 0)
     sizes, _ = autosize.choose(spec8, cuda_cfg(), 16, 4096, 60 * GIB, clip=True)
     assert sizes.chunk_sequences == 0 and sizes.last_block_layers < 8
 
@@ -84,7 +118,7 @@ def test_a_small_gpu_chunks_the_batch_and_the_loss(spec8) -> None:
 def test_explicit_values_win(spec8) -> None:
     cfg = cuda_cfg(checkpoint_interval=3, loss_chunk_tokens=1000)
     sizes, _ = autosize.choose(spec8, cfg, 16, 4096, 138 * GIB, clip=True)
-    assert sizes.checkpoint_interval == 3 and sizes.loss_chunk_tokens == 1000 and sizes.last_block_layers == 7
+    assert sizes.checkpoint_interval == 3 and sizes.loss_chunk_tokens == 1000 and sizes.last_block_layers == 8
     resolved = autosize.apply(cfg, sizes)
     assert dataclasses.asdict(sizes).items() <= dataclasses.asdict(resolved).items()
 

@@ -1,4 +1,4 @@
-"""The step engine on a GPU (skipped without one): checkpoint offload and chunks equal HF autograd.
+"""The step engine on a GPU (skipped without one): checkpoint offload, chunks and lean layers equal HF autograd.
 
 On the CPU device checkpoint offload is a no-op, so the copy-stream path is only exercised here."""
 
@@ -22,8 +22,9 @@ class CudaSource(DictSource):
 
 
 @pytest.mark.parametrize("offload", [True, False])
-@pytest.mark.parametrize("k,last,chunk", [(1, 0, 0), (1, 0, 1), (2, 0, 2), (4, 0, 1), (1, 3, 0), (2, 3, 1)])
-def test_cuda_engine_matches_hf_autograd(offload: bool, k: int, last: int, chunk: int) -> None:
+@pytest.mark.parametrize("k,last,chunk,lean", [(1, 0, 0, 0), (1, 0, 1, 0), (2, 0, 2, 0), (4, 0, 1, 0), (1, 3, 0, 0),
+                                              (2, 3, 1, 0), (1, 3, 0, 2), (2, 3, 1, 3)])
+def test_cuda_engine_matches_hf_autograd(offload: bool, k: int, last: int, chunk: int, lean: int) -> None:
     # llama: Qwen2's k_proj.bias has an exactly-zero gradient, which a relative check cannot hold
     model = tiny_hf("llama", tied=False, layers=5)
     spec = spec_for(model, "llama")
@@ -34,7 +35,7 @@ def test_cuda_engine_matches_hf_autograd(offload: bool, k: int, last: int, chunk
     state = {k_: v.detach() for k_, v in model.state_dict().items()}
 
     cfg = EngineConfig(device="cuda", compute_dtype="fp32", checkpoint_interval=k, last_block_layers=last,
-                       loss_chunk_tokens=20, chunk_sequences=chunk, offload_checkpoints=offload)
+                       loss_chunk_tokens=20, chunk_sequences=chunk, offload_checkpoints=offload, lean_layers=lean)
     engine = StepEngine(spec, cfg, torch.device("cuda"), torch.float32)
     n = spec.layout.num_layers
     for _ in range(2):  # the second step reuses the pinned checkpoint buffers

@@ -47,6 +47,7 @@ VARIANTS = {
     "no-clip-resident": ["optim.max_grad_norm=0", "ipc.staging=resident"],
     "chunks": ["engine.chunk_sequences=3"],  # batch 4: chunks of 3 and 1 sequences
     "chunks-no-clip": ["engine.chunk_sequences=1", "optim.max_grad_norm=0"],
+    "lean-no-clip": ["engine.last_block_layers=3", "engine.lean_layers=2", "optim.max_grad_norm=0"],
     # Slabs of 3000 elements: every unit streams in 2-3 pieces, and pieces cut across the decay split.
     "pieces": ["ipc.slab_params=3000", "actors.num_packers=2", "actors.num_accumulators=2", "ipc.weight_slabs=3",
                "ipc.grad_slabs=3"],
@@ -56,7 +57,7 @@ VARIANT_CASES = [("llama", True, 2, "resident"), ("qwen2", False, 1, "resident")
                  ("llama", False, 1, "2packers-2accumulators-3slabs"), ("qwen2", True, 2, "no-adam-overlap"),
                  ("llama", False, 2, "no-clip"), ("mistral", True, 1, "no-clip-resident"),
                  ("qwen2", True, 2, "chunks"), ("llama", False, 3, "chunks-no-clip"), ("qwen2", False, 2, "pieces"),
-                 ("llama", True, 1, "pieces-no-clip-resident")]
+                 ("llama", True, 1, "pieces-no-clip-resident"), ("qwen2", False, 1, "lean-no-clip")]
 
 
 @pytest.mark.parametrize("family,tied,k,variant", VARIANT_CASES, ids=[c[3] + "-" + c[0] for c in VARIANT_CASES])

@@ -28,13 +28,16 @@ QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads"
 # c1f7158, the sizes the auto rule picks since (every layer in chunks: 8 layers at 158x1024), two chunked
 # 28-layer variants, and 34 layers (7.6B does not leave room for the resident copy: slabs).
 NO_CLIP = "optim.max_grad_norm=0"
-MEASURED = [((8, 16, 4096, []), 7, 56.71, 123.7), ((8, 4, 4096, []), 8, 56.16, 51.7),
-            ((8, 158, 1024, ["engine.last_block_layers=2"]), 2, 59.45, 94.6),
-            ((28, 16, 4096, [NO_CLIP]), 7, 110.32, 124.2),
-            ((8, 158, 1024, []), 8, 56.34, 103.4),
-            ((28, 16, 4096, [NO_CLIP, "engine.chunk_sequences=2", "engine.last_block_layers=28"]), 28, 105.46, 106.7),
-            ((28, 16, 4096, [NO_CLIP, "engine.chunk_sequences=4", "engine.last_block_layers=21"]), 21, 107.22, 123.7),
-            ((34, 16, 4096, [NO_CLIP, "ipc.staging=slabs"]), 7, 115.27, 124.2)]
+PLAIN = "engine.lean_layers=0"  # measured before lean layers existed
+MEASURED = [((8, 16, 4096, [PLAIN]), 7, 56.71, 123.7), ((8, 4, 4096, [PLAIN]), 8, 56.16, 51.7),
+            ((8, 158, 1024, [PLAIN, "engine.last_block_layers=2"]), 2, 59.45, 94.6),
+            ((28, 16, 4096, [PLAIN, NO_CLIP]), 7, 110.32, 124.2),
+            ((8, 158, 1024, [PLAIN]), 8, 56.34, 103.4),
+            ((28, 16, 4096, [PLAIN, NO_CLIP, "engine.chunk_sequences=2", "engine.last_block_layers=28"]), 28, 105.46,
+             106.7),
+            ((28, 16, 4096, [PLAIN, NO_CLIP, "engine.chunk_sequences=4", "engine.last_block_layers=21"]), 21, 107.22,
+             123.7),
+            ((34, 16, 4096, [PLAIN, NO_CLIP, "ipc.staging=slabs"]), 7, 115.27, 124.2)]
 
 
 def qwen_cfg(layers: int, batch: int, seq: int, extra: list[str], *more: str):
@@ -59,10 +62,11 @@ def test_a_plan_that_does_not_fit_says_so_and_what_needs_less(monkeypatch, capsy
                    "data: {seq_len: 4096, batch_size: 16}\nipc: {staging: resident}\n")
     assert main(["plan", str(cfg), "--gpu-gib", "139.3"]) == 1
     out = capsys.readouterr().out
-    assert "host: 56.9" in out and "40.00 GiB RAM available" in out and "DOES NOT FIT" in out
+    # every layer in the last block (2 of them lean): no pinned activation checkpoints
+    assert "host: 56.5" in out and "40.00 GiB RAM available" in out and "DOES NOT FIT" in out
     assert "optim.max_grad_norm=0: no clipping, no fp32 gradient plane (-11.01 GiB" in out
     assert "ipc.staging=slabs: no resident copy (-5.50 GiB" in out
-    assert "GPU: 124.8" in out and "verdict: does not fit" in out
+    assert "GPU: 125.09" in out and "2 lean layers (65536 tokens each" in out and "verdict: does not fit" in out
     monkeypatch.setattr(memplan, "mem_available_bytes", lambda: 100 * GIB)
     assert main(["plan", str(cfg), "--gpu-gib", "139.3"]) == 0
     assert "verdict: fits" in capsys.readouterr().out

@@ -1,0 +1,92 @@
+"""Lean layers (megatrain/lean.py): the same gradients bit for bit, and the bytes the memory model counts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatrain.ipc.protocol import blocks
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatrain.data import DataConfig, batch
+from megatrain.engine import EngineConfig, StepEngine
+from megatrain.lean import SAVED_OPS, lean_call, lean_layer_bytes
+from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
+
+
+def _step(family: str, tied: bool, last: int, lean: int, chunk: int):
+    model = tiny_hf(family, tied, layers=4)
+    spec = spec_for(model, family)
+    ids, labels = batch(DataConfig(seq_len=24, batch_size=3), 0)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    cfg = EngineConfig(checkpoint_interval=2, last_block_layers=last, lean_layers=lean, loss_chunk_tokens=10,
+                       chunk_sequences=chunk)
+    sink = DictSink()
+    res = StepEngine(spec, cfg, torch.device("cpu"), torch.float32).step(
+        ids, labels, DictSource(spec, state, blocks=blocks(4, 2, last)), sink)
+    return res.loss, sink.grads
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("last, lean, chunk", [(3, 2, 0), (4, 4, 0), (2, 9, 2), (3, 1, 1)])
+def test_lean_layers_give_the_plain_step_bit_for_bit(family: str, last: int, lean: int, chunk: int) -> None:
+    """Some, all, more than all (capped) of the last block lean, with and without sequence chunks: the loss
+    and every unit's gradient are exactly the plain step's (the recompute runs the same kernels)."""
+    tied = family == "llama"
+    loss, grads = _step(family, tied, last, 0, chunk)
+    lean_loss, lean_grads = _step(family, tied, last, lean, chunk)
+    assert torch.equal(loss, lean_loss)
+    assert grads.keys() == lean_grads.keys()
+    for unit, g in grads.items():
+        assert torch.equal(g, lean_grads[unit]), unit
+
+
+class _SavedBytes(TorchDispatchMode):
+    """Bytes of the outputs of the ops lean layers keep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in SAVED_OPS:
+            outs = out if isinstance(out, tuple | list) else [out]
+            self.bytes += sum(t.numel() * t.element_size() for t in outs if isinstance(t, torch.Tensor))
+        return out
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+def test_the_memory_model_counts_what_a_lean_layer_keeps(family: str) -> None:
+    """lean_layer_bytes = the cached GEMM and attention outputs + the layer's input + its weights, for each
+    family's layer (qwen2's q/k/v carry biases: addmm, not mm); and a lean call no longer keeps the layer's
+    internals as autograd's saved tensors: an outer saved-tensor hook sees only the checkpoint's input."""
+    model = tiny_hf(family, tied=False, layers=1)
+    spec = spec_for(model, family)
+    layer, hidden = model.model.layers[0], spec.hf_config.hidden_size
+    x = torch.randn(2, 16, hidden, requires_grad=True)
+    pos_ids = torch.arange(16).unsqueeze(0)
+    pe = model.model.rotary_emb(x, pos_ids)
+    with _SavedBytes() as counted:
+        layer(x, position_embeddings=pe, position_ids=pos_ids, attention_mask=None)
+    numel = sum(p.numel() for p in layer.parameters())
+    tokens = 32
+    assert lean_layer_bytes(spec, tokens, 4, numel) == counted.bytes + tokens * hidden * 4 + numel * 4
+
+    def run(x):
+        return layer(x, position_embeddings=pe, position_ids=pos_ids, attention_mask=None)[0]
+
+    def saved(call) -> list[torch.Tensor]:
+        seen: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
+            call(x)
+        return seen
+
+    assert len(saved(run)) > 10
+    assert [t is x for t in saved(lambda x: lean_call(run, x))] == [True]  # the checkpoint's input, nothing else
+
+
+def test_without_grad_a_lean_call_is_a_plain_call() -> None:
+    calls = []
+    with torch.no_grad():
+        out = lean_call(lambda t: calls.append(torch.is_grad_enabled()) or t * 2, torch.ones(2))
+    assert calls == [False] and out.tolist() == [2.0, 2.0]
