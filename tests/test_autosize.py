@@ -70,6 +70,8 @@ def test_an_explicit_last_block_gets_the_fewest_lean_layers_that_fit(spec8) -> N
     assert autosize.choose(spec8, cuda_cfg(last_block_layers=8), 16, 4096, 60 * GIB, clip=True)[0].lean_layers == 8
     sizes, _ = autosize.choose(spec8, cuda_cfg(lean_layers=1), 16, 4096, free, clip=True)
     assert (sizes.last_block_layers, sizes.lean_layers) == (7, 1)
+    chunked = cuda_cfg(last_block_layers=8, chunk_sequences=4)  # 4 chunks: 8 whole layers of 16k tokens fit
+    assert autosize.choose(spec8, chunked, 16, 4096, free, clip=True)[0].lean_layers == 0
 
 
 def test_the_papers_batch_runs_every_layer_in_the_last_block_in_chunks_with_clipping(spec8) -> None:
@@ -111,6 +113,7 @@ def test_a_small_gpu_chunks_the_batch_and_the_loss(spec8) -> None:
     sizes, _ = autosize.choose(spec8, cuda_cfg(), 16, 4096, 20 * GIB, clip=True)
     assert sizes.checkpoint_interval == 1 and sizes.last_block_layers == 1
     assert 1 <= sizes.chunk_sequences < 16 and sizes.loss_chunk_tokens < 8192
+    assert sizes.lean_layers == 0  # the chunks are what make it fit
     per_seq = autosize.layer_activation_bytes(spec8, 4096, 2)
     assert sizes.chunk_sequences * per_seq <= 20 * GIB * autosize.MARGIN
 
