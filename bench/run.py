@@ -36,7 +36,7 @@ QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads"
           "tie_word_embeddings": False, "use_sliding_window": False}
 ABLATIONS = {"no-double-buffering": ["engine.prefetch=0"], "no-adam-overlap": ["train.overlap_adam=false"],
              "slabs": ["ipc.staging=slabs"], "resident": ["ipc.staging=resident"],
-             "no-clip": ["optim.max_grad_norm=0"]}
+             "no-clip": ["optim.max_grad_norm=0"], "no-lean": ["engine.lean_layers=0"]}
 
 
 # Flag -> config key. A flag left out keeps the product's default: the benchmark measures the config a
