@@ -6,9 +6,10 @@ What costs time, what costs memory (one step, L layers, K = engine.checkpoint_in
     keeps its activations on the GPU from its forward to its backward. So the last block gets as many
     layers as the free memory holds: that is the speed lever.
   * a lean layer (megatrain/lean.py) keeps only its GEMM and attention outputs and remakes the rest
-    in its backward: about half the bytes for about 1 % of its time, against a whole forward for a
-    layer left out of the last block. So the last block takes as many layers as fit when lean, and the
-    fewest of them are made lean (its first ones) that let it fit: where every layer fits whole, none.
+    in its backward: about half the bytes for about a tenth of its time (bench/lean.py), against a
+    whole forward and a second weight transfer for a layer left out of the last block. So the last
+    block takes as many layers as fit when lean, and the fewest of them are made lean (its first
+    ones) that let it fit: where every layer fits whole, none.
   * the last block's activations are freed by its backward before any recompute block runs, so the
     recompute blocks (K layers each) need room for K layers at once, not in addition. K itself barely
     changes the time (the recompute is one forward per layer whatever K), and a smaller K offloads more

@@ -44,7 +44,7 @@ class EngineConfig:
                                                "layer at 64k tokens). auto: as many as the free GPU memory holds.")
     lean_layers: int | str = opt("auto", "Layers of the last block (its first ones) that keep only the outputs of "
                                          "their matmuls and attention for the backward and recompute the rest there "
-                                         "(norms, activation function, RoPE: elementwise work, about 1 % of a layer's "
+                                         "(norms, activation function, RoPE: elementwise work, about 9 % of a layer's "
                                          "time) in about half the activation memory (megatrain/lean.py), so the last "
                                          "block holds more layers. 0 = none; more than the last block has = all of "
                                          "it. auto: the fewest that let the last block hold the layers the rule picks.")

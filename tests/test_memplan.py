@@ -37,7 +37,9 @@ MEASURED = [((8, 16, 4096, [PLAIN]), 7, 56.71, 123.7), ((8, 4, 4096, [PLAIN]), 8
              106.7),
             ((28, 16, 4096, [PLAIN, NO_CLIP, "engine.chunk_sequences=4", "engine.last_block_layers=21"]), 21, 107.22,
              123.7),
-            ((34, 16, 4096, [PLAIN, NO_CLIP, "ipc.staging=slabs"]), 7, 115.27, 124.2)]
+            ((34, 16, 4096, [PLAIN, NO_CLIP, "ipc.staging=slabs"]), 7, 115.27, 124.2),
+            # lean layers (deb7445, H200, 2026-11-24): 13 layers in the last block, 12 of them lean
+            ((28, 16, 4096, [NO_CLIP]), 13, 109.01, 124.9)]
 
 
 def qwen_cfg(layers: int, batch: int, seq: int, extra: list[str], *more: str):
