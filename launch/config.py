@@ -63,6 +63,12 @@ def validate(cfg: Config, where: Where | None = None) -> None:
     if cfg.data.seq_len > hf.max_position_embeddings:
         raise fail("data.seq_len", f"{cfg.data.seq_len} exceeds model max_position_embeddings "
                                    f"{hf.max_position_embeddings}")
+    dropout = [(k, v) for k, v in hf.to_dict().items() if k.endswith("dropout") and isinstance(v, int | float) and v]
+    if dropout:  # a pretrained config.json may carry one too: named as the model.hf key that overrides it
+        key, value = dropout[0]
+        raise fail(f"model.hf.{key}", f"{value}: dropout is not supported: layers are computed again in their "
+                                      "backward (checkpoint blocks, lean layers), which would draw other masks than "
+                                      f"the forward did; set model.hf.{key}: 0")
     if cfg.engine.checkpoint_interval != "auto" and cfg.engine.checkpoint_interval > hf.num_hidden_layers:
         raise fail("engine.checkpoint_interval", f"{cfg.engine.checkpoint_interval} exceeds the model's "
                                                  f"{hf.num_hidden_layers} layers (model.hf.num_hidden_layers); "

@@ -119,11 +119,12 @@ def choose(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, gpu_free: i
             f"(megatrain-launch plan CONFIG shows the whole plan)")
     chunk = 0 if k * per_layer <= budget else max(1, int(room // (k * per_layer / batch)))
     cost = (per_layer, lean_bytes(spec, tokens, dtype_bytes), budget)
-    last, lean = _last_block(layers, k if cfg.last_block_layers == 0 else cfg.last_block_layers, cfg.lean_layers, cost)
     if 0 < (chunk if cfg.chunk_sequences == "auto" else cfg.chunk_sequences) < batch:
-        # the batch runs in chunks, which is what makes it fit: the last block as before lean layers, none lean
-        last = max(min(fit, layers), 1)
-        lean = 0 if cfg.lean_layers == "auto" else cfg.lean_layers
+        # sequence chunks are what make the batch fit, not lean layers: the whole batch's fit, none lean
+        last, lean = max(min(fit, layers), 1), (0 if cfg.lean_layers == "auto" else cfg.lean_layers)
+    else:
+        last, lean = _last_block(layers, k if cfg.last_block_layers == 0 else cfg.last_block_layers,
+                                 cfg.lean_layers, cost)
     why = (f"{gpu_free / GIB:.1f} GiB free on the GPU, {max(budget, 0) / GIB:.1f} GiB left for layer activations; "
            f"one layer's {per_layer / GIB:.2f} GiB for {batch}x{seq} tokens, a lean one's {cost[1] / GIB:.2f}")
     both_auto = cfg.last_block_layers == "auto" and cfg.chunk_sequences == "auto"

@@ -54,9 +54,10 @@ def lean_call(fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
 def lean_layer_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, layer_numel: int) -> int:
     """GPU bytes a lean decoder layer holds from its forward to its backward, for `tokens` tokens.
 
-    Per token: the layer's input and the outputs of q, o and down (hidden each), k and v (kv width each),
-    gate and up (intermediate each), the attention output (hidden) and its fp32 log-sum-exp (one per
-    head); plus the layer's weights in compute dtype, which the last block keeps until its backward."""
+    Per token: the layer's input and the outputs of o and down (hidden each), of q and attention (heads x
+    head_dim each), of k and v (kv heads x head_dim each), of gate and up (intermediate each), and the
+    attention's fp32 log-sum-exp (one per head); plus the layer's weights in compute dtype, which the last
+    block keeps until its backward."""
     hf = spec.hf_config
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     kv = head_dim * getattr(hf, "num_key_value_heads", hf.num_attention_heads)

@@ -39,6 +39,7 @@ def usage_error(capsys, *argv: str) -> str:
     (["engine.checkpoint_interval=0"], ["command line 'engine.checkpoint_interval=0'", "0 is not allowed"]),
     (["engine.checkpoint_interval=3"], ["'engine.checkpoint_interval=3'", "3 exceeds the model's 2 layers"]),
     (["model.hf.num_hiden_layers=2"], ["model.hf.num_hiden_layers", "did you mean 'model.hf.num_hidden_layers'"]),
+    (["model.hf.attention_dropout=0.1"], ["'model.hf.attention_dropout=0.1'", "dropout is not supported"]),
     (['model.hf={"hiden_size": 64}'], ["model.hf.hiden_size", "did you mean 'model.hf.hidden_size'"]),
     (["optim.lrr=1"], ["optim.lrr", "did you mean 'optim.lr'"]),
     (["train.steps=ten"], ["train.steps", "expected an integer, got 'ten'"]),
