@@ -45,9 +45,10 @@ def test_an_h200_gets_the_measured_headline_shape(spec8) -> None:
     assert abs(autosize.lean_bytes(spec8, 16 * 4096, 2) / GIB - 7.4) < 0.1
 
 
-def test_lean_layers_let_the_last_block_of_28_layers_double(spec8) -> None:
+def test_lean_layers_let_the_last_block_of_28_layers_double() -> None:
     """7.6B at 16x4096 on an H200: 13 layers in the last block (1 whole, 12 lean) where 7 whole fit, so 15
-    layers are recomputed instead of 21; the plan stays within the budget the rule allows."""
+    layers are recomputed instead of 21 (measured: GPU peak 124.9 GiB, 470-474 TFLOPS on three machines);
+    the plan stays within the budget the rule allows."""
     spec = build_spec(ModelConfig(family="qwen2", hf={**QWEN7B, "num_hidden_layers": 28}))
     free = int(139.3 * GIB)
     sizes, why = autosize.choose(spec, cuda_cfg(), 16, 4096, free, clip=False)
