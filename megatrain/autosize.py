@@ -141,14 +141,19 @@ def lean_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int) -> int:
     return lean_layer_bytes(spec, tokens, dtype_bytes, _layer_numel(spec))
 
 
-def _fits(n: int, lean: int, cost: tuple[int, int, int]) -> bool:
-    """Whether a last block of n layers, the first `lean` of them lean, fits. The backward runs from the
-    block's top: the full layers are freed before a lean one's backward makes its dropped tensors again
-    (one full layer's worth, at most), so only an all-lean block pays that on top of what it keeps."""
-    full, thin, budget = cost
+def _kept_bytes(n: int, lean: int, full: int, thin: int) -> tuple[int, int]:
+    """(whole layers' bytes, lean layers' bytes) of a last block of n layers, the first `lean` of them lean
+    (`full`, `thin`: one whole, one lean layer). The backward runs from the block's top: the whole layers
+    are freed before a lean one's backward makes its dropped tensors again (one whole layer's worth, at
+    most), so only an all-lean block pays that on top of what it keeps."""
     lean = min(lean, n)
-    kept = (n - lean) * full + lean * thin if lean < n else (n - 1) * thin + full
-    return kept <= budget
+    return (n - lean) * full, lean * thin + (full - thin if lean == n > 0 else 0)
+
+
+def _fits(n: int, lean: int, cost: tuple[int, int, int]) -> bool:
+    """Whether a last block of n layers, the first `lean` of them lean, fits the budget (cost[2])."""
+    full, thin, budget = cost
+    return sum(_kept_bytes(n, lean, full, thin)) <= budget
 
 
 def _fewest_lean(n: int, cost: tuple[int, int, int]) -> int | None:
@@ -191,15 +196,15 @@ def gpu_terms(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, sizes: S
     last = sizes.last_block_layers or sizes.checkpoint_interval
     kept = max(last, sizes.checkpoint_interval)
     lean = min(sizes.lean_layers, last)
-    cost = (layer_activation_bytes(spec, chunk_tokens, dtype_bytes), lean_bytes(spec, chunk_tokens, dtype_bytes), 0)
-    lean_kept = lean * cost[1] + (cost[0] - cost[1] if lean == kept else 0)  # an all-lean block remakes one layer
+    whole, lean_kept = _kept_bytes(kept, lean, layer_activation_bytes(spec, chunk_tokens, dtype_bytes),
+                                   lean_bytes(spec, chunk_tokens, dtype_bytes))
     chunked = 0 < sizes.chunk_sequences < batch
     largest = spec.layout.max_unit_numel
     return {f"weight buffers ({cfg.prefetch + 1} layers, compute dtype)": buffer_bytes(spec, cfg.prefetch, dtype_bytes),
             f"loss chunk logits ({sizes.loss_chunk_tokens} tokens x vocab, 12 B each)":
                 sizes.loss_chunk_tokens * hf.vocab_size * LOSS_BYTES,
             "hidden states, checkpoint in flight, head input": stream_bytes(spec, batch * seq, dtype_bytes),
-            f"activations of {kept - lean} layers ({chunk_tokens} tokens each)": (kept - lean) * cost[0],
+            f"activations of {kept - lean} layers ({chunk_tokens} tokens each)": whole,
             f"{lean} lean layers ({chunk_tokens} tokens each, weights too)": lean_kept,
             f"fp32 gradient sums over sequence chunks ({kept if chunked else 0} layers)":
                 sum_bytes(spec, kept) if chunked else 0,
