@@ -1,8 +1,9 @@
 """Adam updater: the fused Numba AdamW, unit by unit, with global-norm clipping.
 
-With clipping (optim.max_grad_norm > 0) it waits for every unit's gradient in the fp32 grads plane,
-computes the global norm, then updates units in forward order, bumping each piece's version counter
-right after its update, so the next step's forward starts while later units are still updated.
+With clipping (optim.max_grad_norm > 0) it waits for every unit's gradient (in the fp32 grads plane or,
+with a resident copy, in the unit's resident tile, in the compute dtype), computes the global norm,
+then updates units in forward order, bumping each piece's version counter right after its update,
+so the next step's forward starts while later units are still updated.
 Without clipping there is no grads plane: it drains the gradient slabs itself, in the order the
 backward produces them, and updates each unit while the GPU is still running the backward of the
 units below it (12 bytes per parameter: params, m, v).
@@ -40,6 +41,8 @@ class AdamUpdater(Role):
         adamw_update(a, a.copy(), a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0)
         adamw_update(a, a.copy(), a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0,
                      bf16_out=np.zeros(4, np.uint16))
+        bits = np.zeros(4, np.uint16)  # bf16 gradients in the resident copy (clipping)
+        adamw_update(a, bits, a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0, bf16_out=bits)
 
     def attach(self, spec: StoreSpec, start_step: int = 0) -> None:
         """`start_step`: the first step this updater will be called for (a resumed run's)."""
@@ -86,10 +89,12 @@ class AdamUpdater(Role):
         scale = clip_scale(norm, self.cfg.max_grad_norm)
         spans = []
         for item in store.spec.update_items:  # forward order: the next step's packer follows right behind
-            start, grads = time.time(), store.tile("grads", item.unit)
+            start, grads = time.time(), store.grad_tile(item.unit)
             self._hold(item, step)
             if finite:  # else the step is skipped whole: no piece has been touched
                 self._update(item.unit, item.lo, item.hi, grads[item.lo:item.hi], step + 1, lr, scale)
+            elif store.spec.grads_in_resident:  # the tile holds the gradient: the weights back, unchanged
+                store.refresh_resident(item.unit, item.lo, item.hi)
             store.publish_version(item.piece, step + 1)
             spans.append((item.unit, start, time.time()))
         return {"grad_norm": norm, "clip_scale": scale, "skipped": not finite, "unit_spans": spans}

@@ -56,12 +56,12 @@ class GpuExecutor(Role):
 
             pinned = [self.store.region(part) for part in (("staging", "resident") if spec.resident else ("staging",))]
             pin_while_alive(self, pinned, self.device)
-            events, self.handles = make_ipc_events(spec.ipc.grad_slabs)
+            events, self.handles = make_ipc_events(max(spec.num_grad_slabs, 1))
             self.source = StreamedSource(self.store, self.device, dtype, cfg.prefetch)
-            self.sink = StreamedSink(self.store, self.device, events)
+            self.sink = StreamedSink(self.store, self.device, events, self._fetched)
         else:
             self.source = SyncSource(self.store, self.device, dtype)
-            self.sink = SyncSink(self.store)
+            self.sink = SyncSink(self.store, self._fetched)
         # Every step runs on this one thread, whichever of the actor's threads takes the call: cuBLAS and
         # cuDNN handles (and cuBLAS workspaces) are per thread, and creating them inside a step put
         # cudaFree calls in the layer loop (found by the profiled step).
@@ -69,6 +69,10 @@ class GpuExecutor(Role):
         # GPU memory) alive after the actor is dropped in the in-process runner.
         init = functools.partial(torch.cuda.set_device, self.device) if self.cuda else None  # per thread
         self.compute = ThreadPoolExecutor(1, "compute", initializer=init)
+
+    def _fetched(self) -> int:
+        """Fetches the engine has taken so far in this step's weight walk (the sink's safety check)."""
+        return self.source.walk.i
 
     def event_handles(self) -> list[bytes] | None:
         return self.handles

@@ -203,7 +203,8 @@ class Trainer:
         self._gather({"store-owner": creating}, self.cfg.train.setup_timeout_s, "store-owner.create")
         self.spec = self._call_one("store-owner", "settle", self.engine_cfg)
         log(f"weight staging: {self.spec.staging_mode}; gradients: "
-            + ("fp32 plane, global-norm clipping" if self.spec.clip else "straight to Adam (no clipping)"))
+            + ("in the resident copy until the global norm is known (clipping)" if self.spec.grads_in_resident
+               else "fp32 plane, global-norm clipping" if self.spec.clip else "straight to Adam (no clipping)"))
         fill = self.store_fill = self._call_one("store-owner", "fill_report")
         log(f"store filled from {fill['source']} in {fill['seconds']:.1f} s" + (
             f" ({fill['bytes'] / 1e9:.2f} GB read, {fill['bytes'] / 1e9 / max(fill['seconds'], 1e-9):.2f} GB/s)"
@@ -240,6 +241,9 @@ class Trainer:
         packers = [n for n in self.actors if n.startswith("packer-")]
         if spec.resident:  # nothing to pack per step: Adam writes the resident copy
             for name in packers:
+                self.runner.kill(self.actors.pop(name))
+        if not spec.running_accumulators:  # gradients go straight to Adam, or into the resident copy
+            for name in [n for n in self.actors if n.startswith("grad-accumulator-")]:
                 self.runner.kill(self.actors.pop(name))
         elif not packers:
             for name, cls, args in self._packer_plan():

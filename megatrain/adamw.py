@@ -12,6 +12,9 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic, overload
 
 from megatrain.configbase import opt
 
@@ -63,10 +66,38 @@ def clip_scale(total_norm: float, max_norm: float) -> float:
     return min(1.0, max_norm / (total_norm + 1e-6))
 
 
+@intrinsic
+def _f32_from_bf16(typingctx, bits):  # pragma: no cover - compiled
+    """The float32 of the bfloat16 whose bit pattern is the uint16 `bits`: its bits in the upper half of a
+    float32's (exact; a shift and a register move)."""
+    if bits != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        wide = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
+        return builder.bitcast(wide, context.get_value_type(types.float32))
+
+    return types.float32(types.uint16), codegen
+
+
+def _grad_at(g, i):  # pragma: no cover - replaced by the overload below in compiled code
+    raise NotImplementedError
+
+
+@overload(_grad_at, inline="always")
+def _grad_at_impl(g, i):  # pragma: no cover - compiled
+    """g[i] as float32: fp32 gradients as they are, bf16 ones (uint16 bits, a resident tile holding the
+    gradient) widened exactly, so Adam reads the compute dtype without a widened copy in memory."""
+    if g.dtype == types.uint16:
+        return lambda g, i: _f32_from_bf16(g[i])
+    return lambda g, i: g[i]
+
+
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _adamw(p, g, m, v, decay, w1, b2, w2, step, bc2_sqrt, eps, gscale):  # pragma: no cover - compiled
     for i in numba.prange(p.size):
-        gi = g[i] * gscale
+        gi = _grad_at(g, i) * gscale
         mi = m[i] + w1 * (gi - m[i])
         vi = v[i] * b2 + w2 * gi * gi
         m[i] = mi
@@ -78,9 +109,10 @@ def _adamw(p, g, m, v, decay, w1, b2, w2, step, bc2_sqrt, eps, gscale):  # pragm
 def _adamw_bf16(p, pbits, out, g, m, v, decay, w1, b2, w2, step, bc2_sqrt, eps, gscale):  # pragma: no cover
     """_adamw, and the new weight's bfloat16 bits into `out` in the same pass (the resident copy): one read
     of p instead of two. `pbits` is p viewed as uint32. The rounding is torch's (c10::BFloat16): round to
-    nearest even, any NaN to the quiet NaN 0x7FC0."""
+    nearest even, any NaN to the quiet NaN 0x7FC0. `out` may be `g` itself (bf16 gradients waiting in the
+    resident copy): element i of g is read before element i of out is written."""
     for i in numba.prange(p.size):
-        gi = g[i] * gscale
+        gi = _grad_at(g, i) * gscale
         mi = m[i] + w1 * (gi - m[i])
         vi = v[i] * b2 + w2 * gi * gi
         m[i] = mi
@@ -97,8 +129,9 @@ def _adamw_bf16(p, pbits, out, g, m, v, decay, w1, b2, w2, step, bc2_sqrt, eps, 
 def adamw_update(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, step: int, lr: float,
                  cfg: OptimConfig, weight_decay: float, grad_scale: float = 1.0,
                  bf16_out: np.ndarray | None = None) -> None:
-    """One AdamW step in place over fp32 arrays; `step` is 1-based (bias correction). `bf16_out` (uint16,
-    p's size): also write the new weights there as bfloat16 bits, in the same pass.
+    """One AdamW step in place over fp32 arrays; `step` is 1-based (bias correction). `g` is fp32, or bf16 as
+    uint16 bits. `bf16_out` (uint16, p's size): also write the new weights there as bfloat16 bits, in the
+    same pass (it may be `g` itself).
 
     Scalars are formed in double and rounded once to fp32, as torch does (1 - b2 computed in fp32
     from an fp32 b2 would be off by 1e-5 relative for b2 = 0.999).

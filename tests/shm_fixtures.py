@@ -34,6 +34,6 @@ def remove_all(rid: str) -> None:
 
 
 def make_spec(rid: str, model_spec, staging: str = "bf16", k: int = 2, packers: int = 2, accs: int = 2,
-              **ipc) -> StoreSpec:
+              staging_mode: str = "slabs", **ipc) -> StoreSpec:
     ipc = {"weight_slabs": 3, "grad_slabs": 2, **ipc}
-    return StoreSpec(rid, model_spec, staging, k, packers, accs, IpcConfig(**ipc))
+    return StoreSpec(rid, model_spec, staging, k, packers, accs, IpcConfig(**ipc), staging_mode)

@@ -217,3 +217,24 @@ def test_fused_bf16_copy_equals_the_update_then_torchs_cast() -> None:
     finite = ~np.isnan(plain[0])
     assert np.array_equal(out[finite], ref[finite])
     assert torch.isnan(got[13]) and (~finite).sum() == 1
+
+
+def test_bf16_gradients_are_widened_exactly_and_may_share_the_output() -> None:
+    """Clipping with a resident copy: the gradient is read as bf16 bits from the tile that then receives the
+    new weights. Same result as the fp32 gradient of the same values, and the tile ends as the new weights."""
+    cfg = OptimConfig(lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(3)
+    p0 = torch.randn(N, generator=gen).numpy()
+    m0, v0 = (torch.randn(N, generator=gen) * 0.1).numpy(), (torch.rand(N, generator=gen) * 0.01).numpy()
+    g = torch.randn(N, generator=gen).bfloat16()
+    wide = [a.copy() for a in (p0, m0, v0)]
+    adamw_update(wide[0], g.float().numpy(), wide[1], wide[2], step=2, lr=cfg.lr, cfg=cfg, weight_decay=0.1,
+                 grad_scale=0.4)
+    tile = g.view(torch.int16).numpy().view(np.uint16).copy()
+    narrow = [a.copy() for a in (p0, m0, v0)]
+    adamw_update(narrow[0], tile, narrow[1], narrow[2], step=2, lr=cfg.lr, cfg=cfg, weight_decay=0.1,
+                 grad_scale=0.4, bf16_out=tile)
+    for a, b in zip(wide, narrow):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(torch.from_numpy(tile.view(np.int16)).view(torch.bfloat16).float().numpy(),
+                                  torch.from_numpy(wide[0]).bfloat16().float().numpy())

@@ -6,6 +6,7 @@ checks that nothing of the run is left in /dev/shm.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import stat
@@ -17,10 +18,11 @@ import pytest
 import torch
 from megatrain.ipc import shm
 from megatrain.ipc.protocol import PLANES, Store
+from megatrain.ipc.protocol.executor import SyncSink
 from megatrain.ipc.shm import HEADER_BYTES
 from megatrain.launch.placement import ActorsConfig, demands
 
-from megatrain.errors import AbortError, LayoutMismatch, ResourceError, WaitTimeout
+from megatrain.errors import AbortError, LayoutMismatch, ProtocolError, ResourceError, WaitTimeout
 from megatrain.layout import TILE_ALIGN
 from tests.helpers import spec_for, tiny_hf
 from tests.shm_fixtures import ALL_PARTS, SHM, leftovers, make_spec, owned, remove_all
@@ -289,3 +291,35 @@ def test_create_refuses_a_store_that_does_not_fit(rid: str, model_spec, monkeypa
     finally:
         remove_all(rid)
     assert leftovers(rid) == []
+
+
+def test_clipping_with_a_resident_copy_has_no_gradient_plane_slabs_or_accumulators(model_spec) -> None:
+    slabs = make_spec("plan-a", model_spec, staging_mode="slabs")
+    resident = dataclasses.replace(slabs, staging_mode="resident")
+    assert slabs.planes == PLANES and slabs.running_accumulators == 2 and slabs.num_grad_slabs == 2
+    assert resident.grads_in_resident and "grads" not in resident.planes
+    assert resident.running_accumulators == 0 and resident.num_grad_slabs == 0
+    assert resident.part_bytes()["staging"] == TILE_ALIGN  # no slabs at all: a page
+    assert not any(k.startswith("g_") for k in resident.sem_names())
+    unclipped = dataclasses.replace(resident, clip=False)
+    assert not unclipped.grads_in_resident and unclipped.num_grad_slabs == 2
+
+
+def test_a_gradient_never_overwrites_weights_the_step_still_fetches(rid: str, model_spec) -> None:
+    """The executor's sink refuses a gradient whose unit the engine's walk has not fetched for the last time:
+    in the resident copy it would overwrite weights yet to be read."""
+    spec = make_spec(rid, model_spec, staging="fp32", staging_mode="resident")
+    fetched = [0]
+    with owned(Store.create(spec)) as store:
+        sink = SyncSink(store, lambda: fetched[0])
+        head = spec.grad_order[0]
+        grad = torch.ones(spec.layout.structure_of(head).numel)
+        fetched[0] = spec.last_fetch[head]  # the head's own fetch not yet taken
+        with pytest.raises(ProtocolError, match=f"gradient of unit {head} .* overwrite"):
+            sink.emit(head, grad)
+        sink.begin()
+        fetched[0] = spec.last_fetch[head] + 1
+        sink.emit(head, grad)
+        assert (store.resident_tile(head) == 1.0).all()
+        assert store.sqnorms[spec.piece_range(head)].sum() == grad.numel()
+        store.wait("grads_ready", "the head's gradient")

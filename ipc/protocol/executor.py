@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from megatrain.ipc.protocol.plan import Item
+from megatrain.ipc.protocol.plan import STAGING, Item
 from megatrain.ipc.protocol.store import Store
 
 from megatrain.errors import AbortError, ProtocolError, WaitTimeout
@@ -89,10 +89,14 @@ class SyncSource:
 
 
 class SyncSink:
-    """CPU device: each piece of gradient k of the step goes to its gradient slab as fp32."""
+    """CPU device: each piece of gradient k of the step goes to its gradient slab as fp32 or, with
+    grads_in_resident, into the unit's resident tile with its squared norm (see `in_resident`).
 
-    def __init__(self, store: Store):
-        self.store = store
+    `fetched` tells how far the engine's weight walk is (fetches taken so far): a gradient may overwrite
+    its unit's resident tile only once the unit's last fetch of the step is behind it."""
+
+    def __init__(self, store: Store, fetched: Callable[[], int] | None = None):
+        self.store, self.fetched = store, fetched
         SyncSink.begin(self)  # not the streamed override: no drain thread before a step
 
     def begin(self) -> None:
@@ -102,7 +106,29 @@ class SyncSink:
     def end(self) -> None:
         pass
 
+    def in_resident(self, unit: int, grad: torch.Tensor) -> tuple[torch.Tensor, list[Item]]:
+        """The gradient in the resident copy's dtype, once the unit's weights are no longer needed; raises
+        if the engine could still fetch them (the gradient would overwrite weights yet to be read)."""
+        spec = self.store.spec
+        taken = self.fetched() if self.fetched is not None else len(spec.fetch_order)
+        if spec.last_fetch[unit] >= taken:
+            raise ProtocolError(f"the gradient of unit {unit} arrived at fetch {taken} of the step, but its weights "
+                                f"are fetched again at position {spec.last_fetch[unit]}: it would overwrite them "
+                                "in the resident copy")
+        items = self.walk.next(unit)
+        return grad.detach().to(STAGING[spec.staging_dtype][0]), items
+
     def emit(self, unit: int, grad: torch.Tensor) -> None:
+        if self.store.spec.grads_in_resident:
+            grad, items = self.in_resident(unit, grad)
+            tile = self.store.resident_tile(unit)
+            for item in items:
+                piece = grad[item.lo:item.hi]
+                self.store.sqnorms[item.piece] = float(piece.double().square().sum())
+                tile[item.lo:item.hi].copy_(piece)
+                self.store.post("grads_ready")
+            self.bytes += grad.numel() * grad.element_size()
+            return
         for item in self.walk.next(unit):
             t0 = time.perf_counter()
             self.store.wait(f"g_free{item.slab}", f"a free gradient slab for unit {unit}")
@@ -239,14 +265,19 @@ class StreamedSource(SyncSource):
 
 
 class StreamedSink(SyncSink):
-    def __init__(self, store: Store, device: torch.device, ipc_events: list):
-        super().__init__(store)
+    def __init__(self, store: Store, device: torch.device, ipc_events: list,
+                 fetched: Callable[[], int] | None = None):
+        super().__init__(store, fetched)
         self.device, self.ipc_events = device, ipc_events
         self.d2h = torch.cuda.Stream(device)
         self.worker = _Worker(store, "d2h-drain")
         self.todo: queue.Queue = queue.Queue()
         self.credits = threading.Semaphore(store.spec.ipc.grad_slabs)
         self.timeline: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+        # grads_in_resident: the pieces' squared norms land here (pinned once: pinning per step would
+        # synchronize the device) before they go to ctl
+        self.norms = (torch.zeros(store.spec.num_pieces, dtype=torch.float64, pin_memory=True)
+                      if store.spec.grads_in_resident else None)
 
     def begin(self) -> None:
         super().begin()
@@ -260,25 +291,54 @@ class StreamedSink(SyncSink):
         self.d2h.synchronize()
 
     def emit(self, unit: int, grad: torch.Tensor) -> None:
-        self.walk.next(unit)  # the drain thread walks the same items
-        grad = grad.detach().float()
+        norms = None
+        if self.store.spec.grads_in_resident:
+            grad, items = self.in_resident(unit, grad)  # the drain thread walks the same items
+            # each piece's norm of the values Adam will read, in fp32 on the device, squared in fp64
+            norms = torch.stack([torch.linalg.vector_norm(grad[it.lo:it.hi], dtype=torch.float32)
+                                 for it in items]).double().square()
+        else:
+            self.walk.next(unit)  # the drain thread walks the same items
+            grad = grad.detach().float()
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         t0 = time.perf_counter()
         self.worker.acquire(self.credits, f"a gradient credit for unit {unit}")  # at most G queued on the GPU
         self.wait_s += time.perf_counter() - t0
-        self.bytes += grad.numel() * 4
-        self.todo.put((unit, grad, done))
+        self.bytes += grad.numel() * grad.element_size()
+        self.todo.put((unit, grad, norms, done))
 
     def _drain(self) -> None:
         for k, items in enumerate(self.store.spec.emit_items):
-            unit, grad, done = self.worker.take(self.todo, f"the gradient of item {k}")
+            unit, grad, norms, done = self.worker.take(self.todo, f"the gradient of item {k}")
             self.d2h.wait_event(done)
             with torch.cuda.nvtx.range(f"d2h:{unit}"):
-                self._copy_out(unit, items, grad)
+                if norms is None:
+                    self._copy_out(unit, items, grad)
+                else:
+                    self._into_resident(unit, items, grad, norms)
+                    norms.record_stream(self.d2h)
             grad.record_stream(self.d2h)
-            del grad
+            del grad, norms
             self.credits.release()
+
+    def _into_resident(self, unit: int, items: list, grad: torch.Tensor, norms: torch.Tensor) -> None:
+        """The gradient into the unit's resident tile and its pieces' squared norms into ctl; Adam is told
+        (grads_ready) once the copy has landed. Only this thread waits for it, never the compute stream."""
+        tile, span = self.store.resident_tile(unit), slice(items[0].piece, items[-1].piece + 1)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.d2h):
+            start.record(self.d2h)
+            tile[items[0].lo:items[-1].hi].copy_(grad[items[0].lo:items[-1].hi], non_blocking=True)
+            self.norms[span].copy_(norms, non_blocking=True)
+            end.record(self.d2h)
+        self.timeline.append((unit, start, end))
+        while not end.query():  # a blocking synchronize would not see an abort
+            self.store.check_abort()
+            time.sleep(5e-4)
+        self.store.sqnorms[span] = self.norms[span].numpy()
+        for _ in items:
+            self.store.post("grads_ready")
 
     def _copy_out(self, unit: int, items: list, grad: torch.Tensor) -> None:
         for item in items:

@@ -19,7 +19,7 @@ from megatrain.errors import ProtocolError, ResourceError
 from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
 from megatrain.model import ModelSpec
 
-PLANES = ("params", "exp_avg", "exp_avg_sq", "grads")  # "grads" only when clipping needs the whole step
+PLANES = ("params", "exp_avg", "exp_avg_sq", "grads")  # "grads": clipping in slabs mode (see grads_in_resident)
 STAGING = {"bf16": (torch.bfloat16, 2), "fp32": (torch.float32, 4)}
 REASON_BYTES = 1024
 ROLE_BYTES = 128  # per role: heartbeat, progress, calls in flight, waits in flight, what it waits on
@@ -33,7 +33,9 @@ CTL_FIXED = ABOUT_OFFSET + ABOUT_BYTES
 @dataclass
 class IpcConfig:
     weight_slabs: int = opt(4, "S: weight staging slabs (compute dtype, ipc.slab_params elements each).")
-    grad_slabs: int = opt(4, "G: gradient staging slabs (fp32); back-pressure when all are in flight.")
+    grad_slabs: int = opt(4, "G: gradient staging slabs (fp32); back-pressure when all are in flight. With clipping "
+                             "and a resident copy there are none: gradients go straight into the resident copy, "
+                             "and G bounds the gradients queued on the GPU.")
     slab_params: int = opt(0, "Elements per staging slab; a larger unit streams in slab-sized pieces (weights "
                               "and gradients alike). 0 = the largest decoder layer, so only the embedding "
                               "and LM head are split. Smaller slabs take less pinned memory and more copies.")
@@ -92,9 +94,19 @@ class StoreSpec:
     cores: int = 0  # the cores the plan split
 
     @property
+    def grads_in_resident(self) -> bool:
+        """Clipping with a resident copy: each unit's gradient waits for the global norm in the unit's own
+        resident tile, in the compute dtype, as the executor made it. The tile's weights are not read again
+        in the step once its gradient exists (the executor checks that), and Adam reads the gradient and
+        writes the new weights in the same pass, so clipping needs no gradient plane, slabs or accumulators:
+        12 bytes per parameter plus the copy, as without clipping."""
+        return self.clip and self.resident
+
+    @property
     def planes(self) -> tuple[str, ...]:
-        """fp32 planes of this run: without clipping Adam consumes gradient slabs directly (12 B/param)."""
-        return PLANES if self.clip else PLANES[:3]
+        """fp32 planes of this run: only clipping in slabs mode has a gradient plane (16 B/param); without
+        clipping Adam consumes gradient slabs directly, with a resident copy the gradients wait there."""
+        return PLANES if self.clip and not self.resident else PLANES[:3]
 
     @property
     def resident(self) -> bool:
@@ -107,8 +119,13 @@ class StoreSpec:
 
     @property
     def running_accumulators(self) -> int:
-        """Accumulators that run: none without clipping (Adam drains the gradient slabs itself)."""
-        return self.num_accumulators if self.clip else 0
+        """Accumulators that run: none without clipping (Adam drains the gradient slabs itself), none with
+        gradients in the resident copy (the executor writes them there)."""
+        return self.num_accumulators if self.clip and not self.resident else 0
+
+    @property
+    def num_grad_slabs(self) -> int:
+        return 0 if self.grads_in_resident else self.ipc.grad_slabs
 
     @property
     def num_weight_slabs(self) -> int:
@@ -172,6 +189,11 @@ class StoreSpec:
         return fetch_order(self.blocks)
 
     @cached_property
+    def last_fetch(self) -> dict[int, int]:
+        """Per unit, its last position in fetch_order: its weights are not read after that in a step."""
+        return {u: i for i, u in enumerate(self.fetch_order)}
+
+    @cached_property
     def forward_order(self) -> list[int]:
         return forward_order(self.layout.num_layers)
 
@@ -202,7 +224,7 @@ class StoreSpec:
     @cached_property
     def emit_items(self) -> list[list[Item]]:
         """Per gradient of engine.grad_order, the unit's pieces with their gradient slabs."""
-        return self._grouped(self.grad_order, self.ipc.grad_slabs)
+        return self._grouped(self.grad_order, max(self.num_grad_slabs, 1))
 
     def weight_items(self, packer: int, walk: str = "step") -> list[Item]:
         """The items packer `packer` fills in one walk, in order (none in resident mode)."""
@@ -227,7 +249,8 @@ class StoreSpec:
 
     def part_bytes(self) -> dict[str, int]:
         plane = self.layout.total * 4
-        staging = self.slab_elems * (self.num_weight_slabs * self.staging_bytes + self.ipc.grad_slabs * 4)
+        staging = self.slab_elems * (self.num_weight_slabs * self.staging_bytes + self.num_grad_slabs * 4)
+        staging = max(staging, TILE_ALIGN)  # every run has the segment; with no slabs it is a page
         ctl = CTL_FIXED + self.num_pieces * 24  # per piece: version, squared gradient norm, saved step
         resident = {"resident": self.layout.total * self.staging_bytes} if self.resident else {}
         return {**dict.fromkeys(self.planes, plane), "staging": staging, **resident, "ctl": ctl}
@@ -236,7 +259,7 @@ class StoreSpec:
         """What the segments' bytes mean. Not the checkpoint plan (K, the last block): it orders the walk,
         not the memory, and is settled after the store is made (actors/store_owner.py)."""
         extra = (f"{self.clip}:{self.staging_mode}:"
-                 f"{self.staging_dtype}:{self.slab_elems}:{self.num_weight_slabs}:{self.ipc.grad_slabs}")
+                 f"{self.staging_dtype}:{self.slab_elems}:{self.num_weight_slabs}:{self.num_grad_slabs}")
         return hashlib.sha256(self.layout.digest() + extra.encode()).digest()[:16]
 
     def roles(self) -> list[str]:
@@ -255,7 +278,7 @@ class StoreSpec:
     def sem_names(self) -> dict[str, tuple[str, int]]:
         """Semaphore key -> (name, initial value)."""
         out = {"grads_ready": (sem_name(self.run_id, "grads-ready"), 0)}
-        for kind, n in (("w", self.num_weight_slabs), ("g", self.ipc.grad_slabs)):
+        for kind, n in (("w", self.num_weight_slabs), ("g", self.num_grad_slabs)):
             for i in range(n):
                 out[f"{kind}_free{i}"] = (sem_name(self.run_id, f"{kind}free{i}"), 1)
                 out[f"{kind}_full{i}"] = (sem_name(self.run_id, f"{kind}full{i}"), 0)

@@ -160,6 +160,15 @@ class Store:
         return torch.frombuffer(self.segments["resident"].mm, dtype=STAGING[self.spec.staging_dtype][0], count=n,
                                 offset=HEADER_BYTES + u.offset * self.spec.staging_bytes)
 
+    def grad_tile(self, unit: int) -> np.ndarray:
+        """The unit's gradient as Adam reads it with clipping: its tile of the fp32 grads plane or, with
+        grads_in_resident, its resident tile in the compute dtype (bf16 as uint16 bits, which the AdamW
+        kernel widens as it reads them)."""
+        if not self.spec.grads_in_resident:
+            return self.tile("grads", unit)
+        tile = self.resident_tile(unit)
+        return tile.view(torch.int16).numpy().view(np.uint16) if tile.dtype == torch.bfloat16 else tile.numpy()
+
     def refresh_resident(self, unit: int, lo: int = 0, hi: int | None = None) -> None:
         """Rewrite elements [lo, hi) of the unit's compute-dtype copy from its fp32 params (torch's cast:
         round to nearest even)."""
