@@ -19,6 +19,7 @@ from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.executor import Marks, StreamedSink, StreamedSource, SyncSink, SyncSource, copy_intervals
 
+from megatrain.cudahost import use_expandable_segments
 from megatrain.engine import EngineConfig, StepEngine, resolve_device, resolve_dtype
 from megatrain.model import family_classes
 from megatrain.profiling import StepProfile
@@ -30,6 +31,8 @@ class GpuExecutor(Role):
         modeling code of the model's family (the engine's templates come from it)."""
         super().__init__("gpu-executor")
         self.cfg = cfg
+        if cfg.device != "cpu" and torch.cuda.is_available():  # before anything initializes CUDA
+            print(f"[{self.name}] {use_expandable_segments()}", flush=True)
         self.device = resolve_device(cfg)
         self.cuda = self.device.type == "cuda"
         if self.cuda:

@@ -13,6 +13,7 @@ import mmap
 import os
 import re
 import struct
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,6 +155,34 @@ def mem_available_bytes() -> int:
     return _proc_kib("/proc/meminfo", "MemAvailable:")
 
 
+def mem_total_bytes() -> int:
+    return _proc_kib("/proc/meminfo", "MemTotal:")
+
+
+RAY_THRESHOLD_ENV = "RAY_memory_usage_threshold"
+RAY_DEFAULT_THRESHOLD = 0.95  # Ray's own default
+
+
+def ray_memory_threshold() -> float | None:
+    """The fraction of the node's RAM in use above which Ray's memory monitor kills its workers, where this
+    process is a Ray worker (the raylet's setting reaches its workers' environment); None outside Ray."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    try:
+        return float(os.environ.get(RAY_THRESHOLD_ENV, RAY_DEFAULT_THRESHOLD))
+    except ValueError:
+        return RAY_DEFAULT_THRESHOLD
+
+
+def monitor_room(avail: int, threshold: float | None, total: int | None = None) -> int | None:
+    """RAM a run may still take before Ray's memory monitor fires: what is available less the share of the
+    node's RAM the monitor keeps free (shared memory counts as used: it is not reclaimable)."""
+    if threshold is None:
+        return None
+    return avail - int((1 - threshold) * (mem_total_bytes() if total is None else total))
+
+
 def pss_split(pid: int, prefix: str) -> tuple[int, int]:
     """Proportional set size of a process (shared pages split among the processes that map them, so the
     sum over a run's processes counts the shared-memory store once), and the part of it outside the
@@ -219,6 +248,13 @@ def check_space(parts: dict[str, int], shm_dir: str = "/dev/shm", ram_only: dict
     if avail and need > avail:
         raise ResourceError(f"the host store needs {gib(need)} of RAM ({detail}) but only {gib(avail)} is "
                             f"available (MemAvailable){_lighter(parts, ram_only)}")
+    threshold = ray_memory_threshold()
+    room = monitor_room(avail, threshold)
+    if avail and room is not None and need > room:
+        raise ResourceError(f"the host store needs {gib(need)} of RAM ({detail}); {gib(avail)} is available, but "
+                            f"Ray's memory monitor kills this node's workers above {threshold:.0%} of its RAM "
+                            f"({RAY_THRESHOLD_ENV}), which leaves {gib(max(room, 0))} for the run"
+                            f"{_lighter(parts, ram_only)}")
 
 
 def _lighter(parts: dict[str, int], ram_only: dict[str, int]) -> str:

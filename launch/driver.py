@@ -154,7 +154,8 @@ class Trainer:
         log(f"run {self.run_id}; output directory {self.out}")
         log(f"config (what differs from the defaults; all of it, resolved, in "
             f"{self.out / 'config.yaml'}):\n  " + "\n  ".join(f"{k}: {short(v)}" for k, v in changed))
-        dem = demands(cfg.actors, cuda, clip=cfg.optim.clips, writer=self.checkpointer.enabled)
+        dem = demands(cfg.actors, cuda, clip=cfg.optim.clips, writer=self.checkpointer.enabled,
+                      staging=cfg.ipc.staging)
         self.runner.place(bundle(dem), describe_need(dem))
         self._phase("placement")
         # Worker processes start (and import torch, compile Numba, make a CUDA context) while the store
@@ -220,13 +221,13 @@ class Trainer:
         log(f"engine sizes: {sizes} ({why}; the rule for 'auto': megatrain/autosize.py)")
 
     def _spawn_workers(self, dem: dict, packers: bool) -> None:
-        a, clip = self.cfg.actors, self.cfg.optim.clips
         family = resolve_hf_config(self.cfg.model)[0]
         plan: list[tuple[str, type, tuple]] = [("gpu-executor", GpuExecutor, (self.engine_cfg, family))]
-        plan += [(f"grad-accumulator-{i}", GradAccumulator, (i,)) for i in range(a.num_accumulators if clip else 0)]
+        accumulators = [n for n in dem if n.startswith("grad-accumulator-")]  # as demands() expects them
+        plan += [(name, GradAccumulator, (i,)) for i, name in enumerate(accumulators)]
         plan += [("adam-updater", AdamUpdater, (self.cfg.optim,))]
         if self.checkpointer.enabled:
-            plan += [("checkpoint-writer", CheckpointWriter, (a.writer_threads,))]
+            plan += [("checkpoint-writer", CheckpointWriter, (self.cfg.actors.writer_threads,))]
         if packers:
             plan += self._packer_plan()
         for name, cls, args in plan:

@@ -13,12 +13,24 @@ check_space), the auto sizes the GPU part.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 from dataclasses import dataclass, field
 
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, plan_store
-from megatrain.ipc.shm import HEADER_BYTES, gib, mem_available_bytes, shm_free_bytes
+from megatrain.ipc.shm import (
+    HEADER_BYTES,
+    RAY_DEFAULT_THRESHOLD,
+    RAY_THRESHOLD_ENV,
+    gib,
+    mem_available_bytes,
+    mem_total_bytes,
+    monitor_room,
+    shm_free_bytes,
+)
 from megatrain.launch.config import Config, load_config
 from megatrain.launch.placement import demands, describe_need
+from megatrain.launch.runners import PRIVATE_THRESHOLD
 
 from megatrain import autosize
 from megatrain.engine import resolve_engine
@@ -30,21 +42,39 @@ PROCESS_BYTES = {"gpu-executor": int(1.4 * GIB), "cpu-role": int(0.7 * GIB), "re
 
 
 @dataclass
+class Host:
+    """The host a plan is made for: this machine now, or one of `--host-gib` GiB."""
+
+    ram: int  # MemAvailable
+    total: int  # MemTotal
+    shm: int  # free in ipc.shm_dir
+    threshold: float | None  # Ray's memory monitor (fraction of RAM in use); None: no Ray
+    note: str = ""
+
+    @property
+    def limit(self) -> int:
+        """What the run may take: what is available, less what Ray's memory monitor keeps free."""
+        room = monitor_room(self.ram, self.threshold, self.total)
+        return self.ram if room is None else min(self.ram, room)
+
+
+@dataclass
 class MemPlan:
     title: str
     host: dict[str, int]
-    ram: int  # MemAvailable here
-    shm: int  # free in ipc.shm_dir here
+    machine: Host
     shm_part: int  # what of the host lives in shared memory
+    num_params: int = 0
     gpu: dict[str, int] = field(default_factory=dict)
     gpu_free: int | None = None
     gpu_note: str = ""
     sizes: str = ""
     gpu_error: str = ""
     need: str = ""  # what the actors ask of one node (launch/placement.py)
+    cuda: bool = False
 
     def host_fits(self) -> bool:
-        return sum(self.host.values()) <= self.ram and self.shm_part <= self.shm
+        return sum(self.host.values()) <= self.machine.limit and self.shm_part <= self.machine.shm
 
     def gpu_fits(self) -> bool:
         return not self.gpu_error and (self.gpu_free is None or sum(self.gpu.values()) <= self.gpu_free)
@@ -53,7 +83,27 @@ class MemPlan:
         return self.host_fits() and self.gpu_fits()
 
 
-def make_plan(cfg: Config, gpu_free: int | None, cuda: bool) -> MemPlan:
+def this_host(cfg: Config, host_gib: float | None = None) -> Host:
+    """This machine (or, with `host_gib`, one with that much RAM, all of it free and /dev/shm as large), with
+    the memory-monitor threshold the run's Ray would have: the user's RAY_memory_usage_threshold, else a
+    private instance's, else (joining a cluster) Ray's default; none with the in-process runner."""
+    if cfg.launch.runner == "inprocess":
+        threshold = None
+    elif RAY_THRESHOLD_ENV in os.environ:
+        threshold = float(os.environ[RAY_THRESHOLD_ENV])
+    elif cfg.launch.address or os.environ.get("RAY_ADDRESS"):
+        threshold = RAY_DEFAULT_THRESHOLD
+    else:
+        threshold = PRIVATE_THRESHOLD
+    if host_gib is not None:
+        if host_gib <= 0:
+            raise ConfigError("--host-gib must be > 0")
+        size = int(host_gib * GIB)
+        return Host(size, size, size, threshold, " (--host-gib: all of it free, /dev/shm as large)")
+    return Host(mem_available_bytes(), mem_total_bytes(), shm_free_bytes(cfg.ipc.shm_dir), threshold)
+
+
+def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Host | None = None) -> MemPlan:
     engine = resolve_engine(cfg.engine, cuda)
     spec = build_spec(cfg.model, cfg.optim.no_decay_1d)
     d = cfg.data
@@ -65,19 +115,20 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool) -> MemPlan:
         gpu_error, why = str(exc), ""
         sizes = autosize.Sizes(1, 1, 1, 512, 1)  # the least the engine can do, to show the rest of the plan
     engine = autosize.apply(engine, sizes)
+    machine = machine or this_host(cfg)
     pinned = checkpoint_host_bytes(spec, engine, d.batch_size, d.seq_len)
     store = plan_store("plan", spec, engine.compute_dtype, engine.checkpoint_interval, cfg.actors.num_packers,
                        cfg.actors.num_accumulators, cfg.ipc, cuda, cfg.optim.clips,
-                       {"checkpoints": pinned}, engine.last_block_layers)
+                       {"checkpoints": pinned}, engine.last_block_layers, space=(machine.shm, machine.limit))
     host = {f"shm: {k}": v + HEADER_BYTES for k, v in store.part_bytes().items()}
     host["executor: pinned activation checkpoints"] = pinned
     host.update(_processes(store, cfg, cuda))
     plan = MemPlan(f"{spec.family}, {spec.layout.num_layers} layers, {spec.layout.num_params / 1e6:.2f}M params, "
                    f"{d.batch_size}x{d.seq_len} tokens per step, engine on {engine.device} ({engine.compute_dtype}), "
                    f"staging {store.staging_mode}, clipping {'on' if store.clip else 'off'}",
-                   host, mem_available_bytes(), shm_free_bytes(cfg.ipc.shm_dir),
-                   sum(v for k, v in host.items() if k.startswith("shm:")), gpu_error=gpu_error)
-    plan.need = describe_need(demands(cfg.actors, cuda, store.clip, cfg.train.saves_checkpoints))
+                   host, machine, sum(v for k, v in host.items() if k.startswith("shm:")),
+                   spec.layout.num_params, gpu_error=gpu_error, cuda=cuda)
+    plan.need = describe_need(demands(cfg.actors, cuda, store.clip, cfg.train.saves_checkpoints, store.staging_mode))
     plan.sizes = str(sizes) + (f" ({why})" if why else "")
     if cuda:
         plan.gpu = autosize.gpu_terms(spec, engine, d.batch_size, d.seq_len, sizes)
@@ -97,18 +148,41 @@ def _processes(store: StoreSpec, cfg: Config, cuda: bool) -> dict[str, int]:
     return out
 
 
+# Settings that take host memory away, each re-planned to show what it saves on this model and machine.
+HOST_LEVERS = [
+    ("optim.max_grad_norm=0", "no clipping", lambda c: _set(c, "optim", max_grad_norm=0.0)),
+    ("ipc.staging=slabs", "no resident copy; packing on the step's path",
+     lambda c: _set(c, "ipc", staging="slabs")),
+    ("optim.max_grad_norm=0 ipc.staging=slabs", "no clipping, no resident copy: 12 bytes per parameter of planes",
+     lambda c: _set(_set(c, "optim", max_grad_norm=0.0), "ipc", staging="slabs")),
+    ("optim.max_grad_norm=0 ipc.staging=slabs ipc.slab_params=QUARTER",
+     "no clipping, no resident copy, slabs of a quarter layer",
+     lambda c: _set(_set(c, "optim", max_grad_norm=0.0), "ipc", staging="slabs", slab_params=_quarter_layer(c))),
+    ("engine.offload_checkpoints=false", "the activation checkpoints in GPU memory instead",
+     lambda c: _set(c, "engine", offload_checkpoints=False)),
+]
+
+
+def _quarter_layer(cfg: Config) -> int:
+    layout = build_spec(cfg.model, cfg.optim.no_decay_1d).layout
+    return max(max(layout.structure_of(u.index).numel for u in layout.units if u.kind == "layer") // 4, 1)
+
+
+def _set(cfg: Config, part: str, **values) -> Config:
+    return dataclasses.replace(cfg, **{part: dataclasses.replace(getattr(cfg, part), **values)})
+
+
 def suggestions(plan: MemPlan, cfg: Config) -> list[str]:
-    """The settings that make a plan that does not fit need less, with what each saves."""
+    """The settings that make a plan that does not fit need less, with what each saves (host: re-planned)."""
     tips = []
     if not plan.host_fits():
-        for k, v in plan.host.items():
-            if k == "shm: grads" and v:
-                tips.append(f"optim.max_grad_norm=0: no clipping, no fp32 gradient plane (-{gib(v)} of host RAM)")
-            if k == "shm: resident" and v:
-                tips.append(f"ipc.staging=slabs: no resident copy (-{gib(v)} of host RAM; packing on the step's path)")
-            if k.startswith("executor:") and v:
-                tips.append(f"engine.offload_checkpoints=false or a larger engine.checkpoint_interval (-up to {gib(v)} "
-                            "of host RAM; the checkpoints then take GPU memory)")
+        total = sum(plan.host.values())
+        for setting, what, change in HOST_LEVERS:
+            other = make_plan(change(cfg), plan.gpu_free, plan.cuda, plan.machine)
+            saved = total - sum(other.host.values())
+            if saved > 0:
+                setting = setting.replace("QUARTER", str(_quarter_layer(cfg)))
+                tips.append(f"{setting}: {what} (-{gib(saved)} of host RAM)")
     if not plan.gpu_fits():
         tips += ["engine.chunk_sequences=1 (the batch through each layer one sequence at a time)",
                  "engine.checkpoint_interval=1 and engine.last_block_layers=1 (the fewest layers' activations kept)",
@@ -117,9 +191,16 @@ def suggestions(plan: MemPlan, cfg: Config) -> list[str]:
 
 
 def render(plan: MemPlan, cfg: Config) -> str:
+    m, total = plan.machine, sum(plan.host.values())
+    # per parameter where the parameters dominate (a tiny model's bytes are the processes')
+    per_param = f" ({total / plan.num_params:.1f} bytes per parameter)" if plan.num_params >= 10**8 else ""
     lines = [f"memory plan: {plan.title}", f"engine sizes: {plan.sizes}", "",
-             f"host: {gib(sum(plan.host.values()))} needed; this machine: {gib(plan.ram)} RAM available, "
-             f"{gib(plan.shm)} free in {cfg.ipc.shm_dir} (the store needs {gib(plan.shm_part)} there)"]
+             f"host: {gib(total)} needed{per_param}; this machine{m.note}: {gib(m.ram)} RAM available, "
+             f"{gib(m.shm)} free in {cfg.ipc.shm_dir} (the store needs {gib(plan.shm_part)} there)"]
+    if m.threshold is not None:
+        lines.append(f"  Ray's memory monitor kills workers above {m.threshold:.0%} of {gib(m.total)} RAM in use "
+                     f"({RAY_THRESHOLD_ENV}; {PRIVATE_THRESHOLD:.0%} in a private instance): the run may take "
+                     f"{gib(max(m.limit, 0))}")
     lines += [f"  {k:<52} {gib(v):>12}" for k, v in plan.host.items() if v]
     lines.append(f"  -> {'fits' if plan.host_fits() else 'DOES NOT FIT'}")
     if plan.gpu:
@@ -144,10 +225,12 @@ def main(argv: list[str]) -> int:
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     p.add_argument("--gpu-gib", type=float, help="plan for a GPU with this much free memory (default: this "
                                                  "machine's GPU; without one, the CPU device)")
+    p.add_argument("--host-gib", type=float, help="plan for a host with this much RAM, all of it free (default: "
+                                                  "this machine's available RAM and /dev/shm)")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     free, cuda, note = _gpu(cfg, args.gpu_gib)
-    plan = make_plan(cfg, free, cuda)
+    plan = make_plan(cfg, free, cuda, this_host(cfg, args.host_gib))
     plan.gpu_note = note
     print(render(plan, cfg))
     return 0 if plan.fits() else 1

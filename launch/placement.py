@@ -48,17 +48,19 @@ class Demand:
     gpus: float
 
 
-def demands(cfg: ActorsConfig, cuda: bool, clip: bool = True, writer: bool = False) -> dict[str, Demand]:
+def demands(cfg: ActorsConfig, cuda: bool, clip: bool = True, writer: bool = False,
+            staging: str = "auto") -> dict[str, Demand]:
     """Per role. On CUDA the processes that drain gradient slabs (the accumulators, or the Adam updater
     without clipping) need a sliver of the GPU: Ray hides GPUs from actors that ask for none, and they
     must open the executor's IPC events on the same device."""
     sliver = 0.01 if cuda else 0.0
-    drainers = cfg.num_accumulators if clip else 1
+    accumulators = cfg.num_accumulators if expect_accumulators(staging, cuda, clip) else 0
+    drainers = accumulators if clip else 1
     out = {"store-owner": Demand(0.0, 0.0),
            "gpu-executor": Demand(1.0, round(1.0 - sliver * drainers, 4) if cuda else 0.0),
            "adam-updater": Demand(1.0, 0.0 if clip else sliver)}
     out.update({f"packer-{i}": Demand(1.0, 0.0) for i in range(cfg.num_packers)})
-    out.update({f"grad-accumulator-{i}": Demand(1.0, sliver) for i in range(cfg.num_accumulators if clip else 0)})
+    out.update({f"grad-accumulator-{i}": Demand(1.0, sliver) for i in range(accumulators)})
     if writer:  # disk-bound (it waits on the disk, not a core), so it asks for none
         out["checkpoint-writer"] = Demand(0.0, 0.0)
     return out
@@ -76,6 +78,12 @@ def expect_packers(staging: str, cuda: bool) -> bool:
     store owner resolves 'auto' on the GPU's node: auto means slabs on the CPU device, resident on CUDA
     unless it does not fit (then the packers start late)."""
     return staging == "slabs" or (staging == "auto" and not cuda)
+
+
+def expect_accumulators(staging: str, cuda: bool, clip: bool) -> bool:
+    """Whether accumulators will run: with clipping, unless the gradients wait in the resident copy, which
+    is where 'auto' puts them on CUDA (ipc/protocol/plan.py plan_store)."""
+    return clip and (staging == "slabs" or (staging == "auto" and not cuda))
 
 
 def describe_need(d: dict[str, Demand]) -> str:

@@ -20,10 +20,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatrain.ipc.procs import descendants, spawn_detached, start_ticks
+from megatrain.ipc.shm import RAY_THRESHOLD_ENV
 from megatrain.launch.placement import Demand
 
 from megatrain.configbase import opt
 from megatrain.errors import AbortError, ActorFailure, ConfigError, MegatrainError, ResourceError
+
+PRIVATE_THRESHOLD = 0.98  # Ray's memory monitor in a private instance (see _memory_monitor_threshold)
 
 
 @dataclass
@@ -132,8 +135,9 @@ class RayRunner:
                 cpus = self.cfg.num_cpus or max(os.cpu_count() or 1, int(cpus_needed + 0.999))
                 # address="local": always a private instance, even where `ray start` left a cluster
                 # that ray.init() would otherwise discover and join.
-                ray.init(address="local", num_cpus=cpus, include_dashboard=False,
-                         object_store_memory=self.cfg.object_store_mb * 2**20, log_to_driver=True)
+                with _memory_monitor_threshold():
+                    ray.init(address="local", num_cpus=cpus, include_dashboard=False,
+                             object_store_memory=self.cfg.object_store_mb * 2**20, log_to_driver=True)
                 self.started_ray = True
                 self.guard = _start_guard()
 
@@ -227,6 +231,23 @@ class RayRunner:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.guard, signal.SIGTERM)  # it ends what of the instance still lingers, then exits
             self.guard = 0
+
+
+@contextlib.contextmanager
+def _memory_monitor_threshold() -> Iterator[None]:
+    """A private instance's memory monitor at PRIVATE_THRESHOLD of RAM instead of Ray's 95 %, unless the user
+    set RAY_memory_usage_threshold: the run's store is shared memory, which the monitor counts as used, and a
+    store sized to the host (admitted against MemAvailable by the store owner) would otherwise get its workers
+    killed. The raylet takes the setting from its environment and hands it to the workers, whose store owner
+    checks the store against it (ipc/shm.py check_space)."""
+    if RAY_THRESHOLD_ENV in os.environ:
+        yield
+        return
+    os.environ[RAY_THRESHOLD_ENV] = str(PRIVATE_THRESHOLD)
+    try:
+        yield
+    finally:
+        os.environ.pop(RAY_THRESHOLD_ENV, None)
 
 
 def _start_guard() -> int:

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatrain.engine import FIXED_SIZES, EngineConfig
+from megatrain.engine import FIXED_SIZES, EngineConfig, blocks
 from megatrain.errors import ResourceError
 from megatrain.lean import lean_layer_bytes
 from megatrain.model import ModelSpec
@@ -63,6 +63,7 @@ class Sizes:
     chunk_sequences: int
     loss_chunk_tokens: int
     lean_layers: int
+    offload_checkpoints: bool = True
 
     def __str__(self) -> str:  # the line the driver logs and `megatrain-launch plan` prints
         return ", ".join(f"{f.name} {getattr(self, f.name)}" for f in dataclasses.fields(self))
@@ -101,39 +102,103 @@ def choose(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, gpu_free: i
     if gpu_free is None:
         return _keep(cfg, Sizes(**FIXED_SIZES)), "the CPU device: fixed defaults"
     dtype_bytes = 2 if cfg.compute_dtype == "bf16" else 4
-    tokens = batch * seq
     budget = int(gpu_free * MARGIN) - buffer_bytes(spec, cfg.prefetch, dtype_bytes)
     loss = _loss_chunk(spec.hf_config.vocab_size, budget)
-    budget -= loss * spec.hf_config.vocab_size * LOSS_BYTES + stream_bytes(spec, tokens, dtype_bytes)
-    per_layer = layer_activation_bytes(spec, tokens, dtype_bytes)
-    layers = spec.layout.num_layers
-    fit = max(budget // per_layer, 0)
-    k = 2 if fit >= 2 and layers >= 2 else 1
-    room = budget - sum_bytes(spec, k)  # chunks keep an fp32 gradient sum per layer of the block
-    if k * per_layer / batch > room and cfg.chunk_sequences == "auto":
-        raise ResourceError(
-            f"the GPU cannot hold one sequence of {seq} tokens through {k} layer(s): {gpu_free / GIB:.1f} GiB free, "
-            f"{max(room, 0) / GIB:.1f} GiB of it left for activations after the weight buffers, the loss chunk, "
-            f"the hidden states and the chunks' gradient sums, one sequence needs "
-            f"{k * per_layer / batch / GIB:.2f} GiB; use a shorter data.seq_len or a GPU with more free memory "
-            f"(megatrain-launch plan CONFIG shows the whole plan)")
-    chunk = 0 if k * per_layer <= budget else max(1, int(room // (k * per_layer / batch)))
-    cost = (per_layer, lean_bytes(spec, tokens, dtype_bytes), budget)
-    if 0 < (chunk if cfg.chunk_sequences == "auto" else cfg.chunk_sequences) < batch:
-        # sequence chunks are what make the batch fit, not lean layers: the whole batch's fit, none lean
-        last, lean = max(min(fit, layers), 1), (0 if cfg.lean_layers == "auto" else cfg.lean_layers)
-    else:
-        last, lean = _last_block(layers, k if cfg.last_block_layers == 0 else cfg.last_block_layers,
-                                 cfg.lean_layers, cost)
-    why = (f"{gpu_free / GIB:.1f} GiB free on the GPU, {max(budget, 0) / GIB:.1f} GiB left for layer activations; "
-           f"one layer's {per_layer / GIB:.2f} GiB for {batch}x{seq} tokens, a lean one's {cost[1] / GIB:.2f}")
-    both_auto = cfg.last_block_layers == "auto" and cfg.chunk_sequences == "auto"
-    if clip and both_auto and chunk == 0 and 4 * (layers - last) >= layers:
-        every = _chunk_for_every_layer(spec, batch, seq, dtype_bytes, budget)
-        if every:
-            last, chunk, lean = layers, every, (0 if cfg.lean_layers == "auto" else cfg.lean_layers)
-            why += f"; every layer in the last block, in chunks of {every} sequences (clipping on)"
-    return _keep(cfg, Sizes(k, last, chunk, loss, lean)), why
+    budget -= loss * spec.hf_config.vocab_size * LOSS_BYTES + stream_bytes(spec, batch * seq, dtype_bytes)
+    shape = _Shape(spec, cfg, batch, seq, dtype_bytes, clip, gpu_free)
+    plan = shape.blocks(budget)
+    offload = cfg.offload_checkpoints
+    each = checkpoint_bytes(spec, batch * seq, dtype_bytes)
+    if offload == "auto":  # on the GPU where they take at most an eighth of the room (see the docstring)
+        kept = shape.with_checkpoints(budget, each, limit=budget // 8)
+        offload = kept is None and _saved(spec, plan) > 0
+        plan = plan if kept is None else kept
+    elif not offload:
+        plan = shape.with_checkpoints(budget, each, limit=budget) or plan
+    k, last, chunk, lean, why = plan
+    saved = _saved(spec, plan)
+    where = "none" if not saved else f"{saved} in pinned host RAM" if offload else f"{saved} on the GPU"
+    why += f"; activation checkpoints: {where}"
+    return _keep(cfg, Sizes(k, last, chunk, loss, lean, bool(offload))), why
+
+
+class _Shape:
+    """The sizing of one run's blocks for a given activation budget."""
+
+    def __init__(self, spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, dtype_bytes: int, clip: bool,
+                 gpu_free: int):
+        self.spec, self.cfg, self.batch, self.seq, self.dtype_bytes = spec, cfg, batch, seq, dtype_bytes
+        self.clip, self.gpu_free = clip, gpu_free
+        self.per_layer = layer_activation_bytes(spec, batch * seq, dtype_bytes)
+
+    def blocks(self, budget: int) -> tuple[int, int, int, int, str]:
+        """(K, last block layers, sequences per chunk, lean layers, why) for `budget` bytes of activations."""
+        spec, cfg, batch, seq, per_layer = self.spec, self.cfg, self.batch, self.seq, self.per_layer
+        layers = spec.layout.num_layers
+        fit = max(budget // per_layer, 0)
+        k = 2 if fit >= 2 and layers >= 2 else 1
+        room = budget - sum_bytes(spec, k)  # chunks keep an fp32 gradient sum per layer of the block
+        if k * per_layer / batch > room and cfg.chunk_sequences == "auto":
+            raise ResourceError(
+                f"the GPU cannot hold one sequence of {seq} tokens through {k} layer(s): {self.gpu_free / GIB:.1f} "
+                f"GiB free, {max(room, 0) / GIB:.1f} GiB of it left for activations after the weight buffers, the "
+                f"loss chunk, the hidden states and the chunks' gradient sums, one sequence needs "
+                f"{k * per_layer / batch / GIB:.2f} GiB; use a shorter data.seq_len or a GPU with more free memory "
+                f"(megatrain-launch plan CONFIG shows the whole plan)")
+        chunk = 0 if k * per_layer <= budget else max(1, int(room // (k * per_layer / batch)))
+        cost = (per_layer, lean_bytes(spec, batch * seq, self.dtype_bytes), budget)
+        chunked = 0 < (chunk if cfg.chunk_sequences == "auto" else cfg.chunk_sequences) < batch
+        if chunked:  # sequence chunks are what make the batch fit, not lean layers: the whole batch's fit
+            last, lean = max(min(fit, layers), 1), (0 if cfg.lean_layers == "auto" else cfg.lean_layers)
+        else:
+            last, lean = _last_block(layers, k if cfg.last_block_layers == 0 else cfg.last_block_layers,
+                                     cfg.lean_layers, cost)
+        why = (f"{self.gpu_free / GIB:.1f} GiB free on the GPU, {max(budget, 0) / GIB:.1f} GiB left for layer "
+               f"activations; one layer's {per_layer / GIB:.2f} GiB for {batch}x{seq} tokens, a lean one's "
+               f"{cost[1] / GIB:.2f}")
+        both_auto = cfg.last_block_layers == "auto" and cfg.chunk_sequences == "auto"
+        if self.clip and both_auto and chunk == 0 and 4 * (layers - last) >= layers:
+            every = _chunk_for_every_layer(spec, batch, seq, self.dtype_bytes, budget)
+            if every:
+                last, chunk, lean = layers, every, (0 if cfg.lean_layers == "auto" else cfg.lean_layers)
+                why += f"; every layer in the last block, in chunks of {every} sequences (clipping on)"
+        if not chunked and not chunk and cfg.checkpoint_interval == "auto":
+            k = self._interval(budget, k, last)
+        return k, last, chunk, lean, why
+
+    def _interval(self, budget: int, least: int, last: int) -> int:
+        """K for a whole batch: as many layers as a recompute block can hold at once, weights included (the last
+        block's activations are freed before the first recompute), up to the layers left to recompute. The
+        time is the same (one recompute per layer whatever K); fewer, larger blocks keep fewer checkpoints."""
+        whole = self.per_layer + _layer_numel(self.spec) * self.dtype_bytes
+        rest = self.spec.layout.num_layers - (last or least)
+        return max(least, min(budget // whole, rest))
+
+    def with_checkpoints(self, budget: int, each: int, limit: int) -> tuple[int, int, int, int, str] | None:
+        """The blocks for a budget that also holds their activation checkpoints on the GPU (`each` bytes per
+        checkpoint), or None where those take more than `limit` bytes. Fewer layers in the last block mean more
+        checkpoints, so the reservation grows until it covers what the blocks keep."""
+        reserve = 0
+        for _ in range(8):
+            plan = self.blocks(budget - reserve)
+            need = _saved(self.spec, plan) * each
+            if need > limit:
+                return None
+            if need <= reserve:
+                return plan
+            reserve = need
+        return None
+
+
+def checkpoint_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int) -> int:
+    """One activation checkpoint: a block's input hidden state."""
+    return tokens * spec.hf_config.hidden_size * dtype_bytes
+
+
+def _saved(spec: ModelSpec, plan: tuple) -> int:
+    """Checkpoints a plan keeps: one per recompute block."""
+    k, last = plan[0], plan[1]
+    return len(blocks(spec.layout.num_layers, k, last)) - 1
 
 
 def lean_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int) -> int:
@@ -200,6 +265,8 @@ def gpu_terms(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, sizes: S
                                    lean_bytes(spec, chunk_tokens, dtype_bytes))
     chunked = 0 < sizes.chunk_sequences < batch
     largest = spec.layout.max_unit_numel
+    saved = len(blocks(spec.layout.num_layers, sizes.checkpoint_interval, sizes.last_block_layers)) - 1
+    on_gpu = 0 if sizes.offload_checkpoints else saved
     return {f"weight buffers ({cfg.prefetch + 1} layers, compute dtype)": buffer_bytes(spec, cfg.prefetch, dtype_bytes),
             f"loss chunk logits ({sizes.loss_chunk_tokens} tokens x vocab, 12 B each)":
                 sizes.loss_chunk_tokens * hf.vocab_size * LOSS_BYTES,
@@ -208,6 +275,7 @@ def gpu_terms(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, sizes: S
             f"{lean} lean layers ({chunk_tokens} tokens each, weights too)": lean_kept,
             f"fp32 gradient sums over sequence chunks ({kept if chunked else 0} layers)":
                 sum_bytes(spec, kept) if chunked else 0,
+            f"activation checkpoints on the GPU ({on_gpu})": on_gpu * checkpoint_bytes(spec, batch * seq, dtype_bytes),
             "largest unit's weights and fp32 gradient": largest * (dtype_bytes + 4)}
 
 

@@ -1,8 +1,9 @@
 """Page-locking existing host memory for DMA (cudaHostRegister), for shared-memory segments and the
-executor's offloaded activation checkpoints alike."""
+executor's offloaded activation checkpoints alike; and the CUDA allocator settings the executor needs."""
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import torch
@@ -42,3 +43,22 @@ def _unpin(regions: list[torch.Tensor], device: torch.device) -> None:
     torch.cuda.synchronize(device)  # no copy of the owner's streams may still read or write them
     for region in regions:
         unregister_host(region)
+
+
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+
+
+def use_expandable_segments() -> str:
+    """Make the caching allocator grow and shrink its segments instead of keeping fixed blocks, unless the
+    user's PYTORCH_CUDA_ALLOC_CONF says otherwise; returns the line to log. The engine's activations change
+    size phase by phase (a last block of whole and lean layers, recompute blocks, loss chunks): with fixed
+    blocks 5.6-5.9 GiB stayed reserved but unusable and the step ran out of memory on an H100 at 7.6B and
+    on an H200 at 14.8B, where the same plan trains with expandable segments. Called before the process's
+    first CUDA allocation (the setting is read then); later, torch's runtime setter takes it."""
+    conf = os.environ.get(ALLOC_CONF, "")
+    if "expandable_segments" in conf:
+        return f"CUDA allocator: {ALLOC_CONF}={conf} (as set)"
+    os.environ[ALLOC_CONF] = f"{conf},expandable_segments:True" if conf else "expandable_segments:True"
+    if torch.cuda.is_initialized():
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    return "CUDA allocator: expandable segments"

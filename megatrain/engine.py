@@ -61,10 +61,11 @@ class EngineConfig:
                                              "else the largest chunk that does; with clipping, the fewest chunks "
                                              "that put every layer in the last block where that saves a quarter "
                                              "or more of the recompute (megatrain/autosize.py).")
-    offload_checkpoints: bool = opt(True, "CUDA: keep the activation checkpoints in pinned host memory (out "
-                                          "in the forward, back one block ahead in the backward) so GPU memory "
-                                          "does not grow with depth; costs blocks·tokens·hidden·2 bytes of host "
-                                          "RAM in the executor.")
+    offload_checkpoints: bool | str = opt("auto", "CUDA: keep the activation checkpoints (one per recompute block, "
+                                                  "tokens·hidden·2 bytes each) in pinned host memory (out in the "
+                                                  "forward, back one block ahead in the backward) instead of GPU "
+                                                  "memory. auto: on the GPU where they take at most an eighth of "
+                                                  "the room left for activations, else offloaded.")
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -77,13 +78,29 @@ class EngineConfig:
             value = getattr(self, key)
             if value != "auto" and (isinstance(value, str) or value < least):
                 raise ValueError(f"engine.{key} must be 'auto' or an integer {what}, not {value!r}")
+        if self.offload_checkpoints not in (True, False, "auto"):
+            raise ValueError(f"engine.offload_checkpoints must be auto, true or false, not "
+                             f"{self.offload_checkpoints!r}")
         if self.prefetch < 0:
             raise ValueError("engine.prefetch must be >= 0")
 
 
 # What an `auto` size is where no memory is scarce (the CPU device; megatrain/autosize.py decides on CUDA).
 FIXED_SIZES = {"checkpoint_interval": 2, "last_block_layers": 0, "chunk_sequences": 0, "loss_chunk_tokens": 2048,
-               "lean_layers": 0}
+               "lean_layers": 0, "offload_checkpoints": True}
+
+
+def blocks(num_layers: int, k: int, last: int = 0) -> list[list[int]]:
+    """Unit indices of each checkpoint block (layers are units 1..N).
+
+    The last block holds `last` layers (0: k); it is never recomputed (it runs with grad in the
+    forward). The rest are blocks of k counted from the top, so a short block, if any, is the first."""
+    last = min(last or k, num_layers)
+    rest = num_layers - last
+    first = rest % k
+    head = [list(range(1, first + 1))] if first else []
+    return (head + [list(range(s, s + k)) for s in range(first + 1, rest + 1, k)]
+            + [list(range(rest + 1, num_layers + 1))])
 
 
 def fixed_sizes(cfg: EngineConfig) -> EngineConfig:

@@ -8,7 +8,7 @@ import time
 from megatrain.actors.adam_updater import AdamUpdater
 from megatrain.ipc.protocol import Store
 
-from megatrain.adamw import OptimConfig
+from megatrain.adamw import OptimConfig, adamw_update
 from tests.shm_fixtures import make_spec
 
 
@@ -37,9 +37,11 @@ def test_adam_takes_overlapping_step_calls_in_order(rid: str, model_spec) -> Non
         owner.unlink()
 
 
-def test_adam_writes_the_bf16_resident_copy_in_its_update(rid: str, model_spec) -> None:
-    """Resident mode in bf16: right after each piece's update the copy the next forward streams equals
-    torch's cast of the new fp32 params, bit for bit (the fused kernel, not a second pass)."""
+def test_adam_takes_bf16_gradients_from_the_resident_copy_and_writes_the_new_weights_there(rid: str,
+                                                                                        model_spec) -> None:
+    """Clipping in resident mode (bf16): each unit's gradient waits in its resident tile; Adam's update is the
+    one of the widened gradient, and right after it the tile holds torch's cast of the new fp32 params, bit
+    for bit (the fused kernel, not a second pass)."""
     import dataclasses
 
     import numpy as np
@@ -49,17 +51,24 @@ def test_adam_writes_the_bf16_resident_copy_in_its_update(rid: str, model_spec) 
     owner = Store.create(spec)
     try:
         rng = np.random.default_rng(0)
+        cfg, want = OptimConfig(lr=1e-2), {}
         for u in range(spec.num_units):
-            owner.tile("params", u)[:] = rng.standard_normal(owner.tile("params", u).size).astype(np.float32)
-            owner.tile("grads", u)[:] = rng.standard_normal(owner.tile("grads", u).size).astype(np.float32)
-        adam = AdamUpdater(OptimConfig(lr=1e-2))
+            p = owner.tile("params", u)
+            p[:] = rng.standard_normal(p.size).astype(np.float32)
+            grad = torch.from_numpy(rng.standard_normal(p.size).astype(np.float32)).to(torch.bfloat16)
+            owner.resident_tile(u).copy_(grad)
+            want[u] = p.copy()
+            adamw_update(want[u], grad.float().numpy(), np.zeros_like(p), np.zeros_like(p), step=1, lr=1e-2, cfg=cfg,
+                         weight_decay=0.0)
+        adam = AdamUpdater(cfg)
         adam.attach(spec)
         for _ in range(spec.num_pieces):
-            owner.post("grads_ready")
+            owner.post("grads_ready")  # squared norms left at 0: no clipping scale
         adam.step(0, 1e-2)
         for u in range(spec.num_units):
-            want = torch.from_numpy(owner.tile("params", u).copy()).to(torch.bfloat16)
-            assert torch.equal(owner.resident_tile(u).view(torch.int16), want.view(torch.int16)), u
+            np.testing.assert_array_equal(owner.tile("params", u), want[u])
+            cast = torch.from_numpy(want[u]).to(torch.bfloat16)
+            assert torch.equal(owner.resident_tile(u).view(torch.int16), cast.view(torch.int16)), u
         adam.store.close()
     finally:
         owner.unlink()

@@ -38,21 +38,21 @@ def test_an_h200_gets_the_measured_headline_shape(spec8) -> None:
     free memory), K 2, the whole batch, 8192-token loss chunks. With lean layers (7.4 GiB each) all 8 fit,
     2 of them lean; without, 7 as measured."""
     sizes, why = autosize.choose(spec8, cuda_cfg(), 16, 4096, 138 * GIB, clip=True)
-    assert sizes == autosize.Sizes(2, 8, 0, 8192, 2), why
+    assert sizes == autosize.Sizes(2, 8, 0, 8192, 2, False), why
     assert autosize.choose(spec8, cuda_cfg(lean_layers=0), 16, 4096, 138 * GIB, clip=True)[0] == \
-        autosize.Sizes(2, 7, 0, 8192, 0)
+        autosize.Sizes(2, 7, 0, 8192, 0, False)
     assert abs(autosize.layer_activation_bytes(spec8, 16 * 4096, 2) / GIB - 14.6) < 0.2
     assert abs(autosize.lean_bytes(spec8, 16 * 4096, 2) / GIB - 7.4) < 0.1
 
 
 def test_lean_layers_let_the_last_block_of_28_layers_double() -> None:
     """7.6B at 16x4096 on an H200: 13 layers in the last block (1 whole, 12 lean) where 7 whole fit, so 15
-    layers are recomputed instead of 21 (measured: GPU peak 124.9 GiB, 470-474 TFLOPS on three machines);
-    the plan stays within the budget the rule allows."""
+    layers are recomputed instead of 21, in blocks of 7 (the room the last block leaves), whose 3 checkpoints
+    stay on the GPU; the plan stays within the budget the rule allows."""
     spec = build_spec(ModelConfig(family="qwen2", hf={**QWEN7B, "num_hidden_layers": 28}))
     free = int(139.3 * GIB)
     sizes, why = autosize.choose(spec, cuda_cfg(), 16, 4096, free, clip=False)
-    assert sizes == autosize.Sizes(2, 13, 0, 8192, 12) and "a lean one's 7.38" in why, why
+    assert sizes == autosize.Sizes(7, 13, 0, 8192, 12, False) and "a lean one's 7.38" in why, why
     terms = autosize.gpu_terms(spec, autosize.apply(cuda_cfg(), sizes), 16, 4096, sizes)
     margin_covers = terms.pop("largest unit's weights and fp32 gradient")
     assert margin_covers > 0 and sum(terms.values()) <= free * autosize.MARGIN
@@ -79,7 +79,7 @@ def test_the_papers_batch_runs_every_layer_in_the_last_block_in_chunks_with_clip
     """158x1024 tokens (36 GiB per layer): the whole batch holds 2 layers (measured at 94.6 GiB, 5.87 s on an
     H200); with clipping, 4 chunks of 40 sequences hold all 8 (3 of 53 would not): measured 103.4 GiB, 5.32 s."""
     sizes, why = autosize.choose(spec8, cuda_cfg(), 158, 1024, int(139.3 * GIB), clip=True)
-    assert sizes == autosize.Sizes(2, 8, 40, 8192, 0) and "chunks of 40" in why, why
+    assert sizes == autosize.Sizes(2, 8, 40, 8192, 0, False) and "chunks of 40" in why, why
     budget = 139.3 * GIB * autosize.MARGIN
     assert 8 * autosize.layer_activation_bytes(spec8, 40 * 1024, 2) + autosize.sum_bytes(spec8, 8) < budget
 
@@ -88,9 +88,9 @@ def test_without_clipping_the_papers_batch_keeps_the_whole_batch(spec8) -> None:
     """Without clipping each layer's update overlaps the backward, which chunking every layer would take away;
     lean layers take the last block from 2 layers to 4 (3 of them lean)."""
     sizes, _ = autosize.choose(spec8, cuda_cfg(), 158, 1024, int(139.3 * GIB), clip=False)
-    assert sizes == autosize.Sizes(2, 4, 0, 8192, 3)
+    assert sizes == autosize.Sizes(2, 4, 0, 8192, 3, False)
     sizes, _ = autosize.choose(spec8, cuda_cfg(lean_layers=0), 158, 1024, int(139.3 * GIB), clip=False)
-    assert sizes == autosize.Sizes(2, 2, 0, 8192, 0)
+    assert sizes == autosize.Sizes(2, 2, 0, 8192, 0, False)
 
 
 def test_chunking_is_left_out_where_it_saves_little_or_its_chunks_would_be_small(spec8) -> None:
@@ -98,7 +98,7 @@ def test_chunking_is_left_out_where_it_saves_little_or_its_chunks_would_be_small
     block or chunk size leaves the rule alone; a GPU that would need sub-32k-token chunks keeps the recompute."""
     assert autosize.choose(spec8, cuda_cfg(), 16, 4096, int(139.3 * GIB), clip=True)[0].chunk_sequences == 0
     assert autosize.choose(spec8, cuda_cfg(last_block_layers=2), 158, 1024, int(139.3 * GIB),
-                           clip=True)[0] == autosize.Sizes(2, 2, 0, 8192, 0)
+                           clip=True)[0] == autosize.Sizes(2, 2, 0, 8192, 0, False)
     sizes, _ = autosize.choose(spec8, cuda_cfg(), 16, 4096, 60 * GIB, clip=True)
     assert sizes.chunk_sequences == 0 and sizes.last_block_layers < 8
 
@@ -133,3 +133,26 @@ def test_auto_is_the_default_and_a_bad_value_names_the_key() -> None:
     assert load_config(None, ["engine.checkpoint_interval=3"]).engine.checkpoint_interval == 3
     with pytest.raises(Exception, match="engine.chunk_sequences"):
         load_config(None, ["engine.chunk_sequences=lots"])
+
+
+def test_recompute_blocks_take_the_room_the_last_block_leaves_and_keep_their_checkpoints_on_the_gpu() -> None:
+    """7.6B at 16x4096 on an H100 (78.6 GiB free): K as large as the room holds (3 whole layers with their
+    weights), so 22 recomputed layers keep 8 checkpoints (3.5 GiB), on the GPU; with K 2 they would be 11.
+    Where the checkpoints would take more than an eighth of the room they go to pinned host memory, and an
+    explicit choice is kept (on the GPU, the last block makes room for them)."""
+    spec = build_spec(ModelConfig(family="qwen2", hf={**QWEN7B, "num_hidden_layers": 28}))
+    free = int(78.6 * GIB)
+    sizes, why = autosize.choose(spec, cuda_cfg(), 16, 4096, free, clip=True)
+    assert (sizes.checkpoint_interval, sizes.last_block_layers, sizes.offload_checkpoints) == (3, 6, False), why
+    assert "8 on the GPU" in why
+    terms = autosize.gpu_terms(spec, autosize.apply(cuda_cfg(), sizes), 16, 4096, sizes)
+    assert terms["activation checkpoints on the GPU (8)"] == 8 * 65536 * 3584 * 2
+    terms.pop("largest unit's weights and fp32 gradient")
+    assert sum(terms.values()) <= free * autosize.MARGIN
+    deep = build_spec(ModelConfig(family="qwen2", hf={**QWEN7B, "num_hidden_layers": 200}))
+    sizes, why = autosize.choose(deep, cuda_cfg(), 16, 4096, free, clip=True)
+    assert sizes.offload_checkpoints and "in pinned host RAM" in why, why
+    pinned, _ = autosize.choose(spec, cuda_cfg(offload_checkpoints=True), 16, 4096, free, clip=True)
+    assert pinned.offload_checkpoints and pinned.last_block_layers >= sizes.last_block_layers
+    kept, _ = autosize.choose(deep, cuda_cfg(offload_checkpoints=False), 16, 4096, free, clip=True)
+    assert not kept.offload_checkpoints

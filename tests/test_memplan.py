@@ -22,24 +22,21 @@ QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads"
           "vocab_size": 152064, "max_position_embeddings": 32768, "tie_word_embeddings": False,
           "use_sliding_window": False}
 
-# Measured on one H200 (139.3 GiB free after the CUDA context), 2026-11-23 (BENCHMARKS.md "Seventh round"):
-# (layers, batch, seq, extra overrides) -> the last block the run chose, the PSS of all its processes after
-# the last step (GiB), and the GPU's peak allocation (GiB). The product's defaults on f5d5370, then, on
-# c1f7158, the sizes the auto rule picks since (every layer in chunks: 8 layers at 158x1024), two chunked
-# 28-layer variants, and 34 layers (7.6B does not leave room for the resident copy: slabs).
+# Measured on one H200 (139.3 GiB free after the CUDA context), 2026-11-23/24 (BENCHMARKS.md), without
+# clipping: (layers, batch, seq, extra overrides) -> the last block the run chose, the PSS of all its processes
+# after the last step (GiB), and the GPU's peak allocation (GiB). Those runs kept K 2 and offloaded every
+# activation checkpoint (the settings are given here); the 34-layer one had no room for the resident copy.
 NO_CLIP = "optim.max_grad_norm=0"
 PLAIN = "engine.lean_layers=0"  # measured before lean layers existed
-MEASURED = [((8, 16, 4096, [PLAIN]), 7, 56.71, 123.7), ((8, 4, 4096, [PLAIN]), 8, 56.16, 51.7),
-            ((8, 158, 1024, [PLAIN, "engine.last_block_layers=2"]), 2, 59.45, 94.6),
-            ((28, 16, 4096, [PLAIN, NO_CLIP]), 7, 110.32, 124.2),
-            ((8, 158, 1024, [PLAIN]), 8, 56.34, 103.4),
-            ((28, 16, 4096, [PLAIN, NO_CLIP, "engine.chunk_sequences=2", "engine.last_block_layers=28"]), 28, 105.46,
-             106.7),
-            ((28, 16, 4096, [PLAIN, NO_CLIP, "engine.chunk_sequences=4", "engine.last_block_layers=21"]), 21, 107.22,
-             123.7),
-            ((34, 16, 4096, [PLAIN, NO_CLIP, "ipc.staging=slabs"]), 7, 115.27, 124.2),
+THEN = ["engine.checkpoint_interval=2", "engine.offload_checkpoints=true"]
+MEASURED = [((28, 16, 4096, [PLAIN, NO_CLIP, *THEN]), 7, 110.32, 124.2),
+            ((28, 16, 4096, [PLAIN, NO_CLIP, *THEN, "engine.chunk_sequences=2", "engine.last_block_layers=28"]), 28,
+             105.46, 106.7),
+            ((28, 16, 4096, [PLAIN, NO_CLIP, *THEN, "engine.chunk_sequences=4", "engine.last_block_layers=21"]), 21,
+             107.22, 123.7),
+            ((34, 16, 4096, [PLAIN, NO_CLIP, *THEN, "ipc.staging=slabs"]), 7, 115.27, 124.2),
             # lean layers (deb7445, H200, 2026-11-24): 13 layers in the last block, 12 of them lean
-            ((28, 16, 4096, [NO_CLIP]), 13, 109.01, 124.9)]
+            ((28, 16, 4096, [NO_CLIP, *THEN]), 13, 109.01, 124.9)]
 
 
 def qwen_cfg(layers: int, batch: int, seq: int, extra: list[str], *more: str):
@@ -58,20 +55,31 @@ def test_plan_is_within_10_percent_of_the_measured_peaks(shape, last, host_gib, 
 
 def test_a_plan_that_does_not_fit_says_so_and_what_needs_less(monkeypatch, capsys, tmp_path) -> None:
     monkeypatch.setattr(memplan, "mem_available_bytes", lambda: 40 * GIB)
+    monkeypatch.setattr(memplan, "mem_total_bytes", lambda: 48 * GIB)
     monkeypatch.setattr(memplan, "shm_free_bytes", lambda _: 64 * GIB)
+    monkeypatch.delenv("RAY_memory_usage_threshold", raising=False)
     cfg = tmp_path / "c.yaml"
     cfg.write_text(f"model: {{family: qwen2, hf: {json.dumps({**QWEN7B, 'num_hidden_layers': 8})}}}\n"
-                   "data: {seq_len: 4096, batch_size: 16}\nipc: {staging: resident}\n")
+                   "data: {seq_len: 4096, batch_size: 16}\n")
     assert main(["plan", str(cfg), "--gpu-gib", "139.3"]) == 1
     out = capsys.readouterr().out
-    # every layer in the last block (2 of them lean): no pinned activation checkpoints
-    assert "host: 56.5" in out and "40.00 GiB RAM available" in out and "DOES NOT FIT" in out
-    assert "optim.max_grad_norm=0: no clipping, no fp32 gradient plane (-11.01 GiB" in out
-    assert "ipc.staging=slabs: no resident copy (-5.50 GiB" in out
+    # every layer in the last block (2 of them lean): no activation checkpoints; clipping with the gradients
+    # in the resident copy: 12 bytes per parameter of fp32 planes + the bf16 copy + the processes
+    assert "host: 41.33 GiB needed (15.0 bytes per parameter)" in out and "40.00 GiB RAM available" in out
+    assert "staging resident" in out and "shm: grads" not in out and "DOES NOT FIT" in out
+    assert "above 98% of 48.00 GiB RAM in use" in out and "the run may take 39.04 GiB" in out
+    assert "ipc.slab_params=58264448: no clipping, no resident copy, slabs of a quarter layer (-3.50 GiB" in out
+    assert "optim.max_grad_norm=0: no clipping" not in out  # no saving with the gradients in the copy
+    assert "ipc.staging=slabs: no resident copy" not in out  # a gradient plane instead: more, not less
     assert "GPU: 125.09" in out and "2 lean layers (65536 tokens each" in out and "verdict: does not fit" in out
     monkeypatch.setattr(memplan, "mem_available_bytes", lambda: 100 * GIB)
+    monkeypatch.setattr(memplan, "mem_total_bytes", lambda: 125 * GIB)
     assert main(["plan", str(cfg), "--gpu-gib", "139.3"]) == 0
     assert "verdict: fits" in capsys.readouterr().out
+    # another machine: --host-gib, with Ray's threshold taking its share
+    assert main(["plan", str(cfg), "--gpu-gib", "139.3", "--host-gib", "42"]) == 1
+    assert "the run may take 41.16 GiB" in capsys.readouterr().out
+    assert main(["plan", str(cfg), "--gpu-gib", "139.3", "--host-gib", "43"]) == 0
 
 
 def test_a_gpu_too_small_for_one_sequence_is_refused_by_the_auto_sizes(capsys, tmp_path) -> None:

@@ -14,7 +14,7 @@ from megatrain.ipc.protocol.cpus import Threads
 from megatrain.ipc.shm import CTL_PIDS_OFFSET, MAX_PIDS, check_space, sem_name
 
 from megatrain.configbase import opt
-from megatrain.engine import EngineConfig, fixed_sizes, resolve_dtype
+from megatrain.engine import EngineConfig, blocks, fixed_sizes, resolve_dtype
 from megatrain.errors import ProtocolError, ResourceError
 from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
 from megatrain.model import ModelSpec
@@ -289,8 +289,9 @@ def plan_store(run_id: str, model: ModelSpec, staging_dtype: str, checkpoint_int
                num_accumulators: int, ipc: IpcConfig, cuda: bool, clip: bool = True,
                ram_only: dict[str, int] | None = None, last_block_layers: int = 0,
                space: tuple[int, int] | None = None) -> StoreSpec:
-    """Resolve ipc.staging: as asked, or for 'auto' resident on cuda when it fits in memory (`space`, as
-    check_space takes it; None: now), else slabs."""
+    """Resolve ipc.staging: as asked, or for 'auto' on cuda: resident with clipping (its copy also holds the
+    gradients, so it is the smallest store there is: slabs would need a gradient plane); without clipping
+    resident when it fits in memory (`space`, as check_space takes it; None: now), else slabs."""
     def make(mode: str) -> StoreSpec:
         return StoreSpec(run_id, model, staging_dtype, checkpoint_interval, num_packers, num_accumulators, ipc, mode,
                          clip, last_block_layers)
@@ -300,6 +301,8 @@ def plan_store(run_id: str, model: ModelSpec, staging_dtype: str, checkpoint_int
     if not cuda:
         return make("slabs")  # no DMA to feed: a resident copy would only cost memory
     resident = make("resident")
+    if clip:
+        return resident
     try:
         check_space(resident.part_bytes(), ipc.shm_dir, ram_only, space)
         return resident
@@ -308,19 +311,6 @@ def plan_store(run_id: str, model: ModelSpec, staging_dtype: str, checkpoint_int
 
 
 # ---- the orders: pure functions of the layer count and the checkpoint plan --------------------------
-def blocks(num_layers: int, k: int, last: int = 0) -> list[list[int]]:
-    """Unit indices of each checkpoint block (layers are units 1..N).
-
-    The last block holds `last` layers (0: k); it is never recomputed (it runs with grad in the
-    forward). The rest are blocks of k counted from the top, so a short block, if any, is the first."""
-    last = min(last or k, num_layers)
-    rest = num_layers - last
-    first = rest % k
-    head = [list(range(1, first + 1))] if first else []
-    return (head + [list(range(s, s + k)) for s in range(first + 1, rest + 1, k)]
-            + [list(range(rest + 1, num_layers + 1))])
-
-
 def fetch_order(blks: list[list[int]]) -> list[int]:
     """Units in the order the engine fetches weights: forward, head, then blocks recomputed in reverse.
 
