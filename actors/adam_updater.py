@@ -43,6 +43,7 @@ class AdamUpdater(Role):
                      bf16_out=np.zeros(4, np.uint16))
         bits = np.zeros(4, np.uint16)  # bf16 gradients in the resident copy (clipping)
         adamw_update(a, bits, a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0, bf16_out=bits)
+        self.mark("ready")
 
     def attach(self, spec: StoreSpec, start_step: int = 0) -> None:
         """`start_step`: the first step this updater will be called for (a resumed run's)."""
@@ -50,6 +51,7 @@ class AdamUpdater(Role):
         self.apply_threads(spec)  # Numba's for the update, torch's for the resident cast
         parts = spec.planes + (("resident",) if spec.resident else ()) + (() if spec.clip else ("staging",))
         self.store = Store.attach(spec, parts, role=self.name)
+        self.mark("attached")
 
     @guarded
     def step(self, step: int, lr: float, saving: bool = False) -> dict:

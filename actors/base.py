@@ -5,9 +5,11 @@ from __future__ import annotations
 import functools
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from megatrain.ipc.procs import started_at
 from megatrain.ipc.protocol import StoreSpec
 
 from megatrain.errors import AbortError
@@ -43,6 +45,8 @@ class Role:
     """Base of the actor classes. Plain Python objects: Ray wraps them, tests may use them directly."""
 
     def __init__(self, name: str):
+        # Start-up timeline (time.time()): the process's start, then what the role marks; the driver logs it.
+        self.marks = {"process": started_at(os.getpid()), "init": time.time()}
         self.name = name
         self.store: Any = None
         self.events: list | None = None
@@ -95,8 +99,12 @@ class Role:
         sampler = getattr(self, "sampler", None)
         return sampler.stop() if sampler is not None else "no sampler was running"
 
+    def mark(self, what: str) -> None:
+        """Record when a start-up stage of this role ended (its start-up timeline, in info())."""
+        self.marks[what] = time.time()
+
     def info(self) -> dict:
-        return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname()}
+        return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname(), "marks": dict(self.marks)}
 
     def abort(self, reason: str) -> None:
         """Callable while a step is blocked (actors run with max_concurrency=3: Adam may hold two overlapping steps)."""

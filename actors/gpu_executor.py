@@ -38,8 +38,10 @@ class GpuExecutor(Role):
         if self.cuda:
             torch.cuda.set_device(self.device)
             torch.cuda.init()
+            self.mark("cuda")
         if family:
             family_classes(family)  # imports the family's modeling module
+        self.mark("ready")
 
     def gpu_free_bytes(self) -> int:
         """Free GPU memory now, after this process's CUDA context: what autosize.py may plan with."""
@@ -59,6 +61,7 @@ class GpuExecutor(Role):
 
             pinned = [self.store.region(part) for part in (("staging", "resident") if spec.resident else ("staging",))]
             pin_while_alive(self, pinned, self.device)
+            self.mark("pinned")
             events, self.handles = make_ipc_events(max(spec.num_grad_slabs, 1))
             self.source = StreamedSource(self.store, self.device, dtype, cfg.prefetch)
             self.sink = StreamedSink(self.store, self.device, events, self._fetched)
@@ -72,6 +75,7 @@ class GpuExecutor(Role):
         # GPU memory) alive after the actor is dropped in the in-process runner.
         init = functools.partial(torch.cuda.set_device, self.device) if self.cuda else None  # per thread
         self.compute = ThreadPoolExecutor(1, "compute", initializer=init)
+        self.mark("attached")
 
     def _fetched(self) -> int:
         """Fetches the engine has taken so far in this step's weight walk (the sink's safety check)."""

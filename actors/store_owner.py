@@ -113,6 +113,7 @@ class StoreOwner(Role):
                 raise AbortError("the run was shut down before its store was made")
             self.store = Store.create(spec, ram_only)
             self._start_reaper(spec.run_id)
+        self.mark("segments")
         self.store.write_about(self.about)
         model_cfg, resume = self.source
         t0 = time.perf_counter()
@@ -121,6 +122,7 @@ class StoreOwner(Role):
         else:
             self.filled = {"source": model_cfg.pretrained or "init", "bytes": self._fill(model_cfg)}
         self.filled["seconds"] = time.perf_counter() - t0
+        self.mark("filled")
         self.monitor = Monitor(self.store).start()
         self.paging_stop = threading.Event()
         self.paging = threading.Thread(target=self._page_in, args=(self.store, self.paging_stop), name="page-in",
@@ -196,6 +198,7 @@ class StoreOwner(Role):
                 self.store.torch_tile("params", u).zero_()
                 torch.manual_seed(unit_seed(seed, u))
                 self._draw_unit(model, u, seed)
+        self.mark("drawn")
         if self.store.spec.resident:
             for u in units:
                 self.store.refresh_resident(u)

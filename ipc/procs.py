@@ -20,6 +20,17 @@ def start_ticks(pid: int) -> int:
         return 0
 
 
+def started_at(pid: int) -> float:
+    """When the process started, in seconds since the epoch (time.time()'s clock); 0.0 if unknown."""
+    ticks = start_ticks(pid)
+    try:
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+    except (OSError, StopIteration, ValueError):
+        return 0.0
+    return boot + ticks / os.sysconf("SC_CLK_TCK") if ticks else 0.0
+
+
 def pid_alive(pid: int, ticks: int = 0) -> bool:
     try:
         os.kill(pid, 0)

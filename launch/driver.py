@@ -77,11 +77,12 @@ class Trainer:
         self.store_fill: dict = {}  # how the store was filled (StoreOwner.fill_report)
         self._closed = False
         self.launched, self.first_step_s = time.monotonic(), None  # launch -> the first step's end (s)
+        self.launched_wall, self.marks = time.time(), {}  # each actor's start-up timeline (Role.mark)
         self.startup: dict[str, float] = {}  # seconds per start-up phase, in order (logged before step 1)
 
     # ---- public -----------------------------------------------------------------------------
     def run(self) -> dict:
-        self.launched = time.monotonic()
+        self.launched, self.launched_wall = time.monotonic(), time.time()
         atexit.register(self.shutdown)
         try:
             self.setup()
@@ -257,6 +258,7 @@ class Trainer:
         infos = self._gather({n: self.runner.call(h, "info") for n, h in self.actors.items()},
                              self.cfg.train.setup_timeout_s, "starting the actors")
         self.pids = {n: i["pid"] for n, i in infos.items()}
+        self.marks = {n: i["marks"] for n, i in infos.items()}
         self.runner.pids = self.pids
         handles = self._call_one("gpu-executor", "event_handles")
         if handles is not None:
@@ -270,6 +272,9 @@ class Trainer:
                      self.cfg.launch.runner == "inprocess")
         log(f"start-up {sum(self.startup.values()):.1f} s: "
             + ", ".join(f"{k} {v:.1f}" for k, v in self.startup.items()))
+        log("start-up by process (s after launch): " + "; ".join(
+            f"{name}: " + ", ".join(f"{k} {t - self.launched_wall:.1f}" for k, t in marks.items() if t)
+            for name, marks in self.marks.items()))
 
     # ---- the loop ---------------------------------------------------------------------------
     def train(self) -> None:
