@@ -107,19 +107,28 @@ class AdamUpdater(Role):
         nothing reads the half-applied step)."""
         store = self.store
         spans = []
+        direct = store.spec.grads_in_resident  # the executor wrote the piece and its squared norm
         for item in store.spec.update_items:
-            grad = take_grad(store, self.events, item, step)
+            grad = self._arrived(item, step) if direct else take_grad(store, self.events, item, step)
             start = time.time()
             self._hold(item, step)
-            store.sqnorms[item.piece] = sqnorm(grad)
+            if not direct:
+                store.sqnorms[item.piece] = sqnorm(grad)
             if not math.isfinite(store.sqnorms[item.piece]):
                 raise NonFiniteGradient(self._non_finite(step, item.unit))
             self._update(item.unit, item.lo, item.hi, grad, step + 1, lr, 1.0)
             store.publish_version(item.piece, step + 1)
-            free_grad(store, item)
+            if not direct:
+                free_grad(store, item)
             spans.append((item.unit, start, time.time()))
         return {"grad_norm": math.sqrt(float(store.sqnorms.sum())), "clip_scale": 1.0, "skipped": False,
                 "unit_spans": spans}
+
+    def _arrived(self, item: Item, step: int) -> np.ndarray:
+        """The next piece in the resident copy: pieces arrive (grads_ready) in the order they are updated
+        without clipping, the gradient order, so the k-th post is the k-th piece."""
+        self.store.wait("grads_ready", f"the gradient of unit {item.unit} (step {step})")
+        return self.store.grad_tile(item.unit)[item.lo:item.hi]
 
     def _hold(self, item: Item, step: int) -> None:
         if self.saving:

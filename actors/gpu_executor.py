@@ -62,7 +62,8 @@ class GpuExecutor(Role):
             pinned = [self.store.region(part) for part in (("staging", "resident") if spec.resident else ("staging",))]
             pin_while_alive(self, pinned, self.device)
             self.mark("pinned")
-            events, self.handles = make_ipc_events(max(spec.num_grad_slabs, 1))
+            # the gradient slabs' events, for the processes that drain them (none: gradients into the copy)
+            events, self.handles = make_ipc_events(spec.num_grad_slabs) if spec.num_grad_slabs else ([], None)
             self.source = StreamedSource(self.store, self.device, dtype, cfg.prefetch)
             self.sink = StreamedSink(self.store, self.device, events, self._fetched)
         else:

@@ -205,8 +205,10 @@ class Trainer:
         self._gather({"store-owner": creating}, self.cfg.train.setup_timeout_s, "store-owner.create")
         self.spec = self._call_one("store-owner", "settle", self.engine_cfg)
         log(f"weight staging: {self.spec.staging_mode}; gradients: "
-            + ("in the resident copy until the global norm is known (clipping)" if self.spec.grads_in_resident
-               else "fp32 plane, global-norm clipping" if self.spec.clip else "straight to Adam (no clipping)"))
+            + ("into the resident copy, until the global norm is known (clipping)" if self.spec.grads_in_resident
+               and self.spec.clip else "into the resident copy, updated as they come (no clipping)"
+               if self.spec.grads_in_resident else "fp32 plane, global-norm clipping" if self.spec.clip
+               else "straight to Adam (no clipping)"))
         fill = self.store_fill = self._call_one("store-owner", "fill_report")
         log(f"store filled from {fill['source']} in {fill['seconds']:.1f} s" + (
             f" ({fill['bytes'] / 1e9:.2f} GB read, {fill['bytes'] / 1e9 / max(fill['seconds'], 1e-9):.2f} GB/s)"

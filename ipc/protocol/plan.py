@@ -95,17 +95,18 @@ class StoreSpec:
 
     @property
     def grads_in_resident(self) -> bool:
-        """Clipping with a resident copy: each unit's gradient waits for the global norm in the unit's own
-        resident tile, in the compute dtype, as the executor made it. The tile's weights are not read again
-        in the step once its gradient exists (the executor checks that), and Adam reads the gradient and
-        writes the new weights in the same pass, so clipping needs no gradient plane, slabs or accumulators:
-        12 bytes per parameter plus the copy, as without clipping."""
-        return self.clip and self.resident
+        """With a resident copy, each unit's gradient goes straight into the unit's own resident tile, in the
+        compute dtype, as the executor made it, and waits there for Adam (with clipping, for the global
+        norm). The tile's weights are not read again in the step once its gradient exists (the executor
+        checks that), and Adam reads the gradient and writes the new weights in the same pass: no gradient
+        plane, slabs or accumulators, 12 bytes per parameter plus the copy, clipping or not, and no slab
+        for the backward to wait on while Adam is behind."""
+        return self.resident
 
     @property
     def planes(self) -> tuple[str, ...]:
         """fp32 planes of this run: only clipping in slabs mode has a gradient plane (16 B/param); without
-        clipping Adam consumes gradient slabs directly, with a resident copy the gradients wait there."""
+        clipping Adam takes the gradient slabs directly; with a resident copy the gradients wait there."""
         return PLANES if self.clip and not self.resident else PLANES[:3]
 
     @property
