@@ -181,7 +181,7 @@ class StoreOwner(Role):
     def _draw(self, seed: int) -> None:
         """A fresh init, drawn straight into the params plane by one thread per core of the plan (each unit
         from its own seed and generator, so the result does not depend on the thread count; a 7.6B model's
-        normal draws take about 45 s on one core), then the resident copy in one parallel cast per unit.
+        normal draws take about 45 s on one core), each unit's resident copy cast by the thread that drew it.
         A family whose init draws outside torch's random ops (seen by the global generator moving) is drawn
         again unit by unit in order, with the global generator seeded too, so it is still deterministic."""
         spec = self.store.spec.model
@@ -199,15 +199,14 @@ class StoreOwner(Role):
                 torch.manual_seed(unit_seed(seed, u))
                 self._draw_unit(model, u, seed)
         self.mark("drawn")
-        if self.store.spec.resident:
-            for u in units:
-                self.store.refresh_resident(u)
 
     def _draw_unit(self, model: torch.nn.Module, unit: int, seed: int) -> None:
         self._check_going()
         spec = self.store.spec.model
         tile = self.store.torch_tile("params", unit)  # zero: the segments are created zeroed
         copy_slots(spec, unit, tile, init_unit(spec, model, unit, seed, into=slot_views(spec, unit, tile)))
+        if self.store.spec.resident:
+            self.store.refresh_resident(unit)
 
     def _fill_unit(self, unit: int, tensors: dict[str, torch.Tensor]) -> None:
         self._check_going()

@@ -34,7 +34,7 @@ class Reporter:
         if "profile_trace" in row:
             log_profile(row, self.cuda)
         row = {**row, "grad_norm": adam["grad_norm"], "clip_scale": adam["clip_scale"], "skipped": adam["skipped"],
-               "adam_s": adam["adam_s"]}
+               "adam_s": adam["adam_s"], "adam_update_s": sum(end - start for _, start, end in adam["unit_spans"])}
         self.file.write(json.dumps(row) + "\n")
         tflops = self.flops / row["step_time_s"] / 1e12
         self.progress.step(row, tflops)
