@@ -22,21 +22,22 @@ QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads"
           "vocab_size": 152064, "max_position_embeddings": 32768, "tie_word_embeddings": False,
           "use_sliding_window": False}
 
-# Measured on one H200 (139.3 GiB free after the CUDA context), 2026-11-23/24 (BENCHMARKS.md), without
-# clipping: (layers, batch, seq, extra overrides) -> the last block the run chose, the PSS of all its processes
-# after the last step (GiB), and the GPU's peak allocation (GiB). Those runs kept K 2 and offloaded every
-# activation checkpoint (the settings are given here); the 34-layer one had no room for the resident copy.
+# Measured with the product's defaults (clipping on, the gradients in the resident copy), 2026-11-25
+# (BENCHMARKS.md): (layers, batch, seq, extra overrides) -> the last block the run chose, the PSS of all its
+# processes after the last step (GiB), the GPU's peak allocation (GiB), and the GPU memory free after the
+# CUDA context (GiB): one H200 (139.3) and one H100 (78.66).
+H200, H100 = 139.3, 78.66
+MEASURED = [((28, 16, 4096, []), 13, 101.94, 125.8, H200), ((28, 16, 4096, []), 6, 101.99, 68.11, H100),
+            ((8, 16, 4096, []), 8, 41.20, 122.98, H200), ((8, 4, 4096, []), 8, 41.09, 51.65, H200),
+            ((8, 158, 1024, []), 8, 41.23, 103.4, H200)]
+# Earlier, without clipping, on an H200 (2026-11-23/24): K 2 and every activation checkpoint offloaded then
+# (the settings are given here); the 34-layer run had no room for the resident copy.
 NO_CLIP = "optim.max_grad_norm=0"
 PLAIN = "engine.lean_layers=0"  # measured before lean layers existed
 THEN = ["engine.checkpoint_interval=2", "engine.offload_checkpoints=true"]
-MEASURED = [((28, 16, 4096, [PLAIN, NO_CLIP, *THEN]), 7, 110.32, 124.2),
-            ((28, 16, 4096, [PLAIN, NO_CLIP, *THEN, "engine.chunk_sequences=2", "engine.last_block_layers=28"]), 28,
-             105.46, 106.7),
-            ((28, 16, 4096, [PLAIN, NO_CLIP, *THEN, "engine.chunk_sequences=4", "engine.last_block_layers=21"]), 21,
-             107.22, 123.7),
-            ((34, 16, 4096, [PLAIN, NO_CLIP, *THEN, "ipc.staging=slabs"]), 7, 115.27, 124.2),
-            # lean layers (deb7445, H200, 2026-11-24): 13 layers in the last block, 12 of them lean
-            ((28, 16, 4096, [NO_CLIP, *THEN]), 13, 109.01, 124.9)]
+MEASURED += [((28, 16, 4096, [PLAIN, NO_CLIP, *THEN, "engine.chunk_sequences=2", "engine.last_block_layers=28"]),
+              28, 105.46, 106.7, H200),
+             ((34, 16, 4096, [PLAIN, NO_CLIP, *THEN, "ipc.staging=slabs"]), 7, 115.27, 124.2, H200)]
 
 
 def qwen_cfg(layers: int, batch: int, seq: int, extra: list[str], *more: str):
@@ -45,11 +46,12 @@ def qwen_cfg(layers: int, batch: int, seq: int, extra: list[str], *more: str):
                               f"data.batch_size={batch}", "ipc.staging=resident", *extra, *more])
 
 
-@pytest.mark.parametrize("shape,last,host_gib,gpu_gib", MEASURED, ids=lambda v: str(v))
-def test_plan_is_within_10_percent_of_the_measured_peaks(shape, last, host_gib, gpu_gib) -> None:
-    plan = memplan.make_plan(qwen_cfg(*shape), int(139.3 * GIB), cuda=True)
+@pytest.mark.parametrize("shape,last,host_gib,gpu_gib,free", MEASURED, ids=lambda v: str(v))
+def test_plan_is_within_the_measured_peaks(shape, last, host_gib, gpu_gib, free) -> None:
+    """Within 10 % of every measured peak; the defaults' host part within 2 % (it is nearly all the store)."""
+    plan = memplan.make_plan(qwen_cfg(*shape), int(free * GIB), cuda=True)
     assert f"last_block_layers {last}," in plan.sizes  # the sizes the measured run chose
-    assert sum(plan.host.values()) / GIB == pytest.approx(host_gib, rel=0.10)
+    assert sum(plan.host.values()) / GIB == pytest.approx(host_gib, rel=0.02 if not shape[3] else 0.10)
     assert sum(plan.gpu.values()) / GIB == pytest.approx(gpu_gib, rel=0.10)
 
 
