@@ -75,7 +75,11 @@ class StoreOwner(Role):
         self.request = (run_id, build_spec(model_cfg, no_decay_1d), clip, num_packers, num_accumulators, ipc_cfg,
                         batch_shape, threads or ThreadRequest())
         self.source, self.about = (model_cfg, resume), about
-        spec, ram_only = self._plan(fixed_sizes(engine))
+        # The activation checkpoints the executor will pin depend on the engine's sizes; while some are still
+        # `auto` they are unknown (the fixed sizes would count every block's, where the chosen ones may keep
+        # them on the GPU), so the store is checked alone now and with them in settle().
+        known = not any(v == "auto" for v in dataclasses.asdict(engine).values())
+        spec, ram_only = self._plan(fixed_sizes(engine), checkpoints=known)
         self._make(spec, ram_only)
         return spec
 
@@ -97,9 +101,10 @@ class StoreOwner(Role):
         self.store.spec = spec
         return spec
 
-    def _plan(self, engine: EngineConfig) -> tuple[StoreSpec, dict[str, int]]:
+    def _plan(self, engine: EngineConfig, checkpoints: bool = True) -> tuple[StoreSpec, dict[str, int]]:
         run_id, model, clip, packers, accumulators, ipc_cfg, batch_shape, threads = self.request
-        ram_only = {"activation checkpoints (executor, pinned)": checkpoint_host_bytes(model, engine, *batch_shape)}
+        pinned = checkpoint_host_bytes(model, engine, *batch_shape) if checkpoints else 0
+        ram_only = {"activation checkpoints (executor, pinned)": pinned}
         spec = plan_store(run_id, model, engine.compute_dtype, engine.checkpoint_interval, packers, accumulators,
                           ipc_cfg, cuda=engine.device == "cuda", clip=clip, ram_only=ram_only,
                           last_block_layers=engine.last_block_layers, space=self.space)
