@@ -31,6 +31,10 @@ from megatrain.export import export
 from megatrain.model import ModelConfig, build_spec, init_unit, meta_model, unit_seed
 from megatrain.weights import checkpoint_index, copy_slots, fill_tile, read_unit, slot_views
 
+# What the run's processes take after the store is admitted (the executor's CUDA context and pinned buffers,
+# the workers' heaps): a 9.0B store admitted with less than this left got the run killed by Ray's memory
+# monitor in its first step.
+RUN_RESERVE = 2 << 30
 STRAGGLER_S = 3.0  # how long workers get to exit after the driver's kill before they are ended by pid
 LOADERS = 2  # units read from a pretrained checkpoint at once: one is read while the other is converted
 PAGE_IN_BYTES = 1 << 28  # one madvise call of the page-in (a stop waits for at most one per thread)
@@ -104,10 +108,11 @@ class StoreOwner(Role):
     def _plan(self, engine: EngineConfig, checkpoints: bool = True) -> tuple[StoreSpec, dict[str, int]]:
         run_id, model, clip, packers, accumulators, ipc_cfg, batch_shape, threads = self.request
         pinned = checkpoint_host_bytes(model, engine, *batch_shape) if checkpoints else 0
-        ram_only = {"activation checkpoints (executor, pinned)": pinned}
+        ram_only = {"activation checkpoints (executor, pinned)": pinned, "processes, after the store": RUN_RESERVE}
         spec = plan_store(run_id, model, engine.compute_dtype, engine.checkpoint_interval, packers, accumulators,
                           ipc_cfg, cuda=engine.device == "cuda", clip=clip, ram_only=ram_only,
                           last_block_layers=engine.last_block_layers, space=self.space)
+        ram_only["page tables of its mappings"] = spec.page_table_bytes()
         return self._with_cpu_plan(spec, engine.device == "cuda", threads), ram_only
 
     def _make(self, spec: StoreSpec, ram_only: dict[str, int]) -> None:

@@ -264,7 +264,7 @@ def _lighter(parts: dict[str, int], ram_only: dict[str, int]) -> str:
         tips.append(f"optim.max_grad_norm=0 (no clipping: no fp32 gradient plane, -{gib(parts['grads'])})")
     if parts.get("resident"):
         tips.append(f"ipc.staging=slabs (no resident copy, -{gib(parts['resident'])})")
-    if any(ram_only.values()):
+    if any(v for k, v in ram_only.items() if "checkpoints" in k):
         tips.append("a larger engine.checkpoint_interval or engine.offload_checkpoints=false (fewer pinned "
                     "activation checkpoints)")
     return "; settings that need less: " + "; ".join(tips) if tips else ""

@@ -38,7 +38,8 @@ from megatrain.errors import ConfigError, ResourceError
 from megatrain.model import build_spec
 
 GIB = 2**30
-PROCESS_BYTES = {"gpu-executor": int(1.4 * GIB), "cpu-role": int(0.7 * GIB), "reaper": int(0.01 * GIB)}
+PROCESS_BYTES = {"gpu-executor": int(1.4 * GIB), "cpu-role": int(0.7 * GIB), "reaper": int(0.01 * GIB),
+                 "driver": int(1.0 * GIB), "ray": int(0.8 * GIB)}  # the launcher; Ray's own processes
 
 
 @dataclass
@@ -72,6 +73,11 @@ class MemPlan:
     gpu_error: str = ""
     need: str = ""  # what the actors ask of one node (launch/placement.py)
     cuda: bool = False
+
+    def run_pss(self) -> int:
+        """What the run's own processes take (their PSS, the store counted once): the plan's host part less
+        what the node spends on it besides ("node:" terms), which a run's own PSS report leaves out."""
+        return sum(v for k, v in self.host.items() if not k.startswith("node:"))
 
     def host_fits(self) -> bool:
         return sum(self.host.values()) <= self.machine.limit and self.shm_part <= self.machine.shm
@@ -123,6 +129,7 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Host | Non
     host = {f"shm: {k}": v + HEADER_BYTES for k, v in store.part_bytes().items()}
     host["executor: pinned activation checkpoints"] = pinned
     host.update(_processes(store, cfg, cuda))
+    host["node: page tables of the store's mappings"] = store.page_table_bytes()
     plan = MemPlan(f"{spec.family}, {spec.layout.num_layers} layers, {spec.layout.num_params / 1e6:.2f}M params, "
                    f"{d.batch_size}x{d.seq_len} tokens per step, engine on {engine.device} ({engine.compute_dtype}), "
                    f"staging {store.staging_mode}, clipping {'on' if store.clip else 'off'}",
@@ -145,6 +152,10 @@ def _processes(store: StoreSpec, cfg: Config, cuda: bool) -> dict[str, int]:
              + [f"grad-accumulator-{i}" for i in range(store.running_accumulators)]
              + (["checkpoint-writer"] if cfg.train.saves_checkpoints else []))
     out.update({f"process: {role}": PROCESS_BYTES["cpu-role"] for role in roles})
+    if cfg.launch.runner != "inprocess":  # the launcher itself, and a private Ray instance's processes
+        out["node: the launcher (megatrain-launch)"] = PROCESS_BYTES["driver"]
+        if not (cfg.launch.address or os.environ.get("RAY_ADDRESS")):
+            out["node: Ray's own processes (raylet, GCS, agents)"] = PROCESS_BYTES["ray"]
     return out
 
 
@@ -193,9 +204,11 @@ def suggestions(plan: MemPlan, cfg: Config) -> list[str]:
 def render(plan: MemPlan, cfg: Config) -> str:
     m, total = plan.machine, sum(plan.host.values())
     # per parameter where the parameters dominate (a tiny model's bytes are the processes')
-    per_param = f" ({total / plan.num_params:.1f} bytes per parameter)" if plan.num_params >= 10**8 else ""
+    run = plan.run_pss()
+    per_param = f", {run / plan.num_params:.1f} bytes per parameter" if plan.num_params >= 10**8 else ""
     lines = [f"memory plan: {plan.title}", f"engine sizes: {plan.sizes}", "",
-             f"host: {gib(total)} needed{per_param}; this machine{m.note}: {gib(m.ram)} RAM available, "
+             f"host: {gib(total)} needed (the run's processes {gib(run)}{per_param}; the rest is the node's); "
+             f"this machine{m.note}: {gib(m.ram)} RAM available, "
              f"{gib(m.shm)} free in {cfg.ipc.shm_dir} (the store needs {gib(plan.shm_part)} there)"]
     if m.threshold is not None:
         lines.append(f"  Ray's memory monitor kills workers above {m.threshold:.0%} of {gib(m.total)} RAM in use "

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from megatrain.actors.store_owner import StoreOwner
+from megatrain.actors.store_owner import RUN_RESERVE, StoreOwner
 from megatrain.ipc import shm
 from megatrain.ipc.protocol import IpcConfig, Store, checkpoint_host_bytes, plan_store
 from megatrain.ipc.shm import HEADER_BYTES
@@ -34,10 +34,12 @@ def create(owner: StoreOwner, rid: str, ipc: IpcConfig, clip: bool = True) -> No
 
 
 def need(mode: str, engine: EngineConfig, clip: bool = True) -> int:
-    """RAM the store and its pinned checkpoints need, as check_space counts it."""
+    """RAM the store, its pinned checkpoints, its page tables and the processes' reserve need, as check_space
+    counts it."""
     spec = plan_store("x", build_spec(MODEL), "bf16", 2, 1, 1, IpcConfig(staging=mode), cuda=True, clip=clip)
     parts = spec.part_bytes()
-    return sum(parts.values()) + len(parts) * HEADER_BYTES + checkpoint_host_bytes(spec.model, engine, *BATCH)
+    return (sum(parts.values()) + len(parts) * HEADER_BYTES + checkpoint_host_bytes(spec.model, engine, *BATCH)
+            + RUN_RESERVE + spec.page_table_bytes())
 
 
 def test_chosen_sizes_reorder_the_walk_and_keep_the_store(rid: str) -> None:

@@ -256,6 +256,12 @@ class StoreSpec:
         resident = {"resident": self.layout.total * self.staging_bytes} if self.resident else {}
         return {**dict.fromkeys(self.planes, plane), "staging": staging, **resident, "ctl": ctl}
 
+    def page_table_bytes(self) -> int:
+        """The kernel's page tables for the store's mappings (8 bytes per 4 KiB page, per process that maps
+        it): about three processes map nearly all of it (the owner, the Adam updater, the executor or the
+        workers), and this RAM is in use although no process's PSS shows it."""
+        return 3 * sum(self.part_bytes().values()) // 512
+
     def layout_hash(self) -> bytes:
         """What the segments' bytes mean. Not the checkpoint plan (K, the last block): it orders the walk,
         not the memory, and is settled after the store is made (actors/store_owner.py)."""
