@@ -29,7 +29,14 @@ from megatrain.launch.checkpointing import Checkpointer
 from megatrain.launch.config import Config
 from megatrain.launch.evaluation import Evaluator
 from megatrain.launch.metrics import executor_row
-from megatrain.launch.output import describe_memory, describe_run, prepare_output, resolve_output, short
+from megatrain.launch.output import (
+    OutputLock,
+    describe_memory,
+    describe_run,
+    prepare_output,
+    resolve_output,
+    short,
+)
 from megatrain.launch.placement import Demand, bundle, demands, describe_need, expect_packers, thread_request
 from megatrain.launch.reporting import Reporter
 from megatrain.launch.resume import check_fits, find_checkpoint
@@ -76,6 +83,7 @@ class Trainer:
         self.reporter: Reporter | None = None  # while the step loop runs
         self.store_fill: dict = {}  # how the store was filled (StoreOwner.fill_report)
         self._closed = False
+        self.lock: OutputLock | None = None  # the output directory's, for the run's life
         self.launched, self.first_step_s = time.monotonic(), None  # launch -> the first step's end (s)
         self.launched_wall, self.marks = time.time(), {}  # each actor's start-up timeline (Role.mark)
         self.startup: dict[str, float] = {}  # seconds per start-up phase, in order (logged before step 1)
@@ -129,6 +137,7 @@ class Trainer:
             check_run_id_free(cfg.train.run_id, cfg.ipc.shm_dir)  # the store is on this machine: say it now
         if cfg.train.tensorboard:
             summary_writer()  # a missing package is a usage error before anything starts
+        self.lock = OutputLock(self.out, self.run_id)  # before anything in the directory is read or changed
         self.resume_dir = find_checkpoint(cfg.train.resume, self.out)
         manifest = check_fits(self.resume_dir, cfg) if self.resume_dir else None
         self.start = int(manifest["step"]) if manifest else 0
@@ -510,3 +519,5 @@ class Trainer:
                     print(f"[megatrain] store owner did not shut down cleanly: {exc}", file=sys.stderr)
                 self.runner.kill(owner)
             self.runner.close()
+            if self.lock is not None:
+                self.lock.release()

@@ -3,9 +3,11 @@ log line about a profiled step."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,48 @@ from megatrain.errors import ConfigError
 
 # What a run writes at the top of its output directory (final/ is the saved model).
 RUN_FILES = ("metrics.jsonl", "config.yaml", "error.log", "timeline.json")
+LOCK_FILE = ".megatrain.lock"  # held (flock) by the live run of the directory; never removed
+
+
+class OutputLock:
+    """One live run per output directory: an exclusive flock on OUTPUT_DIR/.megatrain.lock, taken before
+    anything in the directory is read or changed and held for the run's life. The kernel drops it when the
+    process ends, however it ends, so a killed run never leaves a stale lock; the file itself stays (removing
+    it would let a third run lock a new file while the second still holds the old one). The holder writes
+    who it is into the file, which is what a refused launch reports."""
+
+    def __init__(self, out: Path, run_id: str):
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"train.output_dir: '{out}' exists and is not a directory")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ConfigError(f"train.output_dir: cannot write to '{out}': {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = self._holder()
+            os.close(self.fd)
+            raise ConfigError(f"train.output_dir: '{out}' is in use by a live run ({holder}); wait for it to end, "
+                              "or choose another train.output_dir") from None
+        me = {"pid": os.getpid(), "run_id": run_id, "host": socket.gethostname(), "since": time.time()}
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, json.dumps(me).encode(), 0)
+
+    def _holder(self) -> str:
+        try:
+            who = json.loads(os.pread(self.fd, 4096, 0) or b"{}")
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(who["since"]))
+            return f"pid {who['pid']} on {who['host']}, run {who['run_id']}, since {since}"
+        except (OSError, ValueError, KeyError, TypeError):
+            return "its process has not written who it is yet"
+
+    def release(self) -> None:
+        """Idempotent; the process's end releases it too."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def resolve_output(template: str, run_id: str) -> Path:
