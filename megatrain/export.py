@@ -64,8 +64,10 @@ def export(spec: ModelSpec, tile: Callable[[int], torch.Tensor], out: str | Path
     config = copy.deepcopy(spec.hf_config)
     config.dtype = torch_dtype
     config.use_cache = True  # the training spec turns the KV cache off; a saved model is for inference too
+    if tokenizer:
+        _special_ids_from(Path(tokenizer), config)
     config.save_pretrained(root)
-    _generation_config(spec, root)
+    _generation_config(config, root)
     if tokenizer:
         for f in TOKENIZER_FILES:
             if (Path(tokenizer) / f).is_file():
@@ -103,11 +105,34 @@ def _write_shard(path: Path, shard: list, tile: Callable[[int], torch.Tensor], d
     return offset
 
 
-def _generation_config(spec: ModelSpec, root: Path) -> None:
+SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _special_ids_from(tokenizer: Path, config) -> None:
+    """The model's special-token ids as the tokenizer saved with it has them: generate() stops at the
+    config's eos id, so a config that kept its class's defaults (a fresh model: bos 1, eos 2) against a
+    tokenizer whose end token is another id would never stop at the end token. Where the two disagree
+    the tokenizer wins, and the change is printed; an id outside the model's vocabulary is refused."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    for key in SPECIAL_IDS:
+        want, had = getattr(tok, key, None), getattr(config, key, None)
+        if want is not None and want >= config.vocab_size:
+            raise ValueError(f"the tokenizer in {tokenizer} has {key} {want}, outside the model's vocabulary of "
+                             f"{config.vocab_size}")
+        if want is not None and want != had:
+            print(f"[megatrain] export: config {key} {had} -> {want} (the tokenizer's "
+                  f"{tok.convert_ids_to_tokens(want)!r})", flush=True)
+            setattr(config, key, want)
+
+
+def _generation_config(config, root: Path) -> None:
+    """Generation defaults from the exported config: its special ids, the KV cache on."""
     try:
         from transformers import GenerationConfig
 
-        gen = GenerationConfig.from_model_config(spec.hf_config)
+        gen = GenerationConfig.from_model_config(config)
         if gen.to_diff_dict():
             gen.save_pretrained(root)
     except (ImportError, ValueError, TypeError):

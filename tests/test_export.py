@@ -100,3 +100,35 @@ def test_import_of_sharded_bf16_weights_and_a_truncated_shard(tmp_path: Path, ca
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert str(shard) in err and "truncated" in err
+
+
+def test_export_takes_the_special_ids_from_the_tokenizer_and_generates_with_the_cache(tmp_path: Path,
+                                                                                    capsys) -> None:
+    """A fresh model keeps its class's defaults (bos 1, eos 2); the user's tokenizer ends texts with id 0.
+    The exported config and generation config carry the tokenizer's ids, with the KV cache on, so
+    generate() stops at the tokenizer's end token."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from megatrain.export import export
+    from tests.data_fixtures import MODEL_VOCAB, make_tokenizer
+    from tests.helpers import flat_unit, tiny_hf
+
+    tok_dir = make_tokenizer(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    assert (tok.eos_token_id, tok.pad_token_id) == (0, 1)  # '<|endoftext|>' and '<|pad|>', ids the defaults miss
+    model = tiny_hf("llama", tied=False)
+    model.config.vocab_size = MODEL_VOCAB
+    model.resize_token_embeddings(MODEL_VOCAB)
+    spec = spec_for(model, "llama")
+    state = model.state_dict()
+    assert (spec.hf_config.bos_token_id, spec.hf_config.eos_token_id) == (1, 2)
+    out = export(spec, lambda u: flat_unit(spec, u, state), tmp_path / "hf", tokenizer=tok_dir)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["eos_token_id"], config["pad_token_id"], config["use_cache"]) == (0, 1, True)
+    gen = GenerationConfig.from_pretrained(out)
+    assert (gen.eos_token_id, gen.pad_token_id, gen.use_cache) == (0, 1, True)
+    assert "config eos_token_id 2 -> 0 (the tokenizer's '<|endoftext|>')" in capsys.readouterr().out
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        ids = loaded.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
+    assert ids.shape[1] <= 7  # it ran, with the cache, under the exported generation config
