@@ -13,7 +13,6 @@ import mmap
 import os
 import re
 import struct
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,9 +164,9 @@ RAY_DEFAULT_THRESHOLD = 0.95  # Ray's own default
 
 def ray_memory_threshold() -> float | None:
     """The fraction of the node's RAM in use above which Ray's memory monitor kills its workers, where this
-    process is a Ray worker (the raylet's setting reaches its workers' environment); None outside Ray."""
-    ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
+    process is a Ray worker (the raylet's setting reaches its workers' environment, with the raylet's pid);
+    None elsewhere (a driver, the in-process runner), whose processes the monitor does not kill."""
+    if "RAY_RAYLET_PID" not in os.environ:
         return None
     try:
         return float(os.environ.get(RAY_THRESHOLD_ENV, RAY_DEFAULT_THRESHOLD))

@@ -128,6 +128,24 @@ def test_check_space_counts_ram_outside_shm_against_ram_only(monkeypatch: pytest
     shm.check_space({"params": 2**29}, SHM, {"activation checkpoints": 2**28})  # fits /dev/shm, not counted there
 
 
+def test_in_a_ray_worker_the_store_must_fit_under_the_memory_monitors_threshold(monkeypatch) -> None:
+    """Ray's memory monitor kills a node's workers above a share of its RAM in use, shared memory included:
+    a store the RAM holds but that threshold does not is refused with both numbers."""
+    monkeypatch.setattr(shm, "mem_available_bytes", lambda: 10 * 2**30)
+    monkeypatch.setattr(shm, "mem_total_bytes", lambda: 20 * 2**30)
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda _d: 20 * 2**30)
+    monkeypatch.delenv("RAY_RAYLET_PID", raising=False)
+    shm.check_space({"params": 9 * 2**30}, SHM)  # no Ray here: RAM alone
+    monkeypatch.setenv("RAY_RAYLET_PID", "1")
+    monkeypatch.setenv("RAY_memory_usage_threshold", "0.9")
+    with pytest.raises(ResourceError, match=r"10\.00 GiB is available, but Ray's memory monitor kills .* above 90% "
+                                            r".*leaves 8\.00 GiB for the run"):
+        shm.check_space({"params": 9 * 2**30}, SHM)
+    shm.check_space({"params": 7 * 2**30}, SHM)
+    monkeypatch.delenv("RAY_memory_usage_threshold")  # Ray's default, 95 %: 9 GiB left
+    shm.check_space({"params": 9 * 2**30 - 2**20}, SHM)
+
+
 # ---- the sweeper -------------------------------------------------------------------------------------
 
 DEAD_OWNER = textwrap.dedent("""
