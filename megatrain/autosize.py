@@ -12,8 +12,12 @@ What costs time, what costs memory (one step, L layers, K = engine.checkpoint_in
     ones) that let it fit: where every layer fits whole, none.
   * the last block's activations are freed by its backward before any recompute block runs, so the
     recompute blocks (K layers each) need room for K layers at once, not in addition. K itself barely
-    changes the time (the recompute is one forward per layer whatever K), and a smaller K offloads more
-    checkpoints to pinned host RAM, so K stays 2 (1 when the GPU holds fewer than 2 layers' activations).
+    changes the time (the recompute is one forward per layer whatever K), and each block keeps one
+    activation checkpoint from the forward to its recompute, so K is as large as that room holds (whole
+    layers with their weights, up to the layers left): few checkpoints. They stay on the GPU where they
+    take at most an eighth of the room (engine.offload_checkpoints: auto; the last block makes room for
+    them), else they go to pinned host RAM. With sequence chunks K stays 2 (1 when the GPU holds fewer
+    than 2 layers' activations).
   * the batch runs through each layer in chunks of engine.chunk_sequences: whole when K layers of the
     whole batch fit, else the largest chunk that does (smaller chunks run the GEMMs less efficiently).
   * with clipping, the last block can also take every layer by running the batch in sequence chunks
@@ -106,7 +110,7 @@ def choose(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, gpu_free: i
     loss = _loss_chunk(spec.hf_config.vocab_size, budget)
     budget -= loss * spec.hf_config.vocab_size * LOSS_BYTES + stream_bytes(spec, batch * seq, dtype_bytes)
     shape = _Shape(spec, cfg, batch, seq, dtype_bytes, clip, gpu_free)
-    plan = shape.blocks(budget)
+    plan = _explicit(cfg, shape.blocks(budget))
     offload = cfg.offload_checkpoints
     each = checkpoint_bytes(spec, batch * seq, dtype_bytes)
     if offload == "auto":  # on the GPU where they take at most an eighth of the room (see the docstring)
@@ -180,7 +184,7 @@ class _Shape:
         checkpoints, so the reservation grows until it covers what the blocks keep."""
         reserve = 0
         for _ in range(8):
-            plan = self.blocks(budget - reserve)
+            plan = _explicit(self.cfg, self.blocks(budget - reserve))
             need = _saved(self.spec, plan) * each
             if need > limit:
                 return None
@@ -193,6 +197,13 @@ class _Shape:
 def checkpoint_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int) -> int:
     """One activation checkpoint: a block's input hidden state."""
     return tokens * spec.hf_config.hidden_size * dtype_bytes
+
+
+def _explicit(cfg: EngineConfig, plan: tuple) -> tuple:
+    """A plan with the config's explicit K and last block instead of the rule's (the checkpoints they keep)."""
+    k, last, *rest = plan
+    return (k if cfg.checkpoint_interval == "auto" else cfg.checkpoint_interval,
+            last if cfg.last_block_layers == "auto" else cfg.last_block_layers, *rest)
 
 
 def _saved(spec: ModelSpec, plan: tuple) -> int:
