@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatrain.ipc.procs import pid_alive
 from megatrain.ipc.protocol import StoreSpec
 from megatrain.ipc.protocol.cpus import describe as describe_cpu_plan
 from megatrain.ipc.shm import gib
@@ -21,46 +22,57 @@ from megatrain.errors import ConfigError
 
 # What a run writes at the top of its output directory (final/ is the saved model).
 RUN_FILES = ("metrics.jsonl", "config.yaml", "error.log", "timeline.json")
-LOCK_FILE = ".megatrain.lock"  # held (flock) by the live run of the directory; never removed
+LIVE_FILE = ".megatrain-live.json"  # who holds the directory: written by the live run, removed when it ends
 
 
 class OutputLock:
-    """One live run per output directory: an exclusive flock on OUTPUT_DIR/.megatrain.lock, taken before
-    anything in the directory is read or changed and held for the run's life. The kernel drops it when the
-    process ends, however it ends, so a killed run never leaves a stale lock; the file itself stays (removing
-    it would let a third run lock a new file while the second still holds the old one). The holder writes
-    who it is into the file, which is what a refused launch reports."""
+    """One live run per output directory: an exclusive flock on the directory itself, taken before anything
+    in it is read or changed and held for the run's life. The kernel drops it when the process ends,
+    however it ends, so a killed run never leaves a stale lock. The holder says who it is in LIVE_FILE,
+    which is what a refused launch reports, and removes it when it lets go (a killed run's stays, naming a
+    dead pid, which is then not reported)."""
 
     def __init__(self, out: Path, run_id: str):
         if out.exists() and not out.is_dir():
             raise ConfigError(f"train.output_dir: '{out}' exists and is not a directory")
+        self.out, self.run_id, self.announced = out, run_id, False
         try:
             out.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            self.fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as exc:
             raise ConfigError(f"train.output_dir: cannot write to '{out}': {exc.strerror or exc}") from None
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = self._holder()
             os.close(self.fd)
-            raise ConfigError(f"train.output_dir: '{out}' is in use by a live run ({holder}); wait for it to end, "
-                              "or choose another train.output_dir") from None
-        me = {"pid": os.getpid(), "run_id": run_id, "host": socket.gethostname(), "since": time.time()}
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, json.dumps(me).encode(), 0)
+            raise ConfigError(f"train.output_dir: '{out}' is in use by a live run ({self._holder()}); wait for it "
+                              "to end, or choose another train.output_dir") from None
+        self._announce()
+
+    def _announce(self) -> None:
+        """Say who holds the directory (removed again by release: a launch refused later, for another reason,
+        leaves the directory as it was)."""
+        me = {"pid": os.getpid(), "run_id": self.run_id, "host": socket.gethostname(), "since": time.time()}
+        tmp = self.out / (LIVE_FILE + ".tmp")
+        tmp.write_text(json.dumps(me))
+        os.replace(tmp, self.out / LIVE_FILE)
+        self.announced = True
 
     def _holder(self) -> str:
         try:
-            who = json.loads(os.pread(self.fd, 4096, 0) or b"{}")
+            who = json.loads((self.out / LIVE_FILE).read_text())
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(who["since"]))
+            if who["host"] == socket.gethostname() and not pid_alive(int(who["pid"])):
+                raise ValueError("a killed run's note")
             return f"pid {who['pid']} on {who['host']}, run {who['run_id']}, since {since}"
         except (OSError, ValueError, KeyError, TypeError):
-            return "its process has not written who it is yet"
+            return "it is still starting: it has not said who it is yet"
 
     def release(self) -> None:
-        """Idempotent; the process's end releases it too."""
+        """Idempotent; the process's end releases the lock too (LIVE_FILE then stays, naming a dead pid)."""
         if self.fd >= 0:
+            if self.announced:
+                (self.out / LIVE_FILE).unlink(missing_ok=True)
             os.close(self.fd)
             self.fd = -1
 
