@@ -39,12 +39,28 @@ def cleanup() -> int:
     return 0
 
 
+# The head of docs/configuration.md, which is this command's whole output (tests/test_docs.py compares them).
+REFERENCE_HEAD = """# Configuration
+
+Every key of a run's config, with its default and meaning, generated from the config tree
+(`launch/config.py`). `megatrain-launch --config-reference > docs/configuration.md` rewrites this file;
+`tests/test_docs.py` fails when it is out of date.
+
+A YAML file and the `dotted.key=value` overrides after it on the command line only fill this tree: an
+unknown key is an error (with a did-you-mean). An override's value is read as YAML
+(`optim.betas=[0.9,0.98]`, `model.hf={hidden_size: 512}`), and `model.hf.KEY=VALUE` sets one field of
+`model.hf`. `megatrain-launch CONFIG.yaml --print-config` prints the resolved config; a run saves it as
+`OUTPUT_DIR/config.yaml`.
+
+"""
+
+
 def reference() -> int:
     from megatrain.launch.config import Config
 
     from megatrain.configbase import reference_table
 
-    print(reference_table(Config), end="")  # README's "Config reference" is this very table
+    print(REFERENCE_HEAD + reference_table(Config), end="")
     return 0
 
 
