@@ -48,9 +48,9 @@ Every key of a run's config, with its default and meaning, generated from the co
 
 A YAML file and the `dotted.key=value` overrides after it on the command line only fill this tree: an
 unknown key is an error (with a did-you-mean). An override's value is read as YAML
-(`optim.betas=[0.9,0.98]`, `model.hf={hidden_size: 512}`), and `model.hf.KEY=VALUE` sets one field of
-`model.hf`. `megatrain-launch CONFIG.yaml --print-config` prints the resolved config; a run saves it as
-`OUTPUT_DIR/config.yaml`.
+(`optim.betas=[0.9,0.98]`); `model.hf.hidden_size=512` sets one field of `model.hf`, while
+`model.hf={hidden_size: 512}` replaces the whole mapping. `megatrain-launch CONFIG.yaml --print-config`
+prints the resolved config; a run saves it as `OUTPUT_DIR/config.yaml`.
 
 """
 
