@@ -126,7 +126,11 @@ def prepare_output(out: Path, overwrite: bool, resume_step: int | None = None) -
         stale.append(out / "checkpoints")
     for path in stale:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
-    if stale:
+    if resume_step is not None:  # the same run going on: its metrics continue, the rest is written anew
+        log(f"continuing the run in {out}: metrics.jsonl kept through step {resume_step} (the steps after it are "
+            f"redone)" + (f"; {', '.join(p.name for p in stale)} from before the stop removed (this run writes "
+                          "its own)" if stale else ""))
+    elif stale:
         log(f"removed an earlier run's files from {out}: {', '.join(p.name for p in stale)}")
 
 

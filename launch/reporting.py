@@ -37,7 +37,8 @@ class Reporter:
                "adam_s": adam["adam_s"], "adam_update_s": sum(end - start for _, start, end in adam["unit_spans"])}
         self.file.write(json.dumps(row) + "\n")
         tflops = self.flops / row["step_time_s"] / 1e12
-        self.progress.step(row, tflops)
+        # On a CPU the figure is a few hundredths at best: the console shows tokens/s alone there.
+        self.progress.step(row, tflops if self.cuda else None)
         if self.tb is not None:
             self.tb.step(row, tflops)
         if any(k.startswith("eval_") for k in row):  # printed after its step's line, whatever the overlap

@@ -8,7 +8,8 @@ import sys
 import pytest
 from megatrain.launch.config import load_config
 from megatrain.launch.driver import Trainer
-from megatrain.launch.progress import Progress, clock
+from megatrain.launch.output import prepare_output
+from megatrain.launch.progress import Eta, Progress, clock
 
 import megatrain
 from megatrain.errors import ConfigError
@@ -20,16 +21,67 @@ def row(step: int, seconds: float = 0.5) -> dict:
             "grad_norm": 1.5}
 
 
+class FakeClock:
+    """Wall time for the ETA, set by the test (no sleeping)."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_lines_every_log_every_steps_with_tflops_and_eta(capsys) -> None:
-    p = Progress("lines", 0, 10, log_every=4)
+    wall = FakeClock()
+    p = Progress("lines", 0, 10, log_every=4, clock=wall)
     for s in range(1, 11):
+        wall.now += 30.0 if s == 1 else 0.5  # the first step's warm-up is not in the ETA
         p.step(row(s), tflops=4.0)
     p.close()
     lines = [line for line in capsys.readouterr().out.splitlines() if "step " in line]
     assert [line.split()[2] for line in lines] == ["1/10", "5/10", "9/10", "10/10"]
     assert "4.0 TFLOPS" in lines[0] and "0.500 s/step" in lines[0]
+    assert lines[0].endswith("ETA ?")  # nothing timed after the first step yet
     assert lines[1].endswith("ETA 0:02") and lines[-1].endswith("ETA 0:00")  # 5 steps left at 0.5 s
     assert clock(3725.0) == "1:02:05" and clock(float("nan")) == "?"
+
+
+def test_eta_is_smooth_across_slow_and_fast_steps() -> None:
+    """Steps alternating 1 s and 3 s (an evaluation every other step): the ETA stays near 2 s a step left
+    instead of following each step's time (a last-step estimate would swing between 1x and 3x)."""
+    wall = FakeClock()
+    eta = Eta(100, clock=wall)
+    wall.now += 50.0
+    eta.step(1)  # a slow first step: left out
+    left = []
+    for s in range(2, 42):
+        wall.now += 1.0 if s % 2 else 3.0
+        eta.step(s)
+        left.append(eta.seconds(s) / (100 - s))
+    assert all(1.9 <= x <= 3.0 for x in left) and all(1.9 <= x <= 2.1 for x in left[10:])
+    assert eta.seconds(100) == 0.0
+
+
+def test_cpu_lines_show_tokens_per_second_without_tflops(capsys) -> None:
+    p = Progress("lines", 0, 2, log_every=1)
+    p.step(row(1), tflops=None)
+    p.close()
+    line = capsys.readouterr().out.strip()
+    assert "1000 tok/s" in line and "TFLOPS" not in line
+
+
+def test_a_run_continued_in_its_directory_says_so(tmp_path, capsys) -> None:
+    """A resumed run's message speaks of the run going on, not of another run's files."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text("".join(json.dumps(row(s)) + "\n" for s in range(1, 8)))
+    (out / "config.yaml").write_text("train: {}\n")
+    prepare_output(out, overwrite=False, resume_step=5)
+    said = capsys.readouterr().out
+    assert f"continuing the run in {out}: metrics.jsonl kept through step 5 (the steps after it are redone); " \
+           "config.yaml from before the stop removed (this run writes its own)" in said
+    assert "earlier run" not in said
+    assert [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
 
 
 def test_auto_is_lines_when_stdout_is_no_terminal(capsys) -> None:
@@ -49,6 +101,7 @@ def test_bar_shows_step_loss_and_tflops_and_carries_the_log(capsys) -> None:
         p.close()
     out = capsys.readouterr().out
     assert "5/5" in out and "loss 0.4000" in out and "6.0 TFLOPS" in out and "[megatrain] evaluated" in out
+    assert "ETA 0:00" in out and "<" not in out  # the ETA of this module, not tqdm's own estimate
     assert "step 3/5" not in out  # no plain lines while the bar is up
     megatrain.log("after")  # the bar's writer is gone with it
     assert capsys.readouterr().out == "[megatrain] after\n"
