@@ -58,6 +58,7 @@ GIB = 2**30
 LOSS_BYTES = 12  # per logit element: bf16 logits, fp32 upcast, fp32 gradient of the upcast
 MARGIN = 0.92  # of the free memory: the allocator's fragmentation and cuBLAS workspaces
 MIN_CHUNK_TOKENS = 32768  # a sequence chunk the last block is chunked for runs its GEMMs at full speed
+TILE_TOKENS = 16384  # an MLP tile of a 7B layer: 1.8 GiB in flight, GEMMs of 16k rows at full speed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,15 +69,33 @@ class Sizes:
     loss_chunk_tokens: int
     lean_layers: int
     offload_checkpoints: bool = True
+    token_tile: int = 0
 
     def __str__(self) -> str:  # the line the driver logs and `megatrain-launch plan` prints
         return ", ".join(f"{f.name} {getattr(self, f.name)}" for f in dataclasses.fields(self))
 
 
-def layer_activation_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int) -> int:
-    """One decoder layer's activations kept for its backward, for `tokens` tokens."""
+def layer_activation_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, tile: int = 0) -> int:
+    """One decoder layer's activations kept for its backward, for `tokens` tokens; with token tiles
+    (megatrain/tiling.py), its attention half's (input, norm, q/k/v, attention and o outputs, the
+    log-sum-exp) and the MLP half's input, plus one tile's worth of an untiled layer: the tile in flight."""
     hf = spec.hf_config
-    return tokens * (8 * hf.hidden_size + 11 * hf.intermediate_size) * dtype_bytes // 2
+    if not tile or tile >= tokens:
+        return tokens * (8 * hf.hidden_size + 11 * hf.intermediate_size) * dtype_bytes // 2
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    q, kv = head_dim * hf.num_attention_heads, head_dim * getattr(hf, "num_key_value_heads", hf.num_attention_heads)
+    kept = tokens * ((5 * hf.hidden_size + 2 * q + 2 * kv) * dtype_bytes + 4 * hf.num_attention_heads)
+    return kept + layer_activation_bytes(spec, tile, dtype_bytes)
+
+
+def token_tile(spec: ModelSpec, tokens: int) -> int:
+    """The tile an `auto` engine.token_tile takes where a layer's untiled activations do not fit: TILE_TOKENS,
+    or fewer where the layer is so wide that one tile would take more than a layer of attention half."""
+    tile = TILE_TOKENS
+    hf = spec.hf_config
+    while tile > 1024 and tile * (8 * hf.hidden_size + 11 * hf.intermediate_size) > tokens * 8 * hf.hidden_size:
+        tile //= 2
+    return min(tile, tokens)
 
 
 def stream_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int) -> int:
@@ -109,8 +128,17 @@ def choose(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, gpu_free: i
     budget = int(gpu_free * MARGIN) - buffer_bytes(spec, cfg.prefetch, dtype_bytes)
     loss = _loss_chunk(spec.hf_config.vocab_size, budget)
     budget -= loss * spec.hf_config.vocab_size * LOSS_BYTES + stream_bytes(spec, batch * seq, dtype_bytes)
-    shape = _Shape(spec, cfg, batch, seq, dtype_bytes, clip, gpu_free)
-    plan = _explicit(cfg, shape.blocks(budget))
+    tile = 0 if cfg.token_tile == "auto" else cfg.token_tile
+    shape = _Shape(spec, cfg, batch, seq, dtype_bytes, clip, gpu_free, tile)
+    try:
+        plan = _explicit(cfg, shape.blocks(budget))
+    except ResourceError:  # one sequence's layer does not fit whole: its MLP half in tiles (auto only)
+        if cfg.token_tile != "auto":
+            raise
+        tile = token_tile(spec, seq)
+        shape = _Shape(spec, cfg, batch, seq, dtype_bytes, clip, gpu_free, tile)
+        plan = _explicit(cfg, shape.blocks(budget))
+        plan = (*plan[:-1], plan[-1] + f"; the MLP half in tiles of {tile} tokens")
     offload = cfg.offload_checkpoints
     each = checkpoint_bytes(spec, batch * seq, dtype_bytes)
     if offload == "auto":  # on the GPU where they take at most an eighth of the room (see the docstring)
@@ -123,17 +151,17 @@ def choose(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, gpu_free: i
     saved = _saved(spec, plan)
     where = "none" if not saved else f"{saved} in pinned host RAM" if offload else f"{saved} on the GPU"
     why += f"; activation checkpoints: {where}"
-    return _keep(cfg, Sizes(k, last, chunk, loss, lean, bool(offload))), why
+    return _keep(cfg, Sizes(k, last, chunk, loss, lean, bool(offload), tile)), why
 
 
 class _Shape:
     """The sizing of one run's blocks for a given activation budget."""
 
     def __init__(self, spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, dtype_bytes: int, clip: bool,
-                 gpu_free: int):
+                 gpu_free: int, tile: int = 0):
         self.spec, self.cfg, self.batch, self.seq, self.dtype_bytes = spec, cfg, batch, seq, dtype_bytes
-        self.clip, self.gpu_free = clip, gpu_free
-        self.per_layer = layer_activation_bytes(spec, batch * seq, dtype_bytes)
+        self.clip, self.gpu_free, self.tile = clip, gpu_free, tile
+        self.per_layer = layer_activation_bytes(spec, batch * seq, dtype_bytes, tile)
 
     def blocks(self, budget: int) -> tuple[int, int, int, int, str]:
         """(K, last block layers, sequences per chunk, lean layers, why) for `budget` bytes of activations."""
@@ -150,7 +178,8 @@ class _Shape:
                 f"{k * per_layer / batch / GIB:.2f} GiB; use a shorter data.seq_len or a GPU with more free memory "
                 f"(megatrain-launch plan CONFIG shows the whole plan)")
         chunk = 0 if k * per_layer <= budget else max(1, int(room // (k * per_layer / batch)))
-        cost = (per_layer, lean_bytes(spec, batch * seq, self.dtype_bytes), budget)
+        # A tiled layer keeps about what a lean one does (its MLP half is recomputed per tile): no lean layers.
+        cost = (per_layer, per_layer if self.tile else lean_bytes(spec, batch * seq, self.dtype_bytes), budget)
         chunked = 0 < (chunk if cfg.chunk_sequences == "auto" else cfg.chunk_sequences) < batch
         if chunked:  # sequence chunks are what make the batch fit, not lean layers: the whole batch's fit
             last, lean = max(min(fit, layers), 1), (0 if cfg.lean_layers == "auto" else cfg.lean_layers)
@@ -272,7 +301,8 @@ def gpu_terms(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, sizes: S
     last = sizes.last_block_layers or sizes.checkpoint_interval
     kept = max(last, sizes.checkpoint_interval)
     lean = min(sizes.lean_layers, last)
-    whole, lean_kept = _kept_bytes(kept, lean, layer_activation_bytes(spec, chunk_tokens, dtype_bytes),
+    whole, lean_kept = _kept_bytes(kept, lean, layer_activation_bytes(spec, chunk_tokens, dtype_bytes,
+                                                                      sizes.token_tile),
                                    lean_bytes(spec, chunk_tokens, dtype_bytes))
     chunked = 0 < sizes.chunk_sequences < batch
     largest = spec.layout.max_unit_numel
@@ -282,7 +312,8 @@ def gpu_terms(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, sizes: S
             f"loss chunk logits ({sizes.loss_chunk_tokens} tokens x vocab, 12 B each)":
                 sizes.loss_chunk_tokens * hf.vocab_size * LOSS_BYTES,
             "hidden states, checkpoint in flight, head input": stream_bytes(spec, batch * seq, dtype_bytes),
-            f"activations of {kept - lean} layers ({chunk_tokens} tokens each)": whole,
+            f"activations of {kept - lean} layers ({chunk_tokens} tokens each"
+            + (f", MLP in tiles of {sizes.token_tile})" if sizes.token_tile else ")"): whole,
             f"{lean} lean layers ({chunk_tokens} tokens each, weights too)": lean_kept,
             f"fp32 gradient sums over sequence chunks ({kept if chunked else 0} layers)":
                 sum_bytes(spec, kept) if chunked else 0,

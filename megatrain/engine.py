@@ -22,8 +22,10 @@ from torch.func import functional_call
 
 from megatrain.activations import Checkpoints
 from megatrain.configbase import opt
+from megatrain.errors import ConfigError
 from megatrain.lean import lean_call
 from megatrain.model import ModelSpec, meta_model
+from megatrain.tiling import tileable, tiled_layer
 
 IGNORE = -100
 
@@ -61,6 +63,11 @@ class EngineConfig:
                                              "else the largest chunk that does; with clipping, the fewest chunks "
                                              "that put every layer in the last block where that saves a quarter "
                                              "or more of the recompute (megatrain/autosize.py).")
+    token_tile: int | str = opt("auto", "Tokens per tile of a layer's position-wise half (post-attention norm, MLP, "
+                                        "residual): it runs tile by tile in the forward and again in the backward, "
+                                        "so its memory follows the tile, not the sequence (megatrain/tiling.py; "
+                                        "for long context). 0 = untiled. auto: untiled where a layer's "
+                                        "activations fit, else the largest tile that does (megatrain/autosize.py).")
     offload_checkpoints: bool | str = opt("auto", "CUDA: keep the activation checkpoints (one per recompute block, "
                                                   "tokens·hidden·2 bytes each) in pinned host memory (out in the "
                                                   "forward, back one block ahead in the backward) instead of GPU "
@@ -74,7 +81,8 @@ class EngineConfig:
             raise ValueError(f"engine.compute_dtype must be auto, bf16 or fp32, not '{self.compute_dtype}'")
         for key, least, what in (("checkpoint_interval", 1, ">= 1"), ("last_block_layers", 0, ">= 0 (0 = K)"),
                                  ("loss_chunk_tokens", 1, ">= 1"), ("lean_layers", 0, ">= 0 (0 = none)"),
-                                 ("chunk_sequences", 0, ">= 0 (0 = the whole batch in one chunk)")):
+                                 ("chunk_sequences", 0, ">= 0 (0 = the whole batch in one chunk)"),
+                                 ("token_tile", 0, ">= 0 (0 = untiled)")):
             value = getattr(self, key)
             if value != "auto" and (isinstance(value, str) or value < least):
                 raise ValueError(f"engine.{key} must be 'auto' or an integer {what}, not {value!r}")
@@ -87,7 +95,7 @@ class EngineConfig:
 
 # What an `auto` size is where no memory is scarce (the CPU device; megatrain/autosize.py decides on CUDA).
 FIXED_SIZES = {"checkpoint_interval": 2, "last_block_layers": 0, "chunk_sequences": 0, "loss_chunk_tokens": 2048,
-               "lean_layers": 0, "offload_checkpoints": True}
+               "lean_layers": 0, "offload_checkpoints": True, "token_tile": 0}
 
 
 def blocks(num_layers: int, k: int, last: int = 0) -> list[list[int]]:
@@ -184,6 +192,13 @@ class Templates:
         with torch.device(device):  # transformers versions differ on whether __init__ takes device=
             self.rotary = type(model.model.rotary_emb)(config=spec.hf_config)
         self.pad_id = getattr(spec.hf_config, "pad_token_id", None)
+        self.tile = 0  # tokens per tile of a layer's MLP half (megatrain/tiling.py); 0 = untiled
+
+    def use_tiles(self, tile: int) -> None:
+        if tile and not all(tileable(layer) for layer in self.layers.values()):
+            raise ConfigError(f"engine.token_tile: {self.spec.family} layers do not have the pre-norm residual "
+                              f"shape a tiled layer reproduces (megatrain/tiling.py); set engine.token_tile: 0")
+        self.tile = tile
 
     def views(self, unit: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """The unit's tensors as views of its flat vector, made by one split: its backward writes the
@@ -208,10 +223,13 @@ class Templates:
 
     def layer(self, unit: int, flat: torch.Tensor, x: torch.Tensor, pos: tuple, pos_ids: torch.Tensor,
               lean: bool = False) -> torch.Tensor:
+        kwargs = {"position_embeddings": pos, "position_ids": pos_ids, "attention_mask": None}
+        if self.tile and x.shape[0] * x.shape[1] > self.tile:  # the MLP half in tiles; lean covers attention
+            return tiled_layer(self.layers[unit], self.views(unit, flat), x, self.tile, kwargs,
+                               lean_call if lean else None)
         if lean:
             return lean_call(self.layer, unit, flat, x, pos, pos_ids)
-        out = functional_call(self.layers[unit], self.views(unit, flat), (x,),
-                              {"position_embeddings": pos, "position_ids": pos_ids, "attention_mask": None})
+        out = functional_call(self.layers[unit], self.views(unit, flat), (x,), kwargs)
         return out[0] if isinstance(out, tuple) else out
 
     def embed_weight(self, flat: torch.Tensor) -> torch.Tensor:
@@ -273,6 +291,7 @@ class StepEngine:
         cfg = fixed_sizes(cfg)  # the driver resolves them (autosize.py); a bare engine (tests) takes these
         self.spec, self.cfg, self.device, self.dtype = spec, cfg, device, dtype
         self.t = Templates(spec, device)
+        self.t.use_tiles(cfg.token_tile)
         self.n = spec.layout.num_layers
         self.blocks: list[list[int]] = []
         self.checkpoints = Checkpoints(device, cfg.offload_checkpoints)

@@ -156,3 +156,24 @@ def test_recompute_blocks_take_the_room_the_last_block_leaves_and_keep_their_che
     assert pinned.offload_checkpoints and pinned.last_block_layers >= sizes.last_block_layers
     kept, _ = autosize.choose(deep, cuda_cfg(offload_checkpoints=False), 16, 4096, free, clip=True)
     assert not kept.offload_checkpoints
+
+
+def test_a_layer_too_large_for_the_gpu_gets_its_mlp_in_tiles(spec8) -> None:
+    """One 7B layer at 256K tokens needs about 66 GiB whole: on 76 GiB free the rule tiles its MLP half
+    (16384-token tiles) and the plan fits; with engine.token_tile: 0 the same run is refused with the numbers;
+    at 4096 tokens nothing is tiled."""
+    sizes, why = autosize.choose(spec8, cuda_cfg(), 1, 262144, 76 * GIB, clip=True)
+    assert sizes.token_tile == autosize.TILE_TOKENS and "tiles of 16384" in why
+    terms = autosize.gpu_terms(spec8, cuda_cfg(), 1, 262144, sizes)
+    assert sum(terms.values()) <= 76 * GIB
+    with pytest.raises(autosize.ResourceError, match="one sequence of 262144 tokens"):
+        autosize.choose(spec8, cuda_cfg(token_tile=0), 1, 262144, 76 * GIB, clip=True)
+    assert autosize.choose(spec8, cuda_cfg(), 16, 4096, 76 * GIB, clip=True)[0].token_tile == 0
+
+
+def test_a_tiled_layer_counts_its_attention_half_and_one_tile(spec8) -> None:
+    whole = autosize.layer_activation_bytes(spec8, 262144, 2)
+    tiled = autosize.layer_activation_bytes(spec8, 262144, 2, 16384)
+    assert tiled < whole / 2
+    assert tiled > autosize.layer_activation_bytes(spec8, 16384, 2) + 262144 * 5 * 3584 * 2
+    assert autosize.layer_activation_bytes(spec8, 4096, 2, 16384) == autosize.layer_activation_bytes(spec8, 4096, 2)
