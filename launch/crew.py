@@ -1,0 +1,135 @@
+"""The run's actors as the driver sees them: spawning and ending them, calling them, and waiting for the
+calls with the run's failure handling (the first real failure is the one reported, never its victims)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+from megatrain.launch.placement import Demand
+from megatrain.launch.runners import Handle, InProcessRunner, Pending, RayRunner
+
+from megatrain.errors import AbortError, ActorFailure, MegatrainError
+
+SHUTDOWN_S = 15.0
+OWNER = "store-owner"
+
+
+class Crew:
+    """The actors by name, their pids and start-up marks once attached, and the owner's serve() call, held
+    open for the run's life: it ends (fails) when the owner dies or the run is aborted."""
+
+    def __init__(self, runner: InProcessRunner | RayRunner, setup_timeout_s: float):
+        self.runner, self.setup_timeout_s = runner, setup_timeout_s
+        self.actors: dict[str, Handle] = {}
+        self.pids: dict[str, int] = {}
+        self.marks: dict[str, dict] = {}  # each actor's start-up timeline (Role.mark)
+        self.sentinel: Pending | None = None
+        self._closed = False
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def spawn(self, name: str, cls: type, args: tuple, demand: Demand) -> None:
+        self.actors[name] = self.runner.spawn(name, cls, args, demand)
+
+    def drop(self, name: str) -> None:
+        """End an actor the run turned out not to need."""
+        self.runner.kill(self.actors.pop(name))
+
+    def named(self, prefix: str | tuple[str, ...]) -> list[str]:
+        """The actors whose names start with `prefix` (or one of them), in spawning order."""
+        return [n for n in self.actors if n.startswith(prefix)]
+
+    def serve_owner(self) -> None:
+        self.sentinel = self.runner.call(self.actors[OWNER], "serve")
+
+    def shutdown(self) -> None:
+        """Idempotent: end every worker, then the owner (it unlinks everything of the run once they are
+        gone), then release the runner. The caller defers SIGINT around it: it must finish."""
+        if self._closed:
+            return
+        self._closed = True
+        owner = self.actors.get(OWNER)
+        for h in self.actors.values():
+            if h is not owner:
+                self.runner.kill(h)
+        if owner is not None:
+            try:  # waits for the workers to be gone, then unlinks everything of the run
+                self.runner.result(self.runner.call(owner, "shutdown"), timeout=SHUTDOWN_S)
+            except Exception as exc:  # the reaper unlinks if the owner is gone
+                print(f"[megatrain] store owner did not shut down cleanly: {exc}", file=sys.stderr)
+            self.runner.kill(owner)
+        self.runner.close()
+
+    # ---- calls ------------------------------------------------------------------------------
+    def call(self, name: str, method: str, *args: Any) -> Pending:
+        return self.runner.call(self.actors[name], method, *args)
+
+    def call_one(self, name: str, method: str, *args: Any) -> Any:
+        return self.gather({name: self.call(name, method, *args)}, self.setup_timeout_s, f"{name}.{method}")[name]
+
+    def gather(self, calls: dict[str, Pending], timeout: float, what: str,
+               optional: dict[str, Pending] | None = None) -> dict[str, Any]:
+        """Wait for every call in `calls`; a call in `optional` (the checkpoint being written) is watched
+        for failure and its result taken if it ends meanwhile, but not waited for."""
+        results: dict[str, Any] = {}
+        pending = dict(calls)
+        extra = {k: v for k, v in (optional or {}).items() if k not in pending}
+        deadline = time.monotonic() + timeout
+        while pending:
+            watch = list(pending.values()) + list(extra.values()) + ([self.sentinel] if self.sentinel else [])
+            done = self.runner.wait_any(watch, max(deadline - time.monotonic(), 0.0))
+            if not done:
+                self.abort(f"{what} timed out")
+                raise MegatrainError(f"{what} did not finish within {timeout:.0f}s; still waiting on: "
+                                     f"{', '.join(pending)}")
+            for p in done:
+                if p is self.sentinel:
+                    self.sentinel = None
+                    self._owner_died(p, {**pending, **extra})
+                key = next(k for k, v in {**pending, **extra}.items() if v is p)
+                pending.pop(key, None)
+                extra.pop(key, None)
+                try:
+                    results[key] = self.runner.result(p)
+                except (ActorFailure, AbortError) as exc:
+                    raise self._root_cause(exc, p.actor, {**pending, **extra}) from None
+        return results
+
+    # ---- failures ---------------------------------------------------------------------------
+    def _owner_died(self, serve: Pending, pending: dict[str, Pending]) -> None:
+        """The owner's serve() call ended before shutdown: its process is gone, or the run was aborted."""
+        try:
+            self.runner.result(serve)
+            exc: Exception = ActorFailure(OWNER, "stopped serving the store", self.pids.get(OWNER))
+        except (ActorFailure, AbortError) as failure:
+            exc = failure
+        raise self._root_cause(exc, OWNER, pending)
+
+    def _root_cause(self, first: Exception, actor: str, pending: dict[str, Pending]) -> MegatrainError:
+        """Abort the run, let the others fail fast, and report the failure that started it all."""
+        self.abort(f"{actor} failed")
+        failures: list[Exception] = [first]
+        deadline = time.monotonic() + 5  # a stopped actor never answers: the verdict must not wait long
+        for p in pending.values():
+            try:
+                self.runner.result(p, timeout=max(deadline - time.monotonic(), 0.1))
+            except (ActorFailure, AbortError) as exc:
+                failures.append(exc)
+            except MegatrainError:
+                pass
+        real = [f for f in failures if isinstance(f, ActorFailure)]
+        deaths = [f for f in real if f.died]
+        root = (deaths or real or failures)[0]
+        return root if isinstance(root, MegatrainError) else MegatrainError(str(root))
+
+    def abort(self, reason: str) -> None:
+        """Raise the shared abort flag through any actor that still answers."""
+        for name, h in self.actors.items():
+            if name == OWNER or name not in self.pids:
+                continue
+            try:
+                self.runner.result(self.runner.call(h, "abort", reason), timeout=2)
+                return
+            except Exception:
+                continue

@@ -1,0 +1,163 @@
+"""The step loop: one call per actor per step, Adam's update overlapping the next step, evaluations and
+checkpoints between steps, a graceful stop on a signal; each step's row to launch/reporting.py."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatrain.ipc.protocol import StoreSpec
+from megatrain.launch.actor_profile import ActorProfile
+from megatrain.launch.checkpointing import Checkpointer
+from megatrain.launch.config import Config
+from megatrain.launch.crew import Crew
+from megatrain.launch.evaluation import Evaluator
+from megatrain.launch.metrics import executor_row
+from megatrain.launch.reporting import Reporter
+from megatrain.launch.runners import Pending
+from megatrain.launch.saving import Saves
+from megatrain.launch.stopping import StopRequest
+
+from megatrain import log
+from megatrain.adamw import lr_at
+from megatrain.data import Data
+from megatrain.data.loader import Prefetcher
+from megatrain.flops import model_step_flops
+
+
+@dataclass
+class PreparedRun:
+    """What the start-up settled and the loop runs with."""
+
+    cfg: Config
+    crew: Crew
+    data: Data
+    spec: StoreSpec
+    cuda: bool  # the executor's device
+    out: Path
+    start: int  # the first step to run (a resumed run's checkpoint step)
+    steps: int
+    evaluator: Evaluator
+    checkpointer: Checkpointer
+    config_yaml: str  # the resolved config, into each checkpoint's manifest
+    stop: StopRequest | None
+    launched: float  # time.monotonic() at launch
+
+
+class StepLoop:
+    def __init__(self, run: PreparedRun):
+        self.run, self.cfg, self.crew = run, run.cfg, run.crew
+        self.metrics: list[dict] = []
+        self.stopped_after: int | None = None
+        self.first_step_s: float | None = None  # launch -> the first step's end (s)
+        self.reporter: Reporter | None = None  # while the loop runs
+        self.loader: Prefetcher | None = None
+        self.saves = Saves(run.crew, run.checkpointer, {"config": run.config_yaml, "steps_total": run.steps},
+                           run.cfg.train.step_timeout_s, self._recorded, self._sync)
+
+    def __call__(self) -> None:
+        """With train.overlap_adam, step t+1 is launched while Adam still updates step t's units: packers
+        wait per unit for its update (version counters), so the next forward starts as soon as the
+        embedding is updated instead of after the whole model. An evaluation after step t runs before step
+        t+1 is launched, on the same version counters. A checkpoint after step t is launched with step t+1
+        and written while it runs (actors/checkpoint_writer.py)."""
+        run, cfg = self.run, self.cfg
+        timeout = cfg.train.step_timeout_s
+        prev: tuple[dict, Pending] | None = None
+        self.loader = Prefetcher(run.data.batch, run.start, run.steps, cfg.data.prefetch)
+        flops = model_step_flops(run.spec.model, cfg.data.batch_size, cfg.data.seq_len)
+        self.reporter = Reporter(run.out, cfg.train, run.cuda, flops, run.start, run.steps,
+                                 lambda step, row: run.evaluator.describe(step, row))
+        sampled = ActorProfile(cfg.train, run.out, list(self.crew.actors), self.crew.call_one)
+        try:
+            for t in range(run.start, run.steps):
+                if run.stop is not None and run.stop.signum is not None:
+                    if prev is not None:  # the last launched step's update, then the checkpoint
+                        self._record(prev[0], self.crew.gather({"adam-previous": prev[1]}, timeout,
+                                                               "Adam")["adam-previous"])
+                        prev = None
+                    self._stop_gracefully(t)
+                    break
+                sampled.before(t)
+                calls, row = self._launch(t, saving=run.checkpointer.writing == t)
+                adam = calls.pop("adam-updater")
+                if prev is not None:
+                    calls["adam-previous"] = prev[1]
+                if not cfg.train.overlap_adam:
+                    calls["adam-updater"] = adam
+                res = self.crew.gather(calls, timeout, f"step {t}", self.saves.writing())
+                self._first_step_done()
+                sampled.after(t)
+                self.saves.taken(res)
+                row = executor_row(row, res["gpu-executor"])
+                row.update(self._maybe_evaluate(t + 1))
+                if prev is not None:
+                    self._record(prev[0], res["adam-previous"])
+                if cfg.train.overlap_adam:
+                    prev = (row, adam)
+                else:
+                    self._record(row, res["adam-updater"])
+                    prev = None
+                if run.checkpointer.due(t + 1):
+                    self.saves.start(t + 1, row["epoch"], cfg.data.seed)
+            if prev is not None:
+                self._record(prev[0], self.crew.gather({"adam-previous": prev[1]}, timeout, "the last Adam update",
+                                                       self.saves.writing())["adam-previous"])
+            self.saves.wait()
+        finally:
+            self.reporter.close()
+            self.reporter = None
+            self.loader.close()
+
+    def _stop_gracefully(self, step: int) -> None:
+        """A signal asked to stop: `step` steps are done and applied; checkpoint them unless that is off,
+        nothing is new since the start, or it was just written."""
+        self.stopped_after = step
+        self.saves.wait()
+        if not self.cfg.train.save_on_signal or step == self.run.start or step == self.run.checkpointer.written:
+            return
+        self.saves.ensure_writer(self.cfg.actors.writer_threads, self.run.spec)
+        self.saves.start(step, self.metrics[-1]["epoch"], self.cfg.data.seed)
+        self.saves.wait()
+
+    def _launch(self, t: int, saving: bool = False) -> tuple[dict[str, Pending], dict]:
+        cfg, crew = self.cfg, self.crew
+        b = self.loader.get(t)
+        ids, labels = b.ids, b.labels
+        lr = lr_at(cfg.optim, t, self.run.steps)
+        row = {"step": t + 1, "epoch": b.epoch, "lr": lr, "t0": time.perf_counter(), "batch_tokens": ids.numel()}
+        timeline = t + 1 == cfg.train.timeline_step
+        # Absolute: the executor writes it, from its own working directory (on the GPU's node).
+        profile = (str((self.run.out / f"profile-step-{t + 1}.json").resolve()) if t + 1 == cfg.train.profile.step
+                   and cfg.train.profile.actor == "gpu-executor" else "")
+        calls = {"gpu-executor": crew.call("gpu-executor", "step", t, ids, labels, timeline, profile),
+                 "adam-updater": crew.call("adam-updater", "step", t, lr, saving)}
+        for name in crew.named(("packer", "grad-accumulator")):
+            calls[name] = crew.call(name, "step", t)
+        return calls, row
+
+    def _maybe_evaluate(self, step: int) -> dict:
+        every, evaluator = self.cfg.train.eval_every, self.run.evaluator
+        last = step == self.run.steps and self.cfg.train.final_eval
+        if not evaluator.enabled or not (last or (every and step % every == 0)):
+            return {}
+        return evaluator(step)
+
+    def _first_step_done(self) -> None:
+        """Launch to the end of the first step's forward and backward (its loss is known; its Adam update
+        overlaps the next step, so its metrics row is written after that one)."""
+        if self.first_step_s is None:
+            self.first_step_s = time.monotonic() - self.run.launched
+            log(f"first step done {self.first_step_s:.1f} s after launch")
+
+    def _record(self, row: dict, adam: dict) -> None:
+        self.metrics.append(self.reporter.record(row, adam))
+        self.saves.publish_ready()
+
+    def _recorded(self) -> int:
+        return self.metrics[-1]["step"] if self.metrics else self.run.start
+
+    def _sync(self) -> None:
+        if self.reporter is not None:
+            self.reporter.sync()
