@@ -56,10 +56,6 @@ def validate(cfg: Config, where: Where | None = None) -> None:
 
     if cfg.data.kind == "arithmetic" and hf.vocab_size < ByteTokenizer.vocab_size:
         raise fail("model.hf.vocab_size", f"{hf.vocab_size} is below the byte tokenizer's {ByteTokenizer.vocab_size}")
-    window = getattr(hf, "sliding_window", None) if getattr(hf, "use_sliding_window", True) else None
-    if window and cfg.data.seq_len > window:
-        raise fail("data.seq_len", f"{cfg.data.seq_len} exceeds the model's sliding_window {window}; sliding-window "
-                                   "attention is not implemented (set model.hf.sliding_window: null)")
     if cfg.data.seq_len > hf.max_position_embeddings:
         raise fail("data.seq_len", f"{cfg.data.seq_len} exceeds model max_position_embeddings "
                                    f"{hf.max_position_embeddings}")

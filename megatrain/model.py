@@ -13,6 +13,7 @@ import torch
 import transformers
 from transformers import PretrainedConfig
 
+from megatrain.attention import NAME as ATTENTION
 from megatrain.configbase import opt
 from megatrain.errors import ConfigError
 from megatrain.layout import StoreLayout, build_layout
@@ -97,7 +98,7 @@ def resolve_hf_config(cfg: ModelConfig) -> tuple[str, PretrainedConfig]:
         hf = conf_cls(**merged)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"model.hf: {exc}") from None
-    hf._attn_implementation = "sdpa"
+    hf._attn_implementation = ATTENTION  # HF's SDPA with sliding windows honoured (megatrain/attention.py)
     hf.use_cache = False
     return family, hf
 
