@@ -1,34 +1,83 @@
-"""The README's reference tables are the code's: generated from one source, checked here."""
+"""The docs are the code's: the generated references match their generators, and every command, config key,
+override, YAML example, link and picture that README.md, docs/*.md and BENCHMARKS.md name works or exists.
+
+Commands are read from the fenced code blocks and from inline code that starts with a command. Ours are
+checked (the subcommand exists, every documented --flag is in its --help, a documented config file with its
+overrides resolves, `plan` and `status` run); other tools' (ray, pip, py-spy, ...) are not ours to check."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import json
+import os
 import re
+import runpy
+import shlex
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
 
+import pytest
+from megatrain.launch.cli import main as launch
 from megatrain.launch.config import Config, load_config
 from megatrain.launch.driver import Trainer
 from megatrain.launch.metrics import METRICS, metrics_table
 
-from megatrain.configbase import reference_table
+from megatrain.configbase import reference
 from tests.conftest import ROOT
 from tests.helpers import TINY
 
-README = (ROOT / "README.md").read_text()
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+ALL = [*DOCS, ROOT / "BENCHMARKS.md"]
+SUBCOMMANDS = ("export", "plan", "status", "plot", "tokenizer")
+SECTIONS = "model|data|optim|engine|ipc|actors|train|launch"
+# A config key in running text: a section, then lowercase segments; not part of a longer dotted name
+# (megatrain.launch.fidelity) or a path (tests/test_data.py).
+KEY = re.compile(rf"(?<![\w./-])(?:{SECTIONS})\.[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*(?![\w/])")
+FILE_SUFFIXES = (".json", ".jsonl", ".py", ".yaml", ".md", ".png", ".npy", ".bin")
+# Documented before its code lands (another change in progress): the command is skipped while absent.
+PENDING = {"tokenizer": lambda: importlib.util.find_spec("megatrain.launch.tokenizer_cmd") is not None,
+           "--official-src": lambda: "--official-src" in script_help("bench/run.py")}
 
 
-def block(name: str) -> str:
-    m = re.search(rf"<!-- {name}[^\n]*-->\n(.*?)<!-- /{name} -->", README, re.S)
-    assert m, f"README has no {name} block"
+def text(path: Path) -> str:
+    return path.read_text()
+
+
+def fenced(path: Path) -> list[tuple[str, str]]:
+    """(language, body) of every fenced code block."""
+    return re.findall(r"^```(\w*)\n(.*?)^```", text(path), re.S | re.M)
+
+
+def prose(path: Path) -> str:
+    return re.sub(r"^```\w*\n.*?^```", "", text(path), flags=re.S | re.M)
+
+
+def spans(path: Path) -> list[str]:
+    return [s.replace("\\|", "|") for s in re.findall(r"`([^`\n]+)`", prose(path))]
+
+
+def block(path: Path, name: str) -> str:
+    m = re.search(rf"<!-- {name}[^\n]*-->\n(.*?)<!-- /{name} -->", text(path), re.S)
+    if not m:
+        pytest.fail(f"{path.name} has no {name} block")
     return m.group(1)
 
 
-def test_readme_config_reference_is_generated_from_the_code() -> None:
-    assert block("config-reference") == reference_table(Config), (
-        "README's config reference is stale: paste the output of `megatrain-launch --config-reference`")
+# ---- generated references ---------------------------------------------------------------------------
+
+def test_configuration_md_is_what_config_reference_prints(capsys) -> None:
+    assert launch(["--config-reference"]) == 0
+    assert text(ROOT / "docs" / "configuration.md") == capsys.readouterr().out, (
+        "docs/configuration.md is stale: run `megatrain-launch --config-reference > docs/configuration.md`")
 
 
-def test_readme_metrics_table_is_generated_from_the_code() -> None:
-    assert block("metrics-table") == metrics_table(), "README's metrics table is stale (launch/metrics.py)"
+def test_metrics_table_is_generated_from_the_code() -> None:
+    assert block(ROOT / "docs" / "operations.md", "metrics-table") == metrics_table(), (
+        "docs/operations.md's metrics table is stale (launch/metrics.py metrics_table())")
 
 
 def test_every_field_a_run_writes_is_documented(tmp_path, rid: str) -> None:
@@ -41,3 +90,298 @@ def test_every_field_a_run_writes_is_documented(tmp_path, rid: str) -> None:
     written = set().union(*rows)
     assert written - set(METRICS) == set(), "fields missing from launch/metrics.py"
     assert {"eval_loss", "eval_accuracy", "loop_blocking_calls"} <= written  # the optional groups were exercised
+
+
+# ---- config keys, overrides and YAML examples -------------------------------------------------------
+
+@cache
+def leaf_keys() -> frozenset[str]:
+    return frozenset(key for key, _, _ in reference(Config))
+
+
+def is_key(key: str) -> bool:
+    if key in leaf_keys() or any(leaf.startswith(key + ".") for leaf in leaf_keys()):
+        return True
+    if key.startswith("model.hf."):  # a field of the family's HF config
+        from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+        return any(hasattr(c(), key.split(".", 2)[2]) for c in (LlamaConfig, MistralConfig, Qwen2Config))
+    return False
+
+
+def documented_keys() -> list[tuple[str, str]]:
+    found = {(p.name, k) for p in ALL for span in spans(p) for k in KEY.findall(span)}
+    found |= {(p.name, k) for p in ALL for lang, body in fenced(p) if lang != "yaml" for k in KEY.findall(body)}
+    return sorted((name, k) for name, k in found if not k.endswith(FILE_SUFFIXES))
+
+
+def test_every_documented_config_key_exists() -> None:
+    keys = documented_keys()
+    assert len(keys) > 50, "the key scan found almost nothing: is the pattern still right?"
+    unknown = [f"{name}: `{k}`" for name, k in keys if not is_key(k)]
+    assert not unknown, "documented config keys that do not exist:\n" + "\n".join(unknown)
+
+
+def documented_settings() -> list[tuple[str, str, str]]:
+    """(file, key, value) of every inline `key=value` or `key: value`; `a | b | c` gives one per value."""
+    out = set()
+    for p in ALL:
+        for span in spans(p):
+            m = re.fullmatch(rf"((?:{SECTIONS})\.[\w.]+)(?:=|: )(.+)", span)
+            if m:
+                out |= {(p.name, m.group(1), v.strip()) for v in m.group(2).split(" | ")}
+    return sorted(out)
+
+
+def test_every_documented_setting_is_accepted() -> None:
+    settings = documented_settings()
+    assert len(settings) > 20, "the setting scan found almost nothing"
+    bad = []
+    for name, key, value in settings:
+        if re.fullmatch(r"[A-Z][A-Z_]+", value):
+            continue  # a placeholder for a path or a name (train.resume: PATH)
+        value = re.sub(r"\b[NKME]\b", "2", value)  # a placeholder number (save_every: N, {step: N})
+        context = ["model.hf.num_hidden_layers=8"] + (["data.path=x.jsonl"] if key == "data.kind" else [])
+        try:
+            load_config(ROOT / "examples" / "default.yaml", [*context, f"{key}={value}"])
+        except Exception as exc:  # noqa: BLE001 - the message is the point
+            bad.append(f"{name}: `{key}: {value}`: {exc}")
+    assert not bad, "documented settings the config refuses:\n" + "\n".join(bad)
+
+
+def yaml_examples() -> list[tuple[str, str]]:
+    return [(p.name, body) for p in ALL for lang, body in fenced(p) if lang == "yaml"]
+
+
+def test_every_yaml_example_is_a_valid_config(tmp_path: Path) -> None:
+    assert yaml_examples(), "no YAML example found (the README's own-model config should be one)"
+    for i, (_, body) in enumerate(yaml_examples()):
+        path = tmp_path / f"example-{i}.yaml"
+        path.write_text(body)
+        load_config(path, [])  # raises ConfigError naming the key and line
+
+
+# ---- commands ---------------------------------------------------------------------------------------
+
+def command_lines(path: Path) -> list[str]:
+    lines = []
+    for lang, body in fenced(path):
+        if lang in ("", "bash", "sh") and not re.search("[│┌└►]", body):  # a picture, not commands
+            lines += [line.strip() for line in body.replace("\\\n", " ").splitlines() if line.strip()]
+    lines += [s for s in spans(path) if re.match(r"(megatrain-launch|python|\./run-)[ \n]", s + " ")]
+    return lines
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    out: dict[str, tuple[str, list[str]]] = {}
+    for p in ALL:
+        for line in command_lines(p):
+            try:
+                argv = shlex.split(line, comments=True)
+            except ValueError:
+                continue
+            while argv and re.fullmatch(r"[A-Z_]+=\S*", argv[0]):  # MEGATRAIN_TEST_CUDA=1 ./run-tests.sh
+                argv = argv[1:]
+            cut = [i for i, a in enumerate(argv) if a in (">", "|", "&&", ";", "2>&1")]
+            argv = argv[:cut[0]] if cut else argv
+            if argv and argv[0] in ("megatrain-launch", "python", "./run-default.sh", "./run-tests.sh", "ray"):
+                out.setdefault(" ".join(argv), (p.name, argv))
+    return sorted(out.values(), key=lambda x: " ".join(x[1]))
+
+
+def quiet(fn, *args):
+    """Call fn, capturing its output; SystemExit (argparse's --help) becomes its code."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        try:
+            rc = fn(*args)
+        except SystemExit as exc:
+            rc = exc.code or 0
+    return rc, buf.getvalue()
+
+
+@cache
+def launch_help(sub: str | None) -> str:
+    rc, out = quiet(launch, [sub, "--help"] if sub else ["--help"])
+    assert rc == 0, f"megatrain-launch {sub or ''} --help exited {rc}:\n{out}"
+    return out
+
+
+@cache
+def script_help(script: str) -> str:
+    """`python SCRIPT --help` (or `python -m MODULE --help`), run in this process: the imports are paid once."""
+    argv, path = sys.argv[:], sys.path[:]
+    sys.argv = [script, "--help"]
+    try:
+        if script.endswith(".py"):
+            rc, out = quiet(runpy.run_path, str(ROOT / script), None, "__main__")
+        else:
+            rc, out = quiet(runpy.run_module, script, None, "__main__", True)
+    finally:
+        sys.argv, sys.path[:] = argv, path
+    assert rc == 0, f"python {script} --help exited {rc}: {out[-2000:]}"
+    return out
+
+
+def placeholder(arg: str) -> bool:
+    """CONFIG.yaml, RUN_DIR, N, [key=value ...]: a synopsis, not a command to run."""
+    return bool(re.fullmatch(r"[A-Z][A-Z_]*(\.yaml)?|\[.*|.*\]|\.\.\.|.*[|].*", arg))
+
+
+def flags(argv: list[str]) -> list[str]:
+    return [a.strip("[]").split("=", 1)[0] for a in argv if a.strip("[]").startswith("--") and a != "--"]
+
+
+def config_file(name: str, cwd: Path, tmp: Path) -> Path | None:
+    """A documented config that exists: one of the repository's, or the README's own-model example."""
+    if (cwd / name).is_file():
+        return cwd / name
+    if name == "my-model.yaml":
+        path = tmp / name
+        path.write_text(next(body for lang, body in fenced(ROOT / "README.md") if lang == "yaml"))
+        return path
+    return None
+
+
+def check_launch(argv: list[str], cwd: Path, tmp: Path, request: pytest.FixtureRequest) -> None:
+    sub = argv[1] if len(argv) > 1 and argv[1] in SUBCOMMANDS else None
+    if sub == "tokenizer" and not PENDING["tokenizer"]():
+        pytest.skip("megatrain-launch tokenizer is documented but not built yet (launch/tokenizer_cmd.py)")
+    helptext = launch_help(sub)
+    missing = [f for f in flags(argv) if f not in helptext]
+    assert not missing, f"flags not in `megatrain-launch {sub or ''} --help`: {missing}"
+    if any(placeholder(a) for a in argv):
+        return  # a synopsis: its flags are checked, there is nothing to run
+    args = argv[2 if sub else 1:]
+    cfg = config_file(args[0], cwd, tmp) if args and sub in (None, "plan") else None
+    if cfg is not None and cfg.name == "own-data.yaml":  # its model and data come from make_own_data.py
+        request.getfixturevalue("monkeypatch").chdir(request.getfixturevalue("own_data"))
+    if sub is None and cfg is not None:
+        rc, out = quiet(launch, [str(cfg), *args[1:], "--print-config"])
+        assert rc == 0, f"{' '.join(argv)} --print-config exited {rc}: {out[-2000:]}"
+    elif sub == "plan" and cfg is not None:
+        rc, out = quiet(launch, ["plan", str(cfg), *args[1:]])
+        assert rc in (0, 1) and "verdict" in out, f"{' '.join(argv)} exited {rc}: {out[-2000:]}"
+    elif sub == "status":
+        rc, out = quiet(launch, ["status", *args])
+        assert rc == 0, f"megatrain-launch status exited {rc}: {out}"
+
+
+@pytest.fixture(scope="module")
+def own_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What `python examples/make_own_data.py runs/own-data` writes, in a directory of its own (fewer rows)."""
+    where = tmp_path_factory.mktemp("own-data")
+    subprocess.run([sys.executable, str(ROOT / "examples" / "make_own_data.py"), "runs/own-data",
+                    "--conversations", "200"], cwd=where, check=True, capture_output=True, timeout=300)
+    return where
+
+
+def check_python(argv: list[str]) -> None:
+    script = argv[2] if argv[1] == "-m" else argv[1]
+    if argv[1] == "-m":
+        assert importlib.util.find_spec(script), f"no module {script}"
+    else:
+        assert (ROOT / script).is_file(), f"no file {script}"
+    if "--official-src" in argv and not PENDING["--official-src"]():
+        pytest.skip("bench/run.py --official-src is documented but not built yet")
+    helptext = script_help(script)
+    missing = [f for f in flags(argv) if f not in helptext]
+    assert not missing, f"flags not in `python {script} --help`: {missing}"
+    if script == "bench/run.py":
+        check_bench_values(argv)
+
+
+def check_bench_values(argv: list[str]) -> None:
+    sys.path.insert(0, str(ROOT))
+    try:
+        from bench.run import ABLATIONS, PEERS, SUITE
+    finally:
+        sys.path.remove(str(ROOT))
+    known = {"--peers": PEERS, "--only": SUITE, "--ablations": ABLATIONS, "--suite": {"headline"}}
+    for i, a in enumerate(argv[:-1]):
+        if a in known and not placeholder(argv[i + 1]):
+            values = [v for v in argv[i + 1].split(",") if v]
+            assert set(values) <= set(known[a]), f"{a} {argv[i + 1]}: not among {sorted(known[a])}"
+
+
+def check_script(argv: list[str]) -> None:
+    script = ROOT / argv[0]
+    assert script.is_file() and os.access(script, os.X_OK), f"{argv[0]} is not an executable file"
+    if argv[0] == "./run-default.sh":  # its arguments are overrides of examples/default.yaml
+        rc, out = quiet(launch, [str(ROOT / "examples" / "default.yaml"), *argv[1:], "--print-config"])
+        assert rc == 0, f"{' '.join(argv)}: {out[-2000:]}"
+    else:  # pytest arguments: the markers it names exist
+        markers = re.findall(r'"(\w+):', (ROOT / "pyproject.toml").read_text().split("markers", 1)[1].split("]")[0])
+        for i, a in enumerate(argv[:-1]):
+            if a == "-m":
+                used = set(re.findall(r"\w+", argv[i + 1])) - {"not", "and", "or"}
+                assert used <= set(markers), f"-m {argv[i + 1]}: markers {sorted(used - set(markers))} do not exist"
+
+
+@pytest.mark.parametrize("where,argv", documented_commands(), ids=lambda x: " ".join(x) if isinstance(x, list) else x)
+def test_documented_command_works(where: str, argv: list[str], tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    if argv[0] == "ray":  # `ray job submit ... --working-dir D -- megatrain-launch ...`: ours is after --
+        if "--" not in argv:
+            pytest.skip("a Ray command, not ours")
+        cwd = ROOT / argv[argv.index("--working-dir") + 1] if "--working-dir" in argv else ROOT
+        check_launch(argv[argv.index("--") + 1:], cwd, tmp_path, request)
+    elif argv[0] == "megatrain-launch":
+        check_launch(argv, ROOT, tmp_path, request)
+    elif argv[0] == "python":
+        check_python(argv)
+    else:
+        check_script(argv)
+
+
+def test_the_command_scan_finds_the_commands() -> None:
+    found = {" ".join(argv[:2]) for _, argv in documented_commands()}
+    for cmd in ("./run-default.sh", "./run-tests.sh", "megatrain-launch plan", "megatrain-launch status",
+                "megatrain-launch export", "megatrain-launch plot", "megatrain-launch tokenizer",
+                "python bench/run.py"):
+        assert any(f.startswith(cmd) for f in found), f"no documented command starts with {cmd!r}"
+
+
+# ---- links, pictures, and what the docs must not say ------------------------------------------------
+
+def slug(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_resolves() -> None:
+    bad = []
+    for p in ALL:
+        for target in re.findall(r"\]\(([^)\s]+)\)", prose(p)):
+            if re.match(r"[a-z]+://", target):
+                continue
+            file, _, anchor = target.partition("#")
+            dest = (p.parent / file).resolve() if file else p
+            if not dest.exists():
+                bad.append(f"{p.name}: {target}: no such file")
+            elif anchor and anchor not in {slug(h) for h in re.findall(r"^#+ (.+)$", prose(dest), re.M)}:
+                bad.append(f"{p.name}: {target}: no such heading in {dest.name}")
+    assert not bad, "\n".join(bad)
+
+
+def test_docs_keep_only_the_pictures_they_show() -> None:
+    shown = {(p.parent / t).resolve() for p in ALL for t in re.findall(r"\]\(([^)\s#]+\.(?:png|svg|jpg))\)", text(p))}
+    pictures = {f.resolve() for f in (ROOT / "docs").rglob("*") if f.suffix in (".png", ".svg", ".jpg")}
+    assert not pictures - shown, f"pictures no doc shows (git rm them): {sorted(str(f) for f in pictures - shown)}"
+
+
+@pytest.mark.parametrize("path", ALL, ids=lambda p: p.name)
+def test_no_history_or_outside_paths(path: Path) -> None:
+    """No issue numbers, rounds, dates or commit hashes (BENCHMARKS.md names the commit and date a result was
+    measured on), nothing about the tools the project is developed with, no paths outside the repository."""
+    t = text(path)
+    bench = path.name == "BENCHMARKS.md"
+    rules = {"an issue number": r"\bissues? #?\d+", "a round": r"\b(round|rounds)\b", "a path outside the repository":
+             r"(\.\./|/work/|/home/)", "the development tools": r"device tool|make-bundle|lent machine"}
+    if not bench:
+        rules |= {"a date": r"\b20\d\d-\d\d-\d\d\b", "a commit": r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"}
+    found = [f"{what}: {m.group(0)!r}" for what, rx in rules.items() for m in re.finditer(rx, t, re.I)]
+    assert not found, f"{path.name} says: " + "; ".join(found)
+
+
+@pytest.mark.parametrize("name", ["README.md", "BENCHMARKS.md"])
+def test_at_most_300_lines(name: str) -> None:
+    assert len(text(ROOT / name).splitlines()) <= 300, f"{name} is over 300 lines: the rest belongs in docs/"
