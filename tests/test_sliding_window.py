@@ -79,3 +79,32 @@ def test_sliding_window_models_train_and_match_plain_pytorch(tmp_path, family: s
     """A window shorter than data.seq_len trains (it was refused) and ten steps match the HF model +
     clip_grad_norm_ + torch.optim.AdamW to 1e-5."""
     check(compare(tiny_config(family, False, 2, tmp_path, extra=extra), tmp_path), False)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("rope", [{"rope_type": "linear", "factor": 4.0},
+                                  {"rope_type": "dynamic", "factor": 2.0},
+                                  {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])
+def test_long_context_rope_settings_are_hf_s(family: str, rope: dict) -> None:
+    """rope_theta and rope_scaling (linear, dynamic NTK, YaRN) from the config: the engine's loss and
+    gradients are the HF model's at a length past the original context (the rotary module is HF's own)."""
+    conf_cls, model_cls = family_classes(family)
+    conf = conf_cls(**{**TINY, "max_position_embeddings": 256, "tie_word_embeddings": False,
+                       "rope_scaling": {**rope, "rope_theta": 5e5}})
+    conf._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = model_cls(conf).float()
+    spec = spec_for(model, family)
+    ids, labels = batch(DataConfig(seq_len=96, batch_size=2), 0)
+    ref = model(input_ids=ids, labels=labels).loss
+    ref.backward()
+    ref_grads = {k: p.grad for k, p in model.named_parameters()}
+    sink = DictSink()
+    res = StepEngine(spec, EngineConfig(checkpoint_interval=2, loss_chunk_tokens=50), torch.device("cpu"),
+                     torch.float32).step(ids, labels, DictSource(spec, {k: v.detach() for k, v in
+                                                                        model.state_dict().items()},
+                                                                 blocks=blocks(3, 2, 0)), sink)
+    assert abs(float(res.loss) - float(ref.detach())) <= 1e-6 * abs(float(ref.detach()))
+    for unit in range(spec.layout.num_layers + 2):
+        want = flat_unit(spec, unit, ref_grads)
+        assert torch.linalg.norm(sink.grads[unit][: want.numel()] - want) <= 1e-5 * torch.linalg.norm(want), unit
