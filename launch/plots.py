@@ -1,11 +1,11 @@
 """`megatrain-launch plot RUN_DIR`: a run's pictures from its output directory.
 
   loss.png        training loss per step, and the evaluation loss where the run evaluated
-  throughput.png  tokens/s and TFLOPS per step (TFLOPS from the run's config.yaml)
+  throughput.png  tokens/s and TFLOPS per step, one panel each (TFLOPS from the run's config.yaml)
   timeline.png    the recorded step (train.timeline_step): lanes for H2D, compute, D2H and CPU Adam, per
-                  unit, as in the paper's Figure 3
+                  unit, as in the paper's Figure 3, with a legend for the colours
 
-matplotlib is an optional extra (pip install 'megatrain[plot]'); without it the command says so.
+matplotlib is installed with megatrain; where it is missing anyway the command says how to get it.
 """
 
 from __future__ import annotations
@@ -17,8 +17,12 @@ from typing import Any
 
 from megatrain.errors import ConfigError
 
-LANE_COLORS = {"fwd": "tab:blue", "recompute": "tab:cyan", "bwd": "tab:orange", "head": "tab:red",
-               "forward": "tab:gray", "embed-bwd": "tab:brown", "end": "tab:gray"}
+# The compute lane's colours, by the kind of span (the mark's name before ':'), with their legend names.
+COMPUTE_KINDS = {"fwd": ("tab:blue", "forward"), "head": ("tab:red", "norm, LM head and loss"),
+                 "recompute": ("tab:cyan", "recompute"), "bwd": ("tab:orange", "backward"),
+                 "embed-bwd": ("tab:brown", "embedding backward")}
+OTHER = ("tab:gray", "other")
+LANES = (("H2D weights", "tab:green"), ("compute", None), ("D2H grads", "tab:purple"), ("CPU Adam", "tab:olive"))
 
 
 def compute_spans(marks: list[tuple[str, float]]) -> list[tuple[str, float, float]]:
@@ -35,36 +39,54 @@ def pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
-        raise ConfigError("plotting needs matplotlib: pip install 'megatrain[plot]' (or pip install matplotlib)"
-                          ) from None
+        raise ConfigError("plotting needs matplotlib, which megatrain installs with itself but this Python "
+                          "lacks: pip install matplotlib") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     return plt
 
 
-def plot_timeline(tl: dict, path: Path, title: str) -> None:
+def save(fig: Any, path: Path) -> None:
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+
+
+def timeline_figure(tl: dict, title: str) -> Any:
+    """One lane per stream of the recorded step; the compute lane coloured by kind, with a legend that names
+    every colour drawn."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(16, 4))
-    lanes = [("H2D weights", [(f"u{u}", a, b) for u, a, b in tl.get("h2d", [])], "tab:green"),
-             ("compute", compute_spans(tl["compute"]), None),
-             ("D2H grads", [(f"u{u}", a, b) for u, a, b in tl.get("d2h", [])], "tab:purple"),
-             ("CPU Adam", [(f"u{u}", a - tl["wall0"], b - tl["wall0"]) for u, a, b in tl.get("adam", [])], "tab:olive")]
-    for y, (_, spans, color) in enumerate(reversed(lanes)):
-        for label, a, b in spans:
-            kind = label.split(":")[0]
-            ax.broken_barh([(a, max(b - a, 1e-4))], (y - 0.4, 0.8), color=color or LANE_COLORS.get(kind, "tab:gray"),
-                           edgecolor="black", linewidth=0.3)
-    ax.set_yticks(range(len(lanes)), [name for name, _, _ in reversed(lanes)])
+    from matplotlib.patches import Patch
+
+    fig, ax = plt.subplots(figsize=(16, 4.5))
+    spans = {"H2D weights": [(f"u{u}", a, b) for u, a, b in tl.get("h2d", [])],
+             "compute": compute_spans(tl["compute"]),
+             "D2H grads": [(f"u{u}", a, b) for u, a, b in tl.get("d2h", [])],
+             "CPU Adam": [(f"u{u}", a - tl["wall0"], b - tl["wall0"]) for u, a, b in tl.get("adam", [])]}
+    drawn: set[tuple[str, str]] = set()  # (legend name, colour)
+    for y, (lane, color) in enumerate(reversed(LANES)):
+        for label, a, b in spans[lane]:
+            c, name = (color, lane) if color else COMPUTE_KINDS.get(label.split(":")[0], OTHER)
+            ax.broken_barh([(a, max(b - a, 1e-4))], (y - 0.4, 0.8), color=c, edgecolor="black", linewidth=0.3)
+            drawn.add((name if color else f"compute: {name}", c))
+    ax.set_yticks(range(len(LANES)), [lane for lane, _ in reversed(LANES)])
+    # The legend top to bottom as the lanes are, the compute kinds in the order a step runs them.
+    order = [LANES[0], *((f"compute: {n}", c) for c, n in (*COMPUTE_KINDS.values(), OTHER)), *LANES[2:]]
     ax.set_xlabel("seconds from the step's first kernel (Adam: wall clock of the same step's update, which "
                   "overlaps the next step)")
     ax.set_title(title)
+    ax.legend(handles=[Patch(facecolor=c, edgecolor="black", label=n) for n, c in order if (n, c) in drawn],
+              loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize="small", title="colours")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
-def plot_losses(rows: list[dict], path: Path) -> None:
+def plot_timeline(tl: dict, path: Path, title: str) -> None:
+    """timeline_figure written to `path` (bench/run.py draws each benchmark's step with it)."""
+    save(timeline_figure(tl, title), path)
+
+
+def loss_figure(rows: list[dict]) -> Any:
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 4.5))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", linewidth=1)
@@ -76,25 +98,30 @@ def plot_losses(rows: list[dict], path: Path) -> None:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
-def plot_throughput(rows: list[dict], flops_per_step: float | None, path: Path) -> None:
+def throughput_figure(rows: list[dict], flops_per_step: float | None) -> Any:
+    """tokens/s and, where the run's useful work per step is known, TFLOPS: one panel each over the same
+    steps (on one pair of axes the second line's scale put it over the first)."""
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(9, 4.5))
+    panels = 2 if flops_per_step else 1
+    fig, axes = plt.subplots(panels, 1, figsize=(9, 2.6 + 2.4 * panels), sharex=True, squeeze=False)
     steps = [r["step"] for r in rows]
-    ax.plot(steps, [r["tokens_per_s"] for r in rows], color="tab:blue", linewidth=1)
-    ax.set_xlabel("step")
-    ax.set_ylabel("tokens/s", color="tab:blue")
+    top = axes[0][0]
+    top.plot(steps, [r["tokens_per_s"] for r in rows], color="tab:blue", linewidth=1, label="tokens/s")
+    top.set_ylabel("tokens/s")
     if flops_per_step:
-        right = ax.twinx()
-        right.plot(steps, [flops_per_step / r["step_time_s"] / 1e12 for r in rows], color="tab:red", linewidth=1)
-        right.set_ylabel("TFLOPS (6ND + 12LHSD) / t", color="tab:red")
-    ax.grid(alpha=0.3)
+        low = axes[1][0]
+        low.plot(steps, [flops_per_step / r["step_time_s"] / 1e12 for r in rows], color="tab:red", linewidth=1,
+                 label="TFLOPS")
+        low.set_ylabel("TFLOPS\n(6ND + 12LHSD) / t")
+    for (ax,) in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+    axes[-1][0].set_xlabel("step")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig
 
 
 def run_flops(run_dir: Path) -> float | None:
@@ -126,11 +153,11 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"plot: {metrics} has no steps yet")
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "loss.png", out / "throughput.png"]
-    plot_losses(rows, written[0])
-    plot_throughput(rows, run_flops(run), written[1])
+    save(loss_figure(rows), written[0])
+    save(throughput_figure(rows, run_flops(run)), written[1])
     if (run / "timeline.json").is_file():
         tl = json.loads((run / "timeline.json").read_text())
         written.append(out / "timeline.png")
-        plot_timeline(tl, written[-1], f"{run.name}: step {tl.get('step', '?')}")
+        save(timeline_figure(tl, f"{run.name}: step {tl.get('step', '?')}"), written[-1])
     print("megatrain-launch plot: wrote " + ", ".join(str(w) for w in written))
     return 0
