@@ -17,7 +17,9 @@ step N+1's forward and backward run meanwhile, and only its updates wait, each f
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,7 +31,7 @@ from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.plan import Item
 
 from megatrain import checkpoint as ckpt
-from megatrain.errors import ProtocolError
+from megatrain.errors import DiskFull, ProtocolError, disk_full, free_bytes, is_disk_full
 
 AHEAD = 2  # pieces in flight beyond the oldest: keeps every thread busy across piece boundaries
 
@@ -54,14 +56,17 @@ class CheckpointWriter(Role):
         base.mkdir(parents=True, exist_ok=True)
         ckpt.remove_torn(base)
         tmp = base / f"step-{step:07d}.tmp-{os.getpid()}"
-        tmp.mkdir()
         nbytes = self.store.spec.layout.total * 4
-        files = {part: ckpt.PlaneFile(tmp / f"{part}.bin", nbytes) for part in ckpt.PLANES}
         try:
-            segments, waited = self._write_pieces(step, files)
-        finally:
-            for f in files.values():
-                f.close(sync=True)
+            if free_bytes(base) < nbytes * len(ckpt.PLANES):  # refused before a byte is written
+                raise OSError(errno.ENOSPC, "not enough free space for the checkpoint")
+            tmp.mkdir()
+            segments, waited, direct = self._write_files(step, tmp, nbytes)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint only takes space (the disk may be full)
+            if is_disk_full(exc):
+                raise self._no_room(base, step, f"the checkpoint of step {step}", nbytes * len(ckpt.PLANES)) from None
+            raise
         spec = self.store.spec
         manifest = {"format": ckpt.FORMAT, "step": step, "layout_hash": spec.layout.digest().hex(),
                     "family": spec.model.family, "hf_config": spec.model.hf_config.to_dict(),
@@ -70,8 +75,35 @@ class CheckpointWriter(Role):
                     "units": ckpt.unit_table(spec.layout), "written_at": time.time(), **meta}
         self.staged[step] = (tmp, ckpt.step_dir(base, step), manifest)
         return {"path": str(ckpt.step_dir(base, step)), "bytes": nbytes * len(ckpt.PLANES),
-                "seconds": time.perf_counter() - t0, "waited_for_adam_s": waited,
-                "direct_io": all(f.direct for f in files.values())}
+                "seconds": time.perf_counter() - t0, "waited_for_adam_s": waited, "direct_io": direct}
+
+    def _write_files(self, step: int, tmp: Path, nbytes: int) -> tuple[dict[str, list], float, bool]:
+        """The planes' files in `tmp`, fsync'ed: their segments, the wait for Adam, whether all were direct I/O.
+        Every file is closed on every path (after a failure, without the fsync)."""
+        files: dict[str, ckpt.PlaneFile] = {}
+        written = False
+        try:
+            for part in ckpt.PLANES:
+                files[part] = ckpt.PlaneFile(tmp / f"{part}.bin", nbytes)
+            segments, waited = self._write_pieces(step, files)
+            written = True
+        finally:
+            failed: list[OSError] = []
+            for f in files.values():
+                try:
+                    f.close(sync=written)
+                except OSError as exc:  # fsync reports what a buffered write could not put on the disk
+                    failed.append(exc)
+        if failed:
+            raise failed[0]
+        return segments, waited, all(f.direct for f in files.values())
+
+    @staticmethod
+    def _no_room(base: Path, step: int, what: str, need: int | None) -> DiskFull:
+        newest = ckpt.latest(base)
+        kept = f"the newest complete checkpoint, {newest.name}, is intact" if newest else "no earlier checkpoint"
+        return disk_full(base, what, need, after=f"nothing of step {step} was left behind; {kept}; free space, "
+                                                 "or keep fewer with train.keep_last")
 
     @guarded
     def publish(self, step: int) -> str:
@@ -79,7 +111,13 @@ class CheckpointWriter(Role):
         driver calls it once the metrics of every step up to `step` are on disk, so that a run resumed
         from it never lacks a step's metrics."""
         tmp, final, manifest = self.staged.pop(step)
-        ckpt.publish(tmp, final, manifest)
+        try:
+            ckpt.publish(tmp, final, manifest)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed: then only `latest` was not rewritten
+            if is_disk_full(exc):
+                raise self._no_room(final.parent, step, f"the manifest of step {step}'s checkpoint", None) from None
+            raise
         return str(final)
 
     def _write_pieces(self, step: int, files: dict[str, ckpt.PlaneFile]) -> tuple[dict[str, list], float]:

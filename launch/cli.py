@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from megatrain.errors import ConfigError, DataError, MegatrainError
+from megatrain.errors import ConfigError, DataError, MegatrainError, disk_full, free_bytes, human_bytes, is_disk_full
 
 USAGE_ERROR, RUNTIME_ERROR = 2, 1
 
@@ -138,6 +138,11 @@ def _run(args: argparse.Namespace, stop: Any) -> int:
 
         trainer = Trainer(cfg, stop)
         summary = trainer.run()
+        if summary.get("complete"):
+            print(f"megatrain-launch: nothing to do: the run is complete, its checkpoint {summary['checkpoint']} "
+                  f"is after step {summary['last_step']} of {trainer.steps} (raise train.steps to train on; "
+                  "train.resume=none with train.overwrite=true starts it again)")
+            return 0
         if summary.get("stopped_by"):
             saved = summary.get("checkpoint")
             print(f"megatrain-launch: stopped by {summary['stopped_by']} after step {summary['last_step']}; "
@@ -153,23 +158,50 @@ def _run(args: argparse.Namespace, stop: Any) -> int:
     except (ConfigError, DataError) as exc:  # the user's input: nothing was started
         return _report(exc, str(exc), trainer, USAGE_ERROR)
     except MegatrainError as exc:
-        return _report(exc, str(exc), trainer)
+        return _report(exc, _with_free_space(str(exc), trainer), trainer)
+    except OSError as exc:  # the machine's, not the input's: a full disk, a directory made read-only meanwhile
+        return _report(exc, _os_error(exc, trainer), trainer)
     except Exception as exc:  # a bug of ours: still one line, the traceback goes to error.log
         return _report(exc, f"internal error: {type(exc).__name__}: {exc}", trainer)
 
 
 def _report(exc: BaseException, message: str, trainer: object, code: int = RUNTIME_ERROR) -> int:
-    """One line on stderr; error.log (in a run's own output directory only) gets the traceback of where it
-    failed: the failing actor's own when it came from one, else this process's."""
+    """One line on stderr. A run that failed (not refused input: that creates nothing) leaves error.log in its
+    own output directory, with the traceback of where it failed: the failing actor's own when it came from one,
+    else this process's. Where error.log cannot be written (a full disk), the line still comes, and says so."""
     out_dir: Path | None = getattr(trainer, "log_dir", None)
     where = ""
-    if out_dir is not None and out_dir.is_dir():
+    if code == RUNTIME_ERROR and out_dir is not None and out_dir.is_dir():
         remote = getattr(exc, "traceback", "")
         detail = (f"traceback of actor '{exc.actor}':\n{remote}" if remote else traceback.format_exc())
-        (out_dir / "error.log").write_text(message + "\n\n" + detail)
-        where = f" (details in {out_dir / 'error.log'})"
+        log = out_dir / "error.log"
+        try:
+            log.write_text(message + "\n\n" + detail)
+            where = f" (details in {log})"
+        except OSError as err:
+            log.unlink(missing_ok=True)  # a cut-off one would only mislead
+            where = f" ({log} could not be written: {err.strerror or err})"
     print(f"megatrain-launch: error: {message}{where}", file=sys.stderr)
     return code
+
+
+def _os_error(exc: OSError, trainer: object) -> str:
+    """An OSError of this process as one line: a full disk with the bytes free there, else what failed on
+    which file."""
+    where = Path(exc.filename).parent if exc.filename else getattr(trainer, "out", None)
+    if is_disk_full(exc) and where is not None:
+        what = f"writing {exc.filename}" if exc.filename else "a write of the run"
+        return str(disk_full(where, what))
+    return f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
+
+
+def _with_free_space(message: str, trainer: object) -> str:
+    """An actor's failure on a full disk (its OSError in its own words) with what is free in the run's output
+    directory, the disk a run writes to."""
+    out: Path | None = getattr(trainer, "out", None)
+    if out is None or "No space left on device" not in message or "free there" in message:
+        return message
+    return f"{message} ({human_bytes(free_bytes(out))} free on the disk of {out})"
 
 
 if __name__ == "__main__":

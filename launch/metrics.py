@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
+
+from megatrain.errors import disk_full, is_disk_full
 
 METRICS: dict[str, str] = {
     "step": "optimizer step, from 1",
@@ -52,3 +57,37 @@ def executor_row(row: dict, ex: dict) -> dict:
     return {"step": row["step"], "epoch": row["epoch"], "loss": ex["loss"], "lr": row["lr"], "tokens": ex["tokens"],
             "step_time_s": dt, "tokens_per_s": row.pop("batch_tokens") / dt,
             **{k: v for k, v in ex.items() if k not in ("loss", "tokens")}}
+
+
+class MetricsFile:
+    """metrics.jsonl, appended one whole row at a time. A write that fails part-way (a full disk) is cut back
+    to the rows before it, so the file never ends in a partial line: a resumed run reads every row of it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write_row(self, row: dict) -> None:
+        line = (json.dumps(row) + "\n").encode()
+        size = os.fstat(self.fd).st_size
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self.fd, view):]
+        except OSError as exc:
+            os.ftruncate(self.fd, size)  # O_APPEND: whatever part of the row was written lies past `size`
+            if is_disk_full(exc):
+                raise disk_full(self.path.parent, f"step {row.get('step')}'s row of {self.path.name}", len(line),
+                                after="the rows before it are whole") from None
+            raise
+
+    def flush(self) -> None:
+        """Nothing to flush: every row is written when it comes (sync() in launch/reporting.py fsyncs)."""
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1

@@ -36,18 +36,39 @@ class OutputLock:
         if out.exists() and not out.is_dir():
             raise ConfigError(f"train.output_dir: '{out}' exists and is not a directory")
         self.out, self.run_id, self.announced = out, run_id, False
+        # The directories this launch makes: removed again when it lets go and they are still empty (a launch
+        # refused for its input creates nothing).
+        self.made = [p for p in (out, *out.parents) if not p.exists()]
+        for _ in range(5):
+            self.fd = self._lock()
+            if self._same_directory():
+                break
+            os.close(self.fd)  # locked a directory that its last holder removed (empty) meanwhile: again
+            self.fd = -1
+        else:
+            raise ConfigError(f"train.output_dir: '{out}' was removed again and again while this launch locked it")
+        self._announce()
+
+    def _lock(self) -> int:
+        out = self.out
         try:
             out.mkdir(parents=True, exist_ok=True)
-            self.fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
+            fd = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
         except OSError as exc:
             raise ConfigError(f"train.output_dir: cannot write to '{out}': {exc.strerror or exc}") from None
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(self.fd)
+            os.close(fd)
             raise ConfigError(f"train.output_dir: '{out}' is in use by a live run ({self._holder()}); wait for it "
                               "to end, or choose another train.output_dir") from None
-        self._announce()
+        return fd
+
+    def _same_directory(self) -> bool:
+        try:
+            return os.path.samestat(os.fstat(self.fd), os.stat(self.out))
+        except OSError:
+            return False
 
     def _announce(self) -> None:
         """Say who holds the directory (removed again by release: a launch refused later, for another reason,
@@ -73,6 +94,11 @@ class OutputLock:
         if self.fd >= 0:
             if self.announced:
                 (self.out / LIVE_FILE).unlink(missing_ok=True)
+            for made in self.made:  # deepest first; still locked, so no launch is inside it
+                try:
+                    made.rmdir()
+                except OSError:  # not empty: the run wrote something (or another launch made it too)
+                    break
             os.close(self.fd)
             self.fd = -1
 
@@ -135,11 +161,30 @@ def prepare_output(out: Path, overwrite: bool, resume_step: int | None = None) -
 
 
 def _keep_rows_up_to(metrics: Path, step: int) -> None:
-    """A resumed run redoes the steps after its checkpoint: their old rows go (written atomically)."""
-    rows = [line for line in metrics.read_text().splitlines(keepends=True)
-            if line.strip() and json.loads(line).get("step", 0) <= step]
+    """A resumed run redoes the steps after its checkpoint: their old rows go (written atomically). A cut-off
+    last line (a run killed, or its disk full, in the middle of a row) goes too; a bad line before it is an
+    error naming it."""
+    lines = metrics.read_text().splitlines(keepends=True)
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            if i == len(lines):
+                log(f"{metrics}:{i}: a cut-off last row (the run was stopped while writing it) is dropped")
+                continue
+            raise ConfigError(f"{metrics}:{i}: not a metrics row (JSON); remove or repair that line to resume "
+                              "this run") from None
+        if row.get("step", 0) <= step:
+            rows.append(line if line.endswith("\n") else line + "\n")
     tmp = metrics.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(rows))
+    try:
+        tmp.write_text("".join(rows))
+    except OSError:
+        tmp.unlink(missing_ok=True)  # a full disk: metrics.jsonl stays as it was
+        raise
     os.replace(tmp, metrics)
 
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatrain.launch.driver_config import TrainConfig
+from megatrain.launch.metrics import MetricsFile
 from megatrain.launch.output import log_profile
 from megatrain.launch.progress import Progress
 from megatrain.launch.tensorboard import TensorBoard
@@ -22,7 +23,7 @@ class Reporter:
                  describe_eval: Callable[[int, dict], str]):
         self.out, self.cuda, self.flops, self.describe_eval = out, cuda, flops_per_step, describe_eval
         # prepare_output emptied or trimmed it; closed by close(), which the driver calls on every path
-        self.file = open(out / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.file = MetricsFile(out / "metrics.jsonl")  # whole rows only, even on a full disk
         self.progress = Progress(cfg.progress, first, total, cfg.log_every)
         self.tb = TensorBoard(out) if cfg.tensorboard else None
 
@@ -35,7 +36,7 @@ class Reporter:
             log_profile(row, self.cuda)
         row = {**row, "grad_norm": adam["grad_norm"], "clip_scale": adam["clip_scale"], "skipped": adam["skipped"],
                "adam_s": adam["adam_s"], "adam_update_s": sum(end - start for _, start, end in adam["unit_spans"])}
-        self.file.write(json.dumps(row) + "\n")
+        self.file.write_row(row)
         tflops = self.flops / row["step_time_s"] / 1e12
         # On a CPU the figure is a few hundredths at best: the console shows tokens/s alone there.
         self.progress.step(row, tflops if self.cuda else None)

@@ -127,6 +127,65 @@ def read_plane(path: Path, out: np.ndarray, expect: dict, where: Callable[[int],
         raise ConfigError(bad[0])
 
 
+def verify(directory: Path, where: Callable[[int], str] | None = None) -> str:
+    """'' when the checkpoint in `directory` is whole: a valid manifest, every file of it at its size and every
+    segment at its CRC-32; else what is wrong, on one line. Reads every byte (READERS threads, VERIFY_BUFFER
+    bytes each at a time), so a resume is refused before anything starts rather than by the store owner."""
+    manifest = manifest_of(directory)
+    if manifest is None:
+        return f"{directory} is not a complete checkpoint (no valid manifest.json, or a file it lists is missing)"
+    for name, expect in manifest["files"].items():
+        problem = _verify_file(directory / name, expect, where)
+        if problem:
+            return problem
+    return ""
+
+
+VERIFY_BUFFER = 8 * 2**20
+
+
+def _verify_file(path: Path, expect: dict, where: Callable[[int], str] | None) -> str:
+    size = path.stat().st_size
+    if size != expect["bytes"]:
+        return f"{path} has {size} bytes; its manifest says {expect['bytes']}"
+    segments = expect.get("segments") or [[0, size, expect["crc32"]]]  # format 1: one CRC for the file
+    local = threading.local()
+
+    def check(seg: list[int]) -> str:
+        off, n, crc = seg
+        buf = getattr(local, "buf", None)
+        if buf is None:
+            buf = local.buf = bytearray(VERIFY_BUFFER)
+        have, done = 0, 0
+        with open(path, "rb", buffering=0) as f:
+            f.seek(off)
+            while done < n:
+                k = f.readinto(memoryview(buf)[: min(VERIFY_BUFFER, n - done)])
+                if not k:
+                    break
+                have = zlib.crc32(memoryview(buf)[:k], have)  # releases the GIL: the threads check in parallel
+                done += k
+        if done == n and have == crc:
+            return ""
+        what = f" ({where(off)})" if where else ""
+        return f"{path} is corrupt: bytes {off}-{off + n}{what} have CRC-32 {have:08x}, the manifest says {crc:08x}"
+
+    with ThreadPoolExecutor(READERS) as pool:
+        return next((msg for msg in pool.map(check, segments) if msg), "")
+
+
+def set_aside(directory: Path) -> Path:
+    """Move a corrupt checkpoint out of the way, kept for a look: renamed `corrupt-step-NNNNNNN`, a name that
+    complete(), latest() and prune() never take for a checkpoint."""
+    target = directory.with_name(f"corrupt-{directory.name}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = directory.with_name(f"corrupt-{directory.name}.{n}")
+    os.rename(directory, target)
+    return target
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
