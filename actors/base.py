@@ -7,6 +7,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from megatrain.ipc.procs import started_at
@@ -39,6 +40,16 @@ def guarded(fn: F) -> F:
                 store.call_ended()
 
     return wrapper  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class ActorInfo:
+    """Who answers for a role: its process, host, and start-up timeline (time.time() per stage)."""
+
+    name: str
+    pid: int
+    host: str
+    marks: dict[str, float]
 
 
 class Role:
@@ -103,8 +114,8 @@ class Role:
         """Record when a start-up stage of this role ended (its start-up timeline, in info())."""
         self.marks[what] = time.time()
 
-    def info(self) -> dict:
-        return {"name": self.name, "pid": os.getpid(), "host": socket.gethostname(), "marks": dict(self.marks)}
+    def info(self) -> ActorInfo:
+        return ActorInfo(self.name, os.getpid(), socket.gethostname(), dict(self.marks))
 
     def abort(self, reason: str) -> None:
         """Callable while a step is blocked (actors run with max_concurrency=3: Adam may hold two overlapping steps)."""

@@ -13,6 +13,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +27,7 @@ from megatrain.ipc.shm import check_space, populate, pss_split, remove_cuda_ipc_
 
 from megatrain import checkpoint as ckpt
 from megatrain.engine import EngineConfig, fixed_sizes
-from megatrain.errors import AbortError, ConfigError
+from megatrain.errors import AbortError, ConfigError, ProtocolError
 from megatrain.export import export
 from megatrain.model import ModelConfig, build_spec, init_unit, meta_model, unit_seed
 from megatrain.weights import checkpoint_index, copy_slots, fill_tile, read_unit, slot_views
@@ -41,13 +42,45 @@ PAGE_IN_BYTES = 1 << 28  # one madvise call of the page-in (a stop waits for at 
 PAGE_IN_THREADS = 8  # page faults are the kernel's work: half the cores leave the attach and step 1 theirs
 
 
+@dataclass(frozen=True)
+class StoreRequest:
+    """What StoreOwner.create plans, makes and fills the store from. `engine` may still have `auto` sizes
+    (the driver chooses them while the store is made; settle() gets the chosen ones). `batch_shape`
+    (sequences, tokens each) sizes the executor's pinned checkpoints for the fit check; `resume`: a
+    checkpoint directory to fill from; `about`: what the driver adds to the run's description in ctl
+    (megatrain-launch status)."""
+
+    run_id: str
+    model: ModelConfig
+    no_decay_1d: bool
+    clip: bool
+    engine: EngineConfig
+    num_packers: int
+    num_accumulators: int
+    ipc: IpcConfig
+    batch_shape: tuple[int, int] = (0, 0)
+    resume: str | None = None
+    threads: ThreadRequest = field(default_factory=ThreadRequest)
+    about: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FillReport:
+    """How the store was filled: from what (a checkpoint directory, model.pretrained, or 'init'), the bytes
+    read (0 for a fresh init) and the seconds it took."""
+
+    source: str
+    bytes: int
+    seconds: float
+
+
 class StoreOwner(Role):
     def __init__(self, name: str = "store-owner"):
         super().__init__(name)
         self.reaper = 0  # pid of the reaper (not a child of this process: see megatrain.ipc.reaper)
         self.done = threading.Event()
         self.monitor: Monitor | None = None
-        self.filled: dict = {}  # how the store was filled: from what, bytes read, seconds
+        self.filled: FillReport | None = None
         self.making = threading.Lock()  # held while segments are created, and by shutdown
         self.paging: threading.Thread | None = None  # pages in the zero planes (_page_in)
         self.paging_stop = threading.Event()
@@ -61,29 +94,22 @@ class StoreOwner(Role):
             if self.store is not None and self.store.aborted:
                 raise AbortError(f"run aborted: {self.store.abort_reason()}")
 
-    def create(self, run_id: str, model_cfg: ModelConfig, no_decay_1d: bool, clip: bool, engine: EngineConfig,
-               num_packers: int, num_accumulators: int, ipc_cfg: IpcConfig,
-               batch_shape: tuple[int, int] = (0, 0), resume: str | None = None,
-               threads: ThreadRequest | None = None, about: dict | None = None) -> StoreSpec:
+    def create(self, request: StoreRequest) -> StoreSpec:
         """Plan (resolving the staging mode on this node's memory), create and fill the store: from the
-        model config, or from checkpoint directory `resume` (weights and Adam state, versions at its step).
-        `batch_shape` (sequences, tokens each) sizes the executor's pinned checkpoints for the fit check.
-        The node's CPU plan is made here, on the node the workers share, and travels in the spec. `about`:
-        what the driver adds to the run's description in ctl (megatrain-launch status).
-        `engine` may still have `auto` sizes (the driver chooses them from the executor's free GPU memory
-        while this runs): the plan then takes the fixed ones, and settle() gets the chosen ones."""
-        removed = sweep(shm_dir=ipc_cfg.shm_dir)
+        model config, or from checkpoint directory `request.resume` (weights and Adam state, versions at its
+        step). The node's CPU plan is made here, on the node the workers share, and travels in the spec.
+        While the engine has `auto` sizes the plan takes the fixed ones, and settle() gets the chosen ones."""
+        shm_dir = request.ipc.shm_dir
+        removed = sweep(shm_dir=shm_dir)
         if removed:
-            print(f"[{self.name}] swept {len(removed)} objects of dead runs from {ipc_cfg.shm_dir}", flush=True)
-        self.space = space_now(ipc_cfg.shm_dir)  # settle() re-decides against the memory as it was before
-        self.request = (run_id, build_spec(model_cfg, no_decay_1d), clip, num_packers, num_accumulators, ipc_cfg,
-                        batch_shape, threads or ThreadRequest())
-        self.source, self.about = (model_cfg, resume), about
+            print(f"[{self.name}] swept {len(removed)} objects of dead runs from {shm_dir}", flush=True)
+        self.space = space_now(shm_dir)  # settle() re-decides against the memory as it was before
+        self.request, self.model = request, build_spec(request.model, request.no_decay_1d)
         # The activation checkpoints the executor will pin depend on the engine's sizes; while some are still
         # `auto` they are unknown (the fixed sizes would count every block's, where the chosen ones may keep
         # them on the GPU), so the store is checked alone now and with them in settle().
-        known = not any(v == "auto" for v in dataclasses.asdict(engine).values())
-        spec, ram_only = self._plan(fixed_sizes(engine), checkpoints=known)
+        known = not any(v == "auto" for v in dataclasses.asdict(request.engine).values())
+        spec, ram_only = self._plan(fixed_sizes(request.engine), checkpoints=known)
         self._make(spec, ram_only)
         return spec
 
@@ -106,14 +132,14 @@ class StoreOwner(Role):
         return spec
 
     def _plan(self, engine: EngineConfig, checkpoints: bool = True) -> tuple[StoreSpec, dict[str, int]]:
-        run_id, model, clip, packers, accumulators, ipc_cfg, batch_shape, threads = self.request
-        pinned = checkpoint_host_bytes(model, engine, *batch_shape) if checkpoints else 0
+        req, model = self.request, self.model
+        pinned = checkpoint_host_bytes(model, engine, *req.batch_shape) if checkpoints else 0
         ram_only = {"activation checkpoints (executor, pinned)": pinned, "processes, after the store": RUN_RESERVE}
-        spec = plan_store(run_id, model, engine.compute_dtype, engine.checkpoint_interval, packers, accumulators,
-                          ipc_cfg, cuda=engine.device == "cuda", clip=clip, ram_only=ram_only,
-                          last_block_layers=engine.last_block_layers, space=self.space)
+        spec = plan_store(req.run_id, model, engine.compute_dtype, engine.checkpoint_interval, req.num_packers,
+                          req.num_accumulators, req.ipc, cuda=engine.device == "cuda", clip=req.clip,
+                          ram_only=ram_only, last_block_layers=engine.last_block_layers, space=self.space)
         ram_only["page tables of its mappings"] = spec.page_table_bytes()
-        return self._with_cpu_plan(spec, engine.device == "cuda", threads), ram_only
+        return self._with_cpu_plan(spec, engine.device == "cuda", req.threads), ram_only
 
     def _make(self, spec: StoreSpec, ram_only: dict[str, int]) -> None:
         """Create the segments (under the lock shutdown takes, so it never misses a store being made), then
@@ -124,14 +150,14 @@ class StoreOwner(Role):
             self.store = Store.create(spec, ram_only)
             self._start_reaper(spec.run_id)
         self.mark("segments")
-        self.store.write_about(self.about)
-        model_cfg, resume = self.source
+        self.store.write_about(self.request.about)
+        model_cfg, resume = self.request.model, self.request.resume
         t0 = time.perf_counter()
         if resume:
-            self.filled = {"source": str(resume), "bytes": self._restore(Path(resume))}
+            source, nbytes = str(resume), self._restore(Path(resume))
         else:
-            self.filled = {"source": model_cfg.pretrained or "init", "bytes": self._fill(model_cfg)}
-        self.filled["seconds"] = time.perf_counter() - t0
+            source, nbytes = model_cfg.pretrained or "init", self._fill(model_cfg)
+        self.filled = FillReport(source, nbytes, time.perf_counter() - t0)
         self.mark("filled")
         self.monitor = Monitor(self.store).start()
         self.paging_stop = threading.Event()
@@ -171,7 +197,9 @@ class StoreOwner(Role):
         pid = os.getpid()
         self.reaper = spawn_detached("megatrain.ipc.reaper", run_id, str(pid), str(start_ticks(pid)))
 
-    def fill_report(self) -> dict:
+    def fill_report(self) -> FillReport:
+        if self.filled is None:
+            raise ProtocolError("fill_report() before create() completed: the store was not filled")
         return self.filled
 
     def _fill(self, cfg: ModelConfig) -> int:

@@ -4,19 +4,19 @@ step before), into OUTPUT_DIR/profiles/ACTOR-step-N.speedscope.json on the actor
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+from megatrain.actors.base import Role
+from megatrain.launch.crew import Crew
 from megatrain.launch.driver_config import TrainConfig
 
 from megatrain import log
 
 
 class ActorProfile:
-    def __init__(self, cfg: TrainConfig, out: Path, actors: list[str], call_one: Callable[..., Any]):
+    def __init__(self, cfg: TrainConfig, out: Path, crew: Crew):
         self.step = cfg.profile.step if cfg.profile.actor != "gpu-executor" else 0
-        self.actor, self.actors, self.call_one = cfg.profile.actor, actors, call_one
+        self.actor, self.actors, self.crew = cfg.profile.actor, list(crew.actors), crew
         self.path = str((out / "profiles" / f"{self.actor}-step-{self.step}.speedscope.json").resolve())
 
     def before(self, t: int) -> None:
@@ -27,7 +27,7 @@ class ActorProfile:
                 "nothing profiled")
             self.step = 0
             return
-        why = self.call_one(self.actor, "profile_start", self.path)
+        why = self.crew.call_one(self.actor, Role.profile_start, self.path)
         if why:
             log(f"train.profile.actor: cannot sample {self.actor} at step {t + 1}: {why}")
             self.step = 0
@@ -35,6 +35,6 @@ class ActorProfile:
     def after(self, t: int) -> None:
         if t + 1 != self.step:
             return
-        why = self.call_one(self.actor, "profile_stop")
+        why = self.crew.call_one(self.actor, Role.profile_stop)
         log(f"profiled {self.actor} during step {t + 1} with py-spy into {self.path} (on its node)" if not why else
             f"train.profile.actor: sampling {self.actor} at step {t + 1} failed: {why}")

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
+from megatrain.actors.base import Role
+from megatrain.actors.store_owner import StoreOwner
+from megatrain.launch.handles import Handle, Pending, Runner
 from megatrain.launch.placement import Demand
-from megatrain.launch.runners import Handle, InProcessRunner, Pending, RayRunner
 
 from megatrain.errors import AbortError, ActorFailure, MegatrainError
 
+P = ParamSpec("P")
+R = TypeVar("R")
 SHUTDOWN_S = 15.0
 OWNER = "store-owner"
 
@@ -20,9 +25,9 @@ class Crew:
     """The actors by name, their pids and start-up marks once attached, and the owner's serve() call, held
     open for the run's life: it ends (fails) when the owner dies or the run is aborted."""
 
-    def __init__(self, runner: InProcessRunner | RayRunner, setup_timeout_s: float):
+    def __init__(self, runner: Runner, setup_timeout_s: float):
         self.runner, self.setup_timeout_s = runner, setup_timeout_s
-        self.actors: dict[str, Handle] = {}
+        self.actors: dict[str, Handle[Any]] = {}
         self.pids: dict[str, int] = {}
         self.marks: dict[str, dict] = {}  # each actor's start-up timeline (Role.mark)
         self.sentinel: Pending | None = None
@@ -41,7 +46,7 @@ class Crew:
         return [n for n in self.actors if n.startswith(prefix)]
 
     def serve_owner(self) -> None:
-        self.sentinel = self.runner.call(self.actors[OWNER], "serve")
+        self.sentinel = self.call(OWNER, StoreOwner.serve)
 
     def shutdown(self) -> None:
         """Idempotent: end every worker, then the owner (it unlinks everything of the run once they are
@@ -55,18 +60,24 @@ class Crew:
                 self.runner.kill(h)
         if owner is not None:
             try:  # waits for the workers to be gone, then unlinks everything of the run
-                self.runner.result(self.runner.call(owner, "shutdown"), timeout=SHUTDOWN_S)
+                self.runner.result(self.runner.call(owner, StoreOwner.shutdown), timeout=SHUTDOWN_S)
             except Exception as exc:  # the reaper unlinks if the owner is gone
                 print(f"[megatrain] store owner did not shut down cleanly: {exc}", file=sys.stderr)
             self.runner.kill(owner)
         self.runner.close()
 
     # ---- calls ------------------------------------------------------------------------------
-    def call(self, name: str, method: str, *args: Any) -> Pending:
-        return self.runner.call(self.actors[name], method, *args)
+    def call(self, name: str, method: Callable[Concatenate[Any, P], R], *args: P.args,
+             **kwargs: P.kwargs) -> Pending[R]:
+        """Start `method` (the actor class's own, e.g. AdamUpdater.step) on actor `name`; a method of another
+        class or arguments that do not fit its signature raise TypeError here (launch/handles.py)."""
+        return self.runner.call(self.actors[name], method, *args, **kwargs)
 
-    def call_one(self, name: str, method: str, *args: Any) -> Any:
-        return self.gather({name: self.call(name, method, *args)}, self.setup_timeout_s, f"{name}.{method}")[name]
+    def call_one(self, name: str, method: Callable[Concatenate[Any, P], R], *args: P.args,
+                 **kwargs: P.kwargs) -> R:
+        """The call's result, waited for with the start-up timeout."""
+        pending = self.call(name, method, *args, **kwargs)
+        return self.gather({name: pending}, self.setup_timeout_s, f"{name}.{pending.method}")[name]
 
     def gather(self, calls: dict[str, Pending], timeout: float, what: str,
                optional: dict[str, Pending] | None = None) -> dict[str, Any]:
@@ -129,7 +140,7 @@ class Crew:
             if name == OWNER or name not in self.pids:
                 continue
             try:
-                self.runner.result(self.runner.call(h, "abort", reason), timeout=2)
+                self.runner.result(self.runner.call(h, Role.abort, reason), timeout=2)
                 return
             except Exception:
                 continue

@@ -15,7 +15,8 @@ import os
 import secrets
 from pathlib import Path
 
-from megatrain.actors.store_owner import StoreOwner
+from megatrain.actors.base import Role
+from megatrain.actors.store_owner import FillReport, StoreOwner, StoreRequest
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes
 from megatrain.ipc.shm import check_run_id, check_run_id_free
 from megatrain.launch import startup
@@ -25,7 +26,7 @@ from megatrain.launch.crew import OWNER, Crew
 from megatrain.launch.evaluation import Evaluator
 from megatrain.launch.output import OutputLock, describe_memory, prepare_output, resolve_output, short
 from megatrain.launch.placement import bundle, demands, describe_need, expect_packers, thread_request
-from megatrain.launch.resume import Start, choose_start
+from megatrain.launch.resume import check_fits, find_checkpoint
 from megatrain.launch.runners import Pending, make_runner
 from megatrain.launch.steploop import PreparedRun, StepLoop
 from megatrain.launch.stopping import StopRequest, sigint_deferred
@@ -52,10 +53,9 @@ class Trainer:
         self.steps = cfg.train.steps
         self.start = 0  # the first step to run (a resumed run's checkpoint step)
         self.resume_dir: Path | None = None
-        self.begin = Start()  # where the run starts (launch/resume.py), verified before anything changes
         self.evaluator: Evaluator | None = None
         self.loop: StepLoop | None = None
-        self.store_fill: dict = {}  # how the store was filled (StoreOwner.fill_report)
+        self.store_fill: FillReport | None = None  # how the store was filled
         self._closed = False
         self.lock: OutputLock | None = None  # the output directory's, for the run's life
         self.phases = startup.Phases()
@@ -66,16 +66,13 @@ class Trainer:
         atexit.register(self.shutdown)
         try:
             self.setup()
-            if self.begin.complete:  # nothing to do, and nothing was started
-                return {"run_id": self.run_id, "output_dir": str(self.out), "metrics": [], "stopped_by": "",
-                        "last_step": self.start, "checkpoint": str(self.resume_dir), "complete": True}
             self.loop = StepLoop(PreparedRun(
                 self.cfg, self.crew, self.data, self.spec, self.engine_cfg.device == "cuda", self.out, self.start,
                 self.steps, self.evaluator, self.checkpointer, dump_yaml(self._resolved()), self.stop,
                 self.phases.launched))
             self.loop()
-            mem = self.crew.call_one(OWNER, "host_memory")  # after the last step: every page is in use
-            observed = self.crew.gather({n: self.crew.call(n, "thread_counts") for n in self.crew.actors},
+            mem = self.crew.call_one(OWNER, StoreOwner.host_memory)  # after the last step: every page is in use
+            observed = self.crew.gather({n: self.crew.call(n, Role.thread_counts) for n in self.crew.actors},
                                         self.cfg.train.setup_timeout_s, "thread counts")
             if self.loop.stopped_after is None:
                 self._finish(mem)
@@ -90,7 +87,8 @@ class Trainer:
                 "stopped_by": self.stop.name if loop.stopped_after is not None else "",
                 "last_step": loop.stopped_after if loop.stopped_after is not None else self.steps,
                 "checkpoint": str(ckpt_step_dir(self.checkpointer.root, written)) if written else "",
-                "checkpoints": self.checkpointer.history, "store_fill": self.store_fill,
+                "checkpoints": self.checkpointer.history,
+                "store_fill": dataclasses.asdict(self.store_fill) if self.store_fill else {},
                 "time_to_first_step_s": loop.first_step_s, "startup_s": dict(self.phases.seconds),
                 "cpu_plan": {n: dataclasses.asdict(t) for n, t in spec.threads.items() if n in self.crew.actors},
                 "threads_observed": observed, "pids": dict(self.crew.pids), "num_params": spec.layout.num_params,
@@ -109,7 +107,7 @@ class Trainer:
         if self.cfg.train.save_final:
             tok = None if self.cfg.data.kind in ("arithmetic", "tokens") else (self.cfg.data.tokenizer
                                                                                or self.cfg.model.pretrained)
-            path = self.crew.call_one(OWNER, "save", str(self.out / "final"), tok)
+            path = self.crew.call_one(OWNER, StoreOwner.save, str(self.out / "final"), tok)
             log(f"saved final fp32 weights to {path}")
 
     # ---- setup ------------------------------------------------------------------------------
@@ -120,16 +118,15 @@ class Trainer:
         if cfg.train.tensorboard:
             summary_writer()  # a missing package is a usage error before anything starts
         self.lock = OutputLock(self.out, self.run_id)  # before anything in the directory is read or changed
-        # The inputs first, the data (tokenized) and the checkpoint (every checksum): a refused one leaves the
-        # directory as it was, and no process is started.
+        self.resume_dir = find_checkpoint(cfg.train.resume, self.out)
+        manifest = check_fits(self.resume_dir, cfg) if self.resume_dir else None
+        self.start = int(manifest["step"]) if manifest else 0
+        in_place = self.resume_dir is not None and self.resume_dir.parent.parent.resolve() == self.out.resolve()
+        prepare_output(self.out, cfg.train.overwrite, self.start if in_place else None)
+        self.log_dir = self.out
+        # The data first: a bad file is reported (and tokenizing is done) before any process starts.
         self.data = open_data(cfg.data, resolve_hf_config(cfg.model)[1], cfg.model.pretrained)
         self.steps = self.data.steps(cfg.train.steps)
-        self.begin = choose_start(cfg, self.out, self.steps)
-        self.resume_dir, self.start = self.begin.directory, self.begin.step
-        if self.begin.complete:
-            return
-        prepare_output(self.out, cfg.train.overwrite, self.start if self.begin.in_place else None)
-        self.log_dir = self.out
         self.checkpointer = Checkpointer(cfg.train, self.out / "checkpoints", self.steps)
         if self.resume_dir:
             log(f"resuming from {self.resume_dir} (after step {self.start} of {self.steps})")
@@ -147,8 +144,7 @@ class Trainer:
         log(f"config (what differs from the defaults; all of it, resolved, in "
             f"{self.out / 'config.yaml'}):\n  " + "\n  ".join(f"{k}: {short(v)}" for k, v in changed))
         self._start_actors(cuda)
-        self.evaluator = Evaluator(self.data, cfg.train.eval_batches, list(self.crew.actors), self.crew.call,
-                                   lambda calls, what: self.crew.gather(calls, cfg.train.step_timeout_s, what))
+        self.evaluator = Evaluator(self.data, cfg.train.eval_batches, self.crew, cfg.train.step_timeout_s)
 
     def _start_actors(self, cuda: bool) -> None:
         """Worker processes start (and import torch, compile Numba, make a CUDA context) while the store
@@ -173,15 +169,16 @@ class Trainer:
         phases.close("actors attached (pinning, CUDA IPC events)")
         startup.describe(crew, self.spec, self.engine_cfg, cfg.launch.runner == "inprocess", phases)
 
-    def _create_store(self) -> Pending:
+    def _create_store(self) -> Pending[StoreSpec]:
         """The owner's create call, not waited for: it plans with the engine's sizes still `auto`."""
         cfg = self.cfg
         self.crew.serve_owner()
-        return self.crew.call(OWNER, "create", self.run_id, cfg.model, cfg.optim.no_decay_1d, cfg.optim.clips,
-                              self.engine_cfg, cfg.actors.num_packers, cfg.actors.num_accumulators, cfg.ipc,
-                              (cfg.data.batch_size, cfg.data.seq_len),
-                              str(self.resume_dir) if self.resume_dir else None, thread_request(cfg.actors),
-                              {"output_dir": str(self.out), "steps": self.steps, "first": self.start})
+        request = StoreRequest(self.run_id, cfg.model, cfg.optim.no_decay_1d, cfg.optim.clips, self.engine_cfg,
+                               cfg.actors.num_packers, cfg.actors.num_accumulators, cfg.ipc,
+                               (cfg.data.batch_size, cfg.data.seq_len),
+                               str(self.resume_dir) if self.resume_dir else None, thread_request(cfg.actors),
+                               {"output_dir": str(self.out), "steps": self.steps, "first": self.start})
+        return self.crew.call(OWNER, StoreOwner.create, request)
 
     def _resolved(self) -> Config:
         cfg = self.cfg

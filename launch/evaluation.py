@@ -10,22 +10,26 @@ evaluation may start while Adam still updates the last units.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
+
+from megatrain.actors.gpu_executor import GpuExecutor
+from megatrain.actors.packer import Packer
+from megatrain.launch.crew import Crew
+from megatrain.launch.handles import Pending
 
 from megatrain.data import Data, arithmetic
+
+R = TypeVar("R")
 
 GROUP = 8  # evaluation batches per executor call: a large set is never built or shipped at once
 
 
 class Evaluator:
-    """Runs evaluations for a Trainer: `call(name, method, *args)` issues an actor call, `gather`
-    waits for a dict of them (with the Trainer's failure handling)."""
+    """Runs evaluations for a Trainer through its actors (`crew`); each waits at most `timeout_s`."""
 
-    def __init__(self, data: Data, eval_batches: int, actors: list[str], call: Callable[..., Any],
-                 gather: Callable[[dict, str], dict]):
-        self.data, self.call, self.gather = data, call, gather
-        self.packers = [n for n in actors if n.startswith("packer")]
+    def __init__(self, data: Data, eval_batches: int, crew: Crew, timeout_s: float):
+        self.data, self.crew, self.timeout_s = data, crew, timeout_s
+        self.packers = crew.named("packer")
         self.count = data.eval_count(eval_batches)
         self.examples: list[tuple[str, str, str]] = []
 
@@ -40,7 +44,8 @@ class Evaluator:
             loss_sum, tokens, seconds = 0.0, 0, 0.0
             for lo in range(0, self.count, GROUP):
                 batches = [self.data.eval_batch(i) for i in range(lo, min(lo + GROUP, self.count))]
-                res = self._walks(step, len(batches), "evaluate", batches)
+                res = self._walks(step, len(batches),
+                                  self.crew.call("gpu-executor", GpuExecutor.evaluate, step, batches))
                 loss_sum, tokens, seconds = loss_sum + res["loss_sum"], tokens + res["tokens"], seconds + res["eval_s"]
             out.update(eval_tokens=tokens, eval_s=seconds)
             if tokens:  # an evaluation set without a labelled token has no loss (it is said so, not 0)
@@ -48,15 +53,17 @@ class Evaluator:
                 out.update(eval_loss=loss, eval_ppl=math.exp(min(loss, 700.0)))
         if self.data.problems:
             ids, pos, new = arithmetic.prompts(self.data.cfg, self.data.problems)
-            got = arithmetic.answers(self._walks(step, new, "generate", ids, pos, new))
+            got = arithmetic.answers(self._walks(step, new, self.crew.call("gpu-executor", GpuExecutor.generate,
+                                                                           step, ids, pos, new)))
             out["eval_accuracy"] = arithmetic.accuracy(self.data.problems, got)
             self.examples = [(q, a, g) for (q, a), g in zip(self.data.problems, got)]
         return out
 
-    def _walks(self, step: int, walks: int, method: str, *args: Any) -> Any:
-        calls = {"gpu-executor": self.call("gpu-executor", method, step, *args)}
-        calls.update({p: self.call(p, "step", step, "forward", walks) for p in self.packers})
-        return self.gather(calls, f"evaluation after step {step}")["gpu-executor"]
+    def _walks(self, step: int, walks: int, executor: Pending[R]) -> R:
+        """The executor's call (issued) and, in slabs mode, the packers' for as many forward walks."""
+        calls: dict[str, Pending] = {"gpu-executor": executor}
+        calls.update({p: self.crew.call(p, Packer.step, step, "forward", walks) for p in self.packers})
+        return self.crew.gather(calls, self.timeout_s, f"evaluation after step {step}")["gpu-executor"]
 
     def describe(self, step: int, row: dict) -> str:
         parts = []

@@ -15,17 +15,22 @@ import signal
 import socket
 import threading
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from megatrain.ipc.procs import descendants, spawn_detached, start_ticks
 from megatrain.ipc.shm import RAY_THRESHOLD_ENV
+from megatrain.launch.handles import Handle, Pending, Runner, checked, checked_init
 from megatrain.launch.placement import Demand
 
 from megatrain.configbase import opt
 from megatrain.errors import AbortError, ActorFailure, ConfigError, MegatrainError, ResourceError
 
+A = TypeVar("A")
+P = ParamSpec("P")
+R = TypeVar("R")
+__all__ = ["Handle", "InProcessRunner", "LaunchConfig", "Pending", "RayRunner", "Runner", "make_runner"]
 PRIVATE_THRESHOLD = 0.98  # Ray's memory monitor in a private instance (see _memory_monitor_threshold)
 
 
@@ -50,18 +55,6 @@ class LaunchConfig:
             raise ValueError("launch.nsight needs launch.runner 'ray' (nsys runs the executor's own process)")
 
 
-@dataclass
-class Handle:
-    name: str
-    obj: Any  # Ray actor handle or the plain object
-
-
-@dataclass(eq=False)
-class Pending:
-    actor: str
-    ref: Any  # ObjectRef or Future
-
-
 class InProcessRunner:
     def __init__(self, cfg: LaunchConfig):
         self.cfg = cfg
@@ -79,14 +72,17 @@ class InProcessRunner:
     def place(self, bundle: dict[str, float], need: str = "") -> None:
         pass
 
-    def spawn(self, name: str, cls: type, args: tuple, demand: Demand) -> Handle:
+    def spawn(self, name: str, cls: type[A], args: tuple, demand: Demand) -> Handle[A]:
+        checked_init(cls, args)
         self.pools[name] = cf.ThreadPoolExecutor(max_workers=3, thread_name_prefix=name)
         obj = cls(*args)
-        obj.shared_process = True  # one process for every role: torch's thread count is not a role's to set
-        return Handle(name, obj)
+        obj.shared_process = True  # type: ignore[attr-defined]  # one process for every role (torch's threads)
+        return Handle(name, cls, obj)
 
-    def call(self, h: Handle, method: str, *args: Any) -> Pending:
-        return Pending(h.name, self.pools[h.name].submit(getattr(h.obj, method), *args))
+    def call(self, h: Handle[A], method: Callable[Concatenate[A, P], R], *args: P.args,
+             **kwargs: P.kwargs) -> Pending[R]:
+        name = checked(h, method, args, kwargs)
+        return Pending(h.name, self.pools[h.name].submit(getattr(h.obj, name), *args, **kwargs), name)
 
     def wait_any(self, pending: list[Pending], timeout: float) -> list[Pending]:
         done, _ = cf.wait([p.ref for p in pending], timeout=timeout, return_when=cf.FIRST_COMPLETED)
@@ -103,14 +99,17 @@ class InProcessRunner:
             raise ActorFailure(p.actor, f"{type(exc).__name__}: {exc}",
                                traceback="".join(traceback.format_exception(exc))) from exc
 
-    def kill(self, h: Handle) -> None:
-        pool = self.pools.pop(h.name, None)
+    def kill(self, h: Handle[Any]) -> None:
+        self._end(h.name)
+
+    def _end(self, name: str) -> None:
+        pool = self.pools.pop(name, None)
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
         for name in list(self.pools):
-            self.kill(Handle(name, None))
+            self._end(name)
 
 
 class RayRunner:
@@ -168,8 +167,10 @@ class RayRunner:
             raise ResourceError(f"cannot place the store's actors on one node: they need {need or bundle}; the "
                                 f"cluster has {have} available (waited {self.cfg.placement_timeout_s:.0f}s)")
 
-    def spawn(self, name: str, cls: type, args: tuple, demand: Demand) -> Handle:
+    def spawn(self, name: str, cls: type[A], args: tuple, demand: Demand) -> Handle[A]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        checked_init(cls, args)
 
         env: dict[str, Any] = {"env_vars": {"PYTHONUNBUFFERED": "1"}}
         if name == "gpu-executor" and self.cfg.nsight:
@@ -180,10 +181,12 @@ class RayRunner:
             name=None, num_cpus=demand.cpus, num_gpus=demand.gpus, max_concurrency=3, max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
             runtime_env=env)
-        return Handle(name, remote.remote(*args))
+        return Handle(name, cls, remote.remote(*args))
 
-    def call(self, h: Handle, method: str, *args: Any) -> Pending:
-        return Pending(h.name, getattr(h.obj, method).remote(*args))
+    def call(self, h: Handle[A], method: Callable[Concatenate[A, P], R], *args: P.args,
+             **kwargs: P.kwargs) -> Pending[R]:
+        name = checked(h, method, args, kwargs)
+        return Pending(h.name, getattr(h.obj, name).remote(*args, **kwargs), name)
 
     def wait_any(self, pending: list[Pending], timeout: float) -> list[Pending]:
         ready, _ = self.ray.wait([p.ref for p in pending], num_returns=1, timeout=timeout)
@@ -209,7 +212,7 @@ class RayRunner:
             raise ActorFailure(p.actor, "the process died (killed or crashed)", self.pids.get(p.actor),
                                died=True) from None
 
-    def kill(self, h: Handle) -> None:
+    def kill(self, h: Handle[Any]) -> None:
         try:
             self.ray.kill(h.obj, no_restart=True)
         except Exception:  # already gone
@@ -282,5 +285,5 @@ def _unreachable(address: str, timeout: float = 5.0) -> str:
         return f"no Ray GCS answers at {address}: {exc.strerror or exc}"
 
 
-def make_runner(cfg: LaunchConfig) -> InProcessRunner | RayRunner:
+def make_runner(cfg: LaunchConfig) -> Runner:
     return RayRunner(cfg) if cfg.runner == "ray" else InProcessRunner(cfg)

@@ -24,14 +24,14 @@ class Saves:
                  recorded: Callable[[], int], sync: Callable[[], None]):
         self.crew, self.checkpointer, self.meta, self.timeout_s = crew, checkpointer, meta, timeout_s
         self.recorded, self.sync = recorded, sync
-        self.pending: Pending | None = None  # the checkpoint being written
+        self.pending: Pending[dict] | None = None  # the checkpoint being written
         self.staged: dict | None = None  # written but not yet published
 
     def ensure_writer(self, threads: int, spec: StoreSpec) -> None:
         """The writer, started on demand (a graceful stop in a run that asked for no periodic saves)."""
         if WRITER not in self.crew.actors:
             self.crew.spawn(WRITER, CheckpointWriter, (threads,), Demand(0.0, 0.0))
-            self.crew.call_one(WRITER, "attach", spec)
+            self.crew.call_one(WRITER, CheckpointWriter.attach, spec)
 
     def start(self, step: int, epoch: int, seed: int) -> None:
         """Launch the write of the state after `step`. The writer takes each piece once Adam's update of
@@ -40,7 +40,7 @@ class Saves:
         meta = {**self.meta, "data": {"position": step, "seed": seed, "epoch": epoch}, "lr_schedule_position": step,
                 "rng": "none: a step draws nothing at random; batch t is a function of (data, data.seed, t)"}
         self.checkpointer.started(step)
-        self.pending = self.crew.call(WRITER, "write", step, str(self.checkpointer.root.resolve()), meta)
+        self.pending = self.crew.call(WRITER, CheckpointWriter.write, step, str(self.checkpointer.root.resolve()), meta)
 
     def writing(self) -> dict[str, Pending]:
         """The write in flight, for a wait that watches it without waiting for it."""
@@ -60,7 +60,7 @@ class Saves:
             return
         self.sync()
         res, self.staged = self.staged, None
-        self.crew.call_one(WRITER, "publish", step)
+        self.crew.call_one(WRITER, CheckpointWriter.publish, step)
         self.checkpointer.finished(res)
 
     def wait(self) -> None:

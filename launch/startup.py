@@ -7,10 +7,12 @@ from __future__ import annotations
 import time
 
 from megatrain.actors.adam_updater import AdamUpdater
+from megatrain.actors.base import Role
 from megatrain.actors.checkpoint_writer import CheckpointWriter
 from megatrain.actors.gpu_executor import GpuExecutor
 from megatrain.actors.grad_accumulator import GradAccumulator
 from megatrain.actors.packer import Packer
+from megatrain.actors.store_owner import FillReport, StoreOwner
 from megatrain.ipc.protocol import StoreSpec
 from megatrain.launch.config import Config
 from megatrain.launch.crew import OWNER, Crew
@@ -66,7 +68,7 @@ def spawn_workers(crew: Crew, cfg: Config, engine: EngineConfig, dem: dict[str, 
 
 def choose_sizes(crew: Crew, cfg: Config, engine: EngineConfig) -> EngineConfig:
     """Resolve the engine's `auto` sizes from the GPU memory the executor finds free (autosize.py)."""
-    free = crew.call_one("gpu-executor", "gpu_free_bytes") if engine.device == "cuda" else None
+    free = crew.call_one("gpu-executor", GpuExecutor.gpu_free_bytes) if engine.device == "cuda" else None
     sizes, why = autosize.choose(build_spec(cfg.model, cfg.optim.no_decay_1d), engine, cfg.data.batch_size,
                                  cfg.data.seq_len, free, cfg.optim.clips)
     engine = autosize.apply(engine, sizes)
@@ -74,19 +76,20 @@ def choose_sizes(crew: Crew, cfg: Config, engine: EngineConfig) -> EngineConfig:
     return engine
 
 
-def settle_store(crew: Crew, creating: Pending, engine: EngineConfig, timeout: float) -> tuple[StoreSpec, dict]:
+def settle_store(crew: Crew, creating: Pending[StoreSpec], engine: EngineConfig,
+                 timeout: float) -> tuple[StoreSpec, FillReport]:
     """Wait for the owner's create call, settle the store with the chosen sizes; (spec, how it was filled)."""
     crew.gather({OWNER: creating}, timeout, "store-owner.create")
-    spec: StoreSpec = crew.call_one(OWNER, "settle", engine)
+    spec = crew.call_one(OWNER, StoreOwner.settle, engine)
     log(f"weight staging: {spec.staging_mode}; gradients: "
         + ("into the resident copy, until the global norm is known (clipping)" if spec.grads_in_resident
            and spec.clip else "into the resident copy, updated as they come (no clipping)"
            if spec.grads_in_resident else "fp32 plane, global-norm clipping" if spec.clip
            else "straight to Adam (no clipping)"))
-    fill = crew.call_one(OWNER, "fill_report")
-    log(f"store filled from {fill['source']} in {fill['seconds']:.1f} s" + (
-        f" ({fill['bytes'] / 1e9:.2f} GB read, {fill['bytes'] / 1e9 / max(fill['seconds'], 1e-9):.2f} GB/s)"
-        if fill["bytes"] else ""))
+    fill = crew.call_one(OWNER, StoreOwner.fill_report)
+    log(f"store filled from {fill.source} in {fill.seconds:.1f} s" + (
+        f" ({fill.bytes / 1e9:.2f} GB read, {fill.bytes / 1e9 / max(fill.seconds, 1e-9):.2f} GB/s)"
+        if fill.bytes else ""))
     return spec, fill
 
 
@@ -105,21 +108,35 @@ def attach_workers(crew: Crew, cfg: Config, spec: StoreSpec, dem: dict[str, Dema
     elif not packers:
         for name, cls, args in packer_plan(cfg.actors.num_packers):
             crew.spawn(name, cls, args, dem[name])
-    extra = {"adam-updater": (start,),  # Adam's step count (bias correction) continues
-             "gpu-executor": (engine,)}  # with the sizes chosen since it started
-    crew.gather({n: crew.call(n, "attach", spec, *extra.get(n, ())) for n in crew.actors if n != OWNER},
-                timeout, "starting the actors")
-    infos = crew.gather({n: crew.call(n, "info") for n in crew.actors}, timeout, "starting the actors")
-    crew.pids = {n: i["pid"] for n, i in infos.items()}
-    crew.marks = {n: i["marks"] for n, i in infos.items()}
+    crew.gather({n: _attach(crew, n, spec, engine, start) for n in crew.actors if n != OWNER}, timeout,
+                "starting the actors")
+    infos = crew.gather({n: crew.call(n, Role.info) for n in crew.actors}, timeout, "starting the actors")
+    crew.pids = {n: i.pid for n, i in infos.items()}
+    crew.marks = {n: i.marks for n, i in infos.items()}
     crew.runner.pids = crew.pids
-    handles = crew.call_one("gpu-executor", "event_handles")
+    handles = crew.call_one("gpu-executor", GpuExecutor.event_handles)
     if handles is not None:
         drainers = crew.named("grad-accumulator") if spec.clip else ["adam-updater"]
-        crew.gather({n: crew.call(n, "open_events", handles) for n in drainers}, 120, "opening CUDA IPC events")
+        crew.gather({n: crew.call(n, Role.open_events, handles) for n in drainers}, 120, "opening CUDA IPC events")
+
+
+def _attach(crew: Crew, name: str, spec: StoreSpec, engine: EngineConfig, start: int) -> Pending[None]:
+    """A worker's attach call: each class's own, with what its role needs besides the spec."""
+    cls = crew.actors[name].cls
+    if cls is AdamUpdater:
+        return crew.call(name, AdamUpdater.attach, spec, start)  # Adam's step count (bias correction) continues
+    if cls is GpuExecutor:
+        return crew.call(name, GpuExecutor.attach, spec, engine)  # with the sizes chosen since it started
+    if cls is CheckpointWriter:
+        return crew.call(name, CheckpointWriter.attach, spec)
+    if cls is Packer:
+        return crew.call(name, Packer.attach, spec)
+    if cls is GradAccumulator:
+        return crew.call(name, GradAccumulator.attach, spec)
+    raise TypeError(f"actor '{name}' ({cls.__name__}) is not a worker that attaches to the store")
 
 
 def describe(crew: Crew, spec: StoreSpec, engine: EngineConfig, inprocess: bool, phases: Phases) -> None:
-    device = crew.call_one("gpu-executor", "device_name")
+    device = crew.call_one("gpu-executor", GpuExecutor.device_name)
     describe_run(spec, device, engine.compute_dtype, crew.pids, list(crew.actors), inprocess)
     phases.describe(crew.marks)

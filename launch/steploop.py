@@ -7,6 +7,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatrain.actors.adam_updater import AdamUpdater
+from megatrain.actors.gpu_executor import GpuExecutor
+from megatrain.actors.grad_accumulator import GradAccumulator
+from megatrain.actors.packer import Packer
 from megatrain.ipc.protocol import StoreSpec
 from megatrain.launch.actor_profile import ActorProfile
 from megatrain.launch.checkpointing import Checkpointer
@@ -69,7 +73,7 @@ class StepLoop:
         flops = model_step_flops(run.spec.model, cfg.data.batch_size, cfg.data.seq_len)
         self.reporter = Reporter(run.out, cfg.train, run.cuda, flops, run.start, run.steps,
                                  lambda step, row: run.evaluator.describe(step, row))
-        sampled = ActorProfile(cfg.train, run.out, list(self.crew.actors), self.crew.call_one)
+        sampled = ActorProfile(cfg.train, run.out, self.crew)
         try:
             for t in range(run.start, run.steps):
                 if run.stop is not None and run.stop.signum is not None:
@@ -131,10 +135,11 @@ class StepLoop:
         # Absolute: the executor writes it, from its own working directory (on the GPU's node).
         profile = (str((self.run.out / f"profile-step-{t + 1}.json").resolve()) if t + 1 == cfg.train.profile.step
                    and cfg.train.profile.actor == "gpu-executor" else "")
-        calls = {"gpu-executor": crew.call("gpu-executor", "step", t, ids, labels, timeline, profile),
-                 "adam-updater": crew.call("adam-updater", "step", t, lr, saving)}
+        calls: dict[str, Pending] = {
+            "gpu-executor": crew.call("gpu-executor", GpuExecutor.step, t, ids, labels, timeline, profile),
+            "adam-updater": crew.call("adam-updater", AdamUpdater.step, t, lr, saving)}
         for name in crew.named(("packer", "grad-accumulator")):
-            calls[name] = crew.call(name, "step", t)
+            calls[name] = crew.call(name, Packer.step if name.startswith("packer") else GradAccumulator.step, t)
         return calls, row
 
     def _maybe_evaluate(self, step: int) -> dict:

@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from megatrain.actors.store_owner import RUN_RESERVE, StoreOwner
+from megatrain.actors.store_owner import RUN_RESERVE, StoreOwner, StoreRequest
 from megatrain.ipc import shm
 from megatrain.ipc.protocol import IpcConfig, Store, checkpoint_host_bytes, plan_store
 from megatrain.ipc.shm import HEADER_BYTES
@@ -30,7 +30,7 @@ CHOSEN = dataclasses.replace(AUTO, checkpoint_interval=1, last_block_layers=1, c
 
 
 def create(owner: StoreOwner, rid: str, ipc: IpcConfig, clip: bool = True) -> None:
-    owner.create(rid, MODEL, True, clip, AUTO, 1, 1, ipc, BATCH)
+    owner.create(StoreRequest(rid, MODEL, True, clip, AUTO, 1, 1, ipc, BATCH))
 
 
 def need(mode: str, engine: EngineConfig, clip: bool = True) -> int:
