@@ -26,7 +26,7 @@ from megatrain.launch.crew import OWNER, Crew
 from megatrain.launch.evaluation import Evaluator
 from megatrain.launch.output import OutputLock, describe_memory, prepare_output, resolve_output, short
 from megatrain.launch.placement import bundle, demands, describe_need, expect_packers, thread_request
-from megatrain.launch.resume import check_fits, find_checkpoint
+from megatrain.launch.resume import Start, choose_start
 from megatrain.launch.runners import Pending, make_runner
 from megatrain.launch.steploop import PreparedRun, StepLoop
 from megatrain.launch.stopping import StopRequest, sigint_deferred
@@ -53,6 +53,7 @@ class Trainer:
         self.steps = cfg.train.steps
         self.start = 0  # the first step to run (a resumed run's checkpoint step)
         self.resume_dir: Path | None = None
+        self.begin = Start()  # where the run starts (launch/resume.py), verified before anything changes
         self.evaluator: Evaluator | None = None
         self.loop: StepLoop | None = None
         self.store_fill: FillReport | None = None  # how the store was filled
@@ -66,6 +67,9 @@ class Trainer:
         atexit.register(self.shutdown)
         try:
             self.setup()
+            if self.begin.complete:  # nothing to do, and nothing was started
+                return {"run_id": self.run_id, "output_dir": str(self.out), "metrics": [], "stopped_by": "",
+                        "last_step": self.start, "checkpoint": str(self.resume_dir), "complete": True}
             self.loop = StepLoop(PreparedRun(
                 self.cfg, self.crew, self.data, self.spec, self.engine_cfg.device == "cuda", self.out, self.start,
                 self.steps, self.evaluator, self.checkpointer, dump_yaml(self._resolved()), self.stop,
@@ -118,15 +122,16 @@ class Trainer:
         if cfg.train.tensorboard:
             summary_writer()  # a missing package is a usage error before anything starts
         self.lock = OutputLock(self.out, self.run_id)  # before anything in the directory is read or changed
-        self.resume_dir = find_checkpoint(cfg.train.resume, self.out)
-        manifest = check_fits(self.resume_dir, cfg) if self.resume_dir else None
-        self.start = int(manifest["step"]) if manifest else 0
-        in_place = self.resume_dir is not None and self.resume_dir.parent.parent.resolve() == self.out.resolve()
-        prepare_output(self.out, cfg.train.overwrite, self.start if in_place else None)
-        self.log_dir = self.out
-        # The data first: a bad file is reported (and tokenizing is done) before any process starts.
+        # The inputs first, the data (tokenized) and the checkpoint (every checksum): a refused one leaves the
+        # directory as it was, and no process is started.
         self.data = open_data(cfg.data, resolve_hf_config(cfg.model)[1], cfg.model.pretrained)
         self.steps = self.data.steps(cfg.train.steps)
+        self.begin = choose_start(cfg, self.out, self.steps)
+        self.resume_dir, self.start = self.begin.directory, self.begin.step
+        if self.begin.complete:
+            return
+        prepare_output(self.out, cfg.train.overwrite, self.start if self.begin.in_place else None)
+        self.log_dir = self.out
         self.checkpointer = Checkpointer(cfg.train, self.out / "checkpoints", self.steps)
         if self.resume_dir:
             log(f"resuming from {self.resume_dir} (after step {self.start} of {self.steps})")
