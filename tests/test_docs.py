@@ -168,7 +168,7 @@ def command_lines(path: Path) -> list[str]:
     for lang, body in fenced(path):
         if lang in ("", "bash", "sh") and not re.search("[│┌└►]", body):  # a picture, not commands
             lines += [line.strip() for line in body.replace("\\\n", " ").splitlines() if line.strip()]
-    lines += [s for s in spans(path) if re.match(r"(megatrain-launch|python|\./run-)[ \n]", s + " ")]
+    lines += [s for s in spans(path) if re.match(r"(megatrain-launch|python|\./run-\S+)( |$)", s)]
     return lines
 
 
@@ -228,6 +228,10 @@ def placeholder(arg: str) -> bool:
     return bool(re.fullmatch(r"[A-Z][A-Z_]*(\.yaml)?|\[.*|.*\]|\.\.\.|.*[|].*", arg))
 
 
+def in_help(flag: str, helptext: str) -> bool:
+    return re.search(rf"{re.escape(flag)}(?![\w-])", helptext) is not None
+
+
 def flags(argv: list[str]) -> list[str]:
     return [a.strip("[]").split("=", 1)[0] for a in argv if a.strip("[]").startswith("--") and a != "--"]
 
@@ -248,7 +252,7 @@ def check_launch(argv: list[str], cwd: Path, tmp: Path, request: pytest.FixtureR
     if sub == "tokenizer" and not PENDING["tokenizer"]():
         pytest.skip("megatrain-launch tokenizer is documented but not built yet (launch/tokenizer_cmd.py)")
     helptext = launch_help(sub)
-    missing = [f for f in flags(argv) if f not in helptext]
+    missing = [f for f in flags(argv) if not in_help(f, helptext)]
     assert not missing, f"flags not in `megatrain-launch {sub or ''} --help`: {missing}"
     if any(placeholder(a) for a in argv):
         return  # a synopsis: its flags are checked, there is nothing to run
@@ -285,7 +289,7 @@ def check_python(argv: list[str]) -> None:
     if "--official-src" in argv and not PENDING["--official-src"]():
         pytest.skip("bench/run.py --official-src is documented but not built yet")
     helptext = script_help(script)
-    missing = [f for f in flags(argv) if f not in helptext]
+    missing = [f for f in flags(argv) if not in_help(f, helptext)]
     assert not missing, f"flags not in `python {script} --help`: {missing}"
     if script == "bench/run.py":
         check_bench_values(argv)
@@ -339,6 +343,42 @@ def test_the_command_scan_finds_the_commands() -> None:
                 "megatrain-launch export", "megatrain-launch plot", "megatrain-launch tokenizer",
                 "python bench/run.py"):
         assert any(f.startswith(cmd) for f in found), f"no documented command starts with {cmd!r}"
+
+
+def test_the_readme_recipe_trains_and_exports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rid: str) -> None:
+    """The README's own-model recipe as written (its YAML, its five commands), on generated text, with the model
+    made tiny and two steps in-process so that it runs in seconds: tokenizer, plan, train, export, load."""
+    if not PENDING["tokenizer"]():
+        pytest.skip("megatrain-launch tokenizer is documented but not built yet (launch/tokenizer_cmd.py)")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    readme = ROOT / "README.md"
+    recipe = next(body for lang, body in fenced(readme) if "megatrain-launch tokenizer" in body and lang == "")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "my-model.yaml").write_text(next(body for lang, body in fenced(readme) if lang == "yaml"))
+    words = ["the", "of", "river", "stone", "cloud", "tiger", "maple", "ocean", "candle", "silver", "rocket"]
+    lines = [" ".join(words[(i * j) % len(words)] for j in range(25)) for i in range(3000)]
+    (tmp_path / "my-data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    tiny = ["model.hf.hidden_size=64", "model.hf.intermediate_size=128", "model.hf.num_hidden_layers=2",
+            "model.hf.num_attention_heads=4", "model.hf.num_key_value_heads=2", "data.seq_len=64", "data.batch_size=4",
+            "train.steps=2", "train.save_every=2", "train.eval_every=2", "launch.runner=inprocess",
+            f"train.run_id={rid}"]
+    ran = []
+    for line in recipe.splitlines():
+        argv = shlex.split(line, comments=True)
+        if not argv or argv[0] != "megatrain-launch":
+            continue  # `source .venv/bin/activate`: this test runs in that environment
+        args = argv[1:] + (tiny if argv[1].endswith(".yaml") else [])
+        rc, out = quiet(launch, args)
+        assert rc == 0, f"{line}: exit {rc}\n{out[-3000:]}"
+        ran.append(argv[1])
+    assert ran == ["tokenizer", "plan", "my-model.yaml", "export"], f"the recipe's commands changed: {ran}"
+    tok = AutoTokenizer.from_pretrained(tmp_path / "my-tokenizer")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "my-model-hf")
+    assert model.config.eos_token_id == tok.eos_token_id is not None
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "my-model" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and "eval_loss" in rows[-1]
 
 
 # ---- links, pictures, and what the docs must not say ------------------------------------------------
