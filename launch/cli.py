@@ -15,7 +15,8 @@ from megatrain.errors import ConfigError, DataError, MegatrainError, disk_full, 
 USAGE_ERROR, RUNTIME_ERROR = 2, 1
 
 USAGE = ("megatrain-launch CONFIG.yaml [dotted.key=value ...] [--address ADDR] | export SRC OUT [--dtype D] | "
-         "plan CONFIG [overrides] | status | plot RUN_DIR | --cleanup | --config-reference")
+         "plan CONFIG [overrides] | status | plot RUN_DIR | tokenizer DATA... --out DIR | --cleanup | "
+         "--config-reference")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -102,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         from megatrain.launch.memplan import main as plan_main
 
         return _usage_errors(lambda: plan_main(argv[1:]))
+    if argv[:1] == ["tokenizer"]:
+        from megatrain.launch.tokenizer_cmd import main as tokenizer_main
+
+        return _usage_errors(lambda: tokenizer_main(argv[1:]))
     if argv[:1] == ["status"]:
         from megatrain.launch.status_cmd import main as status_main
 
