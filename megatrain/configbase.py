@@ -146,7 +146,7 @@ def build(cls: type, data: dict, prefix: str = "", where: Where | None = None) -
     try:
         obj = cls(**kwargs)
     except (TypeError, ValueError) as exc:
-        raise _section_error(where, prefix, kwargs, exc) from None
+        raise _section_error(cls, where, prefix, kwargs, exc) from None
     return obj
 
 
@@ -173,15 +173,29 @@ def _moved(cls: type, data: dict, prefix: str, where: Where | None) -> dict:
     return data
 
 
-def _section_error(where: Where | None, prefix: str, kwargs: dict, exc: Exception) -> ConfigError:
-    """A section's own check failed: name the key it is about (the first one its message mentions), where
-    that key was set (file:line or the command line) and its value."""
+def _section_error(cls: type, where: Where | None, prefix: str, kwargs: dict, exc: Exception) -> ConfigError:
+    """A section's own check failed: name the key it is about, where that key was set (file:line or the
+    command line) and its value. A check may speak of several keys ('lr and eps must be > 0'): the key is
+    the one whose value alone fails it, found by building the section again with that key left at its
+    default; where no single key does, the first key the message names."""
     text = str(exc)
-    named = [k for k in kwargs if re.search(rf"\b{re.escape(prefix + k)}\b", text)]
-    if named:
-        return key_error(where, prefix + named[0], f"{kwargs[named[0]]!r} is not allowed: {text}")
+    named = [k for k in kwargs if re.search(rf"(?<![\w.])({re.escape(prefix + k)}|{re.escape(str(k))})\b", text)]
+    key = _culprit(cls, kwargs, named) or (named[0] if named else None)
+    if key is not None:
+        return key_error(where, prefix + key, f"{kwargs[key]!r} is not allowed: {text}")
     loc = where(prefix[:-1]) if where else "config"
     return ConfigError(f"{loc}: section '{prefix[:-1]}': {text}")
+
+
+def _culprit(cls: type, kwargs: dict, named: list[str]) -> str | None:
+    """The key of `kwargs` without which `cls` builds (the keys the message names tried first), or None."""
+    for key in named + [k for k in kwargs if k not in named]:
+        try:
+            cls(**{k: v for k, v in kwargs.items() if k != key})
+        except (TypeError, ValueError):
+            continue
+        return key
+    return None
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -50,6 +50,11 @@ def usage_error(capsys, *argv: str) -> str:
     (["model.pretrained=/nonexistent/model"], ["model.pretrained", "/nonexistent/model"]),
     (["launch.runner=threads"], ["launch.runner", "'threads'"]),
     (["nonsense"], ["'nonsense'", "dotted.key=value"]),
+    # A check that speaks of two keys names the one that is wrong, with its value and where it was set.
+    (["data.batch_size=0"], ["command line 'data.batch_size=0': config key 'data.batch_size': 0 is not allowed"]),
+    (["optim.lr=-1e-3"], ["command line 'optim.lr=-1e-3': config key 'optim.lr': -0.001 is not allowed"]),
+    (["optim.eps=0"], ["command line 'optim.eps=0': config key 'optim.eps': 0.0 is not allowed"]),
+    (["ipc.poll_s=0"], ["command line 'ipc.poll_s=0': config key 'ipc.poll_s': 0.0 is not allowed"]),
 ])
 def test_bad_config_values(capsys, overrides: list[str], expect: list[str]) -> None:
     err = usage_error(capsys, DEFAULT, *overrides)
@@ -65,6 +70,30 @@ def test_bad_yaml_names_file_and_line(capsys, tmp_path: Path) -> None:
     (tmp_path / "hf.yaml").write_text("model:\n  hf:\n    hidden_size: 64\n    num_hiden_layers: 2\n")
     err = usage_error(capsys, str(tmp_path / "hf.yaml"))
     assert f"{tmp_path / 'hf.yaml'}:4" in err and "model.hf.num_hiden_layers" in err
+
+
+def test_a_range_check_names_the_file_line_of_its_key(capsys, tmp_path: Path) -> None:
+    """Not the section's header line, nor another key the same check speaks of."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  family: llama\ndata:\n  seq_len: 64\n  batch_size: 0\noptim:\n  weight_decay: 0.1\n"
+                   "  lr: -1.0e-3\n")
+    err = usage_error(capsys, str(bad))
+    assert f"{bad}:5: config key 'data.batch_size': 0 is not allowed" in err, err
+    err = usage_error(capsys, str(bad), "data.batch_size=2")
+    assert f"{bad}:8: config key 'optim.lr': -0.001 is not allowed" in err, err
+
+
+def test_a_token_file_of_part_tokens_says_so_and_creates_nothing(capsys, tmp_path: Path) -> None:
+    """A raw token file whose size is not a whole number of data.token_dtype tokens: named in those terms (the
+    dtype, the size, the remainder); the refused run leaves no output directory, not even an error.log."""
+    tokens = tmp_path / "tokens.bin"
+    tokens.write_bytes(bytes(range(7)) * 3)  # 21 bytes: 5 uint32 tokens and 1 byte
+    out = tmp_path / "runs" / "r1"
+    err = usage_error(capsys, DEFAULT, "data.kind=tokens", f"data.path={tokens}", "data.token_dtype=uint32",
+                      f"train.output_dir={out}")
+    assert f"{tokens}: 21 bytes is not a whole number of data.token_dtype uint32 tokens (4 bytes each)" in err, err
+    assert "5 tokens and 1 byte(s) left over" in err, err
+    assert not (tmp_path / "runs").exists()
 
 
 @pytest.mark.parametrize("text", ["", "# only a comment\n", "[1, 2]\n", "model: [\n"])

@@ -151,6 +151,8 @@ def _expand(value: Any, key: str) -> list[str]:
 
 def _token_file(path: str, cfg: DataConfig, vocab: int) -> TokenFile:
     """A pretokenized flat token file, memory-mapped; every id checked against the vocabulary."""
+    if not path.endswith(".npy"):
+        _check_whole_tokens(path, cfg.token_dtype)
     try:
         if path.endswith(".npy"):
             ids = np.load(path, mmap_mode="r")
@@ -172,6 +174,15 @@ def _token_file(path: str, cfg: DataConfig, vocab: int) -> TokenFile:
             raise DataError(f"{path}: token id {int(ids[i])} at index {i} is outside the model's vocabulary "
                             f"(vocab_size {vocab})")
     return TokenFile(path, ids, None, None)
+
+
+def _check_whole_tokens(path: str, dtype: str) -> None:
+    """A raw token file holds whole tokens of data.token_dtype: its size is a multiple of the token's."""
+    size, width = Path(path).stat().st_size, np.dtype(dtype).itemsize
+    if size % width:
+        raise DataError(f"{path}: {size} bytes is not a whole number of data.token_dtype {dtype} tokens ({width} "
+                        f"bytes each): {size // width} tokens and {size % width} byte(s) left over; is "
+                        f"data.token_dtype the dtype the file was written with?")
 
 
 def _pad_id(hf_config: Any, tokenizer: Any) -> int:

@@ -54,8 +54,10 @@ class DataConfig:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"data.kind '{self.kind}' is not one of {', '.join(KINDS)}")
-        if self.seq_len < 2 or self.batch_size < 1:
-            raise ValueError("data.seq_len must be >= 2 and data.batch_size >= 1")
+        if self.seq_len < 2:
+            raise ValueError("data.seq_len must be >= 2 (a token and the next one it predicts)")
+        if self.batch_size < 1:
+            raise ValueError("data.batch_size must be >= 1")
         if not self.ops or set(self.ops) - set("+-*"):
             raise ValueError(f"data.ops '{self.ops}' may only contain + - *")
         if self.loss_on not in ("all", "answers"):
@@ -66,8 +68,9 @@ class DataConfig:
             raise ValueError(f"data.eval_fraction must be in [0, 1), not {self.eval_fraction}")
         if self.seed < 0:
             raise ValueError(f"data.seed must be >= 0, not {self.seed}")
-        if self.epochs < 0 or self.num_workers < 0 or self.prefetch < 0 or self.eval_problems < 0:
-            raise ValueError("data.epochs, data.num_workers, data.prefetch and data.eval_problems must be >= 0")
+        for key in ("epochs", "num_workers", "prefetch", "eval_problems"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"data.{key} must be >= 0")
         for key in ("path", "eval_path"):
             value = getattr(self, key)
             ok = value is None or isinstance(value, str) or (

@@ -48,7 +48,9 @@ class Prefetcher:
         got, item = self.q.get()
         if item is _END:
             raise self.error if self.error else RuntimeError(f"batch {t} asked for past the end ({self.stop})")
-        assert got == t, (got, t)
+        if got != t:  # the queue holds batches in order, from the start get() was made for
+            raise RuntimeError(f"batch {t} asked for, but batch {got} is the next one prefetched: batches must be "
+                               "asked for in order")
         return item
 
     def close(self) -> None:
