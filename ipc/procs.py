@@ -1,6 +1,7 @@
 """Processes by pid: liveness (guarded against pid reuse), descendants, and detached watchdogs.
 
-Import-light (no torch): the watchdogs that use it start in milliseconds.
+Import-light (no torch): the watchdogs that use it start in milliseconds. What the kernel knows about a
+process (start time, state, parent, mappings) comes through psutil, not by parsing /proc here.
 """
 
 from __future__ import annotations
@@ -8,27 +9,36 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
+
+import psutil
 
 
 def start_ticks(pid: int) -> int:
-    """Process start time in clock ticks since boot (guards against pid reuse); 0 if unknown."""
+    """Process start time in clock ticks since boot (guards against pid reuse); 0 if unknown.
+
+    Ticks, not psutil's float seconds: the value is stored in segment headers and compared exactly by other
+    processes. psutil gives boot time + ticks / SC_CLK_TCK, and the boot time it adds (the kernel's btime,
+    in whole seconds) can step while the wall clock is adjusted: it is read on both sides of the start time,
+    and a read that straddles a step is taken again, so the ticks come back exact."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return int(stat.rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
-        return 0
+        proc = psutil.Process(pid)
+        for _ in range(3):
+            before = psutil.boot_time()
+            created = proc.create_time()
+            if psutil.boot_time() == before:
+                return max(0, round((created - before) * os.sysconf("SC_CLK_TCK")))
+            proc = psutil.Process(pid)  # create_time() is cached per Process: read it again
+    except (psutil.Error, OSError):
+        pass
+    return 0
 
 
 def started_at(pid: int) -> float:
     """When the process started, in seconds since the epoch (time.time()'s clock); 0.0 if unknown."""
-    ticks = start_ticks(pid)
     try:
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime "))
-    except (OSError, StopIteration, ValueError):
+        return psutil.Process(pid).create_time()
+    except (psutil.Error, OSError):
         return 0.0
-    return boot + ticks / os.sysconf("SC_CLK_TCK") if ticks else 0.0
 
 
 def pid_alive(pid: int, ticks: int = 0) -> bool:
@@ -46,29 +56,20 @@ def running(pid: int) -> bool:
     if not pid_alive(pid):
         return False
     try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return not os.path.isdir("/proc/self")  # gone meanwhile, or no /proc: trust the signal check
-
-
-def _parents() -> dict[int, int]:
-    """pid -> parent pid of every process visible in /proc."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                out[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    return out
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False  # gone meanwhile
+    except (psutil.Error, OSError):
+        return True  # not readable (another user's): trust the signal check
 
 
 def descendants(roots: list[int]) -> list[int]:
     """Every process below `roots` in the process tree (children, grandchildren, ...)."""
     children: dict[int, list[int]] = {}
-    for pid, ppid in _parents().items():
-        children.setdefault(ppid, []).append(pid)
+    for proc in psutil.process_iter(["ppid"]):
+        ppid = proc.info["ppid"]
+        if ppid is not None:  # None: it went away while being read
+            children.setdefault(ppid, []).append(proc.pid)
     out, todo = [], list(roots)
     while todo:
         for child in children.get(todo.pop(), []):
@@ -101,7 +102,6 @@ def maps_path(pid: int, needle: str) -> bool:
     """Whether the process maps a file whose path contains `needle`: proof that a pid is still the
     process it was (a pid reused by another process does not map the run's segments)."""
     try:
-        with open(f"/proc/{pid}/maps") as f:
-            return any(needle in line for line in f)
-    except OSError:
+        return any(needle in m.path for m in psutil.Process(pid).memory_maps(grouped=True))
+    except (psutil.Error, OSError):
         return False

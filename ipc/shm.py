@@ -15,10 +15,10 @@ import re
 import struct
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import posix_ipc
+import psutil
 from megatrain.ipc.procs import pid_alive, start_ticks
 
 from megatrain.errors import ConfigError, LayoutMismatch, ResourceError
@@ -121,7 +121,9 @@ class Segment:
         return cls(name, mm, hdr, owner=False)
 
     def unlink(self) -> None:
-        assert self.owner, "only the owner unlinks"
+        if not self.owner:  # an attacher unlinking would pull the store from under a live run
+            raise RuntimeError(f"segment {self.name}: only its owner (pid {self.header.owner_pid}) unlinks it; "
+                               f"this process (pid {os.getpid()}) attached to it")
         try:
             posix_ipc.unlink_shared_memory(self.name)
         except posix_ipc.ExistentialError:
@@ -139,23 +141,13 @@ def shm_free_bytes(shm_dir: str = "/dev/shm") -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _proc_kib(path: str, key: str) -> int:
-    """Bytes of a `key: N kB` line of a /proc file; 0 if the file or the line is missing."""
-    try:
-        for line in Path(path).read_text().splitlines():
-            if line.startswith(key):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
 def mem_available_bytes() -> int:
-    return _proc_kib("/proc/meminfo", "MemAvailable:")
+    """The kernel's MemAvailable: RAM that can be had without swapping (page cache and the like included)."""
+    return int(psutil.virtual_memory().available)
 
 
 def mem_total_bytes() -> int:
-    return _proc_kib("/proc/meminfo", "MemTotal:")
+    return int(psutil.virtual_memory().total)
 
 
 RAY_THRESHOLD_ENV = "RAY_memory_usage_threshold"
@@ -186,21 +178,13 @@ def pss_split(pid: int, prefix: str) -> tuple[int, int]:
     """Proportional set size of a process (shared pages split among the processes that map them, so the
     sum over a run's processes counts the shared-memory store once), and the part of it outside the
     mappings whose path contains `prefix` (a run's segments): what the process costs beyond the store.
-    (0, 0) if the process is gone. One pass over /proc/PID/smaps."""
-    total = outside = 0
-    inside = False
+    (0, 0) if the process is gone. One read of its mappings."""
     try:
-        with open(f"/proc/{pid}/smaps") as f:
-            for line in f:
-                head = line.split(maxsplit=5)
-                if head and "-" in head[0] and len(head) >= 5:  # a mapping's header line
-                    inside = len(head) > 5 and prefix in head[5]
-                elif head and head[0] == "Pss:":
-                    total += int(head[1]) * 1024
-                    outside += 0 if inside else int(head[1]) * 1024
-    except (OSError, ValueError, IndexError):
+        maps = psutil.Process(pid).memory_maps(grouped=True)
+    except (psutil.Error, OSError, ValueError):
         return 0, 0
-    return total, outside
+    total = sum(m.pss for m in maps)
+    return total, total - sum(m.pss for m in maps if prefix in m.path)
 
 
 def gib(n: float) -> str:

@@ -73,6 +73,19 @@ def test_attach_with_a_wrong_header_names_the_difference(rid: str, owner_run: st
     assert leftovers(rid) == []
 
 
+def test_only_the_owner_unlinks(rid: str) -> None:
+    name = seg_name(rid, "params")
+    with owned(Segment.create(name, 64, Header(HASH, rid))):
+        other = Segment.attach(name, HASH, rid)
+        try:
+            with pytest.raises(RuntimeError, match=rf"segment {name}: only its owner \(pid {os.getpid()}\)"):
+                other.unlink()
+            assert leftovers(rid) == [f"megatrain-{rid}-params"]
+        finally:
+            other.close()
+    assert leftovers(rid) == []
+
+
 def test_attach_missing_or_foreign_segment(rid: str) -> None:
     with pytest.raises(LayoutMismatch, match="does not exist"):
         Segment.attach(seg_name(rid, "params"), HASH, rid)
@@ -316,3 +329,63 @@ def test_pss_of_this_process_and_of_a_gone_one(rid: str) -> None:
         total, outside = shm.pss_split(os.getpid(), shm.seg_name(rid, ""))
         assert outside > 0 and total - outside >= 60 << 20
         assert shm.pss_split(os.getpid(), "no-such-mapping")[1] >= outside + (60 << 20)
+
+
+# ---- processes by pid (megatrain.ipc.procs) ------------------------------------------------------------
+
+
+def _kernel_start_ticks(pid: int) -> int:
+    """Field 22 of /proc/PID/stat: the reference start_ticks must reproduce exactly (headers store it)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])
+
+
+def test_start_ticks_and_started_at_are_the_kernels(rid: str) -> None:
+    from megatrain.ipc import procs
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        for pid in (os.getpid(), child.pid):
+            ticks = procs.start_ticks(pid)
+            assert ticks == _kernel_start_ticks(pid) > 0
+            assert procs.pid_alive(pid, ticks) and not procs.pid_alive(pid, ticks + 1)
+            with open("/proc/stat") as f:
+                btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+            assert abs(procs.started_at(pid) - (btime + ticks / os.sysconf("SC_CLK_TCK"))) <= 1.0
+        assert procs.start_ticks(2**31 - 7) == 0 and procs.started_at(2**31 - 7) == 0.0
+    finally:
+        child.communicate(b"")
+
+
+def test_a_zombie_is_alive_but_not_running_and_maps_nothing() -> None:
+    from megatrain.ipc import procs
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, left unreaped: a zombie
+        assert procs.pid_alive(child.pid) and not procs.running(child.pid)
+        assert not procs.maps_path(child.pid, "python")
+    finally:
+        child.wait()
+    assert not procs.pid_alive(child.pid) and not procs.running(child.pid)
+
+
+def test_maps_path_and_descendants(rid: str) -> None:
+    from megatrain.ipc import procs
+
+    name = seg_name(rid, "params")
+    # a child with a grandchild; both end when their shared stdin closes
+    tree = ("import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()']); "
+            "print(c.pid, flush=True); c.wait()")
+    with owned(Segment.create(name, 4096, Header(HASH, rid))):
+        assert procs.maps_path(os.getpid(), name) and not procs.maps_path(os.getpid(), f"megatrain-{rid}-nothing")
+        child = subprocess.Popen([sys.executable, "-c", tree], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 text=True)
+        try:
+            grandchild = int(child.stdout.readline())
+            assert {child.pid, grandchild} <= set(procs.descendants([os.getpid()]))
+            assert procs.descendants([child.pid]) == [grandchild]
+            assert not procs.maps_path(child.pid, name)
+        finally:
+            child.communicate("")
+        assert not procs.maps_path(child.pid, name)  # gone
