@@ -13,7 +13,7 @@ import yaml
 from megatrain.launch.resume import find_checkpoint
 
 from megatrain import checkpoint as ckpt
-from megatrain.errors import ConfigError, DataError, MegatrainError
+from megatrain.errors import ConfigError, DataError, MegatrainError, disk_full, is_disk_full
 from megatrain.export import DTYPES, export
 from megatrain.model import ModelConfig, build_spec
 
@@ -31,15 +31,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def run(source: str, out: str, dtype: str = "fp32", shard_gb: float = 5.0) -> Path:
-    src = find_checkpoint(source, Path(source))
+    _check_target(Path(out))
+    src = find_checkpoint(source, Path(source), key="SOURCE")
     if src is None:
-        raise ConfigError(f"export: '{source}' holds no complete checkpoint")
+        raise ConfigError(f"SOURCE '{source}' holds no complete checkpoint")
     manifest = ckpt.manifest_of(src)
     run_cfg = yaml.safe_load(manifest.get("config", "")) or {}
     hf = {k: v for k, v in manifest["hf_config"].items() if k not in _NOT_FIELDS}
     spec = build_spec(ModelConfig(family=manifest["family"], hf=hf), run_cfg.get("optim", {}).get("no_decay_1d", True))
     if spec.layout.digest().hex() != manifest["layout_hash"]:
-        raise ConfigError(f"export: {src} does not match the model its manifest describes (layout hash)")
+        raise ConfigError(f"{src} does not match the model its manifest describes (layout hash)")
+    problem = ckpt.verify_file(src, "params.bin", lambda off: ckpt.unit_at(spec.layout, off))
+    if problem:  # the weights are what is exported: every byte of them is checked first
+        raise ConfigError(f"{problem}; export another checkpoint of the run (a step-N directory)")
     params = np.memmap(src / "params.bin", dtype=np.float32, mode="r")  # pages are read as units are written
     units = {u["unit"]: (u["offset"], u["numel"]) for u in manifest["units"]}
 
@@ -54,6 +58,14 @@ def run(source: str, out: str, dtype: str = "fp32", shard_gb: float = 5.0) -> Pa
     return export(spec, tile, out, dtype, int(shard_gb * 1e9), tokenizer=tok)
 
 
+def _check_target(out: Path) -> None:
+    """OUT is a new directory, or an empty one: an export never mixes its files with another model's."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"OUT '{out}' exists and is not a directory; name a new directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"OUT '{out}' is not empty; name a new directory (or remove that one)")
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -63,6 +75,11 @@ def main(argv: list[str]) -> int:
         return 2
     except MegatrainError as exc:
         print(f"megatrain-launch export: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # writing OUT: a full disk, no permission
+        what = str(disk_full(args.out, "the exported model")) if is_disk_full(exc) else (
+            f"cannot write {exc.filename or args.out}: {exc.strerror or exc}")
+        print(f"megatrain-launch export: error: {what}", file=sys.stderr)
         return 1
     print(f"megatrain-launch export: wrote {path}")
     return 0

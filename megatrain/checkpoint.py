@@ -134,11 +134,20 @@ def verify(directory: Path, where: Callable[[int], str] | None = None) -> str:
     manifest = manifest_of(directory)
     if manifest is None:
         return f"{directory} is not a complete checkpoint (no valid manifest.json, or a file it lists is missing)"
-    for name, expect in manifest["files"].items():
-        problem = _verify_file(directory / name, expect, where)
+    for name in manifest["files"]:
+        problem = verify_file(directory, name, where, manifest)
         if problem:
             return problem
     return ""
+
+
+def verify_file(directory: Path, name: str, where: Callable[[int], str] | None = None,
+                manifest: dict | None = None) -> str:
+    """verify() for one file of the checkpoint (export checks the weights it reads, params.bin)."""
+    manifest = manifest or manifest_of(directory)
+    if manifest is None or name not in manifest["files"]:
+        return f"{directory} is not a complete checkpoint (no valid manifest.json listing {name})"
+    return _verify_file(directory / name, manifest["files"][name], where)
 
 
 VERIFY_BUFFER = 8 * 2**20

@@ -75,7 +75,34 @@ def test_save_final_is_the_same_export(tmp_path: Path) -> None:
 
 def test_export_of_a_directory_without_checkpoints_is_a_usage_error(tmp_path: Path, capsys) -> None:
     assert cli.main(["export", str(tmp_path), str(tmp_path / "out")]) == 2
-    assert str(tmp_path) in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"export: error: SOURCE: '{tmp_path}' is neither a complete checkpoint" in err, err
+    assert "train.resume" not in err and len(err.strip().splitlines()) == 1, err  # export's own terms
+
+
+def test_export_refuses_in_one_line_what_it_cannot_do(tmp_path: Path, capsys) -> None:
+    """Onto an existing file or a directory that holds files, and from a checkpoint whose weights are corrupt:
+    exit 2, one line in export's terms, nothing written."""
+    run(tmp_path / "run", "llama", steps=5)
+    src = str(tmp_path / "run")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "config.json").write_text("{}")
+    capsys.readouterr()
+    for out, words in ((tmp_path / "file", "exists and is not a directory"), (tmp_path / "full", "is not empty")):
+        assert cli.main(["export", src, str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"export: error: OUT '{out}' {words}" in err, err
+        assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert (tmp_path / "file").read_text() == "x" and [p.name for p in (tmp_path / "full").iterdir()] == ["config.json"]
+    params = ckpt.step_dir(tmp_path / "run" / "checkpoints", 5) / "params.bin"
+    data = bytearray(params.read_bytes())
+    data[-5000] ^= 0x01
+    params.write_bytes(bytes(data))
+    assert cli.main(["export", src, str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err
+    assert f"export: error: {params} is corrupt: bytes " in err and "from tensor 'lm_head.weight'" in err, err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "hf").exists(), err
 
 
 def test_import_of_sharded_bf16_weights_and_a_truncated_shard(tmp_path: Path, capsys) -> None:
