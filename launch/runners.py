@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator
@@ -134,6 +135,7 @@ class RayRunner:
                 cpus = self.cfg.num_cpus or max(os.cpu_count() or 1, int(cpus_needed + 0.999))
                 # address="local": always a private instance, even where `ray start` left a cluster
                 # that ray.init() would otherwise discover and join.
+                _local_auth()
                 with _memory_monitor_threshold():
                     ray.init(address="local", num_cpus=cpus, include_dashboard=False,
                              object_store_memory=self.cfg.object_store_mb * 2**20, log_to_driver=True)
@@ -146,12 +148,17 @@ class RayRunner:
         if unreachable:  # ray.init would retry for minutes
             raise ConfigError(f"{key} '{address}': cannot join that Ray cluster ({unreachable}); without an "
                               "address a private local instance is started")
+        refused = _join_auth() or (_auth_refused(address) if _host_port(address) else "")
+        if refused:  # ray.init would retry for 20 s and end in a ConnectionError that does not say why
+            raise ConfigError(f"{key} '{address}': cannot join that Ray cluster: {refused}")
         try:
             self.ray.init(address=address, log_to_driver=True)
         except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ConfigError(f"{key} '{address}': cannot join that Ray cluster ({first}); without an address "
                               "a private local instance is started") from None
+        except _auth_error():  # RAY_AUTH_MODE=token and no token anywhere
+            raise ConfigError(f"{key} '{address}': cannot join that Ray cluster: {_auth_advice()}") from None
 
     def has_gpu(self) -> bool:
         return any(n.get("Resources", {}).get("GPU", 0) > 0 for n in self.ray.nodes() if n.get("Alive"))
@@ -272,17 +279,121 @@ def _keep_sigterm_handler() -> Iterator[None]:
             signal.signal(signal.SIGTERM, old)
 
 
-def _unreachable(address: str, timeout: float = 5.0) -> str:
-    """Why a host:port cluster address cannot be reached, or '' (also for 'auto' and ray:// addresses,
-    which Ray resolves itself)."""
+def _host_port(address: str) -> tuple[str, int] | None:
+    """A GCS address's host and port; None for 'auto' and ray:// addresses, which Ray resolves itself."""
     host, sep, port = address.rpartition(":")
     if not sep or "://" in address or not port.isdigit():
+        return None
+    return host, int(port)
+
+
+def _unreachable(address: str, timeout: float = 5.0) -> str:
+    """Why a host:port cluster address cannot be reached, or '' (also for 'auto' and ray:// addresses)."""
+    where = _host_port(address)
+    if where is None:
         return ""
+    host, port = where
     try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
+        socket.create_connection((host, port), timeout=timeout).close()
         return ""
     except OSError as exc:
         return f"no Ray GCS answers at {address}: {exc.strerror or exc}"
+
+
+# ---- Ray's token authentication (Ray >= 2.52; `ray start` turns it on where it finds a token) -------------
+AUTH_MODE_ENV = "RAY_AUTH_MODE"
+TOKEN_PLACES = "RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token"
+
+
+class _NoTokenAuthentication(Exception):
+    """Never raised: stands for AuthenticationError where the Ray installed has no token authentication."""
+
+
+def _auth_error() -> type[Exception]:
+    """Ray's AuthenticationError (imported here: this module does not import Ray for the in-process runner)."""
+    try:
+        from ray.exceptions import AuthenticationError
+    except ImportError:
+        return _NoTokenAuthentication
+    return AuthenticationError
+
+
+def _token_mode() -> bool:
+    """Token mode for this process and the Ray processes it starts, as Ray itself turns it on: the variable,
+    and Ray's cached config re-read (it was read at import). False where this Ray has no token authentication."""
+    try:
+        from ray._raylet import Config
+    except ImportError:
+        return False
+    os.environ[AUTH_MODE_ENV] = "token"
+    Config.initialize("")
+    return True
+
+
+def _local_auth() -> None:
+    """A private instance keeps Ray's default for a local ray.init (token authentication, Ray making the token in
+    ~/.ray/auth_token if there is none) but chosen explicitly, so Ray does not warn about it on every run; the
+    user's RAY_AUTH_MODE is left as it is."""
+    if AUTH_MODE_ENV not in os.environ:
+        _token_mode()
+
+
+def _join_auth() -> str:
+    """Joining a cluster: Ray sends its token only in token mode, which an explicit address never turns on,
+    while `ray start` runs the cluster in token mode wherever it finds a token. With RAY_AUTH_MODE unset and a
+    token on this machine, send it (a cluster without authentication ignores it). Returns why this process
+    cannot authenticate, or '': token mode without a token would abort the process in Ray's client."""
+    try:
+        from ray._raylet import AuthenticationTokenLoader
+    except ImportError:
+        return ""
+    has_token = AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True)
+    mode = os.environ.get(AUTH_MODE_ENV)
+    if mode is None and has_token:
+        _token_mode()
+    if (mode or "").lower() == "token" and not has_token:
+        return (f"authentication failed: {AUTH_MODE_ENV} is token but this machine has no Ray token; put the "
+                f"cluster's token in {TOKEN_PLACES} (`ray get-auth-token` on its head prints it)")
+    return ""
+
+
+def _auth_advice() -> str:
+    if os.environ.get(AUTH_MODE_ENV, "").lower() == "token":
+        return (f"authentication failed: the cluster refused this machine's Ray token ({TOKEN_PLACES}); put the "
+                "cluster's token there (`ray get-auth-token` on its head prints it)")
+    return (f"authentication failed: the cluster requires Ray's token authentication; export {AUTH_MODE_ENV}=token "
+            f"and put the cluster's token in {TOKEN_PLACES} (`ray get-auth-token` on its head prints it)")
+
+
+def _auth_refused(address: str) -> str:
+    """Why the cluster's GCS at host:port refuses this process's credentials, or '': one request, answered at
+    once, where ray.init would retry for 20 s and end in a ConnectionError that does not say why."""
+    try:
+        from ray._raylet import GcsClient
+    except ImportError:
+        return ""
+    try:
+        with _quiet_stderr():  # Ray's C++ client logs the refusal on fd 2 too
+            GcsClient(address=address)
+    except _auth_error():
+        return _auth_advice()
+    except Exception:  # anything else is ray.init's to report
+        return ""
+    return ""
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null for the block (C++ logging bypasses sys.stderr)."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 def make_runner(cfg: LaunchConfig) -> Runner:

@@ -1,6 +1,12 @@
-"""`ray job submit` end to end, against a head with the job server that this test starts (its own temp dir
-and ports) and ends by pid: a run that succeeds with its logs and metrics, a run stopped by `ray job stop`
-(STOPPED, a checkpoint, nothing left), and a cluster too small for the run (a message per role)."""
+"""Ray as users run it, with Ray's default token authentication (Ray 2.60: a local ray.init makes and uses a
+token in ~/.ray/auth_token, `ray start` turns token authentication on wherever it finds one). Each test has a
+HOME of its own (its ~/.ray/auth_token), so the user's token is neither read nor written.
+
+`ray job submit` end to end, against a head with the job server that this module starts the way the README
+says (its own temp dir and ports) and ends by pid: a run that succeeds with its logs and metrics, a run
+stopped by `ray job stop` (STOPPED, a checkpoint, nothing left), and a cluster too small for the run (a
+message per role). Joining the head with --address from a shell that exported nothing; a refused token in
+one line; a local run with no token warning."""
 
 from __future__ import annotations
 
@@ -22,8 +28,10 @@ from tests.conftest import ROOT, run_leftovers
 
 pytest.importorskip("ray.dashboard.modules.job", reason="needs megatrain[cluster] (ray[default])")
 pytestmark = pytest.mark.slow
-NO_AUTH = {"RAY_AUTH_MODE": "disabled"}  # a throwaway cluster on localhost: no token to hand around
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
+LAUNCH = [sys.executable, "-m", "megatrain.launch.cli"]
+SMALL = ["model.hf.hidden_size=32", "model.hf.intermediate_size=64", "data.seq_len=32", "data.batch_size=2"]
+RECIPE = {"RAY_AUTH_MODE": "token"}  # the README's `export RAY_AUTH_MODE=token` before `ray start` and `ray job`
 
 
 def free_port() -> int:
@@ -32,30 +40,48 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture
-def job_head():
-    """A head with the dashboard's job server; its temp dir is short (Unix socket paths are limited)."""
+def user_env(home: Path, **extra: str) -> dict[str, str]:
+    """A shell of a user whose home is `home`: none of Ray's authentication or address variables of ours."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_AUTH_", "RAY_ADDRESS"))}
+    return {**env, "HOME": str(home), **extra}
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory) -> Path:
+    """A user's home with the token `ray get-auth-token --generate` makes (as the README's recipe does)."""
+    home = tmp_path_factory.mktemp("home")
+    made = subprocess.run([*RAY, "get-auth-token", "--generate"], capture_output=True, text=True, timeout=120,
+                          env=user_env(home, **RECIPE))
+    assert made.returncode == 0 and (home / ".ray" / "auth_token").is_file(), made.stderr
+    return home
+
+
+@pytest.fixture(scope="module")
+def job_head(home: Path):
+    """(job server URL, GCS address) of a head started as the README says, token authentication on; its temp
+    dir is short (Unix socket paths are limited)."""
     from megatrain.ipc.procs import descendants
 
     temp = tempfile.mkdtemp(prefix="mtjob", dir="/tmp")
-    dash = free_port()
+    dash, gcs = free_port(), free_port()
     # Every port of its own: another Ray instance of the session (tests/conftest.py) holds the defaults,
     # and a job agent that cannot bind its port leaves the job server with "No available agent".
-    ports = [f"--{name}={free_port()}" for name in ("port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+    ports = [f"--{name}={free_port()}" for name in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                                                      "metrics-export-port", "runtime-env-agent-port",
                                                      "ray-client-server-port")]
-    proc = subprocess.Popen([*RAY, "start", "--head", "--block", *ports, f"--dashboard-port={dash}",
+    proc = subprocess.Popen([*RAY, "start", "--head", "--block", f"--port={gcs}", *ports, f"--dashboard-port={dash}",
                              "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--num-cpus=8",
                              "--disable-usage-stats", f"--temp-dir={temp}"], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **NO_AUTH})
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=user_env(home, **RECIPE))
     address = f"http://127.0.0.1:{dash}"
     try:
         # The job server answers before its agent on the head has registered ("No available agent to
         # submit job"): ready once a no-op job is taken.
         deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and jobs(address, "submit", "--no-wait", "--", "true").returncode != 0:
+        while time.monotonic() < deadline and jobs(home, address, "submit", "--no-wait", "--", "true").returncode:
+            assert proc.poll() is None, "ray start --head exited"
             time.sleep(1)
-        yield address
+        yield address, f"127.0.0.1:{gcs}"
     finally:
         for pid in [proc.pid, *descendants([proc.pid])]:
             with contextlib.suppress(ProcessLookupError):
@@ -64,25 +90,25 @@ def job_head():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def jobs(address: str, verb: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`ray job VERB --address ADDRESS ARGS` (the address before a submitted entrypoint's `--`)."""
+def jobs(home: Path, address: str, verb: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`ray job VERB --address ADDRESS ARGS` as the README's recipe runs it (the address before `--`)."""
     return subprocess.run([*RAY, "job", verb, "--address", address, *args], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **NO_AUTH})
+                          timeout=timeout, env=user_env(home, **RECIPE))
 
 
-def submit(address: str, sid: str, root: Path, *overrides: str, wait: bool = True) -> subprocess.CompletedProcess:
-    env = {"env_vars": {"MEGATRAIN_OUTPUT_ROOT": str(root), "RAY_JOB_STOP_WAIT_TIME_S": "120", **NO_AUTH}}
-    return jobs(address, "submit", f"--submission-id={sid}", f"--working-dir={ROOT / 'examples'}",
+def submit(home: Path, address: str, sid: str, root: Path, *overrides: str,
+           wait: bool = True) -> subprocess.CompletedProcess:
+    env = {"env_vars": {"MEGATRAIN_OUTPUT_ROOT": str(root), "RAY_JOB_STOP_WAIT_TIME_S": "120"}}
+    return jobs(home, address, "submit", f"--submission-id={sid}", f"--working-dir={ROOT / 'examples'}",
                 f"--runtime-env-json={json.dumps(env)}", *([] if wait else ["--no-wait"]), "--",
                 sys.executable, "-m", "megatrain.launch.cli", "default.yaml", *overrides)
 
 
-def status(address: str, sid: str) -> str:
+def status(home: Path, address: str, sid: str) -> str:
     from ray.job_submission import JobSubmissionClient
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RAY_AUTH_MODE", "disabled")
-        return str(JobSubmissionClient(address).get_job_status(sid).value)
+    token = (home / ".ray" / "auth_token").read_text().strip()
+    return str(JobSubmissionClient(address, headers={"Authorization": f"Bearer {token}"}).get_job_status(sid).value)
 
 
 def wait_for(predicate, seconds: float, what: str) -> None:
@@ -92,13 +118,14 @@ def wait_for(predicate, seconds: float, what: str) -> None:
         time.sleep(0.5)
 
 
-def test_submit_logs_stop_and_a_cluster_too_small(job_head: str, tmp_path: Path) -> None:
+def test_submit_logs_stop_and_a_cluster_too_small(job_head: tuple[str, str], home: Path, tmp_path: Path) -> None:
+    head, _ = job_head
     root = tmp_path / "runs"
     # A run that succeeds: a relative output_dir lands under MEGATRAIN_OUTPUT_ROOT, not in Ray's package cache.
-    done = submit(job_head, "mtok", root, "train.steps=4", "train.run_id=jobok", "train.output_dir=out/{run_id}")
+    done = submit(home, head, "mtok", root, "train.steps=4", "train.run_id=jobok", "train.output_dir=out/{run_id}")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    assert status(job_head, "mtok") == "SUCCEEDED"
-    logs = jobs(job_head, "logs", "mtok").stdout
+    assert status(home, head, "mtok") == "SUCCEEDED"
+    logs = jobs(home, head, "logs", "mtok").stdout
     assert f"output directory {root / 'out' / 'jobok'}" in logs and "done, 4 steps" in logs
     assert "ETA" in logs and "\r" not in logs  # plain lines under a job, not a bar
     rows = (root / "out" / "jobok" / "metrics.jsonl").read_text().splitlines()
@@ -106,21 +133,66 @@ def test_submit_logs_stop_and_a_cluster_too_small(job_head: str, tmp_path: Path)
 
     # `ray job stop`: the step in flight finishes, a checkpoint is written, nothing of the run is left.
     out = root / "out" / "jobstop"
-    submit(job_head, "mtstop", root, "train.steps=100000", "train.run_id=jobstop", "train.output_dir=out/{run_id}",
+    submit(home, head, "mtstop", root, "train.steps=100000", "train.run_id=jobstop", "train.output_dir=out/{run_id}",
            wait=False)
     wait_for(lambda: (out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2,
              120, "the stopped run's first steps")
-    assert jobs(job_head, "stop", "mtstop").returncode == 0
-    wait_for(lambda: status(job_head, "mtstop") == "STOPPED", 120, "STOPPED")
+    assert jobs(home, head, "stop", "mtstop").returncode == 0
+    wait_for(lambda: status(home, head, "mtstop") == "STOPPED", 120, "STOPPED")
     assert (out / "checkpoints" / "latest").exists()
-    assert "stopped by SIGTERM" in jobs(job_head, "logs", "mtstop").stdout
+    assert "stopped by SIGTERM" in jobs(home, head, "logs", "mtstop").stdout
     wait_for(lambda: not run_leftovers("jobstop"), 30, "the stopped run's shared memory to go")
 
     # A cluster with fewer CPUs than the actors ask for: the job fails naming each role's need.
-    small = submit(job_head, "mtsmall", root, "train.steps=2", "actors.num_packers=8", "ipc.weight_slabs=8",
+    small = submit(home, head, "mtsmall", root, "train.steps=2", "actors.num_packers=8", "ipc.weight_slabs=8",
                    "launch.placement_timeout_s=3",
                    "train.output_dir=out/{run_id}")
-    assert small.returncode != 0 and status(job_head, "mtsmall") == "FAILED"
-    logs = jobs(job_head, "logs", "mtsmall").stdout
+    assert small.returncode != 0 and status(home, head, "mtsmall") == "FAILED"
+    logs = jobs(home, head, "logs", "mtsmall").stdout
     assert "they need 11 CPUs on one node (store-owner 0, gpu-executor 1, adam-updater 1, packer-0 1" in logs
     assert "actors.num_packers" in logs and "Traceback" not in logs
+
+
+def launch(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([*LAUNCH, str(ROOT / "examples" / "default.yaml"), *SMALL, *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_joining_with_address_sends_the_token_ray_start_found(job_head: tuple[str, str], home: Path,
+                                                             tmp_path: Path) -> None:
+    """RAY_AUTH_MODE not exported: Ray alone would send no token and fail after 20 s of InvalidAuthToken."""
+    _, gcs = job_head
+    run = launch(user_env(home), "--address", gcs, "train.steps=2", "train.run_id=joined",
+                 f"train.output_dir={tmp_path / 'out'}")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "done, 2 steps" in run.stdout and "InvalidAuthToken" not in run.stderr
+
+
+@pytest.mark.parametrize("case, says", [
+    ("wrong token", "the cluster refused this machine's Ray token"),
+    ("no token", "the cluster requires Ray's token authentication; export RAY_AUTH_MODE=token"),
+    ("token mode, no token", "RAY_AUTH_MODE is token but this machine has no Ray token")])
+def test_a_join_refused_for_authentication_says_so_in_one_line(job_head: tuple[str, str], tmp_path: Path,
+                                                               case: str, says: str) -> None:
+    _, gcs = job_head
+    env = user_env(tmp_path)  # a home without a token
+    if case == "wrong token":
+        env["RAY_AUTH_TOKEN"] = "0" * 32
+    elif case == "token mode, no token":
+        env["RAY_AUTH_MODE"] = "token"
+    run = launch(env, "--address", gcs, f"train.output_dir={tmp_path / 'out'}")
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert run.stderr.count("\n") == 1 and "authentication failed" in run.stderr and says in run.stderr, run.stderr
+    assert f"--address / launch.address '{gcs}'" in run.stderr and "`ray get-auth-token` on its head" in run.stderr
+
+
+def test_a_local_run_shows_no_token_warning_and_no_cpu_tflops(tmp_path: Path) -> None:
+    """A private instance keeps Ray's token authentication without announcing it; the CPU's progress lines
+    carry tokens/s, not a TFLOPS figure of 0.0."""
+    run = launch(user_env(tmp_path / "home"), "train.steps=2", "train.progress=lines",
+                 f"train.output_dir={tmp_path / 'out'}")
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    output = run.stdout + run.stderr
+    assert "Token authentication" not in output and "WARNING" not in output, output[-3000:]
+    lines = [line for line in run.stdout.splitlines() if "step 2/2" in line]
+    assert len(lines) == 1 and "tok/s" in lines[0] and "TFLOPS" not in lines[0], run.stdout[-2000:]
