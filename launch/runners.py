@@ -137,8 +137,11 @@ class RayRunner:
                 # that ray.init() would otherwise discover and join.
                 _local_auth()
                 with _memory_monitor_threshold():
-                    ray.init(address="local", num_cpus=cpus, include_dashboard=False,
-                             object_store_memory=self.cfg.object_store_mb * 2**20, log_to_driver=True)
+                    try:
+                        ray.init(address="local", num_cpus=cpus, include_dashboard=False,
+                                 object_store_memory=self.cfg.object_store_mb * 2**20, log_to_driver=True)
+                    except _auth_error() as exc:  # e.g. RAY_AUTH_TOKEN_PATH naming no file
+                        raise ConfigError(f"cannot start a local Ray instance: {_auth_message(exc)}") from None
                 self.started_ray = True
                 self.guard = _start_guard()
 
@@ -347,7 +350,10 @@ def _join_auth() -> str:
         from ray._raylet import AuthenticationTokenLoader
     except ImportError:
         return ""
-    has_token = AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True)
+    try:
+        has_token = AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True)
+    except _auth_error() as exc:  # RAY_AUTH_TOKEN_PATH naming no file, or an empty one
+        return _auth_message(exc)
     mode = os.environ.get(AUTH_MODE_ENV)
     if mode is None and has_token:
         _token_mode()
@@ -355,6 +361,11 @@ def _join_auth() -> str:
         return (f"authentication failed: {AUTH_MODE_ENV} is token but this machine has no Ray token; put the "
                 f"cluster's token in {TOKEN_PLACES} (`ray get-auth-token` on its head prints it)")
     return ""
+
+
+def _auth_message(exc: Exception) -> str:
+    """Ray's AuthenticationError without the paragraph of general advice Ray appends to it."""
+    return f"authentication failed: {getattr(exc, 'message', str(exc)).strip().rstrip('.')}"
 
 
 def _auth_advice() -> str:

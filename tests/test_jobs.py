@@ -171,7 +171,8 @@ def test_joining_with_address_sends_the_token_ray_start_found(job_head: tuple[st
 @pytest.mark.parametrize("case, says", [
     ("wrong token", "the cluster refused this machine's Ray token"),
     ("no token", "the cluster requires Ray's token authentication; export RAY_AUTH_MODE=token"),
-    ("token mode, no token", "RAY_AUTH_MODE is token but this machine has no Ray token")])
+    ("token mode, no token", "RAY_AUTH_MODE is token but this machine has no Ray token"),
+    ("token path naming no file", "RAY_AUTH_TOKEN_PATH is set but file cannot be opened or is empty")])
 def test_a_join_refused_for_authentication_says_so_in_one_line(job_head: tuple[str, str], tmp_path: Path,
                                                                case: str, says: str) -> None:
     _, gcs = job_head
@@ -180,10 +181,21 @@ def test_a_join_refused_for_authentication_says_so_in_one_line(job_head: tuple[s
         env["RAY_AUTH_TOKEN"] = "0" * 32
     elif case == "token mode, no token":
         env["RAY_AUTH_MODE"] = "token"
+    elif case == "token path naming no file":
+        env["RAY_AUTH_TOKEN_PATH"] = str(tmp_path / "no-such-token")
     run = launch(env, "--address", gcs, f"train.output_dir={tmp_path / 'out'}")
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     assert run.stderr.count("\n") == 1 and "authentication failed" in run.stderr and says in run.stderr, run.stderr
-    assert f"--address / launch.address '{gcs}'" in run.stderr and "`ray get-auth-token` on its head" in run.stderr
+    assert f"--address / launch.address '{gcs}'" in run.stderr
+    assert "`ray get-auth-token` on its head" in run.stderr or case == "token path naming no file"
+
+
+def test_a_local_instance_refused_for_its_token_file_says_so_in_one_line(tmp_path: Path) -> None:
+    run = launch(user_env(tmp_path, RAY_AUTH_TOKEN_PATH=str(tmp_path / "no-such-token")),
+                 f"train.output_dir={tmp_path / 'out'}")
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr[-3000:]
+    assert "cannot start a local Ray instance: authentication failed: RAY_AUTH_TOKEN_PATH is set but file cannot " \
+           f"be opened or is empty: {tmp_path / 'no-such-token'}" in run.stderr
 
 
 def test_a_local_run_shows_no_token_warning_and_no_cpu_tflops(tmp_path: Path) -> None:
