@@ -2,7 +2,9 @@
 
 DeepSpeed ZeRO-3 offload runs when deepspeed is importable (../shared/device/make-bundle.sh
 --with-deepspeed bundles it); otherwise it is reported as "not installed", never skipped silently.
-The official MegaTrain code (bench/official, vendored upstream) runs as a subprocess and needs DeepSpeed too.
+The official MegaTrain code runs as a subprocess through our glue in bench/official, from a checkout outside this
+repository (bench/official/checkout.py: --official-src, $MEGATRAIN_OFFICIAL_SRC or ../shared/peers/official/src),
+and needs DeepSpeed too.
 
 Each returns {"name", "step_time_s", "gpu_peak_bytes"} or {"name", "status": "OOM" | "error: ..."}.
 """
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from bench.official.checkout import commit_of, official_src
 from megatrain.data import DataConfig, batch
 from megatrain.model import family_classes
 
@@ -190,7 +193,6 @@ def deepspeed_zero3(hf, data: DataConfig, steps: int) -> dict:
 
 
 OFFICIAL_DIR = Path(__file__).resolve().parent / "official"
-OFFICIAL_NAME = "official MegaTrain (DLYuanGod/MegaTrain 919520f)"
 
 
 def _official_model_args(hf) -> list[str]:
@@ -217,8 +219,7 @@ def _stream(cmd: Sequence[str], cwd: str, tail: deque[str]) -> int:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, errors="replace") as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
+        for line in proc.stdout or ():  # a pipe: stdout=PIPE above
             print(f"[official] {line.rstrip()}", flush=True)
             tail.append(line.rstrip())
     return proc.returncode
@@ -233,12 +234,12 @@ def _last_meaningful(lines: Sequence[str]) -> str:
     return "no output"
 
 
-def _official_failure(reason: str) -> dict:
+def _official_failure(reason: str, name: str) -> dict:
     oom = "OutOfMemoryError" in reason or "CUDA out of memory" in reason
-    return {"name": OFFICIAL_NAME, "status": "OOM" if oom else f"error: {reason}"}
+    return {"name": name, "status": "OOM" if oom else f"error: {reason}"}
 
 
-def _official_result(summ: dict, warmup: int) -> dict:
+def _official_result(summ: dict, warmup: int, name: str) -> dict:
     """Our result dict from bench_official.py's JSON: their per-step wall times (their own perf_counter pair
     around the step, all steps: bench/run.py leaves out its warm-up) and their 6*N*B*S/t TFLOPS."""
     per = summ["per_step"]
@@ -246,7 +247,7 @@ def _official_result(summ: dict, warmup: int) -> dict:
     kept = theirs[warmup:] or theirs
     # their GPU figure is max_memory_allocated / 1024**3, logged with 2 decimals: exact to about 10 MiB
     gpu_gib = max((s.get("gpu_peak_gb", 0.0) for s in per), default=0.0)
-    return {"name": OFFICIAL_NAME, "status": "ok", "step_times_s": [s["t"] for s in per],
+    return {"name": name, "status": "ok", "step_times_s": [s["t"] for s in per],
             "gpu_peak_bytes": int(gpu_gib * 2**30),
             "tflops_theirs_median": statistics.median(kept), "tflops_theirs_warmup_steps": warmup,
             "tflops_theirs_avg_all_steps": statistics.mean(theirs),  # = their own "Avg Throughput" line
@@ -256,42 +257,45 @@ def _official_result(summ: dict, warmup: int) -> dict:
             "losses": [s.get("loss") for s in per]}
 
 
-def official_megatrain(hf, data: DataConfig, steps: int, warmup: int = 2) -> dict:
-    """The official MegaTrain trainer (bench/official/src, unmodified) through its glue bench_official.py, on a
-    random-initialised model of hf's shape and random tokens, batch and sequence as ours. A subprocess: their
-    code sets process-wide state (logging, PYTORCH_CUDA_ALLOC_CONF) and pins its own host memory.
+def official_megatrain(hf, data: DataConfig, steps: int, warmup: int = 2, src: Path | None = None) -> dict:
+    """The official MegaTrain trainer (their checkout `src`, unmodified; default: official_src()) through our
+    glue bench_official.py, on a random-initialised model of hf's shape and random tokens, batch and sequence as
+    ours. A subprocess: their code sets process-wide state (logging, PYTORCH_CUDA_ALLOC_CONF) and pins its own
+    host memory. No checkout raises MissingCheckout (bench/run.py checks before it measures anything).
 
     warmup only sets which steps tflops_theirs_median leaves out (bench/run.py's default --warmup)."""
+    src = src or official_src()
+    name = f"official MegaTrain (DLYuanGod/MegaTrain {commit_of(src)})"
     if importlib.util.find_spec("deepspeed") is None:  # their default optimizer is DeepSpeedCPUAdam
-        return {"name": OFFICIAL_NAME, "status": "not installed"}
+        return {"name": name, "status": "not installed"}
     if hf.tie_word_embeddings:
-        return _official_failure("make_model.py writes untied embeddings only")
+        return _official_failure("make_model.py writes untied embeddings only", name)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # hand our cached blocks back so the subprocess gets the whole GPU
     try:
-        return _official_run(hf, data, steps, warmup)
+        return _official_run(hf, data, steps, warmup, src, name)
     except Exception as exc:  # a peer that cannot run is reported, never raised into bench/run.py
-        return _official_failure(f"{type(exc).__name__}: {str(exc)[:300]}")
+        return _official_failure(f"{type(exc).__name__}: {str(exc)[:300]}", name)
 
 
-def _official_run(hf, data: DataConfig, steps: int, warmup: int) -> dict:
+def _official_run(hf, data: DataConfig, steps: int, warmup: int, src: Path, name: str) -> dict:
     """make_model.py (skipped when the directory is already complete), then bench_official.py; both streamed."""
     tail: deque[str] = deque(maxlen=200)
     with tempfile.TemporaryDirectory(prefix="official-") as tmp:
         model_dir = _official_model_dir(hf)
         cmd = [sys.executable, str(OFFICIAL_DIR / "make_model.py"), str(model_dir), *_official_model_args(hf)]
         if _stream(cmd, tmp, tail) != 0:
-            return _official_failure(f"make_model.py: {_last_meaningful(tail)}")
+            return _official_failure(f"make_model.py: {_last_meaningful(tail)}", name)
         out = Path(tmp) / "official.json"
-        cmd = [sys.executable, str(OFFICIAL_DIR / "bench_official.py"), "--model-dir", str(model_dir),
-               "--batch-size", str(data.batch_size), "--seq", str(data.seq_len), "--steps", str(steps),
-               "--json-out", str(out)]
+        cmd = [sys.executable, str(OFFICIAL_DIR / "bench_official.py"), "--src", str(src),
+               "--model-dir", str(model_dir), "--batch-size", str(data.batch_size), "--seq", str(data.seq_len),
+               "--steps", str(steps), "--json-out", str(out)]
         rc = _stream(cmd, tmp, tail)
         summ = json.loads(out.read_text()) if out.is_file() else {}
     if rc != 0 or summ.get("error") or not summ.get("per_step"):
         reason = (summ.get("error") or "").strip() or _last_meaningful(tail)
-        return _official_failure(f"{reason.splitlines()[0][:300]} (exit {rc})")
-    return _official_result(summ, warmup)
+        return _official_failure(f"{reason.splitlines()[0][:300]} (exit {rc})", name)
+    return _official_result(summ, warmup, name)
 
 
 PEERS = {"plain": plain_pytorch, "fsdp2": fsdp2_offload, "deepspeed": deepspeed_zero3,

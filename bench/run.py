@@ -2,9 +2,13 @@
 
   python bench/run.py --layers 8 --batch 16 --seq 4096 --steps 5 --peers plain --out OUT
 
-Writes OUT/results.json, OUT/results.md, OUT/timeline.png, and appends the table to BENCHMARKS.md.
+Writes OUT/results.json, OUT/results.md (the table, with the command and commit) and OUT/timeline-VARIANT.png.
 TFLOPS use the paper's formula: (6*N*D + 12*L*H*S*D) / step time, N parameters, D tokens per step,
 L layers, H hidden size, S sequence length (recompute is not counted as useful work).
+
+A failure is one line on stderr, as megatrain-launch reports it: exit 2 for the input (a config key or
+override, --peers official without the official code), 1 for a run that failed (the traceback in the failed
+variant's error.log).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +32,10 @@ from megatrain.launch.config import load_config  # noqa: E402
 from megatrain.launch.driver import Trainer  # noqa: E402
 from megatrain.launch.plots import plot_timeline  # noqa: E402
 
+from bench.official.checkout import MissingCheckout, official_src  # noqa: E402
 from bench.peers import PEERS  # noqa: E402
+from megatrain.configbase import merge_overrides, parse_override  # noqa: E402
+from megatrain.errors import ConfigError, DataError, MegatrainError  # noqa: E402
 from megatrain.flops import step_flops  # noqa: E402
 from megatrain.model import resolve_hf_config  # noqa: E402
 
@@ -48,10 +56,52 @@ KNOBS = {"k": "engine.checkpoint_interval", "last": "engine.last_block_layers", 
          "adam_threads": "actors.adam_threads", "accumulator_threads": "actors.accumulator_threads"}
 
 
+USAGE_ERROR, RUNTIME_ERROR = 2, 1
+
+
+class Failed(Exception):
+    """What stops the bench: one line for the user and the exit status (USAGE_ERROR or RUNTIME_ERROR)."""
+
+    def __init__(self, message: str, code: int):
+        super().__init__(message)
+        self.code = code
+
+    @classmethod
+    def of(cls, exc: BaseException, what: str = "", log_dir: Path | None = None) -> Failed:
+        """As megatrain-launch words it: the input's errors exit 2, a run's 1, anything else is an internal error;
+        where the run had its output directory, error.log there gets the traceback (a failed actor's own)."""
+        code = USAGE_ERROR if isinstance(exc, (ConfigError, DataError, MissingCheckout)) else RUNTIME_ERROR
+        message = str(exc) if isinstance(exc, (MegatrainError, MissingCheckout)) else \
+            f"internal error: {type(exc).__name__}: {exc}"
+        if log_dir is not None and log_dir.is_dir():
+            remote = getattr(exc, "traceback", "")
+            detail = f"traceback of actor '{exc.actor}':\n{remote}" if remote else traceback.format_exc()
+            (log_dir / "error.log").write_text(message + "\n\n" + detail)
+            message += f" (details in {log_dir / 'error.log'})"
+        return cls(f"{what}: {message}" if what else message, code)
+
+
+def bench_model(layers: int, extra: list[str]) -> tuple[dict, list[str]]:
+    """The model every row measures (MegaTrain's variants and the peers alike): Qwen2.5-7B's layer shape with
+    `layers` layers and the model.hf.KEY=VALUE items of --extra applied; and the rest of --extra (overrides of
+    the default variant only)."""
+    mine = [item for item in extra if parse_override(item)[0][:2] == ["model", "hf"]]
+    for item in mine:
+        keys = parse_override(item)[0]
+        if len(keys) < 3:
+            raise ConfigError(f"--extra {item}: the bench's model is Qwen2.5-7B's layer shape; change it key by "
+                              "key with model.hf.KEY=VALUE")
+        if keys[2] == "num_hidden_layers":
+            raise ConfigError(f"--extra {item}: the layer count is --layers")
+    hf = merge_overrides({"model": {"hf": {**QWEN7B, "num_hidden_layers": layers}}}, mine)["model"]["hf"]
+    return hf, [item for item in extra if item not in mine]
+
+
 def overrides(args: argparse.Namespace, out: Path, extra: list[str]) -> list[str]:
     """The workload (model shape, batch, steps, a constant LR so every step does the same work, no closing
-    evaluation: it measures nothing here and cost each row half a minute) and the flags given; nothing else."""
-    hf = {**QWEN7B, "num_hidden_layers": args.layers}
+    evaluation: it measures nothing here and cost each row half a minute) and the flags given; nothing else.
+    args.hf is the model (bench_model())."""
+    hf = args.hf
     knobs = [f"{key}={getattr(args, flag)}" for flag, key in KNOBS.items() if getattr(args, flag) is not None]
     return ["model.family=qwen2", f"model.hf={json.dumps(hf)}", f"data.seq_len={args.seq}",
             f"data.batch_size={args.batch}", f"train.steps={args.steps}", f"train.timeline_step={args.steps}",
@@ -65,8 +115,12 @@ def tflops(n_params: int, tokens: int, layers: int, hidden: int, seq: int, secon
 
 def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str]) -> dict:
     out = Path(args.out) / name
-    cfg = load_config(None, overrides(args, out, extra))
-    summary = Trainer(cfg).run()
+    trainer = None
+    try:
+        trainer = Trainer(load_config(None, overrides(args, out, extra)))
+        summary = trainer.run()
+    except Exception as exc:  # the run has released its processes and shared memory
+        raise Failed.of(exc, f"MegaTrain ({name})", getattr(trainer, "log_dir", None)) from exc
     rows = summary["metrics"][args.warmup:]
     med = statistics.median(r["step_time_s"] for r in rows)
     pick = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
@@ -175,7 +229,7 @@ def run_suite(args: argparse.Namespace) -> int:
     return rc
 
 
-def main() -> int:
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="MegaTrain throughput on the Qwen2.5-7B layer shape, peers in the same "
                                             "run. Model knobs left out keep the product's defaults.")
     p.add_argument("--suite", choices=["headline"], help="run the headline suite (each entry in its own process)")
@@ -188,22 +242,53 @@ def main() -> int:
     for flag, key in KNOBS.items():
         p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=int, default=None, help=f"sets {key}")
     p.add_argument("--peers", default="plain", help="comma list of: " + ",".join(PEERS))
+    p.add_argument("--official-src", default=None,
+                   help="the official MegaTrain checkout for --peers official (default: $MEGATRAIN_OFFICIAL_SRC, "
+                        "else ../shared/peers/official/src beside the repository root)")
     p.add_argument("--ablations", default="", help="comma list of: " + ",".join(ABLATIONS))
     p.add_argument("--out", required=True)
-    p.add_argument("--extra", nargs="*", default=[], help="config overrides for the default variant")
+    p.add_argument("--extra", nargs="*", default=[],
+                   help="config overrides for the default variant; model.hf.KEY=VALUE ones change the model of "
+                        "every row (variants and peers)")
     p.add_argument("--machine", default="")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    for flag, names, known in (("--peers", args.peers, PEERS), ("--ablations", args.ablations, ABLATIONS)):
+        unknown = [n for n in names.split(",") if n and n not in known]
+        if unknown:
+            p.error(f"{flag}: unknown {', '.join(unknown)}; known: {', '.join(known)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        return run(args)
+    except KeyboardInterrupt:
+        print("bench/run.py: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        ours = isinstance(exc, (MegatrainError, MissingCheckout))  # a bug's traceback goes to OUT/error.log
+        failed = exc if isinstance(exc, Failed) else Failed.of(exc, log_dir=None if ours else Path(args.out))
+        print(f"bench/run.py: error: {failed}", file=sys.stderr)
+        return failed.code
+
+
+def run(args: argparse.Namespace) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.suite:
         return run_suite(args)
-    _, hf = resolve_hf_config(load_config(None, overrides(args, Path(args.out), [])).model)
+    args.hf, args.extra = bench_model(args.layers, args.extra)
+    peers = [p for p in args.peers.split(",") if p]
+    # before anything is measured: a missing checkout is the user's to fix, not a row's error 20 minutes in
+    src = official_src(args.official_src) if "official" in peers else None
+    _, hf = resolve_hf_config(load_config(None, overrides(args, Path(args.out), args.extra)).model)
     results = [megatrain_variant(args, "default", args.extra)]
     results += [megatrain_variant(args, a, ABLATIONS[a]) for a in filter(None, args.ablations.split(","))]
     from megatrain.data import DataConfig
 
     data = DataConfig(seq_len=args.seq, batch_size=args.batch)
-    for peer in filter(None, args.peers.split(",")):
-        results.append(PEERS[peer](hf, data, args.steps))
+    for peer in peers:
+        results.append(PEERS[peer](hf, data, args.steps, **({"src": src} if peer == "official" else {})))
         print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
     md = table(results, args, hf)
     when = datetime.date.today().isoformat()

@@ -1,12 +1,13 @@
 """Run the OFFICIAL MegaTrain single-GPU trainer, unchanged, on synthetic tokens, and report per-step TFLOPS.
 
-What runs: src/examples/sft/train.py main() from DLYuanGod/MegaTrain (see src/SOURCE.txt), i.e. their
-CPUMasterModel (src/infinity/model/cpu_master.py) + DeepSpeedCPUAdam + their training loop and timing:
+What runs: examples/sft/train.py main() of a checkout of DLYuanGod/MegaTrain outside this repository (--src,
+else $MEGATRAIN_OFFICIAL_SRC, else ../shared/peers/official/src beside the repository root: checkout.py),
+i.e. their CPUMasterModel (infinity/model/cpu_master.py) + DeepSpeedCPUAdam + their training loop and timing:
 step time = forward_and_backward + clip_grad_norm_ + optimizer.step + _sync_params_to_gpu + zero_grad.
 Their YAML for the published 7B run (examples/sft/configs/qwen_7b_1gpu.yaml) is the base config; only the
 model path, dataset, batch, sequence length, steps and (if flash-attn is absent) attention are changed.
 
-No file under src/ is edited. Glue applied from here, all outside their algorithm:
+No file of theirs is edited. Glue applied from here, all outside their algorithm:
   G1 AutoTokenizer (in train.py's namespace) -> a stub: the synthetic data needs no tokenizer, and none
      can be downloaded on the GPU machine.
   G2 ChatDataset (in train.py's namespace) -> SyntheticTokens: random ids in [0, vocab), full length
@@ -39,14 +40,14 @@ import types
 
 import torch
 import torch.utils.data
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-SRC = os.path.join(HERE, "src")
+from checkout import MissingCheckout, commit_of, official_src  # beside this script, which Python puts on sys.path
 
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-dir", required=True, help="HF model directory (make_model.py writes one)")
+    p.add_argument("--src", default=None, help="their checkout (default: $MEGATRAIN_OFFICIAL_SRC, else "
+                                               "../shared/peers/official/src beside the repository root)")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq", type=int, default=4096, help="max_seq_len; every sample is exactly this long")
     p.add_argument("--steps", type=int, default=5)
@@ -54,7 +55,7 @@ def parse_args():
     p.add_argument("--attn", default="auto", choices=["auto", "flash_attention_2", "sdpa"],
                    help="auto: flash_attention_2 (their default) if flash-attn is importable, else sdpa + G3")
     p.add_argument("--num-workers", type=int, default=None, help="DataLoader workers (default: their YAML's)")
-    p.add_argument("--base-config", default=os.path.join(SRC, "examples", "sft", "configs", "qwen_7b_1gpu.yaml"))
+    p.add_argument("--base-config", default=None, help="default: their examples/sft/configs/qwen_7b_1gpu.yaml")
     p.add_argument("--json-out", default=None)
     p.add_argument("--seed", type=int, default=1234, help="seed of the synthetic token stream")
     p.add_argument("--allow-torch-adamw", action="store_true",
@@ -130,7 +131,13 @@ def write_config(a, attn, vocab):
 
 def main():
     a = parse_args()
-    sys.path[:0] = [SRC, os.path.join(SRC, "examples", "sft")]
+    try:
+        src = official_src(a.src, "--src")
+    except MissingCheckout as exc:
+        print(f"bench_official.py: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    a.base_config = a.base_config or str(src / "examples" / "sft" / "configs" / "qwen_7b_1gpu.yaml")
+    sys.path[:0] = [str(src), str(src / "examples" / "sft")]
 
     from transformers import AutoConfig
     hf_cfg = AutoConfig.from_pretrained(a.model_dir)
@@ -250,10 +257,8 @@ def main():
 
     steps = state["steps"]
     kept = steps[a.warmup:] if len(steps) > a.warmup else []
-    with open(os.path.join(SRC, "SOURCE.txt")) as f:
-        commit = f.read().split()[1][:7]
     summ = dict(
-        system=f"official MegaTrain (DLYuanGod/MegaTrain {commit})",
+        system=f"official MegaTrain (DLYuanGod/MegaTrain {commit_of(src)})", src=str(src),
         model_dir=os.path.abspath(a.model_dir), attn=attn, flash_ce=FLASH_CE_AVAILABLE,
         cpu_adam=official.CPU_ADAM_AVAILABLE, batch=B, seq=S, tokens_per_step=D, steps_run=len(steps),
         warmup_excluded=a.warmup, N=state["N"], L=state["L"], H=state["H"],
