@@ -9,11 +9,14 @@ backward produces them, and updates each unit while the GPU is still running the
 units below it (12 bytes per parameter: params, m, v).
 In resident mode it also rewrites the unit's compute-dtype copy right after the update, so the next
 forward streams it with no packing step in between.
+The waits, the order of the pieces and the versions are the protocol's (ipc/protocol/adam.py); this
+actor supplies the arithmetic of one piece (_update) and takes its steps in order.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
+import functools
 import threading
 import time
 
@@ -21,12 +24,12 @@ import numpy as np
 import torch
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
+from megatrain.ipc.protocol.adam import update_clipped, update_unclipped
 from megatrain.ipc.protocol.plan import Item
-from megatrain.ipc.protocol.workers import free_grad, take_grad, wait_all_grads
 
-from megatrain.adamw import OptimConfig, adamw_update, clip_scale
-from megatrain.errors import NonFiniteGradient, ProtocolError, WaitTimeout
-from megatrain.hostops import sqnorm, warm_up
+from megatrain.adamw import OptimConfig, adamw_update
+from megatrain.errors import ProtocolError, WaitTimeout
+from megatrain.hostops import warm_up
 
 
 class AdamUpdater(Role):
@@ -35,7 +38,6 @@ class AdamUpdater(Role):
         self.cfg = cfg
         self.turn = threading.Condition()
         self.next_step = 0
-        self.saving = False
         warm_up()  # compiled (or loaded from Numba's cache) while the store is being made, not in a step
         a = np.zeros(4, np.float32)
         adamw_update(a, a.copy(), a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0)
@@ -62,9 +64,12 @@ class AdamUpdater(Role):
         self._wait_turn(step)
         try:
             t0 = time.perf_counter()
-            self.saving = saving
-            out = self._clipped(step, lr) if self.store.spec.clip else self._unclipped(step, lr)
-            return {**out, "adam_s": time.perf_counter() - t0}
+            store, update = self.store, functools.partial(self._piece, step + 1, lr)
+            if store.spec.clip:
+                out = update_clipped(store, step, saving, self.cfg.max_grad_norm, update)
+            else:
+                out = update_unclipped(store, self.events, step, saving, update)
+            return {**dataclasses.asdict(out), "adam_s": time.perf_counter() - t0}
         finally:
             with self.turn:
                 self.next_step = step + 1
@@ -83,67 +88,9 @@ class AdamUpdater(Role):
                                       f"before step {step}")
                 self.turn.wait(ipc.poll_s)
 
-    def _clipped(self, step: int, lr: float) -> dict:
-        store = self.store
-        wait_all_grads(store, step)
-        norm = math.sqrt(float(store.sqnorms.sum()))
-        finite = math.isfinite(norm)
-        scale = clip_scale(norm, self.cfg.max_grad_norm)
-        spans = []
-        for item in store.spec.update_items:  # forward order: the next step's packer follows right behind
-            start, grads = time.time(), store.grad_tile(item.unit)
-            self._hold(item, step)
-            if finite:  # else the step is skipped whole: no piece has been touched
-                self._update(item.unit, item.lo, item.hi, grads[item.lo:item.hi], step + 1, lr, scale)
-            elif store.spec.grads_in_resident:  # the tile holds the gradient: the weights back, unchanged
-                store.refresh_resident(item.unit, item.lo, item.hi)
-            store.publish_version(item.piece, step + 1)
-            spans.append((item.unit, start, time.time()))
-        return {"grad_norm": norm, "clip_scale": scale, "skipped": not finite, "unit_spans": spans}
-
-    def _unclipped(self, step: int, lr: float) -> dict:
-        """Each piece is updated as its gradient arrives, so a step cannot be skipped whole: an inf or NaN
-        piece stops the run (the pieces before it are already updated; no version is published for it, so
-        nothing reads the half-applied step)."""
-        store = self.store
-        spans = []
-        direct = store.spec.grads_in_resident  # the executor wrote the piece and its squared norm
-        for item in store.spec.update_items:
-            grad = self._arrived(item, step) if direct else take_grad(store, self.events, item, step)
-            start = time.time()
-            self._hold(item, step)
-            if not direct:
-                store.sqnorms[item.piece] = sqnorm(grad)
-            if not math.isfinite(store.sqnorms[item.piece]):
-                raise NonFiniteGradient(self._non_finite(step, item.unit))
-            self._update(item.unit, item.lo, item.hi, grad, step + 1, lr, 1.0)
-            store.publish_version(item.piece, step + 1)
-            if not direct:
-                free_grad(store, item)
-            spans.append((item.unit, start, time.time()))
-        return {"grad_norm": math.sqrt(float(store.sqnorms.sum())), "clip_scale": 1.0, "skipped": False,
-                "unit_spans": spans}
-
-    def _arrived(self, item: Item, step: int) -> np.ndarray:
-        """The next piece in the resident copy: pieces arrive (grads_ready) in the order they are updated
-        without clipping, the gradient order, so the k-th post is the k-th piece."""
-        self.store.wait("grads_ready", f"the gradient of unit {item.unit} (step {step})")
-        return self.store.grad_tile(item.unit)[item.lo:item.hi]
-
-    def _hold(self, item: Item, step: int) -> None:
-        if self.saving:
-            self.store.wait_saved(item.piece, step, f"the checkpoint writer to take unit {item.unit} (piece "
-                                                    f"{item.piece}) after step {step}")
-
-    def _non_finite(self, step: int, unit: int) -> str:
-        layout = self.store.spec.layout
-        what = ("the embedding" if unit == 0 else "the final norm and LM head" if unit == layout.num_layers + 1
-                else f"layer {unit - 1}")
-        return (f"non-finite gradient (inf or NaN) at step {step + 1} in unit {unit} ({what}). Without clipping "
-                f"(optim.max_grad_norm: 0) Adam updates each unit as its gradient arrives, so the units whose "
-                f"gradients came first (the head and the layers above) were already updated and the step cannot be "
-                f"skipped whole: the run stops. Set "
-                f"optim.max_grad_norm > 0 to skip such steps whole instead")
+    def _piece(self, t: int, lr: float, item: Item, grad: np.ndarray, scale: float) -> None:
+        """The protocol's PieceUpdate: AdamW step `t` on the item's elements."""
+        self._update(item.unit, item.lo, item.hi, grad, t, lr, scale)
 
     def _update(self, unit: int, lo: int, hi: int, g: np.ndarray, t: int, lr: float, scale: float) -> None:
         """AdamW on elements [lo, hi) of the unit's tiles (g holds exactly those)."""

@@ -7,8 +7,9 @@ after Adam's N-th update, and that state exists piece by piece, never all at onc
      step-N+1 call that this checkpoint is being written;
   2. the writer takes the pieces in the order Adam updates them (ipc.protocol.plan update_items); for
      each it waits until Adam's version counter says the N-th update is in (version N), writes the
-     piece's params, exp_avg and exp_avg_sq, checks the version is still N, and publishes saved=N;
-  3. Adam's step-N+1 update of a piece waits for saved >= N (Store.wait_saved) and only then writes it.
+     piece's params, exp_avg and exp_avg_sq, checks the version is still N, and publishes saved=N
+     (ipc/protocol/checkpoints.py: claim, written);
+  3. Adam's step-N+1 update of a piece waits for saved >= N (checkpoints.wait_taken) and only then writes it.
 So the writer never sees a piece half-updated or one update too far, and Adam follows right behind it:
 step N+1's forward and backward run meanwhile, and only its updates wait, each for one piece.
   4. the files written and fsync'ed, the driver waits until step N's metrics row is on disk too, then
@@ -28,10 +29,11 @@ from pathlib import Path
 import numpy as np
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
+from megatrain.ipc.protocol.checkpoints import claim, written
 from megatrain.ipc.protocol.plan import Item
 
 from megatrain import checkpoint as ckpt
-from megatrain.errors import DiskFull, ProtocolError, disk_full, free_bytes, is_disk_full
+from megatrain.errors import DiskFull, disk_full, free_bytes, is_disk_full
 
 AHEAD = 2  # pieces in flight beyond the oldest: keeps every thread busy across piece boundaries
 
@@ -128,11 +130,7 @@ class CheckpointWriter(Role):
         with ThreadPoolExecutor(self.threads, thread_name_prefix="ckpt-write") as pool:
             try:
                 for item in store.spec.update_items:
-                    w0 = time.perf_counter()
-                    store.wait_version(item.unit, step, f"Adam's update of unit {item.unit} (step {step}) to "
-                                                        f"checkpoint it", item.piece)
-                    waited += time.perf_counter() - w0
-                    self._check_version(item, step)
+                    waited += claim(store, item, step)
                     flight.append((item, self._submit(pool, item, files)))
                     while len(flight) > AHEAD or (flight and all(f.done() for _, f in flight[0][1])):
                         self._retire(flight.popleft(), step, segments)
@@ -162,11 +160,4 @@ class CheckpointWriter(Role):
         item, futures = entry
         for part, f in futures:
             segments[part].append(f.result())
-        self._check_version(item, step)  # Adam must not have touched it while it was being written
-        self.store.publish_saved(item.piece, step)
-
-    def _check_version(self, item: Item, step: int) -> None:
-        have = int(self.store.versions[item.piece])
-        if have != step:
-            raise ProtocolError(f"checkpoint of step {step}: unit {item.unit} (piece {item.piece}) is at version "
-                                f"{have}; Adam must hold its next update until the writer has it")
+        written(self.store, item, step)

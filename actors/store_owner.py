@@ -21,6 +21,7 @@ import torch
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.procs import maps_path, pid_alive, running, spawn_detached, start_ticks
 from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, checkpoint_host_bytes, plan_store
+from megatrain.ipc.protocol.checkpoints import restore_versions
 from megatrain.ipc.protocol.cpus import ThreadRequest, cpu_plan, node_cores
 from megatrain.ipc.protocol.monitor import Monitor
 from megatrain.ipc.shm import check_space, populate, pss_split, remove_cuda_ipc_files, seg_name, space_now, sweep
@@ -268,10 +269,10 @@ class StoreOwner(Role):
             self._check_going()
             ckpt.read_plane(directory / f"{part}.bin", self.store.plane(part), manifest["files"][f"{part}.bin"],
                             lambda off: ckpt.unit_at(self.store.spec.layout, off))
-        self.store.versions[:] = int(manifest["step"])
         if self.store.spec.resident:
             for u in range(self.store.spec.num_units):
                 self.store.refresh_resident(u)
+        restore_versions(self.store, int(manifest["step"]))  # after every write it covers
         return sum(int(manifest["files"][f"{part}.bin"]["bytes"]) for part in ckpt.PLANES)
 
     @staticmethod

@@ -36,6 +36,23 @@ def publish(counters: np.ndarray, i: int, value: int) -> None:
 
 
 @numba.njit(cache=True, nogil=True)
+def publish_all(counters: np.ndarray, value: int) -> None:
+    """counters[:] = value, after every earlier write of this thread (release)."""
+    _fence()
+    counters[:] = value
+
+
+@numba.njit(cache=True, nogil=True)
+def load(counters: np.ndarray, i: int) -> int:
+    """counters[i], ordered after every earlier read of this thread and before every later one: a check made
+    after reading the data a counter guards (did it change meanwhile?) as well as before."""
+    _fence()
+    value = counters[i]
+    _fence()
+    return value
+
+
+@numba.njit(cache=True, nogil=True)
 def reached(counters: np.ndarray, lo: int, hi: int, value: int) -> bool:
     """min(counters[lo:hi]) >= value, with every later read of this thread after these loads (acquire)."""
     ok = True

@@ -12,7 +12,7 @@ import weakref
 import numpy as np
 import posix_ipc
 import torch
-from megatrain.ipc.protocol.fence import publish, reached
+from megatrain.ipc.protocol.fence import load, publish, publish_all, reached
 from megatrain.ipc.protocol.plan import (
     ABOUT_BYTES,
     ABOUT_OFFSET,
@@ -281,6 +281,15 @@ class Store:
         """Adam's update of the piece for step version-1 is complete: release it (after a fence)."""
         publish(self.versions, piece, version)
         self.progressed()
+
+    def publish_versions(self, version: int) -> None:
+        """Every piece at `version` (a store restored from the checkpoint of that step), after a fence."""
+        publish_all(self.versions, version)
+        self.progressed()
+
+    def version(self, piece: int) -> int:
+        """The piece's version counter, read between fences (see fence.load)."""
+        return int(load(self.versions, piece))
 
     def wait_version(self, unit: int, version: int, what: str, piece: int | None = None) -> None:
         """Wait until Adam's version of the unit's `piece` (None: of all its pieces) reaches `version`;
