@@ -37,7 +37,7 @@ from megatrain.weights import checkpoint_index, copy_slots, fill_tile, read_unit
 # the workers' heaps): a 9.0B store admitted with less than this left got the run killed by Ray's memory
 # monitor in its first step.
 RUN_RESERVE = 2 << 30
-STRAGGLER_S = 3.0  # how long workers get to exit after the driver's kill before they are ended by pid
+STRAGGLER_S = 1.0  # how long workers get to exit after the driver's kill before they are ended by pid
 LOADERS = 2  # units read from a pretrained checkpoint at once: one is read while the other is converted
 PAGE_IN_BYTES = 1 << 28  # one madvise call of the page-in (a stop waits for at most one per thread)
 PAGE_IN_THREADS = 8  # page faults are the kernel's work: half the cores leave the attach and step 1 theirs
@@ -330,9 +330,11 @@ class StoreOwner(Role):
             self.monitor = None
         if self.store is not None:
             workers = [int(p) for p in self.store.pids if p > 0 and p != os.getpid()]
+            # Stragglers first: the CUDA files wait for every worker's death, which Ray's own kill takes 5 s to
+            # bring to a frozen one (a stall verdict's), so the run's end would trail the verdict by that much.
+            self._end_stragglers(workers, seg_name(self.store.spec.run_id, ""))
             remove_cuda_ipc_files([int(p) for p in self.store.pids if p > 0], self.store.spec.ipc.shm_dir)
             self.store.unlink()
-            self._end_stragglers(workers, seg_name(self.store.spec.run_id, ""))
         if self.reaper:
             deadline = time.monotonic() + 5
             while pid_alive(self.reaper) and time.monotonic() < deadline:

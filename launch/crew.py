@@ -13,7 +13,7 @@ from megatrain.actors.store_owner import StoreOwner
 from megatrain.launch.handles import Handle, Pending, Runner
 from megatrain.launch.placement import Demand
 
-from megatrain.errors import AbortError, ActorFailure, MegatrainError
+from megatrain.errors import AbortError, ActorFailure, MegatrainError, is_stall_verdict
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -121,7 +121,9 @@ class Crew:
         """Abort the run, let the others fail fast, and report the failure that started it all."""
         self.abort(f"{actor} failed")
         failures: list[Exception] = [first]
-        deadline = time.monotonic() + 5  # a stopped actor never answers: the verdict must not wait long
+        # A stopped actor never answers: the verdict must not wait long, and after the stall monitor's verdict
+        # (which names the stopped one itself) hardly at all: the others are only its victims.
+        deadline = time.monotonic() + (0.5 if is_stall_verdict(first) else 5)
         for p in pending.values():
             try:
                 self.runner.result(p, timeout=max(deadline - time.monotonic(), 0.1))

@@ -49,28 +49,37 @@ def test_an_actor_that_raises_is_named_with_its_error(tmp_path, rid: str, monkey
 
 def test_a_stalled_actor_is_named_not_its_victims(tmp_path, rid: str, monkeypatch) -> None:
     """Adam hangs inside its own work (not in a data-plane wait): the monitor names it from the role
-    table's progress, long before any wait timeout."""
+    table's progress, long before any wait timeout, and the run ends right after the verdict (the driver does
+    not wait on the stalled actor's answer, which never comes)."""
     from megatrain.actors.adam_updater import AdamUpdater
+    from megatrain.ipc.protocol.store import Store
 
     release = threading.Event()
-    real = AdamUpdater._update
+    real, real_abort, verdict_at = AdamUpdater._update, Store.abort, []
 
     def update(self, unit, lo, hi, g, t, lr, scale):  # noqa: ANN001
         if t == 2:
             release.wait(60)  # a hang the run must notice; freed at the end so the thread can finish
         real(self, unit, lo, hi, g, t, lr, scale)
 
+    def abort(self, reason: str) -> None:  # noqa: ANN001 - the real abort, timed
+        if reason.startswith("stalled:") and not verdict_at:
+            verdict_at.append(time.monotonic())
+        real_abort(self, reason)
+
     monkeypatch.setattr(AdamUpdater, "_update", update)
+    monkeypatch.setattr(Store, "abort", abort)
     t0 = time.monotonic()
     try:
         with pytest.raises(MegatrainError) as info:
             run(tmp_path, rid, "ipc.stall_timeout_s=2", "train.overlap_adam=false")
+        ended = time.monotonic()
     finally:
         release.set()
-    took = time.monotonic() - t0
     msg = str(info.value)
     assert "stalled: actor 'adam-updater'" in msg and "while working" in msg, msg
-    assert took < 20, took
+    assert ended - t0 < 20, ended - t0
+    assert verdict_at and ended - verdict_at[0] < 3, f"the run ended {ended - verdict_at[0]:.1f}s after the verdict"
     assert run_leftovers(rid) == []
 
 
