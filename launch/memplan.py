@@ -222,12 +222,23 @@ def render(plan: MemPlan, cfg: Config) -> str:
         lines += [f"  {k:<52} {gib(v):>12}" for k, v in plan.gpu.items()]
         lines.append(f"  -> {'fits' if plan.gpu_fits() else 'DOES NOT FIT'}" + (f": {plan.gpu_error}" if plan.gpu_error
                                                                                   else ""))
+    lines += ["", *_disk(cfg)]
     lines += ["", f"Ray: the actors ask for {plan.need}"]
     lines += ["", "verdict: " + ("fits" if plan.fits() else "does not fit")]
     tips = suggestions(plan, cfg)
     if tips:
         lines += ["settings that need less:"] + [f"  {t}" for t in tips]
     return "\n".join(lines)
+
+
+def _disk(cfg: Config) -> list[str]:
+    """The checkpoints' disk against the output directory's free space (a warning; the verdict is memory's)."""
+    from megatrain.launch.checkpointing import disk_lines
+    from megatrain.launch.output import resolve_output
+
+    total = build_spec(cfg.model, cfg.optim.no_decay_1d).layout.total
+    out = resolve_output(cfg.train.output_dir, cfg.train.run_id or "{run_id}")
+    return disk_lines(cfg.train, out, 4 * total * 3, 4 * total)  # three fp32 planes; the fp32 weights
 
 
 def main(argv: list[str]) -> int:

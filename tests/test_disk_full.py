@@ -220,3 +220,21 @@ def test_metrics_file_appends_whole_rows(tmp_path: Path) -> None:
     finally:
         f.close()
     assert whole_rows(tmp_path / "m.jsonl") == [1, 2]
+
+
+def test_plan_warns_when_the_checkpoints_do_not_fit(tmp_path: Path, capsys) -> None:
+    """`megatrain-launch plan`: checkpoint size x (train.keep_last + one being written) against the output
+    directory's free space; a warning when it is short (the verdict stays the memory's)."""
+    each = checkpoint_bytes()
+    out = tmp_path / "run"
+    assert cli.main(["plan", *SMALL[:-1], "train.save_every=10", "train.keep_last=2", f"train.output_dir={out}"]) == 0
+    printed = capsys.readouterr().out
+    assert f"disk: {human_bytes(3 * each)} needed in {out}: checkpoints {human_bytes(3 * each)} (train.keep_last 2 + " \
+           f"one being written, {human_bytes(each)} each); " in printed, printed
+    assert "WARNING" not in printed
+    many = shutil.disk_usage(tmp_path).free // each + 10  # more checkpoints, all kept, than the disk holds
+    assert cli.main(["plan", *SMALL[:-1], "train.save_every=1", f"train.steps={many}",
+                     f"train.output_dir={out}"]) == 0
+    printed = capsys.readouterr().out
+    assert f"checkpoints {human_bytes(many * each)} ({many}, all kept (train.keep_last 0)" in printed, printed
+    assert "  WARNING: " in printed and " short: the run would stop when a checkpoint does not fit" in printed
