@@ -8,7 +8,9 @@ the writer writes pieces in parallel and out of file order), the data position a
 resolved config. It is written into step-NNNNNNN.tmp-PID, every file fsync'ed, renamed, the parent
 fsync'ed, and only then `latest` (a one-line file, itself written by rename) points at it. A crash at
 any moment leaves either the previous state or a *.tmp-* directory, which nothing reads and the next
-save removes; a directory without a valid manifest is never taken for a checkpoint.
+save removes; a directory without a valid manifest is never taken for a checkpoint. verify() reads a
+checkpoint whole against its checksums (a resume does, before anything starts); one found corrupt is renamed
+corrupt-step-NNNNNNN, which nothing here takes for a checkpoint either.
 """
 
 from __future__ import annotations
