@@ -15,7 +15,6 @@ actor supplies the arithmetic of one piece (_update) and takes its steps in orde
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import threading
 import time
@@ -24,7 +23,7 @@ import numpy as np
 import torch
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
-from megatrain.ipc.protocol.adam import update_clipped, update_unclipped
+from megatrain.ipc.protocol.adam import Applied, update_clipped, update_unclipped
 from megatrain.ipc.protocol.plan import Item
 
 from megatrain.adamw import OptimConfig, adamw_update
@@ -56,7 +55,7 @@ class AdamUpdater(Role):
         self.mark("attached")
 
     @guarded
-    def step(self, step: int, lr: float, saving: bool = False) -> dict:
+    def step(self, step: int, lr: float, saving: bool = False) -> Applied:
         """With overlap the driver launches step t+1's call while step t's still runs (the actor is
         threaded): the data plane must still see the steps one after the other, in order. `saving`: the
         checkpoint of the state before this update (after `step` steps) is being written; each piece is
@@ -69,7 +68,8 @@ class AdamUpdater(Role):
                 out = update_clipped(store, step, saving, self.cfg.max_grad_norm, update)
             else:
                 out = update_unclipped(store, self.events, step, saving, update)
-            return {**dataclasses.asdict(out), "adam_s": time.perf_counter() - t0}
+            out.adam_s = time.perf_counter() - t0
+            return out
         finally:
             with self.turn:
                 self.next_step = step + 1

@@ -24,6 +24,7 @@ import shutil
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,18 @@ from megatrain.errors import DiskFull, disk_full, free_bytes, is_disk_full
 AHEAD = 2  # pieces in flight beyond the oldest: keeps every thread busy across piece boundaries
 
 
+@dataclass(frozen=True)
+class Written:
+    """A checkpoint written (not yet published): where it will be, its bytes, the seconds the write took, how
+    long of that it waited for Adam's updates, and whether every file was written with direct I/O."""
+
+    path: str
+    bytes: int
+    seconds: float
+    waited_for_adam_s: float
+    direct_io: bool
+
+
 class CheckpointWriter(Role):
     def __init__(self, threads: int = 4):
         super().__init__("checkpoint-writer")
@@ -49,7 +62,7 @@ class CheckpointWriter(Role):
         self.store = Store.attach(spec, ckpt.PLANES, role=self.name)
 
     @guarded
-    def write(self, step: int, root: str, meta: dict) -> dict:
+    def write(self, step: int, root: str, meta: dict) -> Written:
         """Write the state after `step` into a temporary directory under `root`, every file fsync'ed; it
         is not a checkpoint until publish(step). Its bytes and seconds, and how long it waited for Adam's
         update of the step."""
@@ -76,8 +89,8 @@ class CheckpointWriter(Role):
                     "files": {f"{p}.bin": {"bytes": nbytes, "segments": sorted(segments[p])} for p in ckpt.PLANES},
                     "units": ckpt.unit_table(spec.layout), "written_at": time.time(), **meta}
         self.staged[step] = (tmp, ckpt.step_dir(base, step), manifest)
-        return {"path": str(ckpt.step_dir(base, step)), "bytes": nbytes * len(ckpt.PLANES),
-                "seconds": time.perf_counter() - t0, "waited_for_adam_s": waited, "direct_io": direct}
+        return Written(str(ckpt.step_dir(base, step)), nbytes * len(ckpt.PLANES), time.perf_counter() - t0, waited,
+                       direct)
 
     def _write_files(self, step: int, tmp: Path, nbytes: int) -> tuple[dict[str, list], float, bool]:
         """The planes' files in `tmp`, fsync'ed: their segments, the wait for Adam, whether all were direct I/O.

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,6 +24,15 @@ from megatrain.cudahost import use_expandable_segments
 from megatrain.engine import EngineConfig, StepEngine, resolve_device, resolve_dtype
 from megatrain.model import family_classes
 from megatrain.profiling import StepProfile
+
+
+@dataclass(frozen=True)
+class EvalSums:
+    """An evaluation call's sums over its batches: the token loss, the labelled tokens, the executor's seconds."""
+
+    loss_sum: float
+    tokens: int
+    eval_s: float
 
 
 class GpuExecutor(Role):
@@ -97,7 +107,7 @@ class GpuExecutor(Role):
         return self._on_compute(run, step, ids, labels, timeline)
 
     @guarded
-    def evaluate(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    def evaluate(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> EvalSums:
         """Forward-only passes (one weight walk per batch) with the weights after step-1's update: the
         summed token loss and the labelled tokens over all batches."""
         return self._on_compute(self._evaluate, step, batches)
@@ -126,12 +136,12 @@ class GpuExecutor(Role):
             self.source.end()
         return out
 
-    def _evaluate(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    def _evaluate(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> EvalSums:
         t0 = time.perf_counter()
         it = iter(batches)
         res = self._walks(step, len(batches), lambda: self.engine.evaluate(*next(it), self.source))
         loss = sum(float(r[0]) for r in res)
-        return {"loss_sum": loss, "tokens": sum(int(r[1]) for r in res), "eval_s": time.perf_counter() - t0}
+        return EvalSums(loss, sum(int(r[1]) for r in res), time.perf_counter() - t0)
 
     def _generate(self, step: int, ids: torch.Tensor, pos: torch.Tensor, new_tokens: int) -> torch.Tensor:
         ids, pos = ids.clone(), pos.clone()

@@ -46,7 +46,7 @@ class Evaluator:
                 batches = [self.data.eval_batch(i) for i in range(lo, min(lo + GROUP, self.count))]
                 res = self._walks(step, len(batches),
                                   self.crew.call("gpu-executor", GpuExecutor.evaluate, step, batches))
-                loss_sum, tokens, seconds = loss_sum + res["loss_sum"], tokens + res["tokens"], seconds + res["eval_s"]
+                loss_sum, tokens, seconds = loss_sum + res.loss_sum, tokens + res.tokens, seconds + res.eval_s
             out.update(eval_tokens=tokens, eval_s=seconds)
             if tokens:  # an evaluation set without a labelled token has no loss (it is said so, not 0)
                 loss = loss_sum / tokens

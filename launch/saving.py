@@ -4,10 +4,11 @@ actors/checkpoint_writer.py says what the writer and Adam do meanwhile."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from megatrain.actors.checkpoint_writer import CheckpointWriter
+from megatrain.actors.checkpoint_writer import CheckpointWriter, Written
 from megatrain.ipc.protocol import StoreSpec
 from megatrain.launch.checkpointing import Checkpointer
 from megatrain.launch.crew import Crew
@@ -24,8 +25,8 @@ class Saves:
                  recorded: Callable[[], int], sync: Callable[[], None]):
         self.crew, self.checkpointer, self.meta, self.timeout_s = crew, checkpointer, meta, timeout_s
         self.recorded, self.sync = recorded, sync
-        self.pending: Pending[dict] | None = None  # the checkpoint being written
-        self.staged: dict | None = None  # written but not yet published
+        self.pending: Pending[Written] | None = None  # the checkpoint being written
+        self.staged: Written | None = None  # written but not yet published
 
     def ensure_writer(self, threads: int, spec: StoreSpec) -> None:
         """The writer, started on demand (a graceful stop in a run that asked for no periodic saves)."""
@@ -61,7 +62,7 @@ class Saves:
         self.sync()
         res, self.staged = self.staged, None
         self.crew.call_one(WRITER, CheckpointWriter.publish, step)
-        self.checkpointer.finished(res)
+        self.checkpointer.finished(dataclasses.asdict(res))
 
     def wait(self) -> None:
         """Wait for the checkpoint being written, if any, and publish it (every caller has recorded the

@@ -3,6 +3,7 @@ checkpoints between steps, a graceful stop on a signal; each step's row to launc
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from megatrain.actors.gpu_executor import GpuExecutor
 from megatrain.actors.grad_accumulator import GradAccumulator
 from megatrain.actors.packer import Packer
 from megatrain.ipc.protocol import StoreSpec
+from megatrain.ipc.protocol.adam import Applied
 from megatrain.launch.actor_profile import ActorProfile
 from megatrain.launch.checkpointing import Checkpointer
 from megatrain.launch.config import Config
@@ -156,8 +158,8 @@ class StepLoop:
             self.first_step_s = time.monotonic() - self.run.launched
             log(f"first step done {self.first_step_s:.1f} s after launch")
 
-    def _record(self, row: dict, adam: dict) -> None:
-        self.metrics.append(self.reporter.record(row, adam))
+    def _record(self, row: dict, adam: Applied) -> None:
+        self.metrics.append(self.reporter.record(row, dataclasses.asdict(adam)))
         self.saves.publish_ready()
 
     def _recorded(self) -> int:

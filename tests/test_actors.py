@@ -20,8 +20,8 @@ def test_adam_takes_overlapping_step_calls_in_order(rid: str, model_spec) -> Non
     try:
         adam = AdamUpdater(OptimConfig())
         adam.attach(spec)
-        later: dict = {}
-        thread = threading.Thread(target=lambda: later.update(adam.step(1, 1e-3)))
+        later: list = []
+        thread = threading.Thread(target=lambda: later.append(adam.step(1, 1e-3)))
         thread.start()
         time.sleep(0.3)
         for _ in range(2 * spec.num_pieces):  # both steps' gradients have arrived
@@ -31,7 +31,7 @@ def test_adam_takes_overlapping_step_calls_in_order(rid: str, model_spec) -> Non
         first = adam.step(0, 1e-3)
         thread.join(30)
         assert later and list(owner.versions) == [2] * spec.num_pieces
-        assert later["unit_spans"][0][1] >= first["unit_spans"][-1][2]
+        assert later[0].unit_spans[0][1] >= first.unit_spans[-1][2]
         adam.store.close()
     finally:
         owner.unlink()

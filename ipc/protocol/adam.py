@@ -36,13 +36,15 @@ PieceUpdate = Callable[[Item, np.ndarray, float], None]
 
 @dataclass
 class Applied:
-    """What a step's update did: the global gradient norm, the clip scale, whether it was skipped whole, and
-    each piece's (unit, start, end) in time.time() seconds (the timeline's Adam lane)."""
+    """What a step's update did: the global gradient norm, the clip scale, whether it was skipped whole,
+    each piece's (unit, start, end) in time.time() seconds (the timeline's Adam lane), and the updater's
+    time for the whole step, waits included (set by the actor: AdamUpdater.step's result)."""
 
     grad_norm: float
     clip_scale: float
     skipped: bool
     unit_spans: list[tuple[int, float, float]] = field(default_factory=list)
+    adam_s: float = 0.0
 
 
 def update_clipped(store: Store, step: int, saving: bool, max_grad_norm: float, update: PieceUpdate) -> Applied:
