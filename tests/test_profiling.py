@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -76,18 +77,102 @@ def _profiled_run(tmp_path: Path, rid: str, actor: str, capsys) -> tuple[Path, s
     return out, capsys.readouterr().out
 
 
-def test_a_cpu_actor_is_sampled_over_its_step(tmp_path: Path, rid: str, capsys) -> None:
-    import json
+def _py_spy() -> str:
     import shutil
 
-    if shutil.which("py-spy") is None and shutil.which("py-spy", path=str(Path(sys.executable).parent)) is None:
+    exe = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    if exe is None:
         pytest.skip("py-spy is not installed (pip install 'megatrain[profile]')")
+    return exe
+
+
+def test_a_cpu_actor_is_sampled_over_its_step(tmp_path: Path, rid: str, capsys) -> None:
+    """The actor's sampler was sampling before step 3 began (start() returns once py-spy says it samples) and
+    wrote its file after the step: the log line says both. What py-spy caught in a step of a few tens of
+    milliseconds is its luck, so the file is checked for what it must be: py-spy's speedscope document of this
+    process's threads (test_the_sampler_catches_what_runs_while_it_samples checks that samples land)."""
+    import json
+
+    _py_spy()
     out, log = _profiled_run(tmp_path, rid, "adam-updater", capsys)
     trace = out / "profiles" / "adam-updater-step-3.speedscope.json"
     assert f"profiled adam-updater during step 3 with py-spy into {trace}" in log
     data = json.loads(trace.read_text())
-    assert "speedscope" in data["$schema"] and data["shared"]["frames"]
+    assert "speedscope" in data["$schema"] and data["exporter"].startswith("py-spy")
+    frames = len(data["shared"]["frames"])
+    for prof in data["profiles"]:  # one per thread it caught
+        assert prof["type"] == "sampled" and prof["name"].startswith("Thread ")
+        assert all(0 <= f < frames for sample in prof["samples"] for f in sample)
     assert not (out / "profile-step-3.json").exists()  # the executor was not profiled
+
+
+def _busy(stop) -> None:  # noqa: ANN001
+    while not stop.is_set():
+        sum(range(1000))
+
+
+def test_the_sampler_catches_what_runs_while_it_samples(tmp_path: Path) -> None:
+    """start() returns only once py-spy samples; a thread busy from then on for 250 sample periods (one a
+    sampler that had not attached yet would miss whole, as the old fixed one-second wait could on a busy
+    node) is in the file stop() writes, with its function's frames."""
+    import json
+    import threading
+    import time
+
+    from megatrain.ipc.sampler import RATE, Sampler
+
+    _py_spy()
+    sampler, stop = Sampler(), threading.Event()
+    assert sampler.start(str(tmp_path / "p.json")) == ""
+    worker = threading.Thread(target=_busy, args=(stop,), name="busy-worker")
+    worker.start()
+    time.sleep(250 / RATE)  # a window for a sampler that is already sampling, not a wait for it
+    stop.set()
+    worker.join()
+    assert sampler.stop() == "" and "Samples:" in sampler.said
+    data = json.loads((tmp_path / "p.json").read_text())
+    names = {f["name"] for f in data["shared"]["frames"]}
+    assert "_busy" in names and any("busy-worker" in prof["name"] for prof in data["profiles"])
+
+
+def _fake_py_spy(tmp_path: Path, script: str, monkeypatch) -> None:
+    """A py-spy on PATH that does what `script` says (the real one cannot be made to fail on demand)."""
+    exe = tmp_path / "bin" / "py-spy"
+    exe.parent.mkdir()
+    exe.write_text(f"#!/bin/sh\n{script}\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{exe.parent}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+def test_a_py_spy_that_cannot_attach_is_named_with_its_error(tmp_path: Path, monkeypatch) -> None:
+    from megatrain.ipc.sampler import Sampler
+
+    _fake_py_spy(tmp_path, "echo 'Error: Operation not permitted (os error 1)'; echo 'Stack backtrace:'; "
+                           "echo '   0: anyhow::error'; exit 1", monkeypatch)
+    sampler = Sampler()
+    why = sampler.start(str(tmp_path / "p.json"))
+    assert why == "py-spy exited at once: Error: Operation not permitted (os error 1)"
+    assert sampler.proc is None and sampler.stop() == "no sampler was running"
+
+
+def test_a_py_spy_that_never_samples_is_ended(tmp_path: Path, monkeypatch) -> None:
+    import subprocess
+
+    import psutil
+    from megatrain.ipc import sampler as sampling
+
+    made: list[subprocess.Popen] = []
+
+    class Recorded(subprocess.Popen):  # the real Popen, remembered so the test can check what became of it
+        def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    _fake_py_spy(tmp_path, "exec sleep 600", monkeypatch)
+    monkeypatch.setattr(sampling.subprocess, "Popen", Recorded)
+    monkeypatch.setattr(sampling, "START_S", 0.5)  # it never says it samples: this only bounds the test
+    assert sampling.Sampler().start(str(tmp_path / "p.json")) == "py-spy did not start sampling in 0.5 s"
+    assert len(made) == 1 and made[0].returncode is not None and not psutil.pid_exists(made[0].pid)  # reaped
 
 
 def test_an_actor_the_run_does_not_have_is_named_and_nothing_is_profiled(tmp_path: Path, rid: str, capsys) -> None:
