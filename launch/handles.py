@@ -60,9 +60,13 @@ def checked(h: Handle[Any], method: Callable[..., Any], args: tuple, kwargs: dic
 def checked_init(cls: type, args: tuple) -> None:
     """The constructor's arguments bind to its signature (TypeError here, not in a new process)."""
     try:
-        inspect.signature(cls).bind(*args)
+        signature = inspect.signature(cls)
+    except ValueError:  # a class without an introspectable signature (a builtin): its constructor checks
+        return
+    try:
+        signature.bind(*args)
     except TypeError as exc:
-        raise TypeError(f"{cls.__name__}{inspect.signature(cls)} cannot take the arguments {args!r}: {exc}") from None
+        raise TypeError(f"{cls.__name__}{signature} cannot take the arguments {args!r}: {exc}") from None
 
 
 class Runner(Protocol):

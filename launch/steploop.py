@@ -29,6 +29,7 @@ from megatrain import log
 from megatrain.adamw import lr_at
 from megatrain.data import Data
 from megatrain.data.loader import Prefetcher
+from megatrain.errors import ProtocolError
 from megatrain.flops import model_step_flops
 
 
@@ -71,7 +72,7 @@ class StepLoop:
         run, cfg = self.run, self.cfg
         timeout = cfg.train.step_timeout_s
         prev: tuple[dict, Pending] | None = None
-        self.loader = Prefetcher(run.data.batch, run.start, run.steps, cfg.data.prefetch)
+        self.loader = loader = Prefetcher(run.data.batch, run.start, run.steps, cfg.data.prefetch)
         flops = model_step_flops(run.spec.model, cfg.data.batch_size, cfg.data.seq_len)
         self.reporter = Reporter(run.out, cfg.train, run.cuda, flops, run.start, run.steps,
                                  lambda step, row: run.evaluator.describe(step, row))
@@ -86,7 +87,7 @@ class StepLoop:
                     self._stop_gracefully(t)
                     break
                 sampled.before(t)
-                calls, row = self._launch(t, saving=run.checkpointer.writing == t)
+                calls, row = self._launch(t, loader, saving=run.checkpointer.writing == t)
                 adam = calls.pop("adam-updater")
                 if prev is not None:
                     calls["adam-previous"] = prev[1]
@@ -127,9 +128,9 @@ class StepLoop:
         self.saves.start(step, self.metrics[-1]["epoch"], self.cfg.data.seed)
         self.saves.wait()
 
-    def _launch(self, t: int, saving: bool = False) -> tuple[dict[str, Pending], dict]:
+    def _launch(self, t: int, loader: Prefetcher, saving: bool = False) -> tuple[dict[str, Pending], dict]:
         cfg, crew = self.cfg, self.crew
-        b = self.loader.get(t)
+        b = loader.get(t)
         ids, labels = b.ids, b.labels
         lr = lr_at(cfg.optim, t, self.run.steps)
         row = {"step": t + 1, "epoch": b.epoch, "lr": lr, "t0": time.perf_counter(), "batch_tokens": ids.numel()}
@@ -159,6 +160,8 @@ class StepLoop:
             log(f"first step done {self.first_step_s:.1f} s after launch")
 
     def _record(self, row: dict, adam: Applied) -> None:
+        if self.reporter is None:
+            raise ProtocolError(f"step {row['step']} recorded outside the step loop")
         self.metrics.append(self.reporter.record(row, dataclasses.asdict(adam)))
         self.saves.publish_ready()
 
