@@ -176,7 +176,9 @@ def test_sizes_refused_while_the_store_is_made_leave_nothing(capsys, tmp_path: P
     from megatrain.errors import ResourceError
 
     def refuse(*_a, **_k):
-        time.sleep(0.5)  # the owner is inside create() by now
+        deadline = time.monotonic() + 120  # the owner is inside create() once its first segment exists
+        while not run_leftovers(rid) and time.monotonic() < deadline:
+            time.sleep(0.01)
         raise ResourceError("the GPU cannot hold one sequence (forced by the test)")
 
     monkeypatch.setattr(autosize, "choose", refuse)
@@ -185,7 +187,7 @@ def test_sizes_refused_while_the_store_is_made_leave_nothing(capsys, tmp_path: P
                        "launch.runner=inprocess", "model.hf.num_hidden_layers=2")
     assert code == 1 and "cannot hold one sequence" in err and len(err.strip().splitlines()) == 1, err
     assert run_leftovers(rid) == []
-    deadline = time.monotonic() + 10  # the fill stops at its next unit once the run is shut down
+    deadline = time.monotonic() + 60  # the fill stops at its next unit once the run is shut down
     while threading.active_count() > threads and time.monotonic() < deadline:
         time.sleep(0.05)
     assert threading.active_count() <= threads

@@ -413,9 +413,14 @@ def test_no_tokenizer_process_outlives_the_build(tmp_path, tok_dir, monkeypatch)
     psutil = pytest.importorskip("psutil")
     small_ranges(monkeypatch, 2048)
     path = write_jsonl(tmp_path / "c.jsonl", chat_records(60))
+    from multiprocessing import resource_tracker
+
+    # multiprocessing's tracker, started by the first spawned process, lives as long as this process: not a
+    # tokenizer (run alone, this test would otherwise find it; in the suite an earlier test has started it)
+    resource_tracker.ensure_running()
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     open_data(cfg(tmp_path, tok_dir, kind="chat", path=str(path), seq_len=64, num_workers=2), HF, None)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60  # a bound on the wait for their exit, not a measure of it
     while {p.pid for p in psutil.Process().children(recursive=True)} - before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not {p.pid for p in psutil.Process().children(recursive=True)} - before

@@ -30,19 +30,20 @@ def run(tmp_path, rid: str, *extra: str, steps: int = 4) -> dict:
 def test_an_actor_that_raises_is_named_with_its_error(tmp_path, rid: str, monkeypatch) -> None:
     import megatrain.actors.packer as packer
 
-    real, calls = packer.pack, []
+    real, raised_at = packer.pack, []
 
     def pack(store, item, step):  # noqa: ANN001
-        calls.append(step)
         if step == 2:
+            raised_at.append(time.monotonic())
             raise RuntimeError("boom in the packer")
         real(store, item, step)
 
     monkeypatch.setattr(packer, "pack", pack)
-    t0 = time.monotonic()
     with pytest.raises(MegatrainError, match=r"actor 'packer-0'.*RuntimeError: boom in the packer") as info:
         run(tmp_path, rid)
-    assert time.monotonic() - t0 < 20
+    # from the raise, not from the start (a busy machine's start-up is not the point): far below any wait's
+    # timeout (ipc.wait_timeout_s, 600 s), which a run that missed the failure would run into
+    assert time.monotonic() - raised_at[0] < 60
     assert "boom in the packer" in info.value.traceback and "pack" in info.value.traceback  # the actor's own stack
     assert run_leftovers(rid) == []
 
@@ -52,34 +53,27 @@ def test_a_stalled_actor_is_named_not_its_victims(tmp_path, rid: str, monkeypatc
     table's progress, long before any wait timeout, and the run ends right after the verdict (the driver does
     not wait on the stalled actor's answer, which never comes)."""
     from megatrain.actors.adam_updater import AdamUpdater
-    from megatrain.ipc.protocol.store import Store
 
-    release = threading.Event()
-    real, real_abort, verdict_at = AdamUpdater._update, Store.abort, []
+    release, hang_over = threading.Event(), threading.Event()
+    real = AdamUpdater._update
 
     def update(self, unit, lo, hi, g, t, lr, scale):  # noqa: ANN001
         if t == 2:
-            release.wait(60)  # a hang the run must notice; freed at the end so the thread can finish
+            release.wait(60)  # a hang the run must notice; freed once the run has ended
+            hang_over.set()
         real(self, unit, lo, hi, g, t, lr, scale)
 
-    def abort(self, reason: str) -> None:  # noqa: ANN001 - the real abort, timed
-        if reason.startswith("stalled:") and not verdict_at:
-            verdict_at.append(time.monotonic())
-        real_abort(self, reason)
-
     monkeypatch.setattr(AdamUpdater, "_update", update)
-    monkeypatch.setattr(Store, "abort", abort)
-    t0 = time.monotonic()
     try:
         with pytest.raises(MegatrainError) as info:
             run(tmp_path, rid, "ipc.stall_timeout_s=2", "train.overlap_adam=false")
-        ended = time.monotonic()
+        # A condition, not a clock: a driver that waited for the stalled call's answer could only end once the
+        # hang did (its 60 s out), so the run must have ended with Adam still hung.
+        assert not hang_over.is_set(), "the run ended only after the stalled actor's hang did"
     finally:
         release.set()
     msg = str(info.value)
-    assert "stalled: actor 'adam-updater'" in msg and "while working" in msg, msg
-    assert ended - t0 < 20, ended - t0
-    assert verdict_at and ended - verdict_at[0] < 3, f"the run ended {ended - verdict_at[0]:.1f}s after the verdict"
+    assert "stalled: actor 'adam-updater'" in msg and "while working" in msg, msg  # the monitor's, not a timeout
     assert run_leftovers(rid) == []
 
 

@@ -84,7 +84,9 @@ class Cli:
     def text(self) -> str:
         return "".join(self.stdout[-40:]) + "\n--- stderr ---\n" + "".join(self.stderr[-40:])
 
-    def assert_clean(self, timeout: float = 30) -> None:
+    def assert_clean(self, timeout: float = 60) -> None:
+        """Nothing of the run left: waited for (Ray ends its workers, the guard and the reaper poll), with a bound
+        that only ends a wait for what never happens."""
         deadline = time.monotonic() + timeout
         alive = set(self.tree)
         while time.monotonic() < deadline:
@@ -129,12 +131,14 @@ def head_node(tmp_path: Path):
                             start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env={**os.environ, **NO_AUTH})
     try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+        deadline = time.monotonic() + 300  # a bound for a hung start only: a busy machine starts Ray slowly
+        while proc.poll() is None and time.monotonic() < deadline:
             with socket.socket() as sock:
                 if sock.connect_ex(("127.0.0.1", port)) == 0:
                     break
             time.sleep(0.2)
+        else:
+            raise AssertionError(f"ray start --head did not listen on {port} (exit {proc.poll()})")
         yield f"127.0.0.1:{port}"
     finally:
         tree = [proc.pid, *descendants([proc.pid])]
@@ -176,15 +180,16 @@ def kill_mid_write(cli: Cli, victims: tuple[str, ...]) -> None:
     pids = cli.actor_pids()
     torn = freeze_mid_write(cli, pids["checkpoint-writer"])
     cli.snapshot()
-    t0 = time.monotonic()
     for v in victims:
         os.kill(cli.proc.pid if v.startswith("driver") else pids[v], signal.SIGKILL)
+    # Promptly: the death itself is reported, not a peer's wait running out (ipc.wait_timeout_s is 600 s, and
+    # finish() gives the launcher 90 s), whatever the machine's load makes of the seconds in between.
     rc = cli.finish(timeout=90)
     if not victims[0].startswith("driver"):
         err = "".join(cli.stderr)
         assert rc == 1 and "died" in err and any(f"actor '{v}'" in err for v in victims), cli.text()
-        assert time.monotonic() - t0 < 30, f"took {time.monotonic() - t0:.1f}s to report the death of {victims}"
-    cli.assert_clean(timeout=10 if victims[0].startswith("driver") else 30)
+        assert "WaitTimeout" not in err, cli.text()
+    cli.assert_clean()
     step = int(torn.name.split(".")[0].removeprefix("step-"))
     done = [s for s, _ in ckpt.complete(cli.out / "checkpoints")]
     assert torn.is_dir() and done and all(s < step for s in done), (torn, done)  # never taken for complete
@@ -198,13 +203,13 @@ def stopped_actor(cli: Cli) -> None:
     cli.wait_for(r"checkpoint after step \d+")
     cli.snapshot()
     os.kill(pids["adam-updater"], signal.SIGSTOP)
-    t0 = time.monotonic()
-    cli.wait_for(r"stalled: actor 'adam-updater'.*stopped running", timeout=60)  # the monitor's verdict
-    took = time.monotonic() - t0
+    # The monitor's verdict, from the heartbeat: no peer's wait (600 s) can have run out within wait_for's bound,
+    # and none is reported (how many seconds the verdict takes is ipc.stall_timeout_s plus the machine's load).
+    cli.wait_for(r"stalled: actor 'adam-updater'.*stopped running", timeout=90)
     assert cli.finish(timeout=90) == 1, cli.text()
     err = "".join(cli.stderr)
     assert "stalled: actor 'adam-updater'" in err and "stopped running" in err, cli.text()
-    assert took < 20, f"took {took:.1f}s to name the stopped actor"
+    assert "WaitTimeout" not in err, cli.text()
     cli.assert_clean()
 
 
@@ -221,8 +226,9 @@ def stop_by_signal(cli: Cli, how: str) -> None:
         assert len(ckpt.complete(cli.out / "checkpoints")) > before, cli.text()
     else:
         os.kill(cli.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 30  # two signals at once would merge into one: wait for the first's word
-        while "finishing the current step" not in "".join(cli.stderr) and time.monotonic() < deadline:
+        deadline = time.monotonic() + 120  # two signals at once would merge into one: wait for the first's word
+        while "finishing the current step" not in "".join(cli.stderr):
+            assert time.monotonic() < deadline and cli.proc.poll() is None, cli.text()
             time.sleep(0.01)
         os.kill(cli.proc.pid, signal.SIGTERM)
         assert cli.finish(timeout=90) == 128 + signal.SIGTERM, cli.text()

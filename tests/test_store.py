@@ -189,7 +189,7 @@ def test_wait_raises_abort_error_promptly_with_the_reason(rid: str, model_spec) 
             timer.cancel()
             timer.join()
         elapsed = time.monotonic() - t0
-        assert 0.25 <= elapsed < 2.0
+        assert 0.25 <= elapsed < 10.0  # woken by the abort, far from the 600 s timeout, with room for a busy machine
         assert "grad-accumulator-0: RuntimeError: boom" in str(info.value)
         assert store.aborted and store.abort_reason() == "grad-accumulator-0: RuntimeError: boom"
         store.abort("a later failure")  # the first (root) cause is kept
@@ -209,13 +209,13 @@ def test_wait_times_out_with_a_tiny_timeout(rid: str, model_spec) -> None:
         t0 = time.monotonic()
         with pytest.raises(WaitTimeout, match="a free slab"):
             store.wait("w_free0", "a free slab")
-        assert 0.19 <= time.monotonic() - t0 < 2.0
+        assert 0.19 <= time.monotonic() - t0 < 10.0  # never early; late only by what a busy machine adds
         with pytest.raises(WaitTimeout, match="weights of unit 2"):
             store.wait("w_full0", "weights of unit 2")  # full slabs start at 0
         t0 = time.monotonic()
         with pytest.raises(WaitTimeout, match="version of unit 1"):
             store.wait_version(1, 1, "version of unit 1")
-        assert 0.19 <= time.monotonic() - t0 < 2.0
+        assert 0.19 <= time.monotonic() - t0 < 10.0
         store.versions[spec.piece_range(1)] = 1
         store.wait_version(1, 1, "version of unit 1")  # reached: returns at once
         store.post("grads_ready")
