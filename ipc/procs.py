@@ -51,6 +51,13 @@ def pid_alive(pid: int, ticks: int = 0) -> bool:
     return not ticks or start_ticks(pid) in (0, ticks)
 
 
+def live(pid: int, ticks: int = 0) -> bool:
+    """The process (the one started at `ticks`, when given) exists and is not a zombie: a zombie has run all the
+    code it ever will and its mappings are gone, and where nothing reaps it (a container whose first process
+    is no init) it stays one for good."""
+    return pid_alive(pid, ticks) and running(pid)
+
+
 def running(pid: int) -> bool:
     """The process exists and is not a zombie (dead, not yet reaped by its parent)."""
     if not pid_alive(pid):

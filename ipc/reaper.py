@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from megatrain.ipc.procs import pid_alive
+from megatrain.ipc.procs import live
 from megatrain.ipc.shm import PREFIX, remove_run, run_entries
 
 POLL_S = 0.2
@@ -26,7 +26,7 @@ def watch(run_id: str, pid: int, ticks: int, shm_dir: str = "/dev/shm") -> list[
     while True:
         if not os.path.exists(ctl):
             return []  # the owner unlinked everything itself
-        if not pid_alive(pid, ticks):
+        if not live(pid, ticks):  # dead, or a zombie nobody reaps: either ran its last cleanup code
             return remove_run(run_id, run_entries(shm_dir).get(run_id, []), shm_dir)
         time.sleep(POLL_S)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import posix_ipc
 import psutil
-from megatrain.ipc.procs import pid_alive, start_ticks
+from megatrain.ipc.procs import live, start_ticks
 
 from megatrain.errors import ConfigError, LayoutMismatch, ResourceError
 
@@ -44,7 +44,7 @@ def check_run_id_free(run_id: str, shm_dir: str = "/dev/shm") -> None:
     """No live run on this machine uses `run_id` (a dead one's leftovers are swept when the store is made)."""
     if run_id in run_entries(shm_dir):
         owner = read_owner(run_id)
-        if owner is not None and pid_alive(*owner):
+        if owner is not None and live(*owner):
             raise ConfigError(f"train.run_id '{run_id}' is in use by a live run (store owner pid {owner[0]}); choose "
                               "another, or leave it empty for a random one")
 
@@ -313,9 +313,9 @@ def remove_cuda_ipc_files(pids: list[int], shm_dir: str = "/dev/shm", wait_s: fl
     """
     deadline = time.monotonic() + wait_s
     pids = [p for p in pids if p != os.getpid()]
-    while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(live(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    dead = {f"{p:x}" for p in pids if not pid_alive(p)}
+    dead = {f"{p:x}" for p in pids if not live(p)}
     removed = []
     for name in os.listdir(shm_dir):
         parts = name.split(".")
@@ -356,7 +356,7 @@ def sweep(run_id: str | None = None, shm_dir: str = "/dev/shm") -> list[str]:
         if run_id is not None and rid != run_id:
             continue
         owner = read_owner(rid)
-        if owner is not None and pid_alive(*owner):
+        if owner is not None and live(*owner):  # a zombie owner counts as dead: it will never clean up
             continue
         if owner is None and _young(shm_dir, f"{PREFIX}{rid}-ctl"):
             continue  # a run being created right now: its owner has not written the header yet

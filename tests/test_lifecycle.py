@@ -178,8 +178,8 @@ def freeze_mid_write(cli: Cli, writer: int) -> Path:
 
 def kill_mid_write(cli: Cli, victims: tuple[str, ...]) -> None:
     pids = cli.actor_pids()
+    cli.snapshot()  # before the writer is frozen: the kill follows the freeze at once
     torn = freeze_mid_write(cli, pids["checkpoint-writer"])
-    cli.snapshot()
     for v in victims:
         os.kill(cli.proc.pid if v.startswith("driver") else pids[v], signal.SIGKILL)
     # Promptly: the death itself is reported, not a peer's wait running out (ipc.wait_timeout_s is 600 s, and
@@ -254,7 +254,11 @@ def test_one_run_stopped_and_killed_mid_checkpoint_resumes_bit_identical(tmp_pat
                                                          f"train.output_dir={ref}", "launch.runner=inprocess"])).run()
     joined = ["--address", head_node]  # no Ray start per link; the local driver's link starts its own
     for link in LINKS:
-        extra = ["ipc.stall_timeout_s=5"] if link == ("sigstop",) else []
+        # The SIGSTOPped Adam updater is named by the monitor within 5 s. Where the test freezes the writer only to
+        # tear a checkpoint, the deaths must be what is reported, however long a busy machine takes to notice
+        # them: the writer's own stall verdict is put out of their way.
+        extra = ["ipc.stall_timeout_s=5"] if link == ("sigstop",) else \
+            ["ipc.stall_timeout_s=300"] if link[0] not in ("ctrl-c", "sigterm-twice") else []
         cli = Cli(tmp_path / "run", *CHAIN, *extra, *([] if link == ("driver",) else joined), steps=STEPS,
                   env=NO_AUTH)
         if link == ("sigstop",):

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import posix_ipc
 import pytest
-from megatrain.ipc import shm
+from megatrain.ipc import procs, shm
 from megatrain.ipc.shm import HEADER_BYTES, Header, Segment, seg_name, sem_name
 
 from megatrain.errors import LayoutMismatch, ResourceError
@@ -43,7 +43,7 @@ def test_segment_create_names_mode_header_and_attach(rid: str) -> None:
         assert st.st_size == HEADER_BYTES + 12345
         assert seg.owner and seg.data_bytes == 12345
         assert seg.header.owner_pid == os.getpid()
-        assert seg.header.owner_ticks == shm.start_ticks(os.getpid()) > 0
+        assert seg.header.owner_ticks == procs.start_ticks(os.getpid()) > 0
         other = Segment.attach(name, HASH, rid)
         try:
             assert not other.owner and other.header == seg.header
@@ -185,7 +185,7 @@ def test_sweep_removes_a_run_whose_owner_died(rid: str) -> None:
         expected = {f"megatrain-{rid}-ctl", f"megatrain-{rid}-params", f"sem.megatrain-{rid}-sem-wfree0"}
         assert set(leftovers(rid)) == expected
         owner = shm.read_owner(rid)
-        assert owner is not None and owner[0] == pid and not shm.pid_alive(*owner)
+        assert owner is not None and owner[0] == pid and not procs.pid_alive(*owner)
         assert shm.read_worker_pids(rid) == [pid]
         # What the CUDA driver would leave for a SIGKILLed worker that the ctl segment names.
         cuda_file = f"{SHM}/cuda.shm.0.{pid:x}.1"
@@ -208,7 +208,7 @@ def test_sweep_leaves_a_run_whose_owner_is_alive(rid: str) -> None:
     try:
         before = leftovers(rid)
         assert len(before) == 3
-        assert shm.read_owner(rid) == (os.getpid(), shm.start_ticks(os.getpid()))
+        assert shm.read_owner(rid) == (os.getpid(), procs.start_ticks(os.getpid()))
         assert shm.sweep(rid) == []
         assert leftovers(rid) == before
     finally:
@@ -225,9 +225,9 @@ def test_sweep_detects_a_reused_owner_pid(rid: str) -> None:
     # The header names this (live) pid but a different start time: the pid was reused, the owner is dead.
     ctl = Segment.create(seg_name(rid, "ctl"), 4096, Header(HASH, rid))
     try:
-        hdr = Header(HASH, rid, os.getpid(), shm.start_ticks(os.getpid()) + 12345, 4096)
+        hdr = Header(HASH, rid, os.getpid(), procs.start_ticks(os.getpid()) + 12345, 4096)
         ctl.mm[: len(hdr.pack())] = hdr.pack()
-        assert not shm.pid_alive(os.getpid(), hdr.owner_ticks)
+        assert not procs.pid_alive(os.getpid(), hdr.owner_ticks)
         assert shm.sweep(rid) == [f"megatrain-{rid}-ctl"]
         assert leftovers(rid) == []
     finally:
@@ -270,7 +270,10 @@ def stop(proc: subprocess.Popen | None) -> None:
         proc.wait(timeout=10)
 
 
-def test_reaper_unlinks_after_the_owner_is_sigkilled(rid: str) -> None:
+@pytest.mark.parametrize("reaped", [True, False], ids=["reaped", "left-a-zombie"])
+def test_reaper_unlinks_after_the_owner_is_sigkilled(rid: str, reaped: bool) -> None:
+    """Reaped, as Ray's raylet does; or left a zombie, as where the raylet died first and the first process of
+    a container is no init: a zombie runs no cleanup, ever."""
     owner = reaper = None
     try:
         owner = subprocess.Popen([sys.executable, "-c", LIVE_OWNER, rid], stdout=subprocess.PIPE, text=True,
@@ -278,12 +281,16 @@ def test_reaper_unlinks_after_the_owner_is_sigkilled(rid: str) -> None:
         pid = int(owner.stdout.readline())
         assert owner.stdout.readline().strip() == "ready"
         assert len(leftovers(rid)) == 3
-        reaper = start_reaper(rid, pid, shm.start_ticks(pid))
+        reaper = start_reaper(rid, pid, procs.start_ticks(pid))
         time.sleep(0.8)  # several polls with the owner alive: nothing may go
         assert reaper.poll() is None
         assert len(leftovers(rid)) == 3
         owner.kill()
-        owner.wait(timeout=10)  # reaped, as Ray's raylet would; a zombie still counts as alive
+        if reaped:
+            owner.wait(timeout=10)
+        else:
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)  # exited, not reaped
+            assert procs.pid_alive(pid) and not procs.live(pid)
         _, err = reaper.communicate(timeout=20)  # the reaper's worker wait is bounded at 10 s
         assert reaper.returncode == 0
         assert leftovers(rid) == []
@@ -301,7 +308,7 @@ def test_reaper_exits_untouched_when_the_ctl_segment_is_unlinked(rid: str) -> No
     sem = posix_ipc.Semaphore(sem_name(rid, "x"), posix_ipc.O_CREX, mode=0o600)
     reaper = None
     try:
-        reaper = start_reaper(rid, os.getpid(), shm.start_ticks(os.getpid()))
+        reaper = start_reaper(rid, os.getpid(), procs.start_ticks(os.getpid()))
         time.sleep(0.8)
         assert reaper.poll() is None  # watching
         ctl.unlink()  # the owner's normal shutdown unlinks ctl last; here the rest stays, to be checked
@@ -341,8 +348,6 @@ def _kernel_start_ticks(pid: int) -> int:
 
 
 def test_start_ticks_and_started_at_are_the_kernels(rid: str) -> None:
-    from megatrain.ipc import procs
-
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
         for pid in (os.getpid(), child.pid):
@@ -358,8 +363,6 @@ def test_start_ticks_and_started_at_are_the_kernels(rid: str) -> None:
 
 
 def test_a_zombie_is_alive_but_not_running_and_maps_nothing() -> None:
-    from megatrain.ipc import procs
-
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
         os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOWAIT)  # exited, left unreaped: a zombie
@@ -371,8 +374,6 @@ def test_a_zombie_is_alive_but_not_running_and_maps_nothing() -> None:
 
 
 def test_maps_path_and_descendants(rid: str) -> None:
-    from megatrain.ipc import procs
-
     name = seg_name(rid, "params")
     # a child with a grandchild; both end when their shared stdin closes
     tree = ("import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()']); "
