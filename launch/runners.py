@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import traceback
@@ -151,7 +152,8 @@ class RayRunner:
         if unreachable:  # ray.init would retry for minutes
             raise ConfigError(f"{key} '{address}': cannot join that Ray cluster ({unreachable}); without an "
                               "address a private local instance is started")
-        refused = _join_auth() or (_auth_refused(address) if _host_port(address) else "")
+        disabled = os.environ.get(AUTH_MODE_ENV, "").lower() == "disabled"  # nothing of Ray's auth is touched
+        refused = "" if disabled else _join_auth() or (_auth_refused(address) if _host_port(address) else "")
         if refused:  # ray.init would retry for 20 s and end in a ConnectionError that does not say why
             raise ConfigError(f"{key} '{address}': cannot join that Ray cluster: {refused}")
         try:
@@ -376,35 +378,28 @@ def _auth_advice() -> str:
             f"and put the cluster's token in {TOKEN_PLACES} (`ray get-auth-token` on its head prints it)")
 
 
-def _auth_refused(address: str) -> str:
+_PROBE = """
+import sys
+from ray._raylet import GcsClient
+from ray.exceptions import AuthenticationError
+try:
+    GcsClient(address=sys.argv[1])
+except AuthenticationError:
+    print("refused")
+"""
+
+
+def _auth_refused(address: str, timeout: float = 30.0) -> str:
     """Why the cluster's GCS at host:port refuses this process's credentials, or '': one request, answered at
-    once, where ray.init would retry for 20 s and end in a ConnectionError that does not say why."""
+    once, where ray.init would retry for 20 s and end in a ConnectionError that does not say why. The request
+    runs in a child process with this one's environment: a GCS client made in the driver before ray.init
+    left the actors it then created without their owner's references (they died as unreferenced)."""
     try:
-        from ray._raylet import GcsClient
-    except ImportError:
+        probe = subprocess.run([sys.executable, "-c", _PROBE, address], capture_output=True, text=True,
+                               timeout=timeout, env=os.environ.copy())
+    except (OSError, subprocess.TimeoutExpired):  # anything else is ray.init's to report
         return ""
-    try:
-        with _quiet_stderr():  # Ray's C++ client logs the refusal on fd 2 too
-            GcsClient(address=address)
-    except _auth_error():
-        return _auth_advice()
-    except Exception:  # anything else is ray.init's to report
-        return ""
-    return ""
-
-
-@contextlib.contextmanager
-def _quiet_stderr() -> Iterator[None]:
-    """File descriptor 2 to /dev/null for the block (C++ logging bypasses sys.stderr)."""
-    sys.stderr.flush()
-    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
+    return _auth_advice() if probe.stdout.strip() == "refused" else ""
 
 
 def make_runner(cfg: LaunchConfig) -> Runner:
