@@ -7,4 +7,5 @@ MEGATRAIN_EXTRAS=test
 source ./bootstrap.sh
 megatrain_env
 "$PY" -m ruff check .
+"$PY" -m ruff format --check .
 "$PY" -m pytest -q "$@"

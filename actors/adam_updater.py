@@ -21,14 +21,14 @@ import time
 
 import numpy as np
 import torch
-from megatrain.actors.base import Role, guarded
-from megatrain.ipc.protocol import Store, StoreSpec
-from megatrain.ipc.protocol.adam import Applied, update_clipped, update_unclipped
-from megatrain.ipc.protocol.plan import Item
 
+from megatrain.actors.base import Role, guarded
 from megatrain.adamw import OptimConfig, adamw_update
 from megatrain.errors import ProtocolError, WaitTimeout
 from megatrain.hostops import warm_up
+from megatrain.ipc.protocol import Store, StoreSpec
+from megatrain.ipc.protocol.adam import Applied, update_clipped, update_unclipped
+from megatrain.ipc.protocol.plan import Item
 
 
 class AdamUpdater(Role):
@@ -40,8 +40,9 @@ class AdamUpdater(Role):
         warm_up()  # compiled (or loaded from Numba's cache) while the store is being made, not in a step
         a = np.zeros(4, np.float32)
         adamw_update(a, a.copy(), a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0)
-        adamw_update(a, a.copy(), a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0,
-                     bf16_out=np.zeros(4, np.uint16))
+        adamw_update(
+            a, a.copy(), a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0, bf16_out=np.zeros(4, np.uint16)
+        )
         bits = np.zeros(4, np.uint16)  # bf16 gradients in the resident copy (clipping)
         adamw_update(a, bits, a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0, bf16_out=bits)
         self.mark("ready")
@@ -84,8 +85,9 @@ class AdamUpdater(Role):
                 if self.next_step > step:
                     raise ProtocolError(f"Adam step {step} requested after step {self.next_step - 1}")
                 if time.monotonic() > deadline:
-                    raise WaitTimeout(f"waited {ipc.wait_timeout_s:g}s for Adam's step {self.next_step} to end "
-                                      f"before step {step}")
+                    raise WaitTimeout(
+                        f"waited {ipc.wait_timeout_s:g}s for Adam's step {self.next_step} to end before step {step}"
+                    )
                 self.turn.wait(ipc.poll_s)
 
     def _piece(self, t: int, lr: float, item: Item, grad: np.ndarray, scale: float) -> None:
@@ -100,8 +102,18 @@ class AdamUpdater(Role):
         fused = self._bf16_resident(unit, lo, hi)  # the copy the next forward streams, written in the same pass
         for sl, wd in ((slice(0, split), self.cfg.weight_decay), (slice(split, None), 0.0)):
             if p[sl].size:
-                adamw_update(p[sl], g[sl], m[sl], v[sl], step=t, lr=lr, cfg=self.cfg, weight_decay=wd,
-                             grad_scale=scale, bf16_out=None if fused is None else fused[sl])
+                adamw_update(
+                    p[sl],
+                    g[sl],
+                    m[sl],
+                    v[sl],
+                    step=t,
+                    lr=lr,
+                    cfg=self.cfg,
+                    weight_decay=wd,
+                    grad_scale=scale,
+                    bf16_out=None if fused is None else fused[sl],
+                )
         if store.spec.resident and fused is None:  # another compute dtype: cast right after the update
             store.refresh_resident(unit, lo, hi)
 

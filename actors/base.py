@@ -10,10 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from megatrain.errors import AbortError
 from megatrain.ipc.procs import started_at
 from megatrain.ipc.protocol import StoreSpec
-
-from megatrain.errors import AbortError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -95,6 +94,7 @@ class Role:
     def open_events(self, handles: list[bytes]) -> None:
         """Open the executor's interprocess events of the gradient slabs (workers that drain them)."""
         import torch
+
         from megatrain.ipc.cuda_events import open_ipc_events
 
         self.events = open_ipc_events(handles, torch.device("cuda", torch.cuda.current_device()))

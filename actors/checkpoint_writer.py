@@ -28,13 +28,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from megatrain import checkpoint as ckpt
 from megatrain.actors.base import Role, guarded
+from megatrain.errors import DiskFull, disk_full, free_bytes, is_disk_full
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.checkpoints import claim, written
 from megatrain.ipc.protocol.plan import Item
-
-from megatrain import checkpoint as ckpt
-from megatrain.errors import DiskFull, disk_full, free_bytes, is_disk_full
 
 AHEAD = 2  # pieces in flight beyond the oldest: keeps every thread busy across piece boundaries
 
@@ -83,14 +83,22 @@ class CheckpointWriter(Role):
                 raise self._no_room(base, step, f"the checkpoint of step {step}", nbytes * len(ckpt.PLANES)) from None
             raise
         spec = self.store.spec
-        manifest = {"format": ckpt.FORMAT, "step": step, "layout_hash": spec.layout.digest().hex(),
-                    "family": spec.model.family, "hf_config": spec.model.hf_config.to_dict(),
-                    "total_elems": spec.layout.total,
-                    "files": {f"{p}.bin": {"bytes": nbytes, "segments": sorted(segments[p])} for p in ckpt.PLANES},
-                    "units": ckpt.unit_table(spec.layout), "written_at": time.time(), **meta}
+        manifest = {
+            "format": ckpt.FORMAT,
+            "step": step,
+            "layout_hash": spec.layout.digest().hex(),
+            "family": spec.model.family,
+            "hf_config": spec.model.hf_config.to_dict(),
+            "total_elems": spec.layout.total,
+            "files": {f"{p}.bin": {"bytes": nbytes, "segments": sorted(segments[p])} for p in ckpt.PLANES},
+            "units": ckpt.unit_table(spec.layout),
+            "written_at": time.time(),
+            **meta,
+        }
         self.staged[step] = (tmp, ckpt.step_dir(base, step), manifest)
-        return Written(str(ckpt.step_dir(base, step)), nbytes * len(ckpt.PLANES), time.perf_counter() - t0, waited,
-                       direct)
+        return Written(
+            str(ckpt.step_dir(base, step)), nbytes * len(ckpt.PLANES), time.perf_counter() - t0, waited, direct
+        )
 
     def _write_files(self, step: int, tmp: Path, nbytes: int) -> tuple[dict[str, list], float, bool]:
         """The planes' files in `tmp`, fsync'ed: their segments, the wait for Adam, whether all were direct I/O.
@@ -117,8 +125,12 @@ class CheckpointWriter(Role):
     def _no_room(base: Path, step: int, what: str, need: int | None) -> DiskFull:
         newest = ckpt.latest(base)
         kept = f"the newest complete checkpoint, {newest.name}, is intact" if newest else "no earlier checkpoint"
-        return disk_full(base, what, need, after=f"nothing of step {step} was left behind; {kept}; free space, "
-                                                 "or keep fewer with train.keep_last")
+        return disk_full(
+            base,
+            what,
+            need,
+            after=f"nothing of step {step} was left behind; {kept}; free space, or keep fewer with train.keep_last",
+        )
 
     @guarded
     def publish(self, step: int) -> str:
@@ -166,7 +178,7 @@ class CheckpointWriter(Role):
         for part in ckpt.PLANES:
             raw = self.store.plane(part).view(np.uint8)
             for off, n in ckpt.chunks(lo_b, hi_b):
-                out.append((part, pool.submit(files[part].write, raw[off: off + n], off)))
+                out.append((part, pool.submit(files[part].write, raw[off : off + n], off)))
         return out
 
     def _retire(self, entry: tuple[Item, list[tuple[str, Future]]], step: int, segments: dict[str, list]) -> None:

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from megatrain.actors.base import Role, guarded
-from megatrain.ipc.protocol import Store, StoreSpec
-from megatrain.ipc.protocol.executor import Marks, StreamedSink, StreamedSource, SyncSink, SyncSource, copy_intervals
 
+from megatrain.actors.base import Role, guarded
 from megatrain.cudahost import use_expandable_segments
 from megatrain.engine import EngineConfig, StepEngine, resolve_device, resolve_dtype
+from megatrain.ipc.protocol import Store, StoreSpec
+from megatrain.ipc.protocol.executor import Marks, StreamedSink, StreamedSource, SyncSink, SyncSource, copy_intervals
 from megatrain.model import family_classes
 from megatrain.profiling import StepProfile
 
@@ -99,8 +99,9 @@ class GpuExecutor(Role):
         return torch.cuda.get_device_name(self.device) if self.cuda else "cpu"
 
     @guarded
-    def step(self, step: int, ids: torch.Tensor, labels: torch.Tensor, timeline: bool = False,
-             profile: str = "") -> dict:
+    def step(
+        self, step: int, ids: torch.Tensor, labels: torch.Tensor, timeline: bool = False, profile: str = ""
+    ) -> dict:
         """One step; `timeline` records the per-unit lanes, `profile` (a path) runs the step under
         torch.profiler and checks that the layer loop never blocks the host."""
         run = functools.partial(self._profiled, profile) if profile else self._step
@@ -163,8 +164,9 @@ class GpuExecutor(Role):
         except (OSError, ValueError) as exc:  # a failed diagnostic does not stop the training run
             return {**out, "profile_trace": path, "profile_error": f"{type(exc).__name__}: {exc}"}
 
-    def _step(self, step: int, ids: torch.Tensor, labels: torch.Tensor, timeline: bool,
-              prof: StepProfile | None = None) -> dict:
+    def _step(
+        self, step: int, ids: torch.Tensor, labels: torch.Tensor, timeline: bool, prof: StepProfile | None = None
+    ) -> dict:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         if timeline and self.cuda:
@@ -182,9 +184,16 @@ class GpuExecutor(Role):
         loss, tokens = float(res.loss), int(res.tokens)  # the one host sync of the step
         self.sink.end()
         self.source.end()
-        out = {"loss": loss, "tokens": tokens, "compute_s": time.perf_counter() - t0,
-               "weight_wait_s": self.source.wait_s, "grad_wait_s": self.sink.wait_s,
-               "h2d_bytes": self.source.bytes, "d2h_bytes": self.sink.bytes, **self._phases(marks)}
+        out = {
+            "loss": loss,
+            "tokens": tokens,
+            "compute_s": time.perf_counter() - t0,
+            "weight_wait_s": self.source.wait_s,
+            "grad_wait_s": self.sink.wait_s,
+            "h2d_bytes": self.source.bytes,
+            "d2h_bytes": self.sink.bytes,
+            **self._phases(marks),
+        }
         if self.cuda:
             out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         if timeline:

@@ -18,18 +18,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from megatrain import checkpoint as ckpt
 from megatrain.actors.base import Role, guarded
+from megatrain.engine import EngineConfig, fixed_sizes
+from megatrain.errors import AbortError, ConfigError, ProtocolError
+from megatrain.export import export
 from megatrain.ipc.procs import maps_path, pid_alive, running, spawn_detached, start_ticks
 from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, checkpoint_host_bytes, plan_store
 from megatrain.ipc.protocol.checkpoints import restore_versions
 from megatrain.ipc.protocol.cpus import ThreadRequest, cpu_plan, node_cores
 from megatrain.ipc.protocol.monitor import Monitor
 from megatrain.ipc.shm import check_space, populate, pss_split, remove_cuda_ipc_files, seg_name, space_now, sweep
-
-from megatrain import checkpoint as ckpt
-from megatrain.engine import EngineConfig, fixed_sizes
-from megatrain.errors import AbortError, ConfigError, ProtocolError
-from megatrain.export import export
 from megatrain.model import ModelConfig, build_spec, init_unit, meta_model, unit_seed
 from megatrain.weights import checkpoint_index, copy_slots, fill_tile, read_unit, slot_views
 
@@ -122,8 +122,11 @@ class StoreOwner(Role):
         spec, ram_only = self._plan(engine)
         check_space(spec.part_bytes(), spec.ipc.shm_dir, ram_only, self.space)
         if spec.staging_mode != self.store.spec.staging_mode:
-            print(f"[{self.name}] weight staging {spec.staging_mode}, not {self.store.spec.staging_mode}, with the "
-                  f"chosen engine sizes: making the store again", flush=True)
+            print(
+                f"[{self.name}] weight staging {spec.staging_mode}, not {self.store.spec.staging_mode}, with the "
+                f"chosen engine sizes: making the store again",
+                flush=True,
+            )
             old = self.store
             self._release()
             for seg in old.segments.values():  # the first fill's pages go now, not when this process ends
@@ -136,9 +139,20 @@ class StoreOwner(Role):
         req, model = self.request, self.model
         pinned = checkpoint_host_bytes(model, engine, *req.batch_shape) if checkpoints else 0
         ram_only = {"activation checkpoints (executor, pinned)": pinned, "processes, after the store": RUN_RESERVE}
-        spec = plan_store(req.run_id, model, engine.compute_dtype, engine.checkpoint_interval, req.num_packers,
-                          req.num_accumulators, req.ipc, cuda=engine.device == "cuda", clip=req.clip,
-                          ram_only=ram_only, last_block_layers=engine.last_block_layers, space=self.space)
+        spec = plan_store(
+            req.run_id,
+            model,
+            engine.compute_dtype,
+            engine.checkpoint_interval,
+            req.num_packers,
+            req.num_accumulators,
+            req.ipc,
+            cuda=engine.device == "cuda",
+            clip=req.clip,
+            ram_only=ram_only,
+            last_block_layers=engine.last_block_layers,
+            space=self.space,
+        )
         ram_only["page tables of its mappings"] = spec.page_table_bytes()
         return self._with_cpu_plan(spec, engine.device == "cuda", req.threads), ram_only
 
@@ -162,8 +176,9 @@ class StoreOwner(Role):
         self.mark("filled")
         self.monitor = Monitor(self.store).start()
         self.paging_stop = threading.Event()
-        self.paging = threading.Thread(target=self._page_in, args=(self.store, self.paging_stop), name="page-in",
-                                       daemon=True)
+        self.paging = threading.Thread(
+            target=self._page_in, args=(self.store, self.paging_stop), name="page-in", daemon=True
+        )
         self.paging.start()
 
     def _page_in(self, store: Store, stop: threading.Event) -> None:
@@ -178,18 +193,25 @@ class StoreOwner(Role):
         with ThreadPoolExecutor(PAGE_IN_THREADS, thread_name_prefix="page-in") as pool:
             done = list(pool.map(lambda a: not stop.is_set() and populate(a), pieces))
         if all(done) and pieces:
-            print(f"[{self.name}] paged in {', '.join(parts)} ({sum(a.nbytes for a in pieces) / 2**30:.1f} GiB) "
-                  f"in {time.perf_counter() - t0:.1f} s", flush=True)
+            print(
+                f"[{self.name}] paged in {', '.join(parts)} ({sum(a.nbytes for a in pieces) / 2**30:.1f} GiB) "
+                f"in {time.perf_counter() - t0:.1f} s",
+                flush=True,
+            )
         elif pieces and not any(done) and not stop.is_set():
-            print(f"[{self.name}] this kernel cannot page in ahead (madvise MADV_POPULATE_WRITE): the first "
-                  f"update faults {', '.join(parts)} in", flush=True)
+            print(
+                f"[{self.name}] this kernel cannot page in ahead (madvise MADV_POPULATE_WRITE): the first "
+                f"update faults {', '.join(parts)} in",
+                flush=True,
+            )
 
     def _with_cpu_plan(self, spec: StoreSpec, cuda: bool, request: ThreadRequest) -> StoreSpec:
         import numba
 
         cores = node_cores()
-        plan = cpu_plan(cores, cuda, spec.running_packers, spec.running_accumulators, request,
-                        numba.config.NUMBA_NUM_THREADS)
+        plan = cpu_plan(
+            cores, cuda, spec.running_packers, spec.running_accumulators, request, numba.config.NUMBA_NUM_THREADS
+        )
         spec = dataclasses.replace(spec, threads=plan, cores=cores)
         self.apply_threads(spec)  # the fill (init, import, resume) runs on this process's threads
         return spec
@@ -231,8 +253,11 @@ class StoreOwner(Role):
             for _ in pool.map(lambda u: self._draw_unit(model, u, seed), units):
                 pass
         if not torch.equal(before, torch.random.get_rng_state()):
-            print(f"[{self.name}] the init of '{spec.family}' draws from the global generator: drawing again "
-                  "in unit order", flush=True)
+            print(
+                f"[{self.name}] the init of '{spec.family}' draws from the global generator: drawing again "
+                "in unit order",
+                flush=True,
+            )
             for u in units:
                 self.store.torch_tile("params", u).zero_()
                 torch.manual_seed(unit_seed(seed, u))
@@ -267,8 +292,12 @@ class StoreOwner(Role):
             raise ConfigError(f"train.resume: {directory} is not a complete checkpoint")
         for part in ckpt.PLANES:
             self._check_going()
-            ckpt.read_plane(directory / f"{part}.bin", self.store.plane(part), manifest["files"][f"{part}.bin"],
-                            lambda off: ckpt.unit_at(self.store.spec.layout, off))
+            ckpt.read_plane(
+                directory / f"{part}.bin",
+                self.store.plane(part),
+                manifest["files"][f"{part}.bin"],
+                lambda off: ckpt.unit_at(self.store.spec.layout, off),
+            )
         if self.store.spec.resident:
             for u in range(self.store.spec.num_units):
                 self.store.refresh_resident(u)
@@ -293,8 +322,11 @@ class StoreOwner(Role):
         """Write the fp32 master weights as an HF save_pretrained directory, streamed unit by unit from
         shared memory (sharded, with the tokenizer's files when the run has a tokenizer)."""
         with torch.no_grad():
-            return str(export(self.store.spec.model, lambda u: self.store.torch_tile("params", u), directory,
-                              tokenizer=tokenizer))
+            return str(
+                export(
+                    self.store.spec.model, lambda u: self.store.torch_tile("params", u), directory, tokenizer=tokenizer
+                )
+            )
 
     def host_memory(self) -> dict:
         """Host memory of the run's processes on this node, as PSS: the owner, its reaper and every worker
@@ -308,8 +340,11 @@ class StoreOwner(Role):
                 named.setdefault(pid, []).append(role)
         store = seg_name(self.store.spec.run_id, "")
         pss = {"+".join(roles): pss_split(pid, store) for pid, roles in named.items()}
-        return {"processes": len(named), "pss_bytes": sum(total for total, _ in pss.values()),
-                "pss_own_by_role": {role: own for role, (_, own) in pss.items()}}
+        return {
+            "processes": len(named),
+            "pss_bytes": sum(total for total, _ in pss.values()),
+            "pss_own_by_role": {role: own for role, (_, own) in pss.items()},
+        }
 
     def shutdown(self) -> None:
         """Unlink every name of the run (idempotent); processes still attached keep their mappings.

@@ -33,10 +33,17 @@ RELEASED_LAYERS = {"7B": 28, "14B": 48, "32B": 64, "72B": 80}
 
 
 def config(width: str, layers: int, batch: int, seq: int):
-    hf = {**WIDTHS[width], "num_hidden_layers": layers, "vocab_size": 152064, "max_position_embeddings": 32768,
-          "tie_word_embeddings": False, "use_sliding_window": False}
-    return load_config(None, ["model.family=qwen2", f"model.hf={json.dumps(hf)}", f"data.batch_size={batch}",
-                              f"data.seq_len={seq}"])
+    hf = {
+        **WIDTHS[width],
+        "num_hidden_layers": layers,
+        "vocab_size": 152064,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+    }
+    return load_config(
+        None, ["model.family=qwen2", f"model.hf={json.dumps(hf)}", f"data.batch_size={batch}", f"data.seq_len={seq}"]
+    )
 
 
 def plan(width: str, layers: int, host_gib: float, gpu_gib: float, batch: int, seq: int):
@@ -47,8 +54,10 @@ def plan(width: str, layers: int, host_gib: float, gpu_gib: float, batch: int, s
 def most_layers(width: str, host_gib: float, batch: int, seq: int) -> int:
     """The most layers of this width whose host part fits (the host part grows with the layers; 12 bytes
     per parameter of fp32 planes bound the search)."""
-    per_layer = plan(width, 2, host_gib, H200_FREE, batch, seq).num_params - \
-        plan(width, 1, host_gib, H200_FREE, batch, seq).num_params
+    per_layer = (
+        plan(width, 2, host_gib, H200_FREE, batch, seq).num_params
+        - plan(width, 1, host_gib, H200_FREE, batch, seq).num_params
+    )
     lo, hi = 0, int(host_gib * GIB / (12 * per_layer)) + 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -81,22 +90,29 @@ def row(host_gib: float, batch: int, seq: int) -> str:
     width, layers = best
     released = " (the released model)" if layers == RELEASED_LAYERS[width] else ""
     host = sum(p.host.values())
-    return (f"| {host_gib:g} GiB | Qwen2.5-{width} width, {layers} layers{released} | {p.num_params / 1e9:.1f}B "
-            f"| {host / p.num_params:.1f} | {sum(p.gpu.values()) / GIB:.0f} | "
-            f"{least_gpu(width, layers, host_gib, batch, seq):.0f} |")
+    return (
+        f"| {host_gib:g} GiB | Qwen2.5-{width} width, {layers} layers{released} | {p.num_params / 1e9:.1f}B "
+        f"| {host / p.num_params:.1f} | {sum(p.gpu.values()) / GIB:.0f} | "
+        f"{least_gpu(width, layers, host_gib, batch, seq):.0f} |"
+    )
 
 
 def released(batch: int, seq: int) -> None:
     """The released models: the host RAM each needs (the plan's total; a host needs that much available
     and, under Ray, within its memory monitor's threshold) and the least GPU memory at this batch."""
-    print(f"\n| released model | parameters | host RAM needed (clipping on) | bytes/param | least GPU GiB at "
-          f"{batch}x{seq} |")
+    print(
+        f"\n| released model | parameters | host RAM needed (clipping on) | bytes/param | least GPU GiB at "
+        f"{batch}x{seq} |"
+    )
     print("|---|---|---|---|---|")
     for width, layers in RELEASED_LAYERS.items():
         p = plan(width, layers, 4096, H200_FREE, batch, seq)
         host = sum(p.host.values())
-        print(f"| Qwen2.5-{width} | {p.num_params / 1e9:.1f}B | {host / GIB:.0f} GiB | {host / p.num_params:.1f} "
-              f"| {least_gpu(width, layers, 4096, batch, seq):.0f} |", flush=True)
+        print(
+            f"| Qwen2.5-{width} | {p.num_params / 1e9:.1f}B | {host / GIB:.0f} GiB | {host / p.num_params:.1f} "
+            f"| {least_gpu(width, layers, 4096, batch, seq):.0f} |",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -105,8 +121,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=4096)
     args = ap.parse_args()
-    print(f"| host RAM | largest model (clipping on, {args.batch}x{args.seq}) | parameters | host bytes/param "
-          f"| GPU peak GiB on an H200 | least GPU GiB |")
+    print(
+        f"| host RAM | largest model (clipping on, {args.batch}x{args.seq}) | parameters | host bytes/param "
+        f"| GPU peak GiB on an H200 | least GPU GiB |"
+    )
     print("|---|---|---|---|---|---|")
     for h in args.hosts.split(","):
         print(row(float(h), args.batch, args.seq), flush=True)

@@ -27,14 +27,22 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
-from megatrain.launch.config import load_config  # noqa: E402
-from megatrain.launch.driver import Trainer  # noqa: E402
 
 from bench.run import overrides  # noqa: E402
 from megatrain import checkpoint as ckpt  # noqa: E402
+from megatrain.launch.config import load_config  # noqa: E402
+from megatrain.launch.driver import Trainer  # noqa: E402
 
-SMALL = {"hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16, "num_key_value_heads": 4,
-         "vocab_size": 32000, "num_hidden_layers": 4, "tie_word_embeddings": False, "use_sliding_window": False}
+SMALL = {
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "vocab_size": 32000,
+    "num_hidden_layers": 4,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+}
 
 
 def disk_speed(directory: Path, gib: int, streams: int) -> dict:
@@ -42,25 +50,36 @@ def disk_speed(directory: Path, gib: int, streams: int) -> dict:
     count = max(gib * 16 // streams, 1)  # 64 MiB blocks
     files = [directory / f"dd-{i}.bin" for i in range(streams)]
     t0 = time.perf_counter()
-    procs = [subprocess.Popen(["dd", "if=/dev/zero", f"of={f}", "bs=64M", f"count={count}", "oflag=direct",
-                               "conv=fsync", "status=none"]) for f in files]
+    procs = [
+        subprocess.Popen(
+            ["dd", "if=/dev/zero", f"of={f}", "bs=64M", f"count={count}", "oflag=direct", "conv=fsync", "status=none"]
+        )
+        for f in files
+    ]
     rcs = [p.wait() for p in procs]
     seconds = time.perf_counter() - t0
     nbytes = sum(f.stat().st_size for f in files if f.exists())
     for f in files:
         f.unlink(missing_ok=True)
-    return {"streams": streams, "bytes": nbytes, "seconds": seconds, "GBps": nbytes / seconds / 1e9,
-            "ok": all(rc == 0 for rc in rcs)}
+    return {
+        "streams": streams,
+        "bytes": nbytes,
+        "seconds": seconds,
+        "GBps": nbytes / seconds / 1e9,
+        "ok": all(rc == 0 for rc in rcs),
+    }
 
 
 def dropper(root: Path, last: int, stop: threading.Event) -> threading.Thread:
     """Delete every complete checkpoint but the last step's as soon as it is complete."""
+
     def run() -> None:
         while not stop.wait(0.5):
             for step, path in ckpt.complete(root):
                 if step != last:
                     shutil.rmtree(path, ignore_errors=True)
                     print(f"[bench] dropped {path.name} (--drop-mid)", flush=True)
+
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
@@ -84,17 +103,27 @@ def train_with_checkpoints(args: argparse.Namespace, run_dir: Path) -> dict:
     steady = [t for i, t in enumerate(times, 1) if i > args.warmup and i not in touched]
     med = statistics.median(steady)
     cost = {s: sum(times[i - 1] - med for i in (s + 1, s + 2) if i <= len(times)) for s in saved if s < len(times)}
-    return {"wall_s": wall, "step_times_s": times, "steady_median_s": med, "steady_min_s": min(steady),
-            "steady_max_s": max(steady), "steady_steps": len(steady), "first_step_s": times[0],
-            "checkpoints": summary["checkpoints"], "step_cost_s": cost, "num_params": summary["num_params"],
-            "checkpoint_dir": str(run_dir / "checkpoints" / f"step-{args.steps:07d}")}
+    return {
+        "wall_s": wall,
+        "step_times_s": times,
+        "steady_median_s": med,
+        "steady_min_s": min(steady),
+        "steady_max_s": max(steady),
+        "steady_steps": len(steady),
+        "first_step_s": times[0],
+        "checkpoints": summary["checkpoints"],
+        "step_cost_s": cost,
+        "num_params": summary["num_params"],
+        "checkpoint_dir": str(run_dir / "checkpoints" / f"step-{args.steps:07d}"),
+    }
 
 
 def export_and_import(args: argparse.Namespace, src: Path, dst: Path) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "megatrain.launch.cli", "export", str(src), str(dst), "--dtype", "bf16"],
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "megatrain.launch.cli", "export", str(src), str(dst), "--dtype", "bf16"], check=True
+    )
     export_s = time.perf_counter() - t0
     nbytes = sum(f.stat().st_size for f in dst.glob("*.safetensors"))
     run_dir = Path(args.dir) / "import-run"
@@ -103,9 +132,14 @@ def export_and_import(args: argparse.Namespace, src: Path, dst: Path) -> dict:
     cfg = load_config(None, [*overrides(one, run_dir, args.extra), f"model.pretrained={dst}"])
     t0 = time.perf_counter()
     summary = Trainer(cfg).run()
-    return {"export_s": export_s, "export_bytes": nbytes, "export_GBps": nbytes / export_s / 1e9,
-            "import": summary["store_fill"], "import_run_wall_s": time.perf_counter() - t0,
-            "import_GBps": summary["store_fill"]["bytes"] / max(summary["store_fill"]["seconds"], 1e-9) / 1e9}
+    return {
+        "export_s": export_s,
+        "export_bytes": nbytes,
+        "export_GBps": nbytes / export_s / 1e9,
+        "import": summary["store_fill"],
+        "import_run_wall_s": time.perf_counter() - t0,
+        "import_GBps": summary["store_fill"]["bytes"] / max(summary["store_fill"]["seconds"], 1e-9) / 1e9,
+    }
 
 
 def resume_difference(args: argparse.Namespace, base: Path) -> dict:
@@ -113,8 +147,17 @@ def resume_difference(args: argparse.Namespace, base: Path) -> dict:
     shutil.rmtree(base, ignore_errors=True)
 
     def go(name: str, *extra: str) -> Path:
-        small = argparse.Namespace(**{**vars(args), "layers": SMALL["num_hidden_layers"], "batch": 4, "seq": 1024,
-                                      "steps": 10, "k": 1, "last": 0})
+        small = argparse.Namespace(
+            **{
+                **vars(args),
+                "layers": SMALL["num_hidden_layers"],
+                "batch": 4,
+                "seq": 1024,
+                "steps": 10,
+                "k": 1,
+                "last": 0,
+            }
+        )
         over = overrides(small, base / name, ["train.save_every=5", *extra])
         over = [o for o in over if not o.startswith("model.hf=")] + [f"model.hf={json.dumps(SMALL)}"]
         Trainer(load_config(None, over)).run()
@@ -128,8 +171,11 @@ def resume_difference(args: argparse.Namespace, base: Path) -> dict:
         for part in ckpt.PLANES:
             fx, fy = (np.fromfile(ckpt.step_dir(run / "checkpoints", 10) / f"{part}.bin", np.float32) for run in (x, y))
             d = np.abs(fx - fy)
-            out[part] = {"max_abs": float(d.max()), "max_rel": float((d / np.maximum(np.abs(fx), 1e-12)).max()),
-                         "equal": bool(np.array_equal(fx.view(np.uint32), fy.view(np.uint32)))}
+            out[part] = {
+                "max_abs": float(d.max()),
+                "max_rel": float((d / np.maximum(np.abs(fx), 1e-12)).max()),
+                "equal": bool(np.array_equal(fx.view(np.uint32), fy.view(np.uint32))),
+            }
         la, lb = (loss_by_step(x), loss_by_step(y))
         out["loss_max_abs"] = max(abs(la[s] - lb[s]) for s in lb if s in la)
         return out

@@ -28,8 +28,38 @@ sys.path.insert(0, str(ROOT))
 from megatrain.data import DataConfig, open_data  # noqa: E402
 from megatrain.data.bpe import train_bpe  # noqa: E402
 
-SYLLABLES = ("ka", "lo", "mi", "ra", "te", "su", "no", "pa", "vi", "re", "to", "ma", "ne", "si", "lu", "da", "ko",
-             "be", "ri", "fa", "go", "hu", "ze", "wa", "ye", "qu", "ix", "ol", "an", "er")
+SYLLABLES = (
+    "ka",
+    "lo",
+    "mi",
+    "ra",
+    "te",
+    "su",
+    "no",
+    "pa",
+    "vi",
+    "re",
+    "to",
+    "ma",
+    "ne",
+    "si",
+    "lu",
+    "da",
+    "ko",
+    "be",
+    "ri",
+    "fa",
+    "go",
+    "hu",
+    "ze",
+    "wa",
+    "ye",
+    "qu",
+    "ix",
+    "ol",
+    "an",
+    "er",
+)
 
 
 def vocabulary(rng: random.Random, n: int = 20000) -> list[str]:
@@ -74,22 +104,39 @@ def write_chat(path: Path, rng: random.Random, words: list[str], n: int) -> None
         for _ in range(n):
             msgs = [{"role": "system", "content": sentence(rng, words, 8)}]
             for _ in range(rng.randint(1, 4)):
-                msgs += [{"role": "user", "content": sentence(rng, words, rng.randint(5, 40))},
-                         {"role": "assistant", "content": document(rng, words)}]
+                msgs += [
+                    {"role": "user", "content": sentence(rng, words, rng.randint(5, 40))},
+                    {"role": "assistant", "content": document(rng, words)},
+                ]
             f.write(json.dumps({"messages": msgs}) + "\n")
 
 
 def tokenize(path: Path, tok: Path, cache: Path, workers: int, kind: str = "text") -> dict:
-    cfg = DataConfig(kind=kind, path=str(path), tokenizer=str(tok), cache_dir=str(cache), num_workers=workers,
-                     seq_len=4096, batch_size=1)
+    cfg = DataConfig(
+        kind=kind,
+        path=str(path),
+        tokenizer=str(tok),
+        cache_dir=str(cache),
+        num_workers=workers,
+        seq_len=4096,
+        batch_size=1,
+    )
     t0 = time.perf_counter()
     data = open_data(cfg, SimpleNamespace(vocab_size=1 << 20, pad_token_id=None), None)
     dt = time.perf_counter() - t0
     tokens = sum(int(f.ids.size) for f in data.train.files)
     mb = path.stat().st_size / 1e6
-    return {"file": path.name, "kind": kind, "MB": round(mb, 1), "num_workers": workers,
-            "records": sum(f.records for f in data.train.files), "tokens": tokens, "seconds": round(dt, 2),
-            "tokens_per_s": round(tokens / dt), "MB_per_s": round(mb / dt, 2)}
+    return {
+        "file": path.name,
+        "kind": kind,
+        "MB": round(mb, 1),
+        "num_workers": workers,
+        "records": sum(f.records for f in data.train.files),
+        "tokens": tokens,
+        "seconds": round(dt, 2),
+        "tokens_per_s": round(tokens / dt),
+        "MB_per_s": round(mb / dt, 2),
+    }
 
 
 def main() -> int:
@@ -109,10 +156,13 @@ def main() -> int:
     write_text(out / "text.jsonl", 1, words, args.text_mb)
     print(f"made the data in {time.perf_counter() - t0:.0f}s", flush=True)
     import transformers.models.auto.tokenization_auto  # noqa: F401 - its import (and torch's) is not tokenizing
+
     cores = os.cpu_count() or 1
-    results = [tokenize(out / "text.jsonl", out / "tok", out / "cache-default", 0),  # the default: one process
-               tokenize(out / "text.jsonl", out / "tok", out / "cache-pool", cores),  # one process per core
-               tokenize(out / "chat.jsonl", out / "tok", out / "cache-chat", 0, "chat")]
+    results = [
+        tokenize(out / "text.jsonl", out / "tok", out / "cache-default", 0),  # the default: one process
+        tokenize(out / "text.jsonl", out / "tok", out / "cache-pool", cores),  # one process per core
+        tokenize(out / "chat.jsonl", out / "tok", out / "cache-chat", 0, "chat"),
+    ]
     (out / "tokenize.json").write_text(json.dumps(results, indent=1))
     for r in results:
         print(json.dumps(r), flush=True)

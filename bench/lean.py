@@ -72,14 +72,18 @@ def main() -> int:
         pe = model.model.rotary_emb(x, pos_ids)
     tokens = args.batch * args.seq
     numel = sum(p.numel() for p in layer.parameters())
-    res = {"tokens": tokens, "model_full_GiB": autosize.layer_activation_bytes(spec, tokens, 2) / 2**30,
-           # the model's lean bytes count the weights the last block keeps; a module's weights are not kept here
-           "model_lean_GiB": (autosize.lean_bytes(spec, tokens, 2) - 2 * numel) / 2**30}
+    res = {
+        "tokens": tokens,
+        "model_full_GiB": autosize.layer_activation_bytes(spec, tokens, 2) / 2**30,
+        # the model's lean bytes count the weights the last block keeps; a module's weights are not kept here
+        "model_lean_GiB": (autosize.lean_bytes(spec, tokens, 2) - 2 * numel) / 2**30,
+    }
     for name, lean in (("plain", False), ("lean", True)):
         res[name] = measure(layer, pe, pos_ids, x, lean, args.reps)
         print(json.dumps({name: res[name]}), flush=True)
-    res["lean_overhead_s"] = (res["lean"]["forward_s"] + res["lean"]["backward_s"]
-                              - res["plain"]["forward_s"] - res["plain"]["backward_s"])
+    res["lean_overhead_s"] = (
+        res["lean"]["forward_s"] + res["lean"]["backward_s"] - res["plain"]["forward_s"] - res["plain"]["backward_s"]
+    )
     print(json.dumps(res, indent=1))
     return 0
 

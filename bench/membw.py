@@ -51,13 +51,17 @@ def main() -> None:
     n = int(args.gib * 2**30) // 4
     a, b, c = (np.ones(n, np.float32) for _ in range(3))
     t = best_of(lambda: _triad(a, b, c, np.float32(0.5)))
-    print(f"triad: {12 * n / t / 1e9:.1f} GB/s counted, {16 * n / t / 1e9:.1f} GB/s moved "
-          f"({args.threads} threads, {args.gib:g} GiB arrays)")
+    print(
+        f"triad: {12 * n / t / 1e9:.1f} GB/s counted, {16 * n / t / 1e9:.1f} GB/s moved "
+        f"({args.threads} threads, {args.gib:g} GiB arrays)"
+    )
     bits = np.full(n, 0x3C00, np.uint16)  # bf16 gradients of 2**-7
     cfg = OptimConfig()
     t = best_of(lambda: adamw_update(a, bits, b, c, step=1, lr=1e-9, cfg=cfg, weight_decay=0.0, bf16_out=bits))
-    print(f"AdamW (the product's kernel, bf16 gradient in the copy): {n / t / 1e9:.2f} Gparam/s, "
-          f"{ADAM_BYTES * n / t / 1e9:.1f} GB/s at {ADAM_BYTES} bytes per parameter")
+    print(
+        f"AdamW (the product's kernel, bf16 gradient in the copy): {n / t / 1e9:.2f} Gparam/s, "
+        f"{ADAM_BYTES * n / t / 1e9:.1f} GB/s at {ADAM_BYTES} bytes per parameter"
+    )
 
 
 if __name__ == "__main__":

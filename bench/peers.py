@@ -41,8 +41,9 @@ def _timed_steps(step: Callable[[int], None], steps: int) -> list[float]:
     return times
 
 
-def _trainer(model: torch.nn.Module, opt: torch.optim.Optimizer, data: DataConfig,
-             autocast: bool) -> Callable[[int], None]:
+def _trainer(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, data: DataConfig, autocast: bool
+) -> Callable[[int], None]:
     """One optimizer step on batch t: the same loss, clipping and AdamW as MegaTrain's default."""
 
     def step(t: int) -> None:
@@ -89,8 +90,11 @@ def _model(hf, device: str) -> torch.nn.Module:
         with torch.device(device):
             model = cls(hf).float()
     model.config.use_cache = False
-    print(f"[peers] model of {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters on {device} in "
-          f"{time.perf_counter() - t0:.1f} s", flush=True)
+    print(
+        f"[peers] model of {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters on {device} in "
+        f"{time.perf_counter() - t0:.1f} s",
+        flush=True,
+    )
     return model
 
 
@@ -139,11 +143,20 @@ def fsdp2_offload(hf, data: DataConfig, steps: int) -> dict:
 def _ds_config(data: DataConfig, torch_adam: bool) -> dict:
     """ZeRO-3 with parameters and optimizer offloaded to pinned CPU memory; bf16 compute, fp32 master
     and Adam state on the CPU; the same clipping and learning rate as the other peers."""
-    cfg = {"train_micro_batch_size_per_gpu": data.batch_size, "gradient_accumulation_steps": 1,
-           "gradient_clipping": 1.0, "bf16": {"enabled": True}, "steps_per_print": 10**9,
-           "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True,
-                                 "offload_param": {"device": "cpu", "pin_memory": True},
-                                 "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": data.batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "bf16": {"enabled": True},
+        "steps_per_print": 10**9,
+        "zero_optimization": {
+            "stage": 3,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "offload_param": {"device": "cpu", "pin_memory": True},
+            "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        },
+    }
     if torch_adam:
         cfg["zero_force_ds_cpu_optimizer"] = False
     else:
@@ -162,16 +175,25 @@ def deepspeed_zero3(hf, data: DataConfig, steps: int) -> dict:
         return {"name": "DeepSpeed ZeRO-3 offload", "status": "not installed"}
 
     def run(torch_adam: bool) -> dict:
-        for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
-                     ("MASTER_PORT", "29518")):
+        for k, v in (
+            ("RANK", "0"),
+            ("LOCAL_RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "29518"),
+        ):
             os.environ.setdefault(k, v)
         deepspeed.init_distributed(dist_backend="nccl", verbose=False)
         model = _model(hf, "cpu")
         model.gradient_checkpointing_enable()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0) if torch_adam else None
         t0 = time.perf_counter()
-        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=_ds_config(data, torch_adam),
-                                          model_parameters=None if torch_adam else model.parameters())
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=opt,
+            config=_ds_config(data, torch_adam),
+            model_parameters=None if torch_adam else model.parameters(),
+        )
         print(f"[peers] deepspeed.initialize {time.perf_counter() - t0:.1f} s", flush=True)
 
         def step(t: int) -> None:
@@ -199,10 +221,22 @@ def _official_model_args(hf) -> list[str]:
     """make_model.py flags for exactly hf's shape: its defaults are Qwen2.5-7B's, but passing every one keeps
     the two models the same if bench/run.py's shape ever changes."""
     rope = (getattr(hf, "rope_parameters", None) or {}).get("rope_theta") or getattr(hf, "rope_theta", None)
-    return ["--layers", str(hf.num_hidden_layers), "--hidden", str(hf.hidden_size),
-            "--intermediate", str(hf.intermediate_size), "--heads", str(hf.num_attention_heads),
-            "--kv-heads", str(hf.num_key_value_heads), "--vocab", str(hf.vocab_size),
-            "--rope-theta", str(rope or 1e6)]
+    return [
+        "--layers",
+        str(hf.num_hidden_layers),
+        "--hidden",
+        str(hf.hidden_size),
+        "--intermediate",
+        str(hf.intermediate_size),
+        "--heads",
+        str(hf.num_attention_heads),
+        "--kv-heads",
+        str(hf.num_key_value_heads),
+        "--vocab",
+        str(hf.vocab_size),
+        "--rope-theta",
+        str(rope or 1e6),
+    ]
 
 
 def _official_model_dir(hf) -> Path:
@@ -210,15 +244,17 @@ def _official_model_dir(hf) -> Path:
     # arguments); the full 28-layer model is ~15 GiB of bf16, so writing it once matters
     return Path(tempfile.gettempdir()) / (
         f"megatrain-official-qwen2-L{hf.num_hidden_layers}-H{hf.hidden_size}-I{hf.intermediate_size}"
-        f"-A{hf.num_attention_heads}-KV{hf.num_key_value_heads}-V{hf.vocab_size}")
+        f"-A{hf.num_attention_heads}-KV{hf.num_key_value_heads}-V{hf.vocab_size}"
+    )
 
 
 def _stream(cmd: Sequence[str], cwd: str, tail: deque[str]) -> int:
     """Run cmd, echoing each output line with a prefix (a device log then shows its progress live) and keeping
     the last lines for the error message. Returns the exit status."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with subprocess.Popen(list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, errors="replace") as proc:
+    with subprocess.Popen(
+        list(cmd), cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+    ) as proc:
         for line in proc.stdout or ():  # a pipe: stdout=PIPE above
             print(f"[official] {line.rstrip()}", flush=True)
             tail.append(line.rstrip())
@@ -247,14 +283,22 @@ def _official_result(summ: dict, warmup: int, name: str) -> dict:
     kept = theirs[warmup:] or theirs
     # their GPU figure is max_memory_allocated / 1024**3, logged with 2 decimals: exact to about 10 MiB
     gpu_gib = max((s.get("gpu_peak_gb", 0.0) for s in per), default=0.0)
-    return {"name": name, "status": "ok", "step_times_s": [s["t"] for s in per],
-            "gpu_peak_bytes": int(gpu_gib * 2**30),
-            "tflops_theirs_median": statistics.median(kept), "tflops_theirs_warmup_steps": warmup,
-            "tflops_theirs_avg_all_steps": statistics.mean(theirs),  # = their own "Avg Throughput" line
-            "tflops_theirs_per_step": theirs, "num_params_theirs": summ.get("N"), "attn": summ.get("attn"),
-            "flash_ce": summ.get("flash_ce"), "cpu_adam": summ.get("cpu_adam"),
-            "cpu_rss_peak_gib": max((s.get("cpu_rss_gb", 0.0) for s in per), default=0.0),
-            "losses": [s.get("loss") for s in per]}
+    return {
+        "name": name,
+        "status": "ok",
+        "step_times_s": [s["t"] for s in per],
+        "gpu_peak_bytes": int(gpu_gib * 2**30),
+        "tflops_theirs_median": statistics.median(kept),
+        "tflops_theirs_warmup_steps": warmup,
+        "tflops_theirs_avg_all_steps": statistics.mean(theirs),  # = their own "Avg Throughput" line
+        "tflops_theirs_per_step": theirs,
+        "num_params_theirs": summ.get("N"),
+        "attn": summ.get("attn"),
+        "flash_ce": summ.get("flash_ce"),
+        "cpu_adam": summ.get("cpu_adam"),
+        "cpu_rss_peak_gib": max((s.get("cpu_rss_gb", 0.0) for s in per), default=0.0),
+        "losses": [s.get("loss") for s in per],
+    }
 
 
 def official_megatrain(hf, data: DataConfig, steps: int, warmup: int = 2, src: Path | None = None) -> dict:
@@ -287,9 +331,22 @@ def _official_run(hf, data: DataConfig, steps: int, warmup: int, src: Path, name
         if _stream(cmd, tmp, tail) != 0:
             return _official_failure(f"make_model.py: {_last_meaningful(tail)}", name)
         out = Path(tmp) / "official.json"
-        cmd = [sys.executable, str(OFFICIAL_DIR / "bench_official.py"), "--src", str(src),
-               "--model-dir", str(model_dir), "--batch-size", str(data.batch_size), "--seq", str(data.seq_len),
-               "--steps", str(steps), "--json-out", str(out)]
+        cmd = [
+            sys.executable,
+            str(OFFICIAL_DIR / "bench_official.py"),
+            "--src",
+            str(src),
+            "--model-dir",
+            str(model_dir),
+            "--batch-size",
+            str(data.batch_size),
+            "--seq",
+            str(data.seq_len),
+            "--steps",
+            str(steps),
+            "--json-out",
+            str(out),
+        ]
         rc = _stream(cmd, tmp, tail)
         summ = json.loads(out.read_text()) if out.is_file() else {}
     if rc != 0 or summ.get("error") or not summ.get("per_step"):
@@ -298,5 +355,4 @@ def _official_run(hf, data: DataConfig, steps: int, warmup: int, src: Path, name
     return _official_result(summ, warmup, name)
 
 
-PEERS = {"plain": plain_pytorch, "fsdp2": fsdp2_offload, "deepspeed": deepspeed_zero3,
-         "official": official_megatrain}
+PEERS = {"plain": plain_pytorch, "fsdp2": fsdp2_offload, "deepspeed": deepspeed_zero3, "official": official_megatrain}

@@ -28,32 +28,53 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatrain.launch.config import load_config  # noqa: E402
-from megatrain.launch.driver import Trainer  # noqa: E402
-from megatrain.launch.plots import plot_timeline  # noqa: E402
-
 from bench.official.checkout import MissingCheckout, official_src  # noqa: E402
 from bench.peers import PEERS  # noqa: E402
 from megatrain.configbase import merge_overrides, parse_override  # noqa: E402
 from megatrain.errors import ConfigError, DataError, MegatrainError  # noqa: E402
 from megatrain.flops import step_flops  # noqa: E402
+from megatrain.launch.config import load_config  # noqa: E402
+from megatrain.launch.driver import Trainer  # noqa: E402
+from megatrain.launch.plots import plot_timeline  # noqa: E402
 from megatrain.model import resolve_hf_config  # noqa: E402
 
-QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4,
-          "vocab_size": 152064, "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
-          "tie_word_embeddings": False, "use_sliding_window": False}
-ABLATIONS = {"no-double-buffering": ["engine.prefetch=0"], "no-adam-overlap": ["train.overlap_adam=false"],
-             "slabs": ["ipc.staging=slabs"], "resident": ["ipc.staging=resident"],
-             "no-clip": ["optim.max_grad_norm=0"], "no-lean": ["engine.lean_layers=0"]}
+QWEN7B = {
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "max_position_embeddings": 32768,
+    "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+}
+ABLATIONS = {
+    "no-double-buffering": ["engine.prefetch=0"],
+    "no-adam-overlap": ["train.overlap_adam=false"],
+    "slabs": ["ipc.staging=slabs"],
+    "resident": ["ipc.staging=resident"],
+    "no-clip": ["optim.max_grad_norm=0"],
+    "no-lean": ["engine.lean_layers=0"],
+}
 
 
 # Flag -> config key. A flag left out keeps the product's default: the benchmark measures the config a
 # user gets, and every override a number needs is on its command line (BENCHMARKS.md quotes it).
-KNOBS = {"k": "engine.checkpoint_interval", "last": "engine.last_block_layers", "chunk": "engine.chunk_sequences",
-         "lean": "engine.lean_layers",
-         "slab_params": "ipc.slab_params", "loss_chunk": "engine.loss_chunk_tokens", "packers": "actors.num_packers",
-         "packer_threads": "actors.packer_threads", "accumulators": "actors.num_accumulators",
-         "adam_threads": "actors.adam_threads", "accumulator_threads": "actors.accumulator_threads"}
+KNOBS = {
+    "k": "engine.checkpoint_interval",
+    "last": "engine.last_block_layers",
+    "chunk": "engine.chunk_sequences",
+    "lean": "engine.lean_layers",
+    "slab_params": "ipc.slab_params",
+    "loss_chunk": "engine.loss_chunk_tokens",
+    "packers": "actors.num_packers",
+    "packer_threads": "actors.packer_threads",
+    "accumulators": "actors.num_accumulators",
+    "adam_threads": "actors.adam_threads",
+    "accumulator_threads": "actors.accumulator_threads",
+}
 
 
 USAGE_ERROR, RUNTIME_ERROR = 2, 1
@@ -71,8 +92,11 @@ class Failed(Exception):
         """As megatrain-launch words it: the input's errors exit 2, a run's 1, anything else is an internal error;
         where the run had its output directory, error.log there gets the traceback (a failed actor's own)."""
         code = USAGE_ERROR if isinstance(exc, (ConfigError, DataError, MissingCheckout)) else RUNTIME_ERROR
-        message = str(exc) if isinstance(exc, (MegatrainError, MissingCheckout)) else \
-            f"internal error: {type(exc).__name__}: {exc}"
+        message = (
+            str(exc)
+            if isinstance(exc, (MegatrainError, MissingCheckout))
+            else f"internal error: {type(exc).__name__}: {exc}"
+        )
         if log_dir is not None and log_dir.is_dir():
             remote = getattr(exc, "traceback", "")
             detail = f"traceback of actor '{exc.actor}':\n{remote}" if remote else traceback.format_exc()
@@ -89,8 +113,10 @@ def bench_model(layers: int, extra: list[str]) -> tuple[dict, list[str]]:
     for item in mine:
         keys = parse_override(item)[0]
         if len(keys) < 3:
-            raise ConfigError(f"--extra {item}: the bench's model is Qwen2.5-7B's layer shape; change it key by "
-                              "key with model.hf.KEY=VALUE")
+            raise ConfigError(
+                f"--extra {item}: the bench's model is Qwen2.5-7B's layer shape; change it key by "
+                "key with model.hf.KEY=VALUE"
+            )
         if keys[2] == "num_hidden_layers":
             raise ConfigError(f"--extra {item}: the layer count is --layers")
     hf = merge_overrides({"model": {"hf": {**QWEN7B, "num_hidden_layers": layers}}}, mine)["model"]["hf"]
@@ -103,10 +129,23 @@ def overrides(args: argparse.Namespace, out: Path, extra: list[str]) -> list[str
     args.hf is the model (bench_model())."""
     hf = args.hf
     knobs = [f"{key}={getattr(args, flag)}" for flag, key in KNOBS.items() if getattr(args, flag) is not None]
-    return ["model.family=qwen2", f"model.hf={json.dumps(hf)}", f"data.seq_len={args.seq}",
-            f"data.batch_size={args.batch}", f"train.steps={args.steps}", f"train.timeline_step={args.steps}",
-            f"train.output_dir={out}", "train.log_every=1", "engine.device=cuda", "optim.lr=1e-5",
-            "optim.warmup_steps=0", "optim.schedule=constant", "train.final_eval=false", *knobs, *extra]
+    return [
+        "model.family=qwen2",
+        f"model.hf={json.dumps(hf)}",
+        f"data.seq_len={args.seq}",
+        f"data.batch_size={args.batch}",
+        f"train.steps={args.steps}",
+        f"train.timeline_step={args.steps}",
+        f"train.output_dir={out}",
+        "train.log_every=1",
+        "engine.device=cuda",
+        "optim.lr=1e-5",
+        "optim.warmup_steps=0",
+        "optim.schedule=constant",
+        "train.final_eval=false",
+        *knobs,
+        *extra,
+    ]
 
 
 def tflops(n_params: int, tokens: int, layers: int, hidden: int, seq: int, seconds: float) -> float:
@@ -121,27 +160,39 @@ def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str]) -> 
         summary = trainer.run()
     except Exception as exc:  # the run has released its processes and shared memory
         raise Failed.of(exc, f"MegaTrain ({name})", getattr(trainer, "log_dir", None)) from exc
-    rows = summary["metrics"][args.warmup:]
+    rows = summary["metrics"][args.warmup :]
     med = statistics.median(r["step_time_s"] for r in rows)
     pick = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
     h2d_busy = pick("h2d_bytes")
-    res = {"name": f"MegaTrain ({name}, {summary['staging']})", "status": "ok", "step_time_s": med,
-           "step_times_s": [r["step_time_s"] for r in summary["metrics"]],
-           "time_to_first_step_s": summary["time_to_first_step_s"], "cpu_plan": summary["cpu_plan"],
-           "store_fill_s": summary["store_fill"].get("seconds"),
-           "num_params": summary["num_params"],
-           "host_bytes_per_param": (summary["store_bytes"] + summary["executor_host_bytes"]) / summary["num_params"],
-           "process_pss_bytes_per_param": summary["process_pss_bytes"] / summary["num_params"],
-           "pss_own_by_role": summary["pss_own_by_role"], "store_bytes": summary["store_bytes"],
-           "gpu_peak_bytes": max(r.get("gpu_peak_bytes", 0) for r in rows),
-           **{k: pick(k) for k in ("forward_s", "head_s", "backward_s", "weight_wait_s", "grad_wait_s", "adam_s",
-                                   "adam_update_s")},
-           "h2d_GBps_avg": h2d_busy / med / 1e9, "d2h_GBps_avg": pick("d2h_bytes") / med / 1e9,
-           "losses": [r["loss"] for r in summary["metrics"]]}
+    res = {
+        "name": f"MegaTrain ({name}, {summary['staging']})",
+        "status": "ok",
+        "step_time_s": med,
+        "step_times_s": [r["step_time_s"] for r in summary["metrics"]],
+        "time_to_first_step_s": summary["time_to_first_step_s"],
+        "cpu_plan": summary["cpu_plan"],
+        "store_fill_s": summary["store_fill"].get("seconds"),
+        "num_params": summary["num_params"],
+        "host_bytes_per_param": (summary["store_bytes"] + summary["executor_host_bytes"]) / summary["num_params"],
+        "process_pss_bytes_per_param": summary["process_pss_bytes"] / summary["num_params"],
+        "pss_own_by_role": summary["pss_own_by_role"],
+        "store_bytes": summary["store_bytes"],
+        "gpu_peak_bytes": max(r.get("gpu_peak_bytes", 0) for r in rows),
+        **{
+            k: pick(k)
+            for k in ("forward_s", "head_s", "backward_s", "weight_wait_s", "grad_wait_s", "adam_s", "adam_update_s")
+        },
+        "h2d_GBps_avg": h2d_busy / med / 1e9,
+        "d2h_GBps_avg": pick("d2h_bytes") / med / 1e9,
+        "losses": [r["loss"] for r in summary["metrics"]],
+    }
     timeline = out / "timeline.json"
     if timeline.is_file():
-        plot_timeline(json.loads(timeline.read_text()), Path(args.out) / f"timeline-{name}.png",
-                      f"MegaTrain, {args.layers} layers, {args.batch}x{args.seq} tokens: one step")
+        plot_timeline(
+            json.loads(timeline.read_text()),
+            Path(args.out) / f"timeline-{name}.png",
+            f"MegaTrain, {args.layers} layers, {args.batch}x{args.seq} tokens: one step",
+        )
         res.update(copy_rates(json.loads(timeline.read_text()), summary["metrics"][-1]))
     return res
 
@@ -149,8 +200,10 @@ def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str]) -> 
 def copy_rates(tl: dict, last: dict) -> dict:
     """GB/s while copying (bytes over the summed intervals of the timed step)."""
     busy = lambda lane: sum(b - a for _, a, b in tl.get(lane, [])) or float("nan")  # noqa: E731
-    return {"h2d_GBps_busy": last["h2d_bytes"] / busy("h2d") / 1e9,
-            "d2h_GBps_busy": last["d2h_bytes"] / busy("d2h") / 1e9}
+    return {
+        "h2d_GBps_busy": last["h2d_bytes"] / busy("h2d") / 1e9,
+        "d2h_GBps_busy": last["d2h_bytes"] / busy("d2h") / 1e9,
+    }
 
 
 def steady(r: dict, warmup: int) -> tuple[float, float, float]:
@@ -164,9 +217,12 @@ def table(results: list[dict], args: argparse.Namespace, hf) -> str:
     a peer: its first step), the warm-up steps, the steady median with min and max, TFLOPS, and the
     ratio of MegaTrain's TFLOPS to the row's."""
     tokens = args.batch * args.seq
-    lines = ["| system | status | first step s | warm-up steps s | steady median s (min–max) | TFLOPS "
-             "| MegaTrain × | GPU peak GiB | host B/param (planned / PSS) | fwd / head / bwd s "
-             "| weight wait s | Adam s (updating; Gparam/s) | H2D GB/s (busy) | D2H GB/s (busy) |", "|" + "---|" * 14]
+    lines = [
+        "| system | status | first step s | warm-up steps s | steady median s (min–max) | TFLOPS "
+        "| MegaTrain × | GPU peak GiB | host B/param (planned / PSS) | fwd / head / bwd s "
+        "| weight wait s | Adam s (updating; Gparam/s) | H2D GB/s (busy) | D2H GB/s (busy) |",
+        "|" + "---|" * 14,
+    ]
     n = next((r["num_params"] for r in results if "num_params" in r), None)
     ours = None
     for r in results:
@@ -179,15 +235,17 @@ def table(results: list[dict], args: argparse.Namespace, hf) -> str:
         r["tflops"] = tf
         ours = ours or tf  # the first row is MegaTrain's default
         first = r.get("time_to_first_step_s") or r["step_times_s"][0]
-        warm = ", ".join(f"{t:.2f}" for t in r["step_times_s"][:args.warmup])
-        split = (f"{r['forward_s']:.2f} / {r['head_s']:.2f} / {r['backward_s']:.2f}" if "forward_s" in r else "")
-        lines.append(f"| {r['name']} | ok | {first:.1f} | {warm} | {med:.3f} ({lo:.3f}–{hi:.3f}) | {tf:.1f} "
-                     f"| {ours / tf:.2f} | {r['gpu_peak_bytes'] / 2**30:.1f} "
-                     f"| {r.get('host_bytes_per_param', float('nan')):.2f} / "
-                     f"{r.get('process_pss_bytes_per_param', float('nan')):.2f} | {split} "
-                     f"| {r.get('weight_wait_s', 0):.3f} "
-                     f"| {adam_cell(r, n)} | {r.get('h2d_GBps_busy', float('nan')):.1f} "
-                     f"| {r.get('d2h_GBps_busy', float('nan')):.1f} |")
+        warm = ", ".join(f"{t:.2f}" for t in r["step_times_s"][: args.warmup])
+        split = f"{r['forward_s']:.2f} / {r['head_s']:.2f} / {r['backward_s']:.2f}" if "forward_s" in r else ""
+        lines.append(
+            f"| {r['name']} | ok | {first:.1f} | {warm} | {med:.3f} ({lo:.3f}–{hi:.3f}) | {tf:.1f} "
+            f"| {ours / tf:.2f} | {r['gpu_peak_bytes'] / 2**30:.1f} "
+            f"| {r.get('host_bytes_per_param', float('nan')):.2f} / "
+            f"{r.get('process_pss_bytes_per_param', float('nan')):.2f} | {split} "
+            f"| {r.get('weight_wait_s', 0):.3f} "
+            f"| {adam_cell(r, n)} | {r.get('h2d_GBps_busy', float('nan')):.1f} "
+            f"| {r.get('d2h_GBps_busy', float('nan')):.1f} |"
+        )
     return "\n".join(lines)
 
 
@@ -205,10 +263,12 @@ def adam_cell(r: dict, n: int | None) -> str:
 # --peers fsdp2: 6 s/step and 2.5 minutes, are outside the suite's budget).
 # Two calls under a device's 10-minute limit (README, Benchmark; BENCHMARKS.md has the minutes):
 # --only 8L-158x1024,8L-4x4096, then --only 8L-16x4096,28L-16x4096.
-SUITE = {"8L-16x4096": ["--layers", "8", "--batch", "16", "--seq", "4096", "--peers", "deepspeed"],
-         "8L-4x4096": ["--layers", "8", "--batch", "4", "--seq", "4096", "--peers", "plain"],
-         "8L-158x1024": ["--layers", "8", "--batch", "158", "--seq", "1024", "--peers", "official"],
-         "28L-16x4096": ["--layers", "28", "--batch", "16", "--seq", "4096", "--peers", ""]}
+SUITE = {
+    "8L-16x4096": ["--layers", "8", "--batch", "16", "--seq", "4096", "--peers", "deepspeed"],
+    "8L-4x4096": ["--layers", "8", "--batch", "4", "--seq", "4096", "--peers", "plain"],
+    "8L-158x1024": ["--layers", "8", "--batch", "158", "--seq", "1024", "--peers", "official"],
+    "28L-16x4096": ["--layers", "28", "--batch", "16", "--seq", "4096", "--peers", ""],
+}
 
 
 def run_suite(args: argparse.Namespace) -> int:
@@ -219,19 +279,33 @@ def run_suite(args: argparse.Namespace) -> int:
         return 2
     rc, t0 = 0, time.monotonic()
     for name in names:
-        cmd = [sys.executable, __file__, *SUITE[name], "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--machine", args.machine, "--out", str(Path(args.out) / name)]
+        cmd = [
+            sys.executable,
+            __file__,
+            *SUITE[name],
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--machine",
+            args.machine,
+            "--out",
+            str(Path(args.out) / name),
+        ]
         print(f"[suite] {name}: {' '.join(cmd[1:])}", flush=True)
         start = time.monotonic()
         rc = max(rc, subprocess.run(cmd, cwd=ROOT).returncode)
-        print(f"[suite] {name}: {time.monotonic() - start:.0f} s (suite so far {time.monotonic() - t0:.0f} s)",
-              flush=True)
+        print(
+            f"[suite] {name}: {time.monotonic() - start:.0f} s (suite so far {time.monotonic() - t0:.0f} s)", flush=True
+        )
     return rc
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="MegaTrain throughput on the Qwen2.5-7B layer shape, peers in the same "
-                                            "run. Model knobs left out keep the product's defaults.")
+    p = argparse.ArgumentParser(
+        description="MegaTrain throughput on the Qwen2.5-7B layer shape, peers in the same "
+        "run. Model knobs left out keep the product's defaults."
+    )
     p.add_argument("--suite", choices=["headline"], help="run the headline suite (each entry in its own process)")
     p.add_argument("--only", default="", help="with --suite: a comma list of entries: " + ", ".join(SUITE))
     p.add_argument("--layers", type=int, default=8)
@@ -242,14 +316,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, key in KNOBS.items():
         p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=int, default=None, help=f"sets {key}")
     p.add_argument("--peers", default="plain", help="comma list of: " + ",".join(PEERS))
-    p.add_argument("--official-src", default=None,
-                   help="the official MegaTrain checkout for --peers official (default: $MEGATRAIN_OFFICIAL_SRC, "
-                        "else ../shared/peers/official/src beside the repository root)")
+    p.add_argument(
+        "--official-src",
+        default=None,
+        help="the official MegaTrain checkout for --peers official (default: $MEGATRAIN_OFFICIAL_SRC, "
+        "else ../shared/peers/official/src beside the repository root)",
+    )
     p.add_argument("--ablations", default="", help="comma list of: " + ",".join(ABLATIONS))
     p.add_argument("--out", required=True)
-    p.add_argument("--extra", nargs="*", default=[],
-                   help="config overrides for the default variant; model.hf.KEY=VALUE ones change the model of "
-                        "every row (variants and peers)")
+    p.add_argument(
+        "--extra",
+        nargs="*",
+        default=[],
+        help="config overrides for the default variant; model.hf.KEY=VALUE ones change the model of "
+        "every row (variants and peers)",
+    )
     p.add_argument("--machine", default="")
     args = p.parse_args(argv)
     for flag, names, known in (("--peers", args.peers, PEERS), ("--ablations", args.ablations, ABLATIONS)):
@@ -293,10 +374,12 @@ def run(args: argparse.Namespace) -> int:
     md = table(results, args, hf)
     when = datetime.date.today().isoformat()
     given = ", ".join(f"{KNOBS[f]}={getattr(args, f)}" for f in KNOBS if getattr(args, f) is not None)
-    head = (f"\n### {args.layers} layers (Qwen2.5-7B shape), {args.batch}x{args.seq} tokens/step"
-            f"{f' ({given})' if given else ', product defaults'} — {args.machine}, {when}, commit {commit()}\n\n"
-            f"`python bench/run.py {shlex.join(sys.argv[1:])}`\n\n"
-            f"Steps {args.steps}, warm-up {args.warmup}; CPU plan: {results[0].get('cpu_plan', '?')}\n\n")
+    head = (
+        f"\n### {args.layers} layers (Qwen2.5-7B shape), {args.batch}x{args.seq} tokens/step"
+        f"{f' ({given})' if given else ', product defaults'} — {args.machine}, {when}, commit {commit()}\n\n"
+        f"`python bench/run.py {shlex.join(sys.argv[1:])}`\n\n"
+        f"Steps {args.steps}, warm-up {args.warmup}; CPU plan: {results[0].get('cpu_plan', '?')}\n\n"
+    )
     (Path(args.out) / "results.md").write_text(head + md + "\n")
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
     print(head + md)
@@ -309,10 +392,12 @@ def commit() -> str:
     if os.environ.get("MEGATRAIN_COMMIT"):
         return os.environ["MEGATRAIN_COMMIT"]
     try:
-        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                             check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
         return rev + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown (no git)"

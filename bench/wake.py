@@ -37,17 +37,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
-from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, plan_store  # noqa: E402
-from megatrain.ipc.protocol import store as store_mod  # noqa: E402
 
 from megatrain.errors import AbortError  # noqa: E402
+from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, plan_store  # noqa: E402
+from megatrain.ipc.protocol import store as store_mod  # noqa: E402
 from megatrain.model import ModelConfig, build_spec  # noqa: E402
 
 KINDS = ("counter", "semaphore")
 # The smallest model the planner takes: the store is a few hundred KiB, and only its ctl segment and
 # semaphores matter here.
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=256, max_position_embeddings=256, tie_word_embeddings=False)
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
 UNIT = 1  # the first decoder layer: one piece, as a packer or the executor waits on it
 SEM = "w_full0"  # starts at 0, as a slab the executor waits for before the packer fills it
 ROLE = "packer-0"  # the waiter attaches as a worker, so its waits keep the role table's books as in a run
@@ -61,8 +69,9 @@ def tiny_spec(run_id: str) -> StoreSpec:
     """A run's StoreSpec planned as the launcher does (CPU, slabs mode), for a two-layer model."""
     model = build_spec(ModelConfig(family="llama", hf=dict(TINY)))
     ipc = IpcConfig(weight_slabs=1, grad_slabs=1, wait_timeout_s=WAIT_TIMEOUT_S)
-    return plan_store(run_id, model, "bf16", checkpoint_interval=2, num_packers=1, num_accumulators=1, ipc=ipc,
-                      cuda=False)
+    return plan_store(
+        run_id, model, "bf16", checkpoint_interval=2, num_packers=1, num_accumulators=1, ipc=ipc, cuda=False
+    )
 
 
 def piece_of(spec: StoreSpec) -> int:
@@ -119,8 +128,9 @@ def recv(conn: Connection, proc: mp.process.BaseProcess, timeout_s: float = RECV
         raise RuntimeError(f"waiter process exited with code {proc.exitcode}") from None
 
 
-def measure(store: Store, kind: str, rounds: int, delays_s: list[float], conn: Connection,
-            proc: mp.process.BaseProcess) -> dict[str, Any]:
+def measure(
+    store: Store, kind: str, rounds: int, delays_s: list[float], conn: Connection, proc: mp.process.BaseProcess
+) -> dict[str, Any]:
     if recv(conn, proc) != "ready":
         raise RuntimeError("waiter out of step")
     latencies = []
@@ -160,9 +170,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         store.publish_version(piece_of(spec), 0)  # loads the compiled fence in this process too
         proc.start()
         child_conn.close()  # only the child's copy stays open, so its death shows as EOF
-        results = {kind: measure(store, kind, args.rounds, random_delays(rng, args.rounds, args.min_delay_ms,
-                                                                         args.max_delay_ms), conn, proc)
-                   for kind in KINDS}
+        results = {
+            kind: measure(
+                store,
+                kind,
+                args.rounds,
+                random_delays(rng, args.rounds, args.min_delay_ms, args.max_delay_ms),
+                conn,
+                proc,
+            )
+            for kind in KINDS
+        }
     except BaseException:
         store.abort("bench/wake.py failed")  # wakes the waiter out of whatever wait it is in
         raise
@@ -179,8 +197,7 @@ def stats_us(latencies_s: list[float]) -> dict[str, float]:
         return {"n": 0}
     us = np.asarray(latencies_s) * 1e6
     p50, p90, p99 = np.percentile(us, [50, 90, 99])
-    return {"n": len(us), "p50_us": float(p50), "p90_us": float(p90), "p99_us": float(p99),
-            "max_us": float(us.max())}
+    return {"n": len(us), "p50_us": float(p50), "p90_us": float(p90), "p99_us": float(p99), "max_us": float(us.max())}
 
 
 def by_delay(result: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -195,11 +212,21 @@ def by_delay(result: dict[str, Any]) -> dict[str, dict[str, float]]:
 def summarize(results: dict[str, dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
     kinds = {}
     for kind, r in results.items():
-        kinds[kind] = {**stats_us(r["latency_s"]), "by_delay": by_delay(r),
-                       "waiter_cpu_fraction": r["waiter_cpu_s"] / r["waiter_wall_s"], **r}
-    return {"run_id": args.run_id, "rounds": args.rounds, "delay_ms": [args.min_delay_ms, args.max_delay_ms],
-            "nap_min_s": store_mod.NAP_MIN_S, "nap_max_s": store_mod.NAP_MAX_S, "cpus": os.cpu_count(),
-            "kinds": kinds}
+        kinds[kind] = {
+            **stats_us(r["latency_s"]),
+            "by_delay": by_delay(r),
+            "waiter_cpu_fraction": r["waiter_cpu_s"] / r["waiter_wall_s"],
+            **r,
+        }
+    return {
+        "run_id": args.run_id,
+        "rounds": args.rounds,
+        "delay_ms": [args.min_delay_ms, args.max_delay_ms],
+        "nap_min_s": store_mod.NAP_MIN_S,
+        "nap_max_s": store_mod.NAP_MAX_S,
+        "cpus": os.cpu_count(),
+        "kinds": kinds,
+    }
 
 
 def table(summary: dict[str, Any]) -> str:

@@ -17,8 +17,28 @@ import json
 import random
 from pathlib import Path
 
-WORDS = ("apple", "river", "stone", "cloud", "tiger", "maple", "ocean", "candle", "silver", "garden", "pepper",
-         "rocket", "violet", "harbor", "falcon", "meadow", "copper", "lantern", "orange", "winter")
+WORDS = (
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "tiger",
+    "maple",
+    "ocean",
+    "candle",
+    "silver",
+    "garden",
+    "pepper",
+    "rocket",
+    "violet",
+    "harbor",
+    "falcon",
+    "meadow",
+    "copper",
+    "lantern",
+    "orange",
+    "winter",
+)
 TASKS = {"reverse": lambda w: list(reversed(w)), "sort": sorted, "repeat": lambda w: w + w}
 
 
@@ -27,8 +47,10 @@ def conversation(rng: random.Random) -> dict:
     for _ in range(rng.randint(1, 3)):  # multi-turn: every assistant turn is learned
         task = rng.choice(sorted(TASKS))
         words = rng.sample(WORDS, rng.randint(2, 5))
-        msgs += [{"role": "user", "content": f"{task}: {' '.join(words)}"},
-                 {"role": "assistant", "content": " ".join(TASKS[task](words))}]
+        msgs += [
+            {"role": "user", "content": f"{task}: {' '.join(words)}"},
+            {"role": "assistant", "content": " ".join(TASKS[task](words))},
+        ]
     return {"messages": msgs}
 
 
@@ -52,13 +74,24 @@ def main() -> None:
 
     tok = train_bpe(docs + [CHATML], 512)
     tok.save_pretrained(out / "model")
-    conf = LlamaConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                       tie_word_embeddings=True, eos_token_id=tok.eos_token_id, bos_token_id=None)
+    conf = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(conf).save_pretrained(out / "model")
-    print(f"wrote {out / 'model'} (model + tokenizer, {len(tok)} tokens), {out / 'chat.jsonl'} "
-          f"({len(chats)} conversations) and {out / 'text.jsonl'}")
+    print(
+        f"wrote {out / 'model'} (model + tokenizer, {len(tok)} tokens), {out / 'chat.jsonl'} "
+        f"({len(chats)} conversations) and {out / 'text.jsonl'}"
+    )
 
 
 if __name__ == "__main__":

@@ -89,15 +89,22 @@ def spawn_detached(module: str, *args: str) -> int:
     """Start `python -m module args` outside the caller's process tree (a double fork: re-parented to init,
     in its own session) and return its pid. A Ray worker's children are ended with the worker, and a
     driver's with the driver's session; a watchdog must outlive both."""
-    proc = subprocess.run([sys.executable, "-m", "megatrain.ipc.procs", module, *args], stdin=subprocess.DEVNULL,
-                          stdout=subprocess.PIPE, text=True, check=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatrain.ipc.procs", module, *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        text=True,
+        check=True,
+        timeout=60,
+    )
     return int(proc.stdout.strip())
 
 
 def _detach(argv: list[str]) -> None:
     # stdout must not be the caller's pipe: that pipe only carries the pid, and must close now.
-    child = subprocess.Popen([sys.executable, "-m", *argv], start_new_session=True, stdin=subprocess.DEVNULL,
-                             stdout=subprocess.DEVNULL)
+    child = subprocess.Popen(
+        [sys.executable, "-m", *argv], start_new_session=True, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+    )
     print(child.pid, flush=True)
 
 

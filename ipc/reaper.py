@@ -35,8 +35,9 @@ def main() -> None:
     run_id, pid, ticks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     removed = watch(run_id, pid, ticks)
     if removed:
-        print(f"megatrain reaper: owner pid {pid} of run {run_id} died; removed {len(removed)} objects",
-              file=sys.stderr)
+        print(
+            f"megatrain reaper: owner pid {pid} of run {run_id} died; removed {len(removed)} objects", file=sys.stderr
+        )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,10 @@ POLL_S = 0.01
 # an ignored disposition) survives fork and exec, so py-spy would never see it: it is started through
 # this trampoline, which unblocks and restores SIGINT first (a preexec_fn would run Python in the child
 # of a threaded process).
-_DEFAULT_SIGINT = ("import os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, []); "
-                   "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])")
+_DEFAULT_SIGINT = (
+    "import os, signal, sys; signal.pthread_sigmask(signal.SIG_SETMASK, []); "
+    "signal.signal(signal.SIGINT, signal.SIG_DFL); os.execv(sys.argv[1], sys.argv[1:])"
+)
 
 
 class Sampler:
@@ -50,11 +52,23 @@ class Sampler:
             return "py-spy is not installed on this node (pip install py-spy)"
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [exe, "record", "--pid", str(os.getpid()), "--format", "speedscope", "--output", str(self.path),
-               "--rate", str(RATE), "--nonblocking"]
+        cmd = [
+            exe,
+            "record",
+            "--pid",
+            str(os.getpid()),
+            "--format",
+            "speedscope",
+            "--output",
+            str(self.path),
+            "--rate",
+            str(RATE),
+            "--nonblocking",
+        ]
         self.output = tempfile.TemporaryFile("w+", errors="replace")  # noqa: SIM115 - open until py-spy has exited
-        self.proc = subprocess.Popen([sys.executable, "-c", _DEFAULT_SIGINT, *cmd], stdout=self.output,
-                                     stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _DEFAULT_SIGINT, *cmd], stdout=self.output, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + START_S
         while SAMPLING not in self._said() and self.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(POLL_S)
@@ -64,8 +78,11 @@ class Sampler:
         if stuck:
             self.proc.kill()
         self._end()
-        return f"py-spy did not start sampling in {START_S:g} s" if stuck else \
-            f"py-spy exited at once: {self._complaint()}"
+        return (
+            f"py-spy did not start sampling in {START_S:g} s"
+            if stuck
+            else f"py-spy exited at once: {self._complaint()}"
+        )
 
     def stop(self, timeout: float = 60.0) -> str:
         """Stop sampling and write the file; '' when it was written, else py-spy's complaint."""

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 import numpy as np
 import posix_ipc
 import psutil
-from megatrain.ipc.procs import live, start_ticks
 
 from megatrain.errors import ConfigError, LayoutMismatch, ResourceError
+from megatrain.ipc.procs import live, start_ticks
 
 MAGIC = b"MEGATRN\x01"
 LAYOUT_VERSION = 2  # 2: the control segment's 'about' area
@@ -45,8 +45,10 @@ def check_run_id_free(run_id: str, shm_dir: str = "/dev/shm") -> None:
     if run_id in run_entries(shm_dir):
         owner = read_owner(run_id)
         if owner is not None and live(*owner):
-            raise ConfigError(f"train.run_id '{run_id}' is in use by a live run (store owner pid {owner[0]}); choose "
-                              "another, or leave it empty for a random one")
+            raise ConfigError(
+                f"train.run_id '{run_id}' is in use by a live run (store owner pid {owner[0]}); choose "
+                "another, or leave it empty for a random one"
+            )
 
 
 def seg_name(run_id: str, part: str) -> str:
@@ -66,8 +68,16 @@ class Header:
     data_bytes: int = 0
 
     def pack(self) -> bytes:
-        return _HEADER.pack(MAGIC, LAYOUT_VERSION, HEADER_BYTES, self.layout_hash, self.run_id.encode(),
-                            self.owner_pid, self.owner_ticks, self.data_bytes)
+        return _HEADER.pack(
+            MAGIC,
+            LAYOUT_VERSION,
+            HEADER_BYTES,
+            self.layout_hash,
+            self.run_id.encode(),
+            self.owner_pid,
+            self.owner_ticks,
+            self.data_bytes,
+        )
 
     @classmethod
     def unpack(cls, raw: bytes) -> tuple[bytes, int, Header]:
@@ -109,11 +119,17 @@ class Segment:
             shm.close_fd()
         magic, version, hdr = Header.unpack(mm[: _HEADER.size])
         problem = (
-            "bad magic" if magic != MAGIC else
-            f"layout version {version}, expected {LAYOUT_VERSION}" if version != LAYOUT_VERSION else
-            f"run id '{hdr.run_id}', expected '{run_id}'" if hdr.run_id != run_id else
-            "layout hash differs (the model or store plan changed)" if hdr.layout_hash != layout_hash else
-            f"size {size} < header + {hdr.data_bytes}" if size < HEADER_BYTES + hdr.data_bytes else None
+            "bad magic"
+            if magic != MAGIC
+            else f"layout version {version}, expected {LAYOUT_VERSION}"
+            if version != LAYOUT_VERSION
+            else f"run id '{hdr.run_id}', expected '{run_id}'"
+            if hdr.run_id != run_id
+            else "layout hash differs (the model or store plan changed)"
+            if hdr.layout_hash != layout_hash
+            else f"size {size} < header + {hdr.data_bytes}"
+            if size < HEADER_BYTES + hdr.data_bytes
+            else None
         )
         if problem:
             mm.close()
@@ -122,8 +138,10 @@ class Segment:
 
     def unlink(self) -> None:
         if not self.owner:  # an attacher unlinking would pull the store from under a live run
-            raise RuntimeError(f"segment {self.name}: only its owner (pid {self.header.owner_pid}) unlinks it; "
-                               f"this process (pid {os.getpid()}) attached to it")
+            raise RuntimeError(
+                f"segment {self.name}: only its owner (pid {self.header.owner_pid}) unlinks it; "
+                f"this process (pid {os.getpid()}) attached to it"
+            )
         try:
             posix_ipc.unlink_shared_memory(self.name)
         except posix_ipc.ExistentialError:
@@ -212,8 +230,12 @@ def space_now(shm_dir: str = "/dev/shm") -> tuple[int, int]:
     return shm_free_bytes(shm_dir), mem_available_bytes()
 
 
-def check_space(parts: dict[str, int], shm_dir: str = "/dev/shm", ram_only: dict[str, int] | None = None,
-                space: tuple[int, int] | None = None) -> None:
+def check_space(
+    parts: dict[str, int],
+    shm_dir: str = "/dev/shm",
+    ram_only: dict[str, int] | None = None,
+    space: tuple[int, int] | None = None,
+) -> None:
     """Refuse, with the numbers, a store that would not fit in /dev/shm or in available RAM.
 
     `ram_only` is host memory the run will take outside shared memory (the executor's pinned
@@ -223,21 +245,27 @@ def check_space(parts: dict[str, int], shm_dir: str = "/dev/shm", ram_only: dict
     detail = ", ".join(f"{k} {gib(v)}" for k, v in parts.items())
     free, avail = space or space_now(shm_dir)
     if need > free:
-        raise ResourceError(f"the host store needs {gib(need)} in {shm_dir} ({detail}) but only {gib(free)} "
-                            f"is free; free space there, enlarge it, or train a smaller model")
+        raise ResourceError(
+            f"the host store needs {gib(need)} in {shm_dir} ({detail}) but only {gib(free)} "
+            f"is free; free space there, enlarge it, or train a smaller model"
+        )
     ram_only = {k: v for k, v in (ram_only or {}).items() if v}
     need += sum(ram_only.values())
     detail += "".join(f", {k} {gib(v)}" for k, v in ram_only.items())
     if avail and need > avail:
-        raise ResourceError(f"the host store needs {gib(need)} of RAM ({detail}) but only {gib(avail)} is "
-                            f"available (MemAvailable){_lighter(parts, ram_only)}")
+        raise ResourceError(
+            f"the host store needs {gib(need)} of RAM ({detail}) but only {gib(avail)} is "
+            f"available (MemAvailable){_lighter(parts, ram_only)}"
+        )
     threshold = ray_memory_threshold()
     room = monitor_room(avail, threshold)
     if avail and room is not None and need > room:
-        raise ResourceError(f"the host store needs {gib(need)} of RAM ({detail}); {gib(avail)} is available, but "
-                            f"Ray's memory monitor kills this node's workers above {threshold:.0%} of its RAM "
-                            f"({RAY_THRESHOLD_ENV}), which leaves {gib(max(room, 0))} for the run"
-                            f"{_lighter(parts, ram_only)}")
+        raise ResourceError(
+            f"the host store needs {gib(need)} of RAM ({detail}); {gib(avail)} is available, but "
+            f"Ray's memory monitor kills this node's workers above {threshold:.0%} of its RAM "
+            f"({RAY_THRESHOLD_ENV}), which leaves {gib(max(room, 0))} for the run"
+            f"{_lighter(parts, ram_only)}"
+        )
 
 
 def _lighter(parts: dict[str, int], ram_only: dict[str, int]) -> str:
@@ -248,8 +276,10 @@ def _lighter(parts: dict[str, int], ram_only: dict[str, int]) -> str:
     if parts.get("resident"):
         tips.append(f"ipc.staging=slabs (no resident copy, -{gib(parts['resident'])})")
     if any(v for k, v in ram_only.items() if "checkpoints" in k):
-        tips.append("a larger engine.checkpoint_interval or engine.offload_checkpoints=false (fewer pinned "
-                    "activation checkpoints)")
+        tips.append(
+            "a larger engine.checkpoint_interval or engine.offload_checkpoints=false (fewer pinned "
+            "activation checkpoints)"
+        )
     return "; settings that need less: " + "; ".join(tips) if tips else ""
 
 
@@ -275,7 +305,7 @@ def read_ctl(run_id: str, start: int, size: int) -> bytes | None:
         return None
     try:
         with mmap.mmap(shm.fd, start + size, prot=mmap.PROT_READ) as mm:
-            return mm[start: start + size]
+            return mm[start : start + size]
     except (OSError, ValueError):
         return None
     finally:

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from megatrain import log
 from megatrain.actors.base import Role
 from megatrain.launch.crew import Crew
 from megatrain.launch.driver_config import TrainConfig
-
-from megatrain import log
 
 
 class ActorProfile:
@@ -23,8 +22,10 @@ class ActorProfile:
         if t + 1 != self.step:
             return
         if self.actor not in self.actors:
-            log(f"train.profile.actor: this run has no actor '{self.actor}' (its actors: {', '.join(self.actors)}); "
-                "nothing profiled")
+            log(
+                f"train.profile.actor: this run has no actor '{self.actor}' (its actors: {', '.join(self.actors)}); "
+                "nothing profiled"
+            )
             self.step = 0
             return
         why = self.crew.call_one(self.actor, Role.profile_start, self.path)
@@ -36,5 +37,8 @@ class ActorProfile:
         if t + 1 != self.step:
             return
         why = self.crew.call_one(self.actor, Role.profile_stop)
-        log(f"profiled {self.actor} during step {t + 1} with py-spy into {self.path} (on its node)" if not why else
-            f"train.profile.actor: sampling {self.actor} at step {t + 1} failed: {why}")
+        log(
+            f"profiled {self.actor} during step {t + 1} with py-spy into {self.path} (on its node)"
+            if not why
+            else f"train.profile.actor: sampling {self.actor} at step {t + 1} failed: {why}"
+        )

@@ -8,11 +8,10 @@ import math
 import time
 from pathlib import Path
 
-from megatrain.launch.driver_config import TrainConfig
-
 from megatrain import checkpoint as ckpt
 from megatrain import log
 from megatrain.errors import free_bytes, human_bytes
+from megatrain.launch.driver_config import TrainConfig
 
 
 class Checkpointer:
@@ -29,8 +28,11 @@ class Checkpointer:
         if not self.enabled or step in (self.written, self.writing):
             return False
         every, minutes = self.cfg.save_every, self.cfg.save_every_minutes
-        return (step == self.steps or bool(every and step % every == 0)
-                or bool(minutes and time.monotonic() - self.since >= 60 * minutes))
+        return (
+            step == self.steps
+            or bool(every and step % every == 0)
+            or bool(minutes and time.monotonic() - self.since >= 60 * minutes)
+        )
 
     def started(self, step: int) -> None:
         self.since, self.writing = time.monotonic(), step
@@ -41,10 +43,13 @@ class Checkpointer:
         self.written = step
         self.history.append({"step": step, **res})
         gone = ckpt.prune(self.root, self.cfg.keep_last)
-        log(f"checkpoint after step {step}: {res['path']}, {res['bytes'] / 1e9:.2f} GB in {res['seconds']:.1f} s "
+        log(
+            f"checkpoint after step {step}: {res['path']}, {res['bytes'] / 1e9:.2f} GB in {res['seconds']:.1f} s "
             f"({res['bytes'] / 1e9 / max(res['seconds'], 1e-9):.2f} GB/s"
-            + ("" if res.get("direct_io", True) else ", buffered: the filesystem refused O_DIRECT") + ")"
-            + (f"; removed {', '.join(gone)}" if gone else ""))
+            + ("" if res.get("direct_io", True) else ", buffered: the filesystem refused O_DIRECT")
+            + ")"
+            + (f"; removed {', '.join(gone)}" if gone else "")
+        )
 
 
 def disk_need(train: TrainConfig, checkpoint_bytes: int) -> tuple[int, str]:
@@ -60,8 +65,10 @@ def disk_need(train: TrainConfig, checkpoint_bytes: int) -> tuple[int, str]:
         return n * checkpoint_bytes, f"train.keep_last {train.keep_last} + one being written, {every}"
     if train.save_every:
         n = math.ceil(train.steps / train.save_every) if train.steps else 1
-        return n * checkpoint_bytes, (f"{n}, all kept (train.keep_last 0): one every {train.save_every} of "
-                                      f"train.steps {train.steps} and one after the last, {every}")
+        return n * checkpoint_bytes, (
+            f"{n}, all kept (train.keep_last 0): one every {train.save_every} of "
+            f"train.steps {train.steps} and one after the last, {every}"
+        )
     return 2 * checkpoint_bytes, f"at least 2 (one per train.save_every_minutes, all kept: train.keep_last 0), {every}"
 
 
@@ -78,6 +85,8 @@ def disk_lines(train: TrainConfig, out: Path, checkpoint_bytes: int, final_bytes
     free = free_bytes(out)
     lines = [f"disk: {human_bytes(need)} needed in {out}: {', '.join(parts)}; {human_bytes(free)} free there"]
     if free < need:
-        lines.append(f"  WARNING: {human_bytes(need - free)} short: the run would stop when a checkpoint does not fit "
-                     "(free space, set train.keep_last lower, or choose another train.output_dir)")
+        lines.append(
+            f"  WARNING: {human_bytes(need - free)} short: the run would stop when a checkpoint does not fit "
+            "(free space, set train.keep_last lower, or choose another train.output_dir)"
+        )
     return lines

@@ -14,14 +14,19 @@ from megatrain.errors import ConfigError, DataError, MegatrainError, disk_full, 
 
 USAGE_ERROR, RUNTIME_ERROR = 2, 1
 
-USAGE = ("megatrain-launch CONFIG.yaml [dotted.key=value ...] [--address ADDR] | export SRC OUT [--dtype D] | "
-         "plan CONFIG [overrides] | status | plot RUN_DIR | tokenizer DATA... --out DIR | --cleanup | "
-         "--config-reference")
+USAGE = (
+    "megatrain-launch CONFIG.yaml [dotted.key=value ...] [--address ADDR] | export SRC OUT [--dtype D] | "
+    "plan CONFIG [overrides] | status | plot RUN_DIR | tokenizer DATA... --out DIR | --cleanup | "
+    "--config-reference"
+)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatrain-launch", usage=USAGE,
-                                description="Train a HF causal LM with MegaTrain's multi-process actor system.")
+    p = argparse.ArgumentParser(
+        prog="megatrain-launch",
+        usage=USAGE,
+        description="Train a HF causal LM with MegaTrain's multi-process actor system.",
+    )
     p.add_argument("config", nargs="?", help="YAML config file (see examples/)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. optim.lr=3e-4")
     p.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
@@ -35,8 +40,10 @@ def cleanup() -> int:
     from megatrain.ipc.shm import sweep
 
     removed = sweep()
-    print(f"megatrain-launch: removed {len(removed)} shared-memory objects of dead runs"
-          + (":\n  " + "\n  ".join(sorted(removed)) if removed else ""))
+    print(
+        f"megatrain-launch: removed {len(removed)} shared-memory objects of dead runs"
+        + (":\n  " + "\n  ".join(sorted(removed)) if removed else "")
+    )
     return 0
 
 
@@ -57,9 +64,8 @@ prints the resolved config; a run saves it as `OUTPUT_DIR/config.yaml`.
 
 
 def reference() -> int:
-    from megatrain.launch.config import Config
-
     from megatrain.configbase import reference_table
+    from megatrain.launch.config import Config
 
     print(REFERENCE_HEAD + reference_table(Config), end="")
     return 0
@@ -74,9 +80,11 @@ def _resolved_here(cfg: Any, dump: Callable[[Any], str]) -> str:
     from megatrain.engine import resolve_engine
 
     engine = resolve_engine(cfg.engine, cfg.engine.device == "cuda" or torch.cuda.is_available())
-    head = ("# resolved on this machine: engine.device and engine.compute_dtype from its GPU (a run decides on\n"
-            "# the executor's node); ipc.staging 'auto' is decided at start from free memory (see the run's\n"
-            "# config.yaml)\n")
+    head = (
+        "# resolved on this machine: engine.device and engine.compute_dtype from its GPU (a run decides on\n"
+        "# the executor's node); ipc.staging 'auto' is decided at start from free memory (see the run's\n"
+        "# config.yaml)\n"
+    )
     return head + dump(dataclasses.replace(cfg, engine=engine))
 
 
@@ -130,9 +138,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, stop: Any) -> int:
     trainer = None
     try:
-        from megatrain.launch.config import load_config
-
         from megatrain.configbase import dump_yaml
+        from megatrain.launch.config import load_config
 
         overrides = list(args.overrides) + ([f"launch.address={args.address}"] if args.address else [])
         cfg = load_config(args.config, overrides)
@@ -144,21 +151,28 @@ def _run(args: argparse.Namespace, stop: Any) -> int:
         trainer = Trainer(cfg, stop)
         summary = trainer.run()
         if summary.get("complete"):
-            print(f"megatrain-launch: nothing to do: the run is complete, its checkpoint {summary['checkpoint']} "
-                  f"is after step {summary['last_step']} of {trainer.steps} (raise train.steps to train on; "
-                  "train.resume=none with train.overwrite=true starts it again)")
+            print(
+                f"megatrain-launch: nothing to do: the run is complete, its checkpoint {summary['checkpoint']} "
+                f"is after step {summary['last_step']} of {trainer.steps} (raise train.steps to train on; "
+                "train.resume=none with train.overwrite=true starts it again)"
+            )
             return 0
         if summary.get("stopped_by"):
             saved = summary.get("checkpoint")
-            print(f"megatrain-launch: stopped by {summary['stopped_by']} after step {summary['last_step']}; "
-                  + (f"checkpoint {saved}: the same command resumes from it (train.resume: auto)" if saved
-                     else "no checkpoint written"), file=sys.stderr)
+            print(
+                f"megatrain-launch: stopped by {summary['stopped_by']} after step {summary['last_step']}; "
+                + (
+                    f"checkpoint {saved}: the same command resumes from it (train.resume: auto)"
+                    if saved
+                    else "no checkpoint written"
+                ),
+                file=sys.stderr,
+            )
             return 128 + stop.signum
         print(f"megatrain-launch: done, {len(summary['metrics'])} steps; metrics in {trainer.out / 'metrics.jsonl'}")
         return 0
     except KeyboardInterrupt:
-        print("megatrain-launch: interrupted; the run's processes and shared memory were released",
-              file=sys.stderr)
+        print("megatrain-launch: interrupted; the run's processes and shared memory were released", file=sys.stderr)
         return 128 + (stop.signum or signal.SIGINT)
     except (ConfigError, DataError) as exc:  # the user's input: nothing was started
         return _report(exc, str(exc), trainer, USAGE_ERROR)
@@ -178,7 +192,7 @@ def _report(exc: BaseException, message: str, trainer: object, code: int = RUNTI
     where = ""
     if code == RUNTIME_ERROR and out_dir is not None and out_dir.is_dir():
         remote = getattr(exc, "traceback", "")
-        detail = (f"traceback of actor '{exc.actor}':\n{remote}" if remote else traceback.format_exc())
+        detail = f"traceback of actor '{exc.actor}':\n{remote}" if remote else traceback.format_exc()
         log = out_dir / "error.log"
         try:
             log.write_text(message + "\n\n" + detail)

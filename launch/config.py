@@ -6,16 +6,15 @@ import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatrain.ipc.protocol import IpcConfig
-from megatrain.launch.driver_config import TrainConfig
-from megatrain.launch.placement import ActorsConfig
-from megatrain.launch.runners import LaunchConfig
-
 from megatrain.adamw import OptimConfig
 from megatrain.configbase import Where, key_error, load_located, section
 from megatrain.data import ByteTokenizer, DataConfig
 from megatrain.engine import EngineConfig
 from megatrain.errors import ConfigError
+from megatrain.ipc.protocol import IpcConfig
+from megatrain.launch.driver_config import TrainConfig
+from megatrain.launch.placement import ActorsConfig
+from megatrain.launch.runners import LaunchConfig
 from megatrain.model import ModelConfig, hf_config_fields, pretrained_config, resolve_hf_config
 from megatrain.weights import checkpoint_index
 
@@ -57,24 +56,35 @@ def validate(cfg: Config, where: Where | None = None) -> None:
     if cfg.data.kind == "arithmetic" and hf.vocab_size < ByteTokenizer.vocab_size:
         raise fail("model.hf.vocab_size", f"{hf.vocab_size} is below the byte tokenizer's {ByteTokenizer.vocab_size}")
     if cfg.data.seq_len > hf.max_position_embeddings:
-        raise fail("data.seq_len", f"{cfg.data.seq_len} exceeds model max_position_embeddings "
-                                   f"{hf.max_position_embeddings}")
+        raise fail(
+            "data.seq_len", f"{cfg.data.seq_len} exceeds model max_position_embeddings {hf.max_position_embeddings}"
+        )
     dropout = [(k, v) for k, v in hf.to_dict().items() if k.endswith("dropout") and isinstance(v, int | float) and v]
     if dropout:  # a pretrained config.json may carry one too: named as the model.hf key that overrides it
         key, value = dropout[0]
-        raise fail(f"model.hf.{key}", f"{value}: dropout is not supported: layers are computed again in their "
-                                      "backward (checkpoint blocks, lean layers), which would draw other masks than "
-                                      f"the forward did; set model.hf.{key}: 0")
+        raise fail(
+            f"model.hf.{key}",
+            f"{value}: dropout is not supported: layers are computed again in their "
+            "backward (checkpoint blocks, lean layers), which would draw other masks than "
+            f"the forward did; set model.hf.{key}: 0",
+        )
     if cfg.engine.checkpoint_interval != "auto" and cfg.engine.checkpoint_interval > hf.num_hidden_layers:
-        raise fail("engine.checkpoint_interval", f"{cfg.engine.checkpoint_interval} exceeds the model's "
-                                                 f"{hf.num_hidden_layers} layers (model.hf.num_hidden_layers); "
-                                                 f"use at most {hf.num_hidden_layers}")
+        raise fail(
+            "engine.checkpoint_interval",
+            f"{cfg.engine.checkpoint_interval} exceeds the model's "
+            f"{hf.num_hidden_layers} layers (model.hf.num_hidden_layers); "
+            f"use at most {hf.num_hidden_layers}",
+        )
     if cfg.ipc.weight_slabs < cfg.actors.num_packers:
-        raise fail("ipc.weight_slabs", f"{cfg.ipc.weight_slabs} must be >= actors.num_packers "
-                                       f"({cfg.actors.num_packers}): each packer owns at least one slab")
+        raise fail(
+            "ipc.weight_slabs",
+            f"{cfg.ipc.weight_slabs} must be >= actors.num_packers "
+            f"({cfg.actors.num_packers}): each packer owns at least one slab",
+        )
     if cfg.ipc.grad_slabs < cfg.actors.num_accumulators:
-        raise fail("ipc.grad_slabs", f"{cfg.ipc.grad_slabs} must be >= actors.num_accumulators "
-                                     f"({cfg.actors.num_accumulators})")
+        raise fail(
+            "ipc.grad_slabs", f"{cfg.ipc.grad_slabs} must be >= actors.num_accumulators ({cfg.actors.num_accumulators})"
+        )
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:

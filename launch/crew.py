@@ -10,10 +10,9 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from megatrain.actors.base import Role
 from megatrain.actors.store_owner import StoreOwner
+from megatrain.errors import AbortError, ActorFailure, MegatrainError, is_stall_verdict
 from megatrain.launch.handles import Handle, Pending, Runner
 from megatrain.launch.placement import Demand
-
-from megatrain.errors import AbortError, ActorFailure, MegatrainError, is_stall_verdict
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -67,20 +66,21 @@ class Crew:
         self.runner.close()
 
     # ---- calls ------------------------------------------------------------------------------
-    def call(self, name: str, method: Callable[Concatenate[Any, P], R], *args: P.args,
-             **kwargs: P.kwargs) -> Pending[R]:
+    def call(
+        self, name: str, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> Pending[R]:
         """Start `method` (the actor class's own, e.g. AdamUpdater.step) on actor `name`; a method of another
         class or arguments that do not fit its signature raise TypeError here (launch/handles.py)."""
         return self.runner.call(self.actors[name], method, *args, **kwargs)
 
-    def call_one(self, name: str, method: Callable[Concatenate[Any, P], R], *args: P.args,
-                 **kwargs: P.kwargs) -> R:
+    def call_one(self, name: str, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         """The call's result, waited for with the start-up timeout."""
         pending = self.call(name, method, *args, **kwargs)
         return self.gather({name: pending}, self.setup_timeout_s, f"{name}.{pending.method}")[name]
 
-    def gather(self, calls: dict[str, Pending], timeout: float, what: str,
-               optional: dict[str, Pending] | None = None) -> dict[str, Any]:
+    def gather(
+        self, calls: dict[str, Pending], timeout: float, what: str, optional: dict[str, Pending] | None = None
+    ) -> dict[str, Any]:
         """Wait for every call in `calls`; a call in `optional` (the checkpoint being written) is watched
         for failure and its result taken if it ends meanwhile, but not waited for."""
         results: dict[str, Any] = {}
@@ -92,8 +92,9 @@ class Crew:
             done = self.runner.wait_any(watch, max(deadline - time.monotonic(), 0.0))
             if not done:
                 self.abort(f"{what} timed out")
-                raise MegatrainError(f"{what} did not finish within {timeout:.0f}s; still waiting on: "
-                                     f"{', '.join(pending)}")
+                raise MegatrainError(
+                    f"{what} did not finish within {timeout:.0f}s; still waiting on: {', '.join(pending)}"
+                )
             for p in done:
                 if p is self.sentinel:
                     self.sentinel = None

@@ -15,8 +15,13 @@ import os
 import secrets
 from pathlib import Path
 
+from megatrain import log
 from megatrain.actors.base import Role
 from megatrain.actors.store_owner import FillReport, StoreOwner, StoreRequest
+from megatrain.checkpoint import step_dir as ckpt_step_dir
+from megatrain.configbase import differences, dump_yaml
+from megatrain.data import Data, open_data
+from megatrain.engine import resolve_engine
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes
 from megatrain.ipc.shm import check_run_id, check_run_id_free
 from megatrain.launch import startup
@@ -31,12 +36,6 @@ from megatrain.launch.runners import Pending, make_runner
 from megatrain.launch.steploop import PreparedRun, StepLoop
 from megatrain.launch.stopping import StopRequest, sigint_deferred
 from megatrain.launch.tensorboard import summary_writer
-
-from megatrain import log
-from megatrain.checkpoint import step_dir as ckpt_step_dir
-from megatrain.configbase import differences, dump_yaml
-from megatrain.data import Data, open_data
-from megatrain.engine import resolve_engine
 from megatrain.model import resolve_hf_config
 
 
@@ -68,16 +67,39 @@ class Trainer:
         try:
             self.setup()
             if self.begin.complete:  # nothing to do, and nothing was started
-                return {"run_id": self.run_id, "output_dir": str(self.out), "metrics": [], "stopped_by": "",
-                        "last_step": self.start, "checkpoint": str(self.resume_dir), "complete": True}
-            self.loop = StepLoop(PreparedRun(
-                self.cfg, self.crew, self.data, self.spec, self.engine_cfg.device == "cuda", self.out, self.start,
-                self.steps, self.evaluator, self.checkpointer, dump_yaml(self._resolved()), self.stop,
-                self.phases.launched))
+                return {
+                    "run_id": self.run_id,
+                    "output_dir": str(self.out),
+                    "metrics": [],
+                    "stopped_by": "",
+                    "last_step": self.start,
+                    "checkpoint": str(self.resume_dir),
+                    "complete": True,
+                }
+            self.loop = StepLoop(
+                PreparedRun(
+                    self.cfg,
+                    self.crew,
+                    self.data,
+                    self.spec,
+                    self.engine_cfg.device == "cuda",
+                    self.out,
+                    self.start,
+                    self.steps,
+                    self.evaluator,
+                    self.checkpointer,
+                    dump_yaml(self._resolved()),
+                    self.stop,
+                    self.phases.launched,
+                )
+            )
             self.loop()
             mem = self.crew.call_one(OWNER, StoreOwner.host_memory)  # after the last step: every page is in use
-            observed = self.crew.gather({n: self.crew.call(n, Role.thread_counts) for n in self.crew.actors},
-                                        self.cfg.train.setup_timeout_s, "thread counts")
+            observed = self.crew.gather(
+                {n: self.crew.call(n, Role.thread_counts) for n in self.crew.actors},
+                self.cfg.train.setup_timeout_s,
+                "thread counts",
+            )
             if self.loop.stopped_after is None:
                 self._finish(mem)
             return self._summary(mem, observed)
@@ -87,30 +109,45 @@ class Trainer:
 
     def _summary(self, mem: dict, observed: dict) -> dict:
         loop, spec, written = self.loop, self.spec, self.checkpointer.written
-        return {"run_id": self.run_id, "output_dir": str(self.out), "metrics": loop.metrics,
-                "stopped_by": self.stop.name if loop.stopped_after is not None else "",
-                "last_step": loop.stopped_after if loop.stopped_after is not None else self.steps,
-                "checkpoint": str(ckpt_step_dir(self.checkpointer.root, written)) if written else "",
-                "checkpoints": self.checkpointer.history,
-                "store_fill": dataclasses.asdict(self.store_fill) if self.store_fill else {},
-                "time_to_first_step_s": loop.first_step_s, "startup_s": dict(self.phases.seconds),
-                "cpu_plan": {n: dataclasses.asdict(t) for n, t in spec.threads.items() if n in self.crew.actors},
-                "threads_observed": observed, "pids": dict(self.crew.pids), "num_params": spec.layout.num_params,
-                "store_bytes": sum(spec.part_bytes().values()), "staging": spec.staging_mode,
-                "executor_host_bytes": checkpoint_host_bytes(spec.model, self.engine_cfg, self.cfg.data.batch_size,
-                                                             self.cfg.data.seq_len),
-                "process_pss_bytes": mem["pss_bytes"], "pss_own_by_role": mem["pss_own_by_role"],
-                "processes": mem["processes"]}
+        return {
+            "run_id": self.run_id,
+            "output_dir": str(self.out),
+            "metrics": loop.metrics,
+            "stopped_by": self.stop.name if loop.stopped_after is not None else "",
+            "last_step": loop.stopped_after if loop.stopped_after is not None else self.steps,
+            "checkpoint": str(ckpt_step_dir(self.checkpointer.root, written)) if written else "",
+            "checkpoints": self.checkpointer.history,
+            "store_fill": dataclasses.asdict(self.store_fill) if self.store_fill else {},
+            "time_to_first_step_s": loop.first_step_s,
+            "startup_s": dict(self.phases.seconds),
+            "cpu_plan": {n: dataclasses.asdict(t) for n, t in spec.threads.items() if n in self.crew.actors},
+            "threads_observed": observed,
+            "pids": dict(self.crew.pids),
+            "num_params": spec.layout.num_params,
+            "store_bytes": sum(spec.part_bytes().values()),
+            "staging": spec.staging_mode,
+            "executor_host_bytes": checkpoint_host_bytes(
+                spec.model, self.engine_cfg, self.cfg.data.batch_size, self.cfg.data.seq_len
+            ),
+            "process_pss_bytes": mem["pss_bytes"],
+            "pss_own_by_role": mem["pss_own_by_role"],
+            "processes": mem["processes"],
+        }
 
     def _finish(self, mem: dict) -> None:
         """After the last step (not after a graceful stop)."""
         describe_memory(mem, self.spec.layout.num_params)
         if self.evaluator is not None and self.evaluator.examples and self.cfg.train.final_eval:
-            log("held-out problems answered by greedy decoding after the last step:\n  "
-                + "\n  ".join(self.evaluator.solved_examples()))
+            log(
+                "held-out problems answered by greedy decoding after the last step:\n  "
+                + "\n  ".join(self.evaluator.solved_examples())
+            )
         if self.cfg.train.save_final:
-            tok = None if self.cfg.data.kind in ("arithmetic", "tokens") else (self.cfg.data.tokenizer
-                                                                               or self.cfg.model.pretrained)
+            tok = (
+                None
+                if self.cfg.data.kind in ("arithmetic", "tokens")
+                else (self.cfg.data.tokenizer or self.cfg.model.pretrained)
+            )
             path = self.crew.call_one(OWNER, StoreOwner.save, str(self.out / "final"), tok)
             log(f"saved final fp32 weights to {path}")
 
@@ -136,8 +173,10 @@ class Trainer:
         if self.resume_dir:
             log(f"resuming from {self.resume_dir} (after step {self.start} of {self.steps})")
         if self.steps != cfg.train.steps:
-            log(f"data.epochs {cfg.data.epochs} x {self.data.batches_per_epoch} batches per epoch = {self.steps} "
-                f"steps (train.steps {cfg.train.steps} is not used)")
+            log(
+                f"data.epochs {cfg.data.epochs} x {self.data.batches_per_epoch} batches per epoch = {self.steps} "
+                f"steps (train.steps {cfg.train.steps} is not used)"
+            )
         self.phases.close("config and data")
         self.crew.runner.connect(bundle(demands(cfg.actors, cuda=False))["CPU"])
         self.phases.close("Ray")
@@ -146,8 +185,10 @@ class Trainer:
         self._write_config()
         changed = differences(self._resolved(), Config())
         log(f"run {self.run_id}; output directory {self.out}")
-        log(f"config (what differs from the defaults; all of it, resolved, in "
-            f"{self.out / 'config.yaml'}):\n  " + "\n  ".join(f"{k}: {short(v)}" for k, v in changed))
+        log(
+            f"config (what differs from the defaults; all of it, resolved, in "
+            f"{self.out / 'config.yaml'}):\n  " + "\n  ".join(f"{k}: {short(v)}" for k, v in changed)
+        )
         self._start_actors(cuda)
         self.evaluator = Evaluator(self.data, cfg.train.eval_batches, self.crew, cfg.train.step_timeout_s)
 
@@ -156,13 +197,13 @@ class Trainer:
         owner makes and fills the store; they attach to it once it exists. The engine's sizes wait for the
         executor's free GPU memory; the store does not wait for them (the owner settles them after)."""
         cfg, crew, phases = self.cfg, self.crew, self.phases
-        dem = demands(cfg.actors, cuda, clip=cfg.optim.clips, writer=self.checkpointer.enabled,
-                      staging=cfg.ipc.staging)
+        dem = demands(cfg.actors, cuda, clip=cfg.optim.clips, writer=self.checkpointer.enabled, staging=cfg.ipc.staging)
         crew.runner.place(bundle(dem), describe_need(dem))
         phases.close("placement")
         crew.spawn(OWNER, StoreOwner, (), dem[OWNER])
-        startup.spawn_workers(crew, cfg, self.engine_cfg, dem, expect_packers(cfg.ipc.staging, cuda),
-                              self.checkpointer.enabled)
+        startup.spawn_workers(
+            crew, cfg, self.engine_cfg, dem, expect_packers(cfg.ipc.staging, cuda), self.checkpointer.enabled
+        )
         creating = self._create_store()
         self.engine_cfg = startup.choose_sizes(crew, cfg, self.engine_cfg)
         if self.engine_cfg.device == "cuda":
@@ -178,18 +219,28 @@ class Trainer:
         """The owner's create call, not waited for: it plans with the engine's sizes still `auto`."""
         cfg = self.cfg
         self.crew.serve_owner()
-        request = StoreRequest(self.run_id, cfg.model, cfg.optim.no_decay_1d, cfg.optim.clips, self.engine_cfg,
-                               cfg.actors.num_packers, cfg.actors.num_accumulators, cfg.ipc,
-                               (cfg.data.batch_size, cfg.data.seq_len),
-                               str(self.resume_dir) if self.resume_dir else None, thread_request(cfg.actors),
-                               {"output_dir": str(self.out), "steps": self.steps, "first": self.start})
+        request = StoreRequest(
+            self.run_id,
+            cfg.model,
+            cfg.optim.no_decay_1d,
+            cfg.optim.clips,
+            self.engine_cfg,
+            cfg.actors.num_packers,
+            cfg.actors.num_accumulators,
+            cfg.ipc,
+            (cfg.data.batch_size, cfg.data.seq_len),
+            str(self.resume_dir) if self.resume_dir else None,
+            thread_request(cfg.actors),
+            {"output_dir": str(self.out), "steps": self.steps, "first": self.start},
+        )
         return self.crew.call(OWNER, StoreOwner.create, request)
 
     def _resolved(self) -> Config:
         cfg = self.cfg
         ipc = dataclasses.replace(cfg.ipc, staging=self.spec.staging_mode) if self.spec else cfg.ipc
-        return dataclasses.replace(cfg, engine=self.engine_cfg, ipc=ipc,
-                                   train=dataclasses.replace(cfg.train, run_id=self.run_id))
+        return dataclasses.replace(
+            cfg, engine=self.engine_cfg, ipc=ipc, train=dataclasses.replace(cfg.train, run_id=self.run_id)
+        )
 
     def _write_config(self) -> None:
         (self.out / "config.yaml").write_text(dump_yaml(self._resolved()))

@@ -14,10 +14,9 @@ from typing import TypeVar
 
 from megatrain.actors.gpu_executor import GpuExecutor
 from megatrain.actors.packer import Packer
+from megatrain.data import Data, arithmetic
 from megatrain.launch.crew import Crew
 from megatrain.launch.handles import Pending
-
-from megatrain.data import Data, arithmetic
 
 R = TypeVar("R")
 
@@ -44,8 +43,9 @@ class Evaluator:
             loss_sum, tokens, seconds = 0.0, 0, 0.0
             for lo in range(0, self.count, GROUP):
                 batches = [self.data.eval_batch(i) for i in range(lo, min(lo + GROUP, self.count))]
-                res = self._walks(step, len(batches),
-                                  self.crew.call("gpu-executor", GpuExecutor.evaluate, step, batches))
+                res = self._walks(
+                    step, len(batches), self.crew.call("gpu-executor", GpuExecutor.evaluate, step, batches)
+                )
                 loss_sum, tokens, seconds = loss_sum + res.loss_sum, tokens + res.tokens, seconds + res.eval_s
             out.update(eval_tokens=tokens, eval_s=seconds)
             if tokens:  # an evaluation set without a labelled token has no loss (it is said so, not 0)
@@ -53,8 +53,9 @@ class Evaluator:
                 out.update(eval_loss=loss, eval_ppl=math.exp(min(loss, 700.0)))
         if self.data.problems:
             ids, pos, new = arithmetic.prompts(self.data.cfg, self.data.problems)
-            got = arithmetic.answers(self._walks(step, new, self.crew.call("gpu-executor", GpuExecutor.generate,
-                                                                           step, ids, pos, new)))
+            got = arithmetic.answers(
+                self._walks(step, new, self.crew.call("gpu-executor", GpuExecutor.generate, step, ids, pos, new))
+            )
             out["eval_accuracy"] = arithmetic.accuracy(self.data.problems, got)
             self.examples = [(q, a, g) for (q, a), g in zip(self.data.problems, got)]
         return out
@@ -68,13 +69,16 @@ class Evaluator:
     def describe(self, step: int, row: dict) -> str:
         parts = []
         if "eval_loss" in row:
-            parts.append(f"eval_loss {row['eval_loss']:.4f} eval_ppl {row['eval_ppl']:.2f} "
-                         f"({self.count} batches, {row['eval_tokens']} tokens)")
+            parts.append(
+                f"eval_loss {row['eval_loss']:.4f} eval_ppl {row['eval_ppl']:.2f} "
+                f"({self.count} batches, {row['eval_tokens']} tokens)"
+            )
         elif "eval_tokens" in row:
             parts.append(f"no eval_loss: the {self.count} evaluation batches hold no labelled token")
         if "eval_accuracy" in row:
-            parts.append(f"exact-match accuracy {row['eval_accuracy']:.1%} on {len(self.data.problems)} held-out "
-                         "problems")
+            parts.append(
+                f"exact-match accuracy {row['eval_accuracy']:.1%} on {len(self.data.problems)} held-out problems"
+            )
         return f"eval after step {step}: " + ", ".join(parts)
 
     def solved_examples(self, count: int = 5) -> list[str]:

@@ -10,19 +10,20 @@ from pathlib import Path
 import numpy as np
 import torch
 import yaml
-from megatrain.launch.resume import find_checkpoint
 
 from megatrain import checkpoint as ckpt
 from megatrain.errors import ConfigError, DataError, MegatrainError, disk_full, is_disk_full
 from megatrain.export import DTYPES, export
+from megatrain.launch.resume import find_checkpoint
 from megatrain.model import ModelConfig, build_spec
 
 _NOT_FIELDS = ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path")
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatrain-launch export",
-                                description="Write a checkpoint's weights as an HF save_pretrained directory.")
+    p = argparse.ArgumentParser(
+        prog="megatrain-launch export", description="Write a checkpoint's weights as an HF save_pretrained directory."
+    )
     p.add_argument("source", help="a checkpoint directory, or a run's output directory (its newest checkpoint)")
     p.add_argument("out", help="the HF directory to write")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
@@ -49,7 +50,7 @@ def run(source: str, out: str, dtype: str = "fp32", shard_gb: float = 5.0) -> Pa
 
     def tile(u: int) -> torch.Tensor:
         lo, n = units[u]
-        return torch.from_numpy(np.array(params[lo: lo + n]))
+        return torch.from_numpy(np.array(params[lo : lo + n]))
 
     data = run_cfg.get("data", {})
     tok = None
@@ -77,8 +78,11 @@ def main(argv: list[str]) -> int:
         print(f"megatrain-launch export: error: {exc}", file=sys.stderr)
         return 1
     except OSError as exc:  # writing OUT: a full disk, no permission
-        what = str(disk_full(args.out, "the exported model")) if is_disk_full(exc) else (
-            f"cannot write {exc.filename or args.out}: {exc.strerror or exc}")
+        what = (
+            str(disk_full(args.out, "the exported model"))
+            if is_disk_full(exc)
+            else (f"cannot write {exc.filename or args.out}: {exc.strerror or exc}")
+        )
         print(f"megatrain-launch export: error: {what}", file=sys.stderr)
         return 1
     print(f"megatrain-launch export: wrote {path}")

@@ -16,10 +16,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from megatrain.launch.config import Config, load_config
 
 from megatrain.data import Batch, open_data
 from megatrain.errors import ConfigError, DataError, MegatrainError
+from megatrain.launch.config import Config, load_config
 from megatrain.model import family_classes, resolve_hf_config
 from megatrain.reference import Batches, train_reference
 
@@ -34,8 +34,10 @@ def save_initial(cfg: Config, directory: Path) -> Path:
 
 def weight_diffs(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
     """(||ours - ref||, ||ref||) per tensor of ours (a tied lm_head is the embedding)."""
-    return {name: (float(torch.linalg.norm(t.float() - ref[name].float())), float(torch.linalg.norm(ref[name].float())))
-            for name, t in ours.items()}
+    return {
+        name: (float(torch.linalg.norm(t.float() - ref[name].float())), float(torch.linalg.norm(ref[name].float())))
+        for name, t in ours.items()
+    }
 
 
 def _ids_labels(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,13 +48,16 @@ def compare(cfg: Config, workdir: Path, batches: Batches | None = None) -> dict:
     """Train `cfg` through the actor system and the plain reference from the same initial weights;
     the reference takes step t's batch from `batches(t)` when given (tests build them by hand), else
     from the run's own data."""
-    from megatrain.launch.driver import Trainer
     from safetensors.torch import load_file
+
+    from megatrain.launch.driver import Trainer
 
     init = save_initial(cfg, workdir / "init")
     cfg = dataclasses.replace(
-        cfg, model=dataclasses.replace(cfg.model, pretrained=str(init)),
-        train=dataclasses.replace(cfg.train, save_final=True, output_dir=str(workdir / "run")))
+        cfg,
+        model=dataclasses.replace(cfg.model, pretrained=str(init)),
+        train=dataclasses.replace(cfg.train, save_final=True, output_dir=str(workdir / "run")),
+    )
     summary = Trainer(cfg).run()
     ours = load_file(Path(summary["output_dir"]) / "final" / "model.safetensors")
     family, _ = resolve_hf_config(cfg.model)
@@ -62,16 +67,29 @@ def compare(cfg: Config, workdir: Path, batches: Batches | None = None) -> dict:
     data = open_data(cfg.data, model.config, cfg.model.pretrained)
     steps = len(summary["metrics"])
     bf16 = bool(cuda) and cfg.engine.compute_dtype != "fp32"
-    ref = train_reference(model, cfg.optim, batches or (lambda t: _ids_labels(data.batch(t))), steps,
-                          device="cuda" if cuda else "cpu", autocast_bf16=bf16,
-                          eval_batches=data.eval_batches(cfg.train.eval_batches) if data.has_eval else None)
+    ref = train_reference(
+        model,
+        cfg.optim,
+        batches or (lambda t: _ids_labels(data.batch(t))),
+        steps,
+        device="cuda" if cuda else "cpu",
+        autocast_bf16=bf16,
+        eval_batches=data.eval_batches(cfg.train.eval_batches) if data.has_eval else None,
+    )
     losses = [m["loss"] for m in summary["metrics"]]
     rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref.losses)]
-    return {"losses": losses, "ref_losses": ref.losses, "loss_rel": rel, "max_loss_rel": max(rel, default=0.0),
-            "grad_norms": [m["grad_norm"] for m in summary["metrics"]], "ref_grad_norms": ref.grad_norms,
-            "weights": weight_diffs(ours, ref.state), "summary": summary,
-            "eval_loss": next((m["eval_loss"] for m in reversed(summary["metrics"]) if "eval_loss" in m), None),
-            "ref_eval_loss": ref.eval_loss}
+    return {
+        "losses": losses,
+        "ref_losses": ref.losses,
+        "loss_rel": rel,
+        "max_loss_rel": max(rel, default=0.0),
+        "grad_norms": [m["grad_norm"] for m in summary["metrics"]],
+        "ref_grad_norms": ref.grad_norms,
+        "weights": weight_diffs(ours, ref.state),
+        "summary": summary,
+        "eval_loss": next((m["eval_loss"] for m in reversed(summary["metrics"]) if "eval_loss" in m), None),
+        "ref_eval_loss": ref.eval_loss,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,8 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     for i, (a, b, r) in enumerate(zip(rep["losses"], rep["ref_losses"], rep["loss_rel"])):
         print(f"step {i + 1:3d}  megatrain {a:.5f}  reference {b:.5f}  rel diff {r:.2e}")
     worst = max((d / max(n, 1e-30) for d, n in rep["weights"].values()), default=0.0)
-    print(f"max per-step loss rel diff {rep['max_loss_rel']:.3e} (tolerance {args.tolerance}); "
-          f"max final weight rel diff {worst:.3e}")
+    print(
+        f"max per-step loss rel diff {rep['max_loss_rel']:.3e} (tolerance {args.tolerance}); "
+        f"max final weight rel diff {worst:.3e}"
+    )
     if args.json:
         Path(args.json).write_text(json.dumps(rep, indent=1))
     return 0 if rep["max_loss_rel"] <= args.tolerance else 1

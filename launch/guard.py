@@ -61,8 +61,10 @@ def main() -> None:
         time.sleep(POLL_S)  # let Ray's own fate sharing go first
     killed = guard.end_all()
     if killed and not guard.stopping:
-        print(f"megatrain guard: driver pid {guard.driver} died; ended {len(killed)} processes of its Ray instance",
-              file=sys.stderr)
+        print(
+            f"megatrain guard: driver pid {guard.driver} died; ended {len(killed)} processes of its Ray instance",
+            file=sys.stderr,
+        )
 
 
 if __name__ == "__main__":

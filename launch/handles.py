@@ -47,13 +47,16 @@ def checked(h: Handle[Any], method: Callable[..., Any], args: tuple, kwargs: dic
     bind to its signature; TypeError otherwise."""
     name = getattr(method, "__name__", "")
     if not name or name.startswith("_") or getattr(h.cls, name, None) is not method:
-        raise TypeError(f"actor '{h.name}' ({h.cls.__name__}) has no method {getattr(method, '__qualname__', method)}"
-                        " to call")
+        raise TypeError(
+            f"actor '{h.name}' ({h.cls.__name__}) has no method {getattr(method, '__qualname__', method)} to call"
+        )
     try:
         inspect.signature(method).bind(None, *args, **kwargs)  # None: self
     except TypeError as exc:
-        raise TypeError(f"{h.cls.__name__}.{name} called on actor '{h.name}' with arguments that do not fit its "
-                        f"signature {inspect.signature(method)}: {exc}") from None
+        raise TypeError(
+            f"{h.cls.__name__}.{name} called on actor '{h.name}' with arguments that do not fit its "
+            f"signature {inspect.signature(method)}: {exc}"
+        ) from None
     return name
 
 
@@ -83,8 +86,9 @@ class Runner(Protocol):
 
     def spawn(self, name: str, cls: type[A], args: tuple, demand: Demand) -> Handle[A]: ...
 
-    def call(self, h: Handle[A], method: Callable[Concatenate[A, P], R], *args: P.args,
-             **kwargs: P.kwargs) -> Pending[R]: ...
+    def call(
+        self, h: Handle[A], method: Callable[Concatenate[A, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> Pending[R]: ...
 
     def wait_any(self, pending: list[Pending[Any]], timeout: float) -> list[Pending[Any]]: ...
 

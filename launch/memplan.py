@@ -17,6 +17,9 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+from megatrain import autosize
+from megatrain.engine import resolve_engine
+from megatrain.errors import ConfigError, ResourceError
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, plan_store
 from megatrain.ipc.shm import (
     HEADER_BYTES,
@@ -31,15 +34,16 @@ from megatrain.ipc.shm import (
 from megatrain.launch.config import Config, load_config
 from megatrain.launch.placement import demands, describe_need
 from megatrain.launch.runners import PRIVATE_THRESHOLD
-
-from megatrain import autosize
-from megatrain.engine import resolve_engine
-from megatrain.errors import ConfigError, ResourceError
 from megatrain.model import build_spec
 
 GIB = 2**30
-PROCESS_BYTES = {"gpu-executor": int(1.4 * GIB), "cpu-role": int(0.7 * GIB), "reaper": int(0.01 * GIB),
-                 "driver": int(1.0 * GIB), "ray": int(0.8 * GIB)}  # the launcher; Ray's own processes
+PROCESS_BYTES = {
+    "gpu-executor": int(1.4 * GIB),
+    "cpu-role": int(0.7 * GIB),
+    "reaper": int(0.01 * GIB),
+    "driver": int(1.0 * GIB),
+    "ray": int(0.8 * GIB),
+}  # the launcher; Ray's own processes
 
 
 @dataclass
@@ -115,26 +119,42 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Host | Non
     d = cfg.data
     gpu_error = ""
     try:
-        sizes, why = autosize.choose(spec, engine, d.batch_size, d.seq_len, gpu_free if cuda else None,
-                                     cfg.optim.clips)
+        sizes, why = autosize.choose(spec, engine, d.batch_size, d.seq_len, gpu_free if cuda else None, cfg.optim.clips)
     except ResourceError as exc:
         gpu_error, why = str(exc), ""
         sizes = autosize.Sizes(1, 1, 1, 512, 1)  # the least the engine can do, to show the rest of the plan
     engine = autosize.apply(engine, sizes)
     machine = machine or this_host(cfg)
     pinned = checkpoint_host_bytes(spec, engine, d.batch_size, d.seq_len)
-    store = plan_store("plan", spec, engine.compute_dtype, engine.checkpoint_interval, cfg.actors.num_packers,
-                       cfg.actors.num_accumulators, cfg.ipc, cuda, cfg.optim.clips,
-                       {"checkpoints": pinned}, engine.last_block_layers, space=(machine.shm, machine.limit))
+    store = plan_store(
+        "plan",
+        spec,
+        engine.compute_dtype,
+        engine.checkpoint_interval,
+        cfg.actors.num_packers,
+        cfg.actors.num_accumulators,
+        cfg.ipc,
+        cuda,
+        cfg.optim.clips,
+        {"checkpoints": pinned},
+        engine.last_block_layers,
+        space=(machine.shm, machine.limit),
+    )
     host = {f"shm: {k}": v + HEADER_BYTES for k, v in store.part_bytes().items()}
     host["executor: pinned activation checkpoints"] = pinned
     host.update(_processes(store, cfg, cuda))
     host["node: page tables of the store's mappings"] = store.page_table_bytes()
-    plan = MemPlan(f"{spec.family}, {spec.layout.num_layers} layers, {spec.layout.num_params / 1e6:.2f}M params, "
-                   f"{d.batch_size}x{d.seq_len} tokens per step, engine on {engine.device} ({engine.compute_dtype}), "
-                   f"staging {store.staging_mode}, clipping {'on' if store.clip else 'off'}",
-                   host, machine, sum(v for k, v in host.items() if k.startswith("shm:")),
-                   spec.layout.num_params, gpu_error=gpu_error, cuda=cuda)
+    plan = MemPlan(
+        f"{spec.family}, {spec.layout.num_layers} layers, {spec.layout.num_params / 1e6:.2f}M params, "
+        f"{d.batch_size}x{d.seq_len} tokens per step, engine on {engine.device} ({engine.compute_dtype}), "
+        f"staging {store.staging_mode}, clipping {'on' if store.clip else 'off'}",
+        host,
+        machine,
+        sum(v for k, v in host.items() if k.startswith("shm:")),
+        spec.layout.num_params,
+        gpu_error=gpu_error,
+        cuda=cuda,
+    )
     plan.need = describe_need(demands(cfg.actors, cuda, store.clip, cfg.train.saves_checkpoints, store.staging_mode))
     plan.sizes = str(sizes) + (f" ({why})" if why else "")
     if cuda:
@@ -146,11 +166,17 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Host | Non
 def _processes(store: StoreSpec, cfg: Config, cuda: bool) -> dict[str, int]:
     """Each process's own memory; packers run only with slabs, accumulators only with clipping, the writer
     only when checkpoints are written."""
-    out = {"process: gpu-executor": PROCESS_BYTES["gpu-executor"] if cuda else PROCESS_BYTES["cpu-role"],
-           "process: store-owner": PROCESS_BYTES["cpu-role"], "process: reaper": PROCESS_BYTES["reaper"]}
-    roles = (["adam-updater"] + [f"packer-{i}" for i in range(store.running_packers)]
-             + [f"grad-accumulator-{i}" for i in range(store.running_accumulators)]
-             + (["checkpoint-writer"] if cfg.train.saves_checkpoints else []))
+    out = {
+        "process: gpu-executor": PROCESS_BYTES["gpu-executor"] if cuda else PROCESS_BYTES["cpu-role"],
+        "process: store-owner": PROCESS_BYTES["cpu-role"],
+        "process: reaper": PROCESS_BYTES["reaper"],
+    }
+    roles = (
+        ["adam-updater"]
+        + [f"packer-{i}" for i in range(store.running_packers)]
+        + [f"grad-accumulator-{i}" for i in range(store.running_accumulators)]
+        + (["checkpoint-writer"] if cfg.train.saves_checkpoints else [])
+    )
     out.update({f"process: {role}": PROCESS_BYTES["cpu-role"] for role in roles})
     if cfg.launch.runner != "inprocess":  # the launcher itself, and a private Ray instance's processes
         out["node: the launcher (megatrain-launch)"] = PROCESS_BYTES["driver"]
@@ -162,15 +188,22 @@ def _processes(store: StoreSpec, cfg: Config, cuda: bool) -> dict[str, int]:
 # Settings that take host memory away, each re-planned to show what it saves on this model and machine.
 HOST_LEVERS = [
     ("optim.max_grad_norm=0", "no clipping", lambda c: _set(c, "optim", max_grad_norm=0.0)),
-    ("ipc.staging=slabs", "no resident copy; packing on the step's path",
-     lambda c: _set(c, "ipc", staging="slabs")),
-    ("optim.max_grad_norm=0 ipc.staging=slabs", "no clipping, no resident copy: 12 bytes per parameter of planes",
-     lambda c: _set(_set(c, "optim", max_grad_norm=0.0), "ipc", staging="slabs")),
-    ("optim.max_grad_norm=0 ipc.staging=slabs ipc.slab_params=QUARTER",
-     "no clipping, no resident copy, slabs of a quarter layer",
-     lambda c: _set(_set(c, "optim", max_grad_norm=0.0), "ipc", staging="slabs", slab_params=_quarter_layer(c))),
-    ("engine.offload_checkpoints=false", "the activation checkpoints in GPU memory instead",
-     lambda c: _set(c, "engine", offload_checkpoints=False)),
+    ("ipc.staging=slabs", "no resident copy; packing on the step's path", lambda c: _set(c, "ipc", staging="slabs")),
+    (
+        "optim.max_grad_norm=0 ipc.staging=slabs",
+        "no clipping, no resident copy: 12 bytes per parameter of planes",
+        lambda c: _set(_set(c, "optim", max_grad_norm=0.0), "ipc", staging="slabs"),
+    ),
+    (
+        "optim.max_grad_norm=0 ipc.staging=slabs ipc.slab_params=QUARTER",
+        "no clipping, no resident copy, slabs of a quarter layer",
+        lambda c: _set(_set(c, "optim", max_grad_norm=0.0), "ipc", staging="slabs", slab_params=_quarter_layer(c)),
+    ),
+    (
+        "engine.offload_checkpoints=false",
+        "the activation checkpoints in GPU memory instead",
+        lambda c: _set(c, "engine", offload_checkpoints=False),
+    ),
 ]
 
 
@@ -195,9 +228,12 @@ def suggestions(plan: MemPlan, cfg: Config) -> list[str]:
                 setting = setting.replace("QUARTER", str(_quarter_layer(cfg)))
                 tips.append(f"{setting}: {what} (-{gib(saved)} of host RAM)")
     if not plan.gpu_fits():
-        tips += ["engine.chunk_sequences=1 (the batch through each layer one sequence at a time)",
-                 "engine.checkpoint_interval=1 and engine.last_block_layers=1 (the fewest layers' activations kept)",
-                 "engine.loss_chunk_tokens=1024 (smaller logits)", "a shorter data.seq_len"]
+        tips += [
+            "engine.chunk_sequences=1 (the batch through each layer one sequence at a time)",
+            "engine.checkpoint_interval=1 and engine.last_block_layers=1 (the fewest layers' activations kept)",
+            "engine.loss_chunk_tokens=1024 (smaller logits)",
+            "a shorter data.seq_len",
+        ]
     return tips
 
 
@@ -206,22 +242,29 @@ def render(plan: MemPlan, cfg: Config) -> str:
     # per parameter where the parameters dominate (a tiny model's bytes are the processes')
     run = plan.run_pss()
     per_param = f", {run / plan.num_params:.1f} bytes per parameter" if plan.num_params >= 10**8 else ""
-    lines = [f"memory plan: {plan.title}", f"engine sizes: {plan.sizes}", "",
-             f"host: {gib(total)} needed (the run's processes {gib(run)}{per_param}; the rest is the node's); "
-             f"this machine{m.note}: {gib(m.ram)} RAM available, "
-             f"{gib(m.shm)} free in {cfg.ipc.shm_dir} (the store needs {gib(plan.shm_part)} there)"]
+    lines = [
+        f"memory plan: {plan.title}",
+        f"engine sizes: {plan.sizes}",
+        "",
+        f"host: {gib(total)} needed (the run's processes {gib(run)}{per_param}; the rest is the node's); "
+        f"this machine{m.note}: {gib(m.ram)} RAM available, "
+        f"{gib(m.shm)} free in {cfg.ipc.shm_dir} (the store needs {gib(plan.shm_part)} there)",
+    ]
     if m.threshold is not None:
-        lines.append(f"  Ray's memory monitor kills workers above {m.threshold:.0%} of {gib(m.total)} RAM in use "
-                     f"({RAY_THRESHOLD_ENV}; {PRIVATE_THRESHOLD:.0%} in a private instance): the run may take "
-                     f"{gib(max(m.limit, 0))}")
+        lines.append(
+            f"  Ray's memory monitor kills workers above {m.threshold:.0%} of {gib(m.total)} RAM in use "
+            f"({RAY_THRESHOLD_ENV}; {PRIVATE_THRESHOLD:.0%} in a private instance): the run may take "
+            f"{gib(max(m.limit, 0))}"
+        )
     lines += [f"  {k:<52} {gib(v):>12}" for k, v in plan.host.items() if v]
     lines.append(f"  -> {'fits' if plan.host_fits() else 'DOES NOT FIT'}")
     if plan.gpu:
         have = f"{gib(plan.gpu_free)} free on this machine's GPU" if plan.gpu_free is not None else "no GPU here"
         lines += ["", f"GPU: {gib(sum(plan.gpu.values()))} at the peak; {have}{plan.gpu_note}"]
         lines += [f"  {k:<52} {gib(v):>12}" for k, v in plan.gpu.items()]
-        lines.append(f"  -> {'fits' if plan.gpu_fits() else 'DOES NOT FIT'}" + (f": {plan.gpu_error}" if plan.gpu_error
-                                                                                  else ""))
+        lines.append(
+            f"  -> {'fits' if plan.gpu_fits() else 'DOES NOT FIT'}" + (f": {plan.gpu_error}" if plan.gpu_error else "")
+        )
     lines += ["", *_disk(cfg)]
     lines += ["", f"Ray: the actors ask for {plan.need}"]
     lines += ["", "verdict: " + ("fits" if plan.fits() else "does not fit")]
@@ -242,15 +285,23 @@ def _disk(cfg: Config) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="megatrain-launch plan",
-                                description="Host and GPU memory of a run, against this machine, before anything "
-                                            "is allocated. Exit 0 when it fits, 1 when it does not.")
+    p = argparse.ArgumentParser(
+        prog="megatrain-launch plan",
+        description="Host and GPU memory of a run, against this machine, before anything "
+        "is allocated. Exit 0 when it fits, 1 when it does not.",
+    )
     p.add_argument("config", help="YAML config file")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
-    p.add_argument("--gpu-gib", type=float, help="plan for a GPU with this much free memory (default: this "
-                                                 "machine's GPU; without one, the CPU device)")
-    p.add_argument("--host-gib", type=float, help="plan for a host with this much RAM, all of it free (default: "
-                                                  "this machine's available RAM and /dev/shm)")
+    p.add_argument(
+        "--gpu-gib",
+        type=float,
+        help="plan for a GPU with this much free memory (default: this machine's GPU; without one, the CPU device)",
+    )
+    p.add_argument(
+        "--host-gib",
+        type=float,
+        help="plan for a host with this much RAM, all of it free (default: this machine's available RAM and /dev/shm)",
+    )
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     free, cuda, note = _gpu(cfg, args.gpu_gib)
@@ -273,9 +324,9 @@ def _gpu(cfg: Config, gib_given: float | None) -> tuple[int | None, bool, str]:
 
     if not torch.cuda.is_available():
         if cfg.engine.device == "cuda":
-            raise ConfigError("engine.device is cuda but this machine has no GPU: give --gpu-gib N to plan for "
-                              "a GPU with N GiB free")
+            raise ConfigError(
+                "engine.device is cuda but this machine has no GPU: give --gpu-gib N to plan for a GPU with N GiB free"
+            )
         return None, False, ""
     free, _ = torch.cuda.mem_get_info()
     return free, True, " (a run measures it again in its executor, after its CUDA context)"
-

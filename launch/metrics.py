@@ -16,7 +16,7 @@ METRICS: dict[str, str] = {
     "lr": "learning rate of the step's update",
     "tokens": "tokens of the batch that carry a label",
     "step_time_s": "wall time of the step as the driver sees it (with train.overlap_adam, Adam's tail overlaps "
-                   "the next step)",
+    "the next step)",
     "tokens_per_s": "batch tokens (labelled or not) / step_time_s",
     "compute_s": "the executor's time in the step, streaming included",
     "weight_wait_s": "time the executor waited for weights (loader behind compute)",
@@ -54,9 +54,16 @@ def metrics_table() -> str:
 def executor_row(row: dict, ex: dict) -> dict:
     """A step's metrics row from the driver's part (`t0` of its launch) and the executor's result."""
     dt = time.perf_counter() - row.pop("t0")
-    return {"step": row["step"], "epoch": row["epoch"], "loss": ex["loss"], "lr": row["lr"], "tokens": ex["tokens"],
-            "step_time_s": dt, "tokens_per_s": row.pop("batch_tokens") / dt,
-            **{k: v for k, v in ex.items() if k not in ("loss", "tokens")}}
+    return {
+        "step": row["step"],
+        "epoch": row["epoch"],
+        "loss": ex["loss"],
+        "lr": row["lr"],
+        "tokens": ex["tokens"],
+        "step_time_s": dt,
+        "tokens_per_s": row.pop("batch_tokens") / dt,
+        **{k: v for k, v in ex.items() if k not in ("loss", "tokens")},
+    }
 
 
 class MetricsFile:
@@ -73,12 +80,16 @@ class MetricsFile:
         try:
             view = memoryview(line)
             while view:
-                view = view[os.write(self.fd, view):]
+                view = view[os.write(self.fd, view) :]
         except OSError as exc:
             os.ftruncate(self.fd, size)  # O_APPEND: whatever part of the row was written lies past `size`
             if is_disk_full(exc):
-                raise disk_full(self.path.parent, f"step {row.get('step')}'s row of {self.path.name}", len(line),
-                                after="the rows before it are whole") from None
+                raise disk_full(
+                    self.path.parent,
+                    f"step {row.get('step')}'s row of {self.path.name}",
+                    len(line),
+                    after="the rows before it are whole",
+                ) from None
             raise
 
     def flush(self) -> None:

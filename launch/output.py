@@ -12,13 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatrain import log
+from megatrain.errors import ConfigError
 from megatrain.ipc.procs import pid_alive
 from megatrain.ipc.protocol import StoreSpec
 from megatrain.ipc.protocol.cpus import describe as describe_cpu_plan
 from megatrain.ipc.shm import gib
-
-from megatrain import log
-from megatrain.errors import ConfigError
 
 # What a run writes at the top of its output directory (final/ is the saved model).
 RUN_FILES = ("metrics.jsonl", "config.yaml", "error.log", "timeline.json")
@@ -60,8 +59,10 @@ class OutputLock:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise ConfigError(f"train.output_dir: '{out}' is in use by a live run ({self._holder()}); wait for it "
-                              "to end, or choose another train.output_dir") from None
+            raise ConfigError(
+                f"train.output_dir: '{out}' is in use by a live run ({self._holder()}); wait for it "
+                "to end, or choose another train.output_dir"
+            ) from None
         return fd
 
     def _same_directory(self) -> bool:
@@ -133,9 +134,11 @@ def prepare_output(out: Path, overwrite: bool, resume_step: int | None = None) -
     elif metrics.is_file() and metrics.stat().st_size > 0 and not overwrite:
         steps = sum(1 for _ in metrics.open())
         when = time.strftime("%Y-%m-%d %H:%M", time.localtime(metrics.stat().st_mtime))
-        raise ConfigError(f"train.output_dir: '{out}' holds another run's metrics ({steps} steps in metrics.jsonl, "
-                          f"last written {when}); choose another train.output_dir (the default runs/{{run_id}} is "
-                          f"new for every run), or set train.overwrite=true to replace that run's files")
+        raise ConfigError(
+            f"train.output_dir: '{out}' holds another run's metrics ({steps} steps in metrics.jsonl, "
+            f"last written {when}); choose another train.output_dir (the default runs/{{run_id}} is "
+            f"new for every run), or set train.overwrite=true to replace that run's files"
+        )
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".megatrain-write-test"
@@ -153,9 +156,15 @@ def prepare_output(out: Path, overwrite: bool, resume_step: int | None = None) -
     for path in stale:
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     if resume_step is not None:  # the same run going on: its metrics continue, the rest is written anew
-        log(f"continuing the run in {out}: metrics.jsonl kept through step {resume_step} (the steps after it are "
-            f"redone)" + (f"; {', '.join(p.name for p in stale)} from before the stop removed (this run writes "
-                          "its own)" if stale else ""))
+        log(
+            f"continuing the run in {out}: metrics.jsonl kept through step {resume_step} (the steps after it are "
+            f"redone)"
+            + (
+                f"; {', '.join(p.name for p in stale)} from before the stop removed (this run writes its own)"
+                if stale
+                else ""
+            )
+        )
     elif stale:
         log(f"removed an earlier run's files from {out}: {', '.join(p.name for p in stale)}")
 
@@ -175,8 +184,9 @@ def _keep_rows_up_to(metrics: Path, step: int) -> None:
             if i == len(lines):
                 log(f"{metrics}:{i}: a cut-off last row (the run was stopped while writing it) is dropped")
                 continue
-            raise ConfigError(f"{metrics}:{i}: not a metrics row (JSON); remove or repair that line to resume "
-                              "this run") from None
+            raise ConfigError(
+                f"{metrics}:{i}: not a metrics row (JSON); remove or repair that line to resume this run"
+            ) from None
         if row.get("step", 0) <= step:
             rows.append(line if line.endswith("\n") else line + "\n")
     tmp = metrics.with_suffix(".jsonl.tmp")
@@ -194,10 +204,12 @@ def log_profile(row: dict, cuda: bool) -> None:
     if "profile_error" in row:
         log(f"{where}, but the check failed: {row['profile_error']}")
         return
-    verdict = ("inconclusive: no CUDA runtime call was attributed to the compute thread"
-               if cuda and not row["loop_runtime_calls"] else
-               f"{row['loop_blocking_calls']} host-blocking CUDA calls on the compute thread inside the layer "
-               f"loop {row['loop_blocking_names']} (of {row['loop_runtime_calls']} runtime calls there)")
+    verdict = (
+        "inconclusive: no CUDA runtime call was attributed to the compute thread"
+        if cuda and not row["loop_runtime_calls"]
+        else f"{row['loop_blocking_calls']} host-blocking CUDA calls on the compute thread inside the layer "
+        f"loop {row['loop_blocking_names']} (of {row['loop_runtime_calls']} runtime calls there)"
+    )
     log(f"{where}: {verdict}; {row['helper_thread_blocking_calls']} on the copy threads (slab hand-offs)")
 
 
@@ -206,23 +218,35 @@ def short(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (dict, list, tuple)) else str(value)
 
 
-def describe_run(spec: StoreSpec, device: str, dtype: str, pids: dict[str, int], roles: list[str],
-                 inprocess: bool) -> None:
+def describe_run(
+    spec: StoreSpec, device: str, dtype: str, pids: dict[str, int], roles: list[str], inprocess: bool
+) -> None:
     """The start-up summary: model, host store, actors and the node's CPU plan."""
     parts = spec.part_bytes()
     n = spec.layout.num_params
-    log(f"model: {spec.model.family}, {spec.layout.num_layers} layers, {n / 1e6:.2f}M params, "
-        f"tied={spec.layout.tied}; executor on {device} ({dtype})")
-    log(f"host store: {gib(sum(parts.values()))} in shared memory = {sum(parts.values()) / n:.2f} bytes/param "
-        f"({', '.join(f'{k} {gib(v)}' for k, v in parts.items())})")
+    log(
+        f"model: {spec.model.family}, {spec.layout.num_layers} layers, {n / 1e6:.2f}M params, "
+        f"tied={spec.layout.tied}; executor on {device} ({dtype})"
+    )
+    log(
+        f"host store: {gib(sum(parts.values()))} in shared memory = {sum(parts.values()) / n:.2f} bytes/param "
+        f"({', '.join(f'{k} {gib(v)}' for k, v in parts.items())})"
+    )
     log("actors: " + ", ".join(f"{k} pid {v}" for k, v in pids.items()))
-    log(describe_cpu_plan(spec.threads, spec.cores, roles)
-        + ("; in one process (launch.runner=inprocess): torch's count is shared, left at its default"
-           if inprocess else ""))
+    log(
+        describe_cpu_plan(spec.threads, spec.cores, roles)
+        + (
+            "; in one process (launch.runner=inprocess): torch's count is shared, left at its default"
+            if inprocess
+            else ""
+        )
+    )
 
 
 def describe_memory(mem: dict, num_params: int) -> None:
     """The run's host memory (StoreOwner.host_memory) after the last step."""
-    log(f"host memory of the run's {mem['processes']} processes (PSS): {gib(mem['pss_bytes'])}, "
+    log(
+        f"host memory of the run's {mem['processes']} processes (PSS): {gib(mem['pss_bytes'])}, "
         f"{mem['pss_bytes'] / num_params:.2f} bytes per parameter; outside the store: "
-        + ", ".join(f"{r} {gib(b)}" for r, b in mem["pss_own_by_role"].items()))
+        + ", ".join(f"{r} {gib(b)}" for r, b in mem["pss_own_by_role"].items())
+    )

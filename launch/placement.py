@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatrain.ipc.protocol.cpus import ThreadRequest
-
 from megatrain.configbase import opt
+from megatrain.ipc.protocol.cpus import ThreadRequest
 
 
 @dataclass
@@ -15,16 +14,27 @@ class ActorsConfig:
     num_accumulators: int = opt(1, "Gradient-accumulation worker processes (gradient slabs -> fp32 plane).")
     # Thread counts: 0 = the node's CPU plan (ipc/protocol/cpus.py; printed at start), which splits the
     # cores of the store's node by which roles run at the same time.
-    packer_threads: int = opt(0, "Torch threads per packing worker (the cast); 0 = half the node's cores, split "
-                                 "between the packers.")
-    accumulator_threads: int = opt(0, "Numba threads per accumulation worker (copy + norm of each gradient); "
-                                      "0 = the node's cores, split between the accumulators.")
-    adam_threads: int = opt(0, "Numba and torch threads of the Adam updater (update, resident cast); 0 = all cores "
-                               "of the node.")
-    executor_threads: int = opt(0, "Torch intra-op threads of the executor; 0 = 2 on CUDA (it launches and "
-                                   "copies), all cores on the CPU device (it computes).")
-    writer_threads: int = opt(4, "Threads of the checkpoint writer: each checksums and writes 64 MiB chunks, so "
-                                 "several keep a fast disk's queue full while training goes on.")
+    packer_threads: int = opt(
+        0, "Torch threads per packing worker (the cast); 0 = half the node's cores, split between the packers."
+    )
+    accumulator_threads: int = opt(
+        0,
+        "Numba threads per accumulation worker (copy + norm of each gradient); "
+        "0 = the node's cores, split between the accumulators.",
+    )
+    adam_threads: int = opt(
+        0, "Numba and torch threads of the Adam updater (update, resident cast); 0 = all cores of the node."
+    )
+    executor_threads: int = opt(
+        0,
+        "Torch intra-op threads of the executor; 0 = 2 on CUDA (it launches and "
+        "copies), all cores on the CPU device (it computes).",
+    )
+    writer_threads: int = opt(
+        4,
+        "Threads of the checkpoint writer: each checksums and writes 64 MiB chunks, so "
+        "several keep a fast disk's queue full while training goes on.",
+    )
 
     def __post_init__(self) -> None:
         if self.num_packers < 1 or self.num_accumulators < 1:
@@ -36,8 +46,12 @@ class ActorsConfig:
 
 
 def thread_request(cfg: ActorsConfig) -> ThreadRequest:
-    return ThreadRequest(executor=cfg.executor_threads, adam=cfg.adam_threads, packer=cfg.packer_threads,
-                         accumulator=cfg.accumulator_threads)
+    return ThreadRequest(
+        executor=cfg.executor_threads,
+        adam=cfg.adam_threads,
+        packer=cfg.packer_threads,
+        accumulator=cfg.accumulator_threads,
+    )
 
 
 @dataclass(frozen=True)
@@ -48,17 +62,20 @@ class Demand:
     gpus: float
 
 
-def demands(cfg: ActorsConfig, cuda: bool, clip: bool = True, writer: bool = False,
-            staging: str = "auto") -> dict[str, Demand]:
+def demands(
+    cfg: ActorsConfig, cuda: bool, clip: bool = True, writer: bool = False, staging: str = "auto"
+) -> dict[str, Demand]:
     """Per role. On CUDA the processes that drain gradient slabs (the accumulators, or the Adam updater
     without clipping) need a sliver of the GPU: Ray hides GPUs from actors that ask for none, and they
     must open the executor's IPC events on the same device."""
     sliver = 0.01 if cuda else 0.0
     accumulators = cfg.num_accumulators if expect_accumulators(staging, cuda, clip) else 0
     drainers = accumulators if clip else 1
-    out = {"store-owner": Demand(0.0, 0.0),
-           "gpu-executor": Demand(1.0, round(1.0 - sliver * drainers, 4) if cuda else 0.0),
-           "adam-updater": Demand(1.0, 0.0 if clip else sliver)}
+    out = {
+        "store-owner": Demand(0.0, 0.0),
+        "gpu-executor": Demand(1.0, round(1.0 - sliver * drainers, 4) if cuda else 0.0),
+        "adam-updater": Demand(1.0, 0.0 if clip else sliver),
+    }
     out.update({f"packer-{i}": Demand(1.0, 0.0) for i in range(cfg.num_packers)})
     out.update({f"grad-accumulator-{i}": Demand(1.0, sliver) for i in range(accumulators)})
     if writer:  # disk-bound (it waits on the disk, not a core), so it asks for none
@@ -92,5 +109,7 @@ def describe_need(d: dict[str, Demand]) -> str:
     b = bundle(d)
     roles = ", ".join(f"{r} {x.cpus:g}" + (f" + {x.gpus:g} GPU" if x.gpus else "") for r, x in d.items())
     cpus = f"{b['CPU']:g} CPUs" + (f" and {b['GPU']:g} GPU" if b.get("GPU") else "")
-    return (f"{cpus} on one node ({roles}); fewer CPUs: actors.num_packers and actors.num_accumulators (at least 1 "
-            "each, one CPU each), optim.max_grad_norm=0 (no accumulators); the thread counts do not change it")
+    return (
+        f"{cpus} on one node ({roles}); fewer CPUs: actors.num_packers and actors.num_accumulators (at least 1 "
+        "each, one CPU each), optim.max_grad_norm=0 (no accumulators); the thread counts do not change it"
+    )

@@ -18,9 +18,13 @@ from typing import Any
 from megatrain.errors import ConfigError
 
 # The compute lane's colours, by the kind of span (the mark's name before ':'), with their legend names.
-COMPUTE_KINDS = {"fwd": ("tab:blue", "forward"), "head": ("tab:red", "norm, LM head and loss"),
-                 "recompute": ("tab:cyan", "recompute"), "bwd": ("tab:orange", "backward"),
-                 "embed-bwd": ("tab:brown", "embedding backward")}
+COMPUTE_KINDS = {
+    "fwd": ("tab:blue", "forward"),
+    "head": ("tab:red", "norm, LM head and loss"),
+    "recompute": ("tab:cyan", "recompute"),
+    "bwd": ("tab:orange", "backward"),
+    "embed-bwd": ("tab:brown", "embedding backward"),
+}
 OTHER = ("tab:gray", "other")
 LANES = (("H2D weights", "tab:green"), ("compute", None), ("D2H grads", "tab:purple"), ("CPU Adam", "tab:olive"))
 
@@ -39,8 +43,10 @@ def pyplot() -> Any:
     try:
         import matplotlib
     except ImportError:
-        raise ConfigError("plotting needs matplotlib, which megatrain installs with itself but this Python "
-                          "lacks: pip install matplotlib") from None
+        raise ConfigError(
+            "plotting needs matplotlib, which megatrain installs with itself but this Python "
+            "lacks: pip install matplotlib"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -59,10 +65,12 @@ def timeline_figure(tl: dict, title: str) -> Any:
     from matplotlib.patches import Patch
 
     fig, ax = plt.subplots(figsize=(16, 4.5))
-    spans = {"H2D weights": [(f"u{u}", a, b) for u, a, b in tl.get("h2d", [])],
-             "compute": compute_spans(tl["compute"]),
-             "D2H grads": [(f"u{u}", a, b) for u, a, b in tl.get("d2h", [])],
-             "CPU Adam": [(f"u{u}", a - tl["wall0"], b - tl["wall0"]) for u, a, b in tl.get("adam", [])]}
+    spans = {
+        "H2D weights": [(f"u{u}", a, b) for u, a, b in tl.get("h2d", [])],
+        "compute": compute_spans(tl["compute"]),
+        "D2H grads": [(f"u{u}", a, b) for u, a, b in tl.get("d2h", [])],
+        "CPU Adam": [(f"u{u}", a - tl["wall0"], b - tl["wall0"]) for u, a, b in tl.get("adam", [])],
+    }
     drawn: set[tuple[str, str]] = set()  # (legend name, colour)
     for y, (lane, color) in enumerate(reversed(LANES)):
         for label, a, b in spans[lane]:
@@ -72,11 +80,18 @@ def timeline_figure(tl: dict, title: str) -> Any:
     ax.set_yticks(range(len(LANES)), [lane for lane, _ in reversed(LANES)])
     # The legend top to bottom as the lanes are, the compute kinds in the order a step runs them.
     order = [LANES[0], *((f"compute: {n}", c) for c, n in (*COMPUTE_KINDS.values(), OTHER)), *LANES[2:]]
-    ax.set_xlabel("seconds from the step's first kernel (Adam: wall clock of the same step's update, which "
-                  "overlaps the next step)")
+    ax.set_xlabel(
+        "seconds from the step's first kernel (Adam: wall clock of the same step's update, which "
+        "overlaps the next step)"
+    )
     ax.set_title(title)
-    ax.legend(handles=[Patch(facecolor=c, edgecolor="black", label=n) for n, c in order if (n, c) in drawn],
-              loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize="small", title="colours")
+    ax.legend(
+        handles=[Patch(facecolor=c, edgecolor="black", label=n) for n, c in order if (n, c) in drawn],
+        loc="upper left",
+        bbox_to_anchor=(1.005, 1.0),
+        fontsize="small",
+        title="colours",
+    )
     fig.tight_layout()
     return fig
 
@@ -113,8 +128,13 @@ def throughput_figure(rows: list[dict], flops_per_step: float | None) -> Any:
     top.set_ylabel("tokens/s")
     if flops_per_step:
         low = axes[1][0]
-        low.plot(steps, [flops_per_step / r["step_time_s"] / 1e12 for r in rows], color="tab:red", linewidth=1,
-                 label="TFLOPS")
+        low.plot(
+            steps,
+            [flops_per_step / r["step_time_s"] / 1e12 for r in rows],
+            color="tab:red",
+            linewidth=1,
+            label="TFLOPS",
+        )
         low.set_ylabel("TFLOPS\n(6ND + 12LHSD) / t")
     for (ax,) in axes:
         ax.grid(alpha=0.3)
@@ -126,9 +146,8 @@ def throughput_figure(rows: list[dict], flops_per_step: float | None) -> Any:
 
 def run_flops(run_dir: Path) -> float | None:
     """Useful work per step of the run, from its config.yaml; None when that cannot be read."""
-    from megatrain.launch.config import load_config
-
     from megatrain.flops import model_step_flops
+    from megatrain.launch.config import load_config
     from megatrain.model import build_spec
 
     try:

@@ -45,8 +45,7 @@ class Eta:
 
 
 class Progress:
-    def __init__(self, mode: str, first: int, total: int, log_every: int,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(self, mode: str, first: int, total: int, log_every: int, clock: Callable[[], float] = time.monotonic):
         self.first, self.total, self.log_every = first, total, log_every
         self.eta = Eta(total, clock)
         self.bar = None
@@ -54,9 +53,17 @@ class Progress:
             from tqdm.auto import tqdm
 
             known = _width() > 0  # a terminal that reports no size (0x0) would get an empty bar
-            self.bar = tqdm(total=total, initial=first, unit="step", file=sys.stdout, dynamic_ncols=known,
-                            ncols=None if known else 100, nrows=None if known else 24, bar_format=BAR_FORMAT,
-                            postfix="ETA ?")
+            self.bar = tqdm(
+                total=total,
+                initial=first,
+                unit="step",
+                file=sys.stdout,
+                dynamic_ncols=known,
+                ncols=None if known else 100,
+                nrows=None if known else 24,
+                bar_format=BAR_FORMAT,
+                postfix="ETA ?",
+            )
             megatrain.set_log_writer(self.bar.write)
 
     def step(self, row: dict, tflops: float | None) -> None:
@@ -70,8 +77,10 @@ class Progress:
             self.bar.set_postfix_str(f"loss {row['loss']:.4f} {speed} {eta}", refresh=False)
             self.bar.update(done - self.bar.n)
         elif (done - 1) % self.log_every == 0 or done == self.total:
-            log(f"step {done}/{self.total} loss {row['loss']:.4f} lr {row['lr']:.2e} grad_norm {row['grad_norm']:.3f} "
-                f"{speed} {row['step_time_s']:.3f} s/step {eta}")
+            log(
+                f"step {done}/{self.total} loss {row['loss']:.4f} lr {row['lr']:.2e} grad_norm {row['grad_norm']:.3f} "
+                f"{speed} {row['step_time_s']:.3f} s/step {eta}"
+            )
 
     def close(self) -> None:
         if self.bar is not None:

@@ -9,18 +9,25 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
+from megatrain import log
 from megatrain.launch.driver_config import TrainConfig
 from megatrain.launch.metrics import MetricsFile
 from megatrain.launch.output import log_profile
 from megatrain.launch.progress import Progress
 from megatrain.launch.tensorboard import TensorBoard
 
-from megatrain import log
-
 
 class Reporter:
-    def __init__(self, out: Path, cfg: TrainConfig, cuda: bool, flops_per_step: float, first: int, total: int,
-                 describe_eval: Callable[[int, dict], str]):
+    def __init__(
+        self,
+        out: Path,
+        cfg: TrainConfig,
+        cuda: bool,
+        flops_per_step: float,
+        first: int,
+        total: int,
+        describe_eval: Callable[[int, dict], str],
+    ):
         self.out, self.cuda, self.flops, self.describe_eval = out, cuda, flops_per_step, describe_eval
         # prepare_output emptied or trimmed it; closed by close(), which the driver calls on every path
         self.file = MetricsFile(out / "metrics.jsonl")  # whole rows only, even on a full disk
@@ -34,8 +41,14 @@ class Reporter:
             (self.out / "timeline.json").write_text(json.dumps(timeline))
         if "profile_trace" in row:
             log_profile(row, self.cuda)
-        row = {**row, "grad_norm": adam["grad_norm"], "clip_scale": adam["clip_scale"], "skipped": adam["skipped"],
-               "adam_s": adam["adam_s"], "adam_update_s": sum(end - start for _, start, end in adam["unit_spans"])}
+        row = {
+            **row,
+            "grad_norm": adam["grad_norm"],
+            "clip_scale": adam["clip_scale"],
+            "skipped": adam["skipped"],
+            "adam_s": adam["adam_s"],
+            "adam_update_s": sum(end - start for _, start, end in adam["unit_spans"]),
+        }
         self.file.write_row(row)
         tflops = self.flops / row["step_time_s"] / 1e12
         # On a CPU the figure is a few hundredths at best: the console shows tokens/s alone there.

@@ -54,8 +54,12 @@ def choose_start(cfg: Any, out: Path, steps: int) -> Start:
     _log_changed_optimizer(manifest, cfg)
     step = int(manifest["step"])
     final_missing = cfg.train.save_final and not (out / "final" / "config.json").is_file()
-    return Start(directory, step, in_place=directory.parent.parent.resolve() == out.resolve(),
-                 complete=step >= steps and not final_missing)
+    return Start(
+        directory,
+        step,
+        in_place=directory.parent.parent.resolve() == out.resolve(),
+        complete=step >= steps and not final_missing,
+    )
 
 
 def find_checkpoint(resume: str, out: Path, key: str = "train.resume") -> Path | None:
@@ -72,8 +76,10 @@ def find_checkpoint(resume: str, out: Path, key: str = "train.resume") -> Path |
         found = ckpt.latest(root)
         if found is not None:
             return found
-    raise ConfigError(f"{key}: '{resume}' is neither a complete checkpoint nor a directory holding one "
-                      "(a run's output directory, or its checkpoints/)")
+    raise ConfigError(
+        f"{key}: '{resume}' is neither a complete checkpoint nor a directory holding one "
+        "(a run's output directory, or its checkpoints/)"
+    )
 
 
 def _newest_intact(root: Path, spec: ModelSpec) -> Path | None:
@@ -87,9 +93,11 @@ def _newest_intact(root: Path, spec: ModelSpec) -> Path | None:
             return directory
         bad.append((directory, problem))
     if bad:
-        raise ConfigError(f"train.resume: auto: no checkpoint in {root} is intact ({len(bad)} corrupt; the newest: "
-                          f"{bad[0][1]}); train.resume=none with train.overwrite=true starts this run again from "
-                          "scratch")
+        raise ConfigError(
+            f"train.resume: auto: no checkpoint in {root} is intact ({len(bad)} corrupt; the newest: "
+            f"{bad[0][1]}); train.resume=none with train.overwrite=true starts this run again from "
+            "scratch"
+        )
     return None
 
 
@@ -107,8 +115,10 @@ def _fell_back(bad: list[tuple[Path, str]], good: Path) -> None:
     for directory, problem in bad:
         aside = ckpt.set_aside(directory)
         log(f"WARNING: {problem}; that checkpoint is not used (moved to {aside})")
-    log(f"WARNING: resuming from the newest intact checkpoint, {good} (step {step}), not from the corrupt "
-        f"{bad[0][0].name}: the steps after {step} are trained again")
+    log(
+        f"WARNING: resuming from the newest intact checkpoint, {good} (step {step}), not from the corrupt "
+        f"{bad[0][0].name}: the steps after {step} are trained again"
+    )
 
 
 def _problem(directory: Path, spec: ModelSpec) -> str:

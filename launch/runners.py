@@ -21,13 +21,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+from megatrain.configbase import opt
+from megatrain.errors import AbortError, ActorFailure, ConfigError, MegatrainError, ResourceError
 from megatrain.ipc.procs import descendants, spawn_detached, start_ticks
 from megatrain.ipc.shm import RAY_THRESHOLD_ENV
 from megatrain.launch.handles import Handle, Pending, Runner, checked, checked_init
 from megatrain.launch.placement import Demand
-
-from megatrain.configbase import opt
-from megatrain.errors import AbortError, ActorFailure, ConfigError, MegatrainError, ResourceError
 
 A = TypeVar("A")
 P = ParamSpec("P")
@@ -43,10 +42,13 @@ class LaunchConfig:
     num_cpus: int = opt(0, "Logical CPUs of a locally started Ray instance; 0 = enough for the actors.")
     object_store_mb: int = opt(128, "Object store of a locally started Ray (tensors never go through it).")
     placement_timeout_s: float = opt(60.0, "How long to wait for the placement group before failing.")
-    nsight: str | dict = opt("", "Run the gpu-executor under Nsight Systems through Ray's nsight runtime env "
-                                 "(runner 'ray', nsys on the GPU node): 'default' (-t cuda,cudnn,cublas,nvtx), or "
-                                 "a mapping of nsys options, e.g. {t: 'cuda,nvtx', o: executor}. The report lands "
-                                 "in Ray's session logs (logs/nsight/). '' = off.")
+    nsight: str | dict = opt(
+        "",
+        "Run the gpu-executor under Nsight Systems through Ray's nsight runtime env "
+        "(runner 'ray', nsys on the GPU node): 'default' (-t cuda,cudnn,cublas,nvtx), or "
+        "a mapping of nsys options, e.g. {t: 'cuda,nvtx', o: executor}. The report lands "
+        "in Ray's session logs (logs/nsight/). '' = off.",
+    )
 
     def __post_init__(self) -> None:
         if self.runner not in ("ray", "inprocess"):
@@ -81,8 +83,9 @@ class InProcessRunner:
         obj.shared_process = True  # type: ignore[attr-defined]  # one process for every role (torch's threads)
         return Handle(name, cls, obj)
 
-    def call(self, h: Handle[A], method: Callable[Concatenate[A, P], R], *args: P.args,
-             **kwargs: P.kwargs) -> Pending[R]:
+    def call(
+        self, h: Handle[A], method: Callable[Concatenate[A, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> Pending[R]:
         name = checked(h, method, args, kwargs)
         return Pending(h.name, self.pools[h.name].submit(getattr(h.obj, name), *args, **kwargs), name)
 
@@ -98,8 +101,9 @@ class InProcessRunner:
         except AbortError:
             raise
         except Exception as exc:
-            raise ActorFailure(p.actor, f"{type(exc).__name__}: {exc}",
-                               traceback="".join(traceback.format_exception(exc))) from exc
+            raise ActorFailure(
+                p.actor, f"{type(exc).__name__}: {exc}", traceback="".join(traceback.format_exception(exc))
+            ) from exc
 
     def kill(self, h: Handle[Any]) -> None:
         self._end(h.name)
@@ -139,8 +143,13 @@ class RayRunner:
                 _local_auth()
                 with _memory_monitor_threshold():
                     try:
-                        ray.init(address="local", num_cpus=cpus, include_dashboard=False,
-                                 object_store_memory=self.cfg.object_store_mb * 2**20, log_to_driver=True)
+                        ray.init(
+                            address="local",
+                            num_cpus=cpus,
+                            include_dashboard=False,
+                            object_store_memory=self.cfg.object_store_mb * 2**20,
+                            log_to_driver=True,
+                        )
                     except _auth_error() as exc:  # e.g. RAY_AUTH_TOKEN_PATH naming no file
                         raise ConfigError(f"cannot start a local Ray instance: {_auth_message(exc)}") from None
                 self.started_ray = True
@@ -150,8 +159,10 @@ class RayRunner:
         key = "--address / launch.address" if self.cfg.address else "RAY_ADDRESS"
         unreachable = _unreachable(address)
         if unreachable:  # ray.init would retry for minutes
-            raise ConfigError(f"{key} '{address}': cannot join that Ray cluster ({unreachable}); without an "
-                              "address a private local instance is started")
+            raise ConfigError(
+                f"{key} '{address}': cannot join that Ray cluster ({unreachable}); without an "
+                "address a private local instance is started"
+            )
         disabled = os.environ.get(AUTH_MODE_ENV, "").lower() == "disabled"  # nothing of Ray's auth is touched
         refused = "" if disabled else _join_auth() or (_auth_refused(address) if _host_port(address) else "")
         if refused:  # ray.init would retry for 20 s and end in a ConnectionError that does not say why
@@ -160,8 +171,10 @@ class RayRunner:
             self.ray.init(address=address, log_to_driver=True)
         except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"{key} '{address}': cannot join that Ray cluster ({first}); without an address "
-                              "a private local instance is started") from None
+            raise ConfigError(
+                f"{key} '{address}': cannot join that Ray cluster ({first}); without an address "
+                "a private local instance is started"
+            ) from None
         except _auth_error():  # RAY_AUTH_MODE=token and no token anywhere
             raise ConfigError(f"{key} '{address}': cannot join that Ray cluster: {_auth_advice()}") from None
 
@@ -176,8 +189,10 @@ class RayRunner:
         ready, _ = self.ray.wait([self.pg.ready()], timeout=self.cfg.placement_timeout_s)
         if not ready:
             have = {k: v for k, v in self.ray.available_resources().items() if k in ("CPU", "GPU")}
-            raise ResourceError(f"cannot place the store's actors on one node: they need {need or bundle}; the "
-                                f"cluster has {have} available (waited {self.cfg.placement_timeout_s:.0f}s)")
+            raise ResourceError(
+                f"cannot place the store's actors on one node: they need {need or bundle}; the "
+                f"cluster has {have} available (waited {self.cfg.placement_timeout_s:.0f}s)"
+            )
 
     def spawn(self, name: str, cls: type[A], args: tuple, demand: Demand) -> Handle[A]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -190,13 +205,19 @@ class RayRunner:
                 raise ConfigError("launch.nsight: nsys (Nsight Systems) is not on PATH on this node")
             env["nsight"] = self.cfg.nsight
         remote = self.ray.remote(cls).options(
-            name=None, num_cpus=demand.cpus, num_gpus=demand.gpus, max_concurrency=3, max_restarts=0,
+            name=None,
+            num_cpus=demand.cpus,
+            num_gpus=demand.gpus,
+            max_concurrency=3,
+            max_restarts=0,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
-            runtime_env=env)
+            runtime_env=env,
+        )
         return Handle(name, cls, remote.remote(*args))
 
-    def call(self, h: Handle[A], method: Callable[Concatenate[A, P], R], *args: P.args,
-             **kwargs: P.kwargs) -> Pending[R]:
+    def call(
+        self, h: Handle[A], method: Callable[Concatenate[A, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> Pending[R]:
         name = checked(h, method, args, kwargs)
         return Pending(h.name, getattr(h.obj, name).remote(*args, **kwargs), name)
 
@@ -215,14 +236,20 @@ class RayRunner:
             cause = exc.cause if exc.cause is not None else exc
             if isinstance(cause, AbortError):
                 raise AbortError(str(cause)) from None
-            raise ActorFailure(p.actor, f"{type(cause).__name__}: {cause}", self.pids.get(p.actor),
-                               traceback=getattr(exc, "traceback_str", "") or str(exc)) from None
+            raise ActorFailure(
+                p.actor,
+                f"{type(cause).__name__}: {cause}",
+                self.pids.get(p.actor),
+                traceback=getattr(exc, "traceback_str", "") or str(exc),
+            ) from None
         except rex.OutOfMemoryError:
-            raise ActorFailure(p.actor, "the process died: killed by Ray's out-of-memory monitor",
-                               self.pids.get(p.actor), died=True) from None
+            raise ActorFailure(
+                p.actor, "the process died: killed by Ray's out-of-memory monitor", self.pids.get(p.actor), died=True
+            ) from None
         except rex.RayActorError:
-            raise ActorFailure(p.actor, "the process died (killed or crashed)", self.pids.get(p.actor),
-                               died=True) from None
+            raise ActorFailure(
+                p.actor, "the process died (killed or crashed)", self.pids.get(p.actor), died=True
+            ) from None
 
     def kill(self, h: Handle[Any]) -> None:
         try:
@@ -360,8 +387,10 @@ def _join_auth() -> str:
     if mode is None and has_token:
         _token_mode()
     if (mode or "").lower() == "token" and not has_token:
-        return (f"authentication failed: {AUTH_MODE_ENV} is token but this machine has no Ray token; put the "
-                f"cluster's token in {TOKEN_PLACES} (`ray get-auth-token` on its head prints it)")
+        return (
+            f"authentication failed: {AUTH_MODE_ENV} is token but this machine has no Ray token; put the "
+            f"cluster's token in {TOKEN_PLACES} (`ray get-auth-token` on its head prints it)"
+        )
     return ""
 
 
@@ -372,10 +401,14 @@ def _auth_message(exc: Exception) -> str:
 
 def _auth_advice() -> str:
     if os.environ.get(AUTH_MODE_ENV, "").lower() == "token":
-        return (f"authentication failed: the cluster refused this machine's Ray token ({TOKEN_PLACES}); put the "
-                "cluster's token there (`ray get-auth-token` on its head prints it)")
-    return (f"authentication failed: the cluster requires Ray's token authentication; export {AUTH_MODE_ENV}=token "
-            f"and put the cluster's token in {TOKEN_PLACES} (`ray get-auth-token` on its head prints it)")
+        return (
+            f"authentication failed: the cluster refused this machine's Ray token ({TOKEN_PLACES}); put the "
+            "cluster's token there (`ray get-auth-token` on its head prints it)"
+        )
+    return (
+        f"authentication failed: the cluster requires Ray's token authentication; export {AUTH_MODE_ENV}=token "
+        f"and put the cluster's token in {TOKEN_PLACES} (`ray get-auth-token` on its head prints it)"
+    )
 
 
 _PROBE = """
@@ -395,8 +428,13 @@ def _auth_refused(address: str, timeout: float = 30.0) -> str:
     runs in a child process with this one's environment: a GCS client made in the driver before ray.init
     left the actors it then created without their owner's references (they died as unreferenced)."""
     try:
-        probe = subprocess.run([sys.executable, "-c", _PROBE, address], capture_output=True, text=True,
-                               timeout=timeout, env=os.environ.copy())
+        probe = subprocess.run(
+            [sys.executable, "-c", _PROBE, address],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=os.environ.copy(),
+        )
     except (OSError, subprocess.TimeoutExpired):  # anything else is ray.init's to report
         return ""
     return _auth_advice() if probe.stdout.strip() == "refused" else ""

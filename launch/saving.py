@@ -21,8 +21,15 @@ WRITER = "checkpoint-writer"
 class Saves:
     """`recorded()`: the last step whose metrics row is written; `sync()`: puts metrics.jsonl on disk."""
 
-    def __init__(self, crew: Crew, checkpointer: Checkpointer, meta: dict[str, Any], timeout_s: float,
-                 recorded: Callable[[], int], sync: Callable[[], None]):
+    def __init__(
+        self,
+        crew: Crew,
+        checkpointer: Checkpointer,
+        meta: dict[str, Any],
+        timeout_s: float,
+        recorded: Callable[[], int],
+        sync: Callable[[], None],
+    ):
         self.crew, self.checkpointer, self.meta, self.timeout_s = crew, checkpointer, meta, timeout_s
         self.recorded, self.sync = recorded, sync
         self.pending: Pending[Written] | None = None  # the checkpoint being written
@@ -38,8 +45,12 @@ class Saves:
         """Launch the write of the state after `step`. The writer takes each piece once Adam's update of
         `step` is in; the next step's call tells Adam to hold each piece's next update until it is taken."""
         self.wait()  # one write at a time
-        meta = {**self.meta, "data": {"position": step, "seed": seed, "epoch": epoch}, "lr_schedule_position": step,
-                "rng": "none: a step draws nothing at random; batch t is a function of (data, data.seed, t)"}
+        meta = {
+            **self.meta,
+            "data": {"position": step, "seed": seed, "epoch": epoch},
+            "lr_schedule_position": step,
+            "rng": "none: a step draws nothing at random; batch t is a function of (data, data.seed, t)",
+        }
         self.checkpointer.started(step)
         self.pending = self.crew.call(WRITER, CheckpointWriter.write, step, str(self.checkpointer.root.resolve()), meta)
 

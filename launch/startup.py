@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from megatrain import autosize, log
 from megatrain.actors.adam_updater import AdamUpdater
 from megatrain.actors.base import Role
 from megatrain.actors.checkpoint_writer import CheckpointWriter
@@ -13,15 +14,13 @@ from megatrain.actors.gpu_executor import GpuExecutor
 from megatrain.actors.grad_accumulator import GradAccumulator
 from megatrain.actors.packer import Packer
 from megatrain.actors.store_owner import FillReport, StoreOwner
+from megatrain.engine import EngineConfig
 from megatrain.ipc.protocol import StoreSpec
 from megatrain.launch.config import Config
 from megatrain.launch.crew import OWNER, Crew
 from megatrain.launch.output import describe_run
 from megatrain.launch.placement import Demand
 from megatrain.launch.runners import Pending
-
-from megatrain import autosize, log
-from megatrain.engine import EngineConfig
 from megatrain.model import build_spec, resolve_hf_config
 
 
@@ -40,19 +39,26 @@ class Phases:
         self.seconds[name] = time.monotonic() - self.launched - sum(self.seconds.values())
 
     def describe(self, marks: dict[str, dict]) -> None:
-        log(f"start-up {sum(self.seconds.values()):.1f} s: "
-            + ", ".join(f"{k} {v:.1f}" for k, v in self.seconds.items()))
-        log("start-up by process (s after launch): " + "; ".join(
-            f"{name}: " + ", ".join(f"{k} {t - self.launched_wall:.1f}" for k, t in m.items() if t)
-            for name, m in marks.items()))
+        log(
+            f"start-up {sum(self.seconds.values()):.1f} s: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in self.seconds.items())
+        )
+        log(
+            "start-up by process (s after launch): "
+            + "; ".join(
+                f"{name}: " + ", ".join(f"{k} {t - self.launched_wall:.1f}" for k, t in m.items() if t)
+                for name, m in marks.items()
+            )
+        )
 
 
 def packer_plan(num_packers: int) -> list[tuple[str, type, tuple]]:
     return [(f"packer-{i}", Packer, (i,)) for i in range(num_packers)]
 
 
-def spawn_workers(crew: Crew, cfg: Config, engine: EngineConfig, dem: dict[str, Demand], packers: bool,
-                  writer: bool) -> None:
+def spawn_workers(
+    crew: Crew, cfg: Config, engine: EngineConfig, dem: dict[str, Demand], packers: bool, writer: bool
+) -> None:
     family = resolve_hf_config(cfg.model)[0]
     plan: list[tuple[str, type, tuple]] = [("gpu-executor", GpuExecutor, (engine, family))]
     accumulators = [n for n in dem if n.startswith("grad-accumulator-")]  # as demands() expects them
@@ -69,32 +75,52 @@ def spawn_workers(crew: Crew, cfg: Config, engine: EngineConfig, dem: dict[str, 
 def choose_sizes(crew: Crew, cfg: Config, engine: EngineConfig) -> EngineConfig:
     """Resolve the engine's `auto` sizes from the GPU memory the executor finds free (autosize.py)."""
     free = crew.call_one("gpu-executor", GpuExecutor.gpu_free_bytes) if engine.device == "cuda" else None
-    sizes, why = autosize.choose(build_spec(cfg.model, cfg.optim.no_decay_1d), engine, cfg.data.batch_size,
-                                 cfg.data.seq_len, free, cfg.optim.clips)
+    sizes, why = autosize.choose(
+        build_spec(cfg.model, cfg.optim.no_decay_1d),
+        engine,
+        cfg.data.batch_size,
+        cfg.data.seq_len,
+        free,
+        cfg.optim.clips,
+    )
     engine = autosize.apply(engine, sizes)
     log(f"engine sizes: {sizes} ({why}; the rule for 'auto': megatrain/autosize.py)")
     return engine
 
 
-def settle_store(crew: Crew, creating: Pending[StoreSpec], engine: EngineConfig,
-                 timeout: float) -> tuple[StoreSpec, FillReport]:
+def settle_store(
+    crew: Crew, creating: Pending[StoreSpec], engine: EngineConfig, timeout: float
+) -> tuple[StoreSpec, FillReport]:
     """Wait for the owner's create call, settle the store with the chosen sizes; (spec, how it was filled)."""
     crew.gather({OWNER: creating}, timeout, "store-owner.create")
     spec = crew.call_one(OWNER, StoreOwner.settle, engine)
-    log(f"weight staging: {spec.staging_mode}; gradients: "
-        + ("into the resident copy, until the global norm is known (clipping)" if spec.grads_in_resident
-           and spec.clip else "into the resident copy, updated as they come (no clipping)"
-           if spec.grads_in_resident else "fp32 plane, global-norm clipping" if spec.clip
-           else "straight to Adam (no clipping)"))
+    log(
+        f"weight staging: {spec.staging_mode}; gradients: "
+        + (
+            "into the resident copy, until the global norm is known (clipping)"
+            if spec.grads_in_resident and spec.clip
+            else "into the resident copy, updated as they come (no clipping)"
+            if spec.grads_in_resident
+            else "fp32 plane, global-norm clipping"
+            if spec.clip
+            else "straight to Adam (no clipping)"
+        )
+    )
     fill = crew.call_one(OWNER, StoreOwner.fill_report)
-    log(f"store filled from {fill.source} in {fill.seconds:.1f} s" + (
-        f" ({fill.bytes / 1e9:.2f} GB read, {fill.bytes / 1e9 / max(fill.seconds, 1e-9):.2f} GB/s)"
-        if fill.bytes else ""))
+    log(
+        f"store filled from {fill.source} in {fill.seconds:.1f} s"
+        + (
+            f" ({fill.bytes / 1e9:.2f} GB read, {fill.bytes / 1e9 / max(fill.seconds, 1e-9):.2f} GB/s)"
+            if fill.bytes
+            else ""
+        )
+    )
     return spec, fill
 
 
-def attach_workers(crew: Crew, cfg: Config, spec: StoreSpec, dem: dict[str, Demand], engine: EngineConfig,
-                   start: int) -> None:
+def attach_workers(
+    crew: Crew, cfg: Config, spec: StoreSpec, dem: dict[str, Demand], engine: EngineConfig, start: int
+) -> None:
     """End the workers the settled store does not need (or start packers it does), attach the others, and
     connect the executor's CUDA IPC events to the processes that drain its gradient slabs."""
     timeout = cfg.train.setup_timeout_s
@@ -108,8 +134,9 @@ def attach_workers(crew: Crew, cfg: Config, spec: StoreSpec, dem: dict[str, Dema
     elif not packers:
         for name, cls, args in packer_plan(cfg.actors.num_packers):
             crew.spawn(name, cls, args, dem[name])
-    crew.gather({n: _attach(crew, n, spec, engine, start) for n in crew.actors if n != OWNER}, timeout,
-                "starting the actors")
+    crew.gather(
+        {n: _attach(crew, n, spec, engine, start) for n in crew.actors if n != OWNER}, timeout, "starting the actors"
+    )
     infos = crew.gather({n: crew.call(n, Role.info) for n in crew.actors}, timeout, "starting the actors")
     crew.pids = {n: i.pid for n, i in infos.items()}
     crew.marks = {n: i.marks for n, i in infos.items()}

@@ -16,8 +16,10 @@ from megatrain.launch.progress import clock
 
 
 def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="megatrain-launch status",
-                                description="List the MegaTrain runs alive on this node and what each actor does.")
+    p = argparse.ArgumentParser(
+        prog="megatrain-launch status",
+        description="List the MegaTrain runs alive on this node and what each actor does.",
+    )
     p.add_argument("--shm-dir", default="/dev/shm", help="where the runs' shared memory lives (ipc.shm_dir)")
     args = p.parse_args(argv)
     runs, dead = live_runs(args.shm_dir)
@@ -26,21 +28,25 @@ def main(argv: list[str]) -> int:
     for run in runs:
         print(describe(run))
     if dead:
-        print(f"{len(dead)} run(s) left shared memory behind with their owner dead ({', '.join(dead)}): "
-              "`megatrain-launch --cleanup` removes it")
+        print(
+            f"{len(dead)} run(s) left shared memory behind with their owner dead ({', '.join(dead)}): "
+            "`megatrain-launch --cleanup` removes it"
+        )
     return 0
 
 
 def describe(run: RunStatus) -> str:
     a = run.about
     steps = f"step {run.updates}" + (f" of {a['steps']}" if "steps" in a else "")
-    lines = [f"run {run.run_id}: {steps} applied, up {clock(time.time() - a.get('created', time.time()))}, "
-             f"owner pid {run.owner_pid}" + (f"; ABORTED: {run.aborted}" if run.aborted else ""),
-             f"  model {a.get('family', '?')}, {a.get('layers', '?')} layers, {a.get('params', 0) / 1e6:.2f}M params; "
-             f"staging {a.get('staging', '?')}; clipping {'on' if a.get('clip') else 'off'}",
-             f"  output {a.get('output_dir', '?')}",
-             f"  shared memory held {gib(run.shm_bytes)}",
-             f"  {'role':<22} {'pid':>8}  {'own memory':>10}  state"]
+    lines = [
+        f"run {run.run_id}: {steps} applied, up {clock(time.time() - a.get('created', time.time()))}, "
+        f"owner pid {run.owner_pid}" + (f"; ABORTED: {run.aborted}" if run.aborted else ""),
+        f"  model {a.get('family', '?')}, {a.get('layers', '?')} layers, {a.get('params', 0) / 1e6:.2f}M params; "
+        f"staging {a.get('staging', '?')}; clipping {'on' if a.get('clip') else 'off'}",
+        f"  output {a.get('output_dir', '?')}",
+        f"  shared memory held {gib(run.shm_bytes)}",
+        f"  {'role':<22} {'pid':>8}  {'own memory':>10}  state",
+    ]
     lines += [f"  {x.role:<22} {x.pid:>8}  {gib(x.own_bytes):>10}  {_state(x)}" for x in run.actors]
     return "\n".join(lines)
 
@@ -54,4 +60,3 @@ def _state(x: Actor) -> str:
     if x.state == "working":
         return f"working (in a call; last progress {x.for_s:.2f} s ago){beat}"
     return f"idle (between calls){beat}"
-

@@ -8,10 +8,16 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatrain import log
 from megatrain.actors.adam_updater import AdamUpdater
 from megatrain.actors.gpu_executor import GpuExecutor
 from megatrain.actors.grad_accumulator import GradAccumulator
 from megatrain.actors.packer import Packer
+from megatrain.adamw import lr_at
+from megatrain.data import Data
+from megatrain.data.loader import Prefetcher
+from megatrain.errors import ProtocolError
+from megatrain.flops import model_step_flops
 from megatrain.ipc.protocol import StoreSpec
 from megatrain.ipc.protocol.adam import Applied
 from megatrain.launch.actor_profile import ActorProfile
@@ -24,13 +30,6 @@ from megatrain.launch.reporting import Reporter
 from megatrain.launch.runners import Pending
 from megatrain.launch.saving import Saves
 from megatrain.launch.stopping import StopRequest
-
-from megatrain import log
-from megatrain.adamw import lr_at
-from megatrain.data import Data
-from megatrain.data.loader import Prefetcher
-from megatrain.errors import ProtocolError
-from megatrain.flops import model_step_flops
 
 
 @dataclass
@@ -60,8 +59,14 @@ class StepLoop:
         self.first_step_s: float | None = None  # launch -> the first step's end (s)
         self.reporter: Reporter | None = None  # while the loop runs
         self.loader: Prefetcher | None = None
-        self.saves = Saves(run.crew, run.checkpointer, {"config": run.config_yaml, "steps_total": run.steps},
-                           run.cfg.train.step_timeout_s, self._recorded, self._sync)
+        self.saves = Saves(
+            run.crew,
+            run.checkpointer,
+            {"config": run.config_yaml, "steps_total": run.steps},
+            run.cfg.train.step_timeout_s,
+            self._recorded,
+            self._sync,
+        )
 
     def __call__(self) -> None:
         """With train.overlap_adam, step t+1 is launched while Adam still updates step t's units: packers
@@ -74,15 +79,23 @@ class StepLoop:
         prev: tuple[dict, Pending] | None = None
         self.loader = loader = Prefetcher(run.data.batch, run.start, run.steps, cfg.data.prefetch)
         flops = model_step_flops(run.spec.model, cfg.data.batch_size, cfg.data.seq_len)
-        self.reporter = Reporter(run.out, cfg.train, run.cuda, flops, run.start, run.steps,
-                                 lambda step, row: run.evaluator.describe(step, row))
+        self.reporter = Reporter(
+            run.out,
+            cfg.train,
+            run.cuda,
+            flops,
+            run.start,
+            run.steps,
+            lambda step, row: run.evaluator.describe(step, row),
+        )
         sampled = ActorProfile(cfg.train, run.out, self.crew)
         try:
             for t in range(run.start, run.steps):
                 if run.stop is not None and run.stop.signum is not None:
                     if prev is not None:  # the last launched step's update, then the checkpoint
-                        self._record(prev[0], self.crew.gather({"adam-previous": prev[1]}, timeout,
-                                                               "Adam")["adam-previous"])
+                        self._record(
+                            prev[0], self.crew.gather({"adam-previous": prev[1]}, timeout, "Adam")["adam-previous"]
+                        )
                         prev = None
                     self._stop_gracefully(t)
                     break
@@ -109,8 +122,12 @@ class StepLoop:
                 if run.checkpointer.due(t + 1):
                     self.saves.start(t + 1, row["epoch"], cfg.data.seed)
             if prev is not None:
-                self._record(prev[0], self.crew.gather({"adam-previous": prev[1]}, timeout, "the last Adam update",
-                                                       self.saves.writing())["adam-previous"])
+                self._record(
+                    prev[0],
+                    self.crew.gather({"adam-previous": prev[1]}, timeout, "the last Adam update", self.saves.writing())[
+                        "adam-previous"
+                    ],
+                )
             self.saves.wait()
         finally:
             self.reporter.close()
@@ -136,11 +153,15 @@ class StepLoop:
         row = {"step": t + 1, "epoch": b.epoch, "lr": lr, "t0": time.perf_counter(), "batch_tokens": ids.numel()}
         timeline = t + 1 == cfg.train.timeline_step
         # Absolute: the executor writes it, from its own working directory (on the GPU's node).
-        profile = (str((self.run.out / f"profile-step-{t + 1}.json").resolve()) if t + 1 == cfg.train.profile.step
-                   and cfg.train.profile.actor == "gpu-executor" else "")
+        profile = (
+            str((self.run.out / f"profile-step-{t + 1}.json").resolve())
+            if t + 1 == cfg.train.profile.step and cfg.train.profile.actor == "gpu-executor"
+            else ""
+        )
         calls: dict[str, Pending] = {
             "gpu-executor": crew.call("gpu-executor", GpuExecutor.step, t, ids, labels, timeline, profile),
-            "adam-updater": crew.call("adam-updater", AdamUpdater.step, t, lr, saving)}
+            "adam-updater": crew.call("adam-updater", AdamUpdater.step, t, lr, saving),
+        }
         for name in crew.named(("packer", "grad-accumulator")):
             calls[name] = crew.call(name, Packer.step if name.startswith("packer") else GradAccumulator.step, t)
         return calls, row

@@ -22,8 +22,12 @@ class StopRequest:
         if self.signum is not None:
             raise KeyboardInterrupt  # the second one: now
         self.signum = signum
-        print(f"[megatrain] {signal.Signals(signum).name}: finishing the current step, then a checkpoint and "
-              "exit (send it again to stop at once)", file=sys.stderr, flush=True)
+        print(
+            f"[megatrain] {signal.Signals(signum).name}: finishing the current step, then a checkpoint and "
+            "exit (send it again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     @property
     def name(self) -> str:

@@ -7,9 +7,18 @@ from pathlib import Path
 from megatrain.errors import ConfigError
 
 # metrics.jsonl field -> TensorBoard tag
-TAGS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm", "tokens_per_s": "perf/tokens_per_s",
-        "tflops": "perf/tflops", "step_time_s": "perf/step_time_s", "adam_s": "perf/adam_s",
-        "gpu_peak_bytes": "memory/gpu_peak_bytes", "eval_loss": "eval/loss", "eval_accuracy": "eval/accuracy"}
+TAGS = {
+    "loss": "train/loss",
+    "lr": "train/lr",
+    "grad_norm": "train/grad_norm",
+    "tokens_per_s": "perf/tokens_per_s",
+    "tflops": "perf/tflops",
+    "step_time_s": "perf/step_time_s",
+    "adam_s": "perf/adam_s",
+    "gpu_peak_bytes": "memory/gpu_peak_bytes",
+    "eval_loss": "eval/loss",
+    "eval_accuracy": "eval/accuracy",
+}
 
 
 def summary_writer() -> type:
@@ -18,9 +27,11 @@ def summary_writer() -> type:
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:  # torch raises this when the tensorboard package is missing
-        raise ConfigError("train.tensorboard: true needs the tensorboard package: pip install "
-                          "'megatrain[tensorboard]' (or pip install tensorboard), or set train.tensorboard: "
-                          "false") from None
+        raise ConfigError(
+            "train.tensorboard: true needs the tensorboard package: pip install "
+            "'megatrain[tensorboard]' (or pip install tensorboard), or set train.tensorboard: "
+            "false"
+        ) from None
     return SummaryWriter
 
 

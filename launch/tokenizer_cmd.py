@@ -39,15 +39,21 @@ USAGE = "megatrain-launch tokenizer DATA [DATA ...] --out DIR [--vocab-size N] [
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="megatrain-launch tokenizer", usage=USAGE,
-                description="Train a byte-level BPE tokenizer on your own text files, locally.")
+    p = _Parser(
+        prog="megatrain-launch tokenizer",
+        usage=USAGE,
+        description="Train a byte-level BPE tokenizer on your own text files, locally.",
+    )
     p.add_argument("data", nargs="+", help="JSONL or plain text files, or globs (quote them)")
     p.add_argument("--out", required=True, help="the tokenizer directory to write (new or empty)")
-    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB,
-                   help=f"tokens in the vocabulary, special tokens included (default {DEFAULT_VOCAB}); the "
-                        "model's model.hf.vocab_size must be at least as large")
-    p.add_argument("--text-key", default="text", help="JSONL field holding a document (data.text_field; "
-                                                      "default text)")
+    p.add_argument(
+        "--vocab-size",
+        type=int,
+        default=DEFAULT_VOCAB,
+        help=f"tokens in the vocabulary, special tokens included (default {DEFAULT_VOCAB}); the "
+        "model's model.hf.vocab_size must be at least as large",
+    )
+    p.add_argument("--text-key", default="text", help="JSONL field holding a document (data.text_field; default text)")
     return p
 
 
@@ -61,8 +67,9 @@ def expand(patterns: list[str]) -> list[Path]:
         for name in found:
             path = Path(name)
             if not path.is_file():
-                raise ConfigError(f"tokenizer: '{path}' " + ("is a directory; name its files" if path.is_dir()
-                                                              else "does not exist"))
+                raise ConfigError(
+                    f"tokenizer: '{path}' " + ("is a directory; name its files" if path.is_dir() else "does not exist")
+                )
             if path.suffix in TOKEN_SUFFIXES:
                 raise ConfigError(f"tokenizer: '{path}' holds token ids (data.kind tokens), not text")
             files.append(path)
@@ -112,14 +119,18 @@ def _record_texts(rec: dict, text_key: str) -> list[str]:
         return pair
     from megatrain.data.records import RecordError
 
-    raise RecordError(f"no text: no string field '{text_key}' (--text-key), 'messages' or 'prompt'/'completion'; "
-                      f"the record has {sorted(rec)[:8]}")
+    raise RecordError(
+        f"no text: no string field '{text_key}' (--text-key), 'messages' or 'prompt'/'completion'; "
+        f"the record has {sorted(rec)[:8]}"
+    )
 
 
 def _check_out(out: Path) -> None:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"tokenizer: --out '{out}' " + ("is not a directory" if not out.is_dir() else
-                                                          "is not empty; name a new directory"))
+        raise ConfigError(
+            f"tokenizer: --out '{out}' "
+            + ("is not a directory" if not out.is_dir() else "is not empty; name a new directory")
+        )
 
 
 def train(files: list[Path], vocab_size: int, text_key: str) -> tuple[Any, int]:
@@ -144,8 +155,10 @@ def train(files: list[Path], vocab_size: int, text_key: str) -> tuple[Any, int]:
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if args.vocab_size < BYTES + len(SPECIALS):
-        raise ConfigError(f"tokenizer: --vocab-size {args.vocab_size} is below {BYTES + len(SPECIALS)} (the "
-                          f"{BYTES} byte tokens and {len(SPECIALS)} special tokens)")
+        raise ConfigError(
+            f"tokenizer: --vocab-size {args.vocab_size} is below {BYTES + len(SPECIALS)} (the "
+            f"{BYTES} byte tokens and {len(SPECIALS)} special tokens)"
+        )
     out = Path(args.out)
     _check_out(out)
     files = expand(args.data)
@@ -156,8 +169,10 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"tokenizer: cannot write '{out}': {exc.strerror or exc}") from None
     n = len(tok)
     fewer = "" if n == args.vocab_size else f" (not {args.vocab_size}: the text has no more pairs to merge)"
-    print(f"megatrain-launch tokenizer: wrote {out}: a byte-level BPE of {n} tokens{fewer} from {count} texts "
-          f"(records or lines) in {len(files)} file(s); "
-          f"{SPECIALS[0]} (id {tok.eos_token_id}) ends documents and is BOS and padding, ChatML chat template. "
-          f"Train with data.tokenizer={out} and model.hf.vocab_size >= {n}")
+    print(
+        f"megatrain-launch tokenizer: wrote {out}: a byte-level BPE of {n} tokens{fewer} from {count} texts "
+        f"(records or lines) in {len(files)} file(s); "
+        f"{SPECIALS[0]} (id {tok.eos_token_id}) ends documents and is BOS and padding, ChatML chat template. "
+        f"Train with data.tokenizer={out} and model.hf.vocab_size >= {n}"
+    )
     return 0

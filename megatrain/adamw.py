@@ -126,9 +126,19 @@ def _adamw_bf16(p, pbits, out, g, m, v, decay, w1, b2, w2, step, bc2_sqrt, eps, 
             out[i] = np.uint16((u + ((u >> np.uint64(16)) & np.uint64(1)) + np.uint64(0x7FFF)) >> np.uint64(16))
 
 
-def adamw_update(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, step: int, lr: float,
-                 cfg: OptimConfig, weight_decay: float, grad_scale: float = 1.0,
-                 bf16_out: np.ndarray | None = None) -> None:
+def adamw_update(
+    p: np.ndarray,
+    g: np.ndarray,
+    m: np.ndarray,
+    v: np.ndarray,
+    *,
+    step: int,
+    lr: float,
+    cfg: OptimConfig,
+    weight_decay: float,
+    grad_scale: float = 1.0,
+    bf16_out: np.ndarray | None = None,
+) -> None:
     """One AdamW step in place over fp32 arrays; `step` is 1-based (bias correction). `g` is fp32, or bf16 as
     uint16 bits. `bf16_out` (uint16, p's size): also write the new weights there as bfloat16 bits, in the
     same pass (it may be `g` itself).
@@ -140,8 +150,16 @@ def adamw_update(p: np.ndarray, g: np.ndarray, m: np.ndarray, v: np.ndarray, *, 
     b1, b2 = cfg.betas
     bc1 = 1 - b1**step
     bc2_sqrt = math.sqrt(1 - b2**step)
-    scalars = (f(1 - lr * weight_decay), f(1 - b1), f(b2), f(1 - b2), f(lr / bc1), f(bc2_sqrt), f(cfg.eps),
-               f(grad_scale))
+    scalars = (
+        f(1 - lr * weight_decay),
+        f(1 - b1),
+        f(b2),
+        f(1 - b2),
+        f(lr / bc1),
+        f(bc2_sqrt),
+        f(cfg.eps),
+        f(grad_scale),
+    )
     if bf16_out is None:
         _adamw(p, g, m, v, *scalars)
     else:

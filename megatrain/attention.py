@@ -20,8 +20,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 NAME = "megatrain_sdpa"
 
 
-def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
-                       scale: float | None) -> torch.Tensor:
+def windowed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, scale: float | None
+) -> torch.Tensor:
     """Causal attention restricted to the last `window` keys per query, for [batch, heads, seq, dim] inputs
     (k and v may have fewer heads: grouped-query attention). Returns [batch, seq, heads, dim]."""
     groups = q.shape[1] // k.shape[1]
@@ -38,15 +39,32 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window
     return torch.cat(out, dim=2).transpose(1, 2).contiguous()
 
 
-def attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-              sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     if sliding_window and attention_mask is None and query.shape[2] > sliding_window:
         if dropout:
             raise ValueError("attention dropout is not supported")
         return windowed_attention(query, key, value, sliding_window, scaling), None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                  sliding_window=sliding_window, **kwargs)
+    return sdpa_attention_forward(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout=dropout,
+        scaling=scaling,
+        sliding_window=sliding_window,
+        **kwargs,
+    )
 
 
 AttentionInterface.register(NAME, attention)

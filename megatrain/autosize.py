@@ -118,8 +118,9 @@ def _layer_numel(spec: ModelSpec) -> int:
     return max(spec.layout.structure_of(u.index).numel for u in spec.layout.units if u.kind == "layer")
 
 
-def choose(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, gpu_free: int | None,
-           clip: bool) -> tuple[Sizes, str]:
+def choose(
+    spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, gpu_free: int | None, clip: bool
+) -> tuple[Sizes, str]:
     """The sizes for the `auto` fields of `cfg` (explicit values are kept), and why, in one line. `clip`:
     whether the run clips the global gradient norm (no update starts before the last gradient)."""
     if gpu_free is None:
@@ -157,8 +158,17 @@ def choose(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, gpu_free: i
 class _Shape:
     """The sizing of one run's blocks for a given activation budget."""
 
-    def __init__(self, spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, dtype_bytes: int, clip: bool,
-                 gpu_free: int, tile: int = 0):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        cfg: EngineConfig,
+        batch: int,
+        seq: int,
+        dtype_bytes: int,
+        clip: bool,
+        gpu_free: int,
+        tile: int = 0,
+    ):
         self.spec, self.cfg, self.batch, self.seq, self.dtype_bytes = spec, cfg, batch, seq, dtype_bytes
         self.clip, self.gpu_free, self.tile = clip, gpu_free, tile
         self.per_layer = layer_activation_bytes(spec, batch * seq, dtype_bytes, tile)
@@ -176,7 +186,8 @@ class _Shape:
                 f"GiB free, {max(room, 0) / GIB:.1f} GiB of it left for activations after the weight buffers, the "
                 f"loss chunk, the hidden states and the chunks' gradient sums, one sequence needs "
                 f"{k * per_layer / batch / GIB:.2f} GiB; use a shorter data.seq_len or a GPU with more free memory "
-                f"(megatrain-launch plan CONFIG shows the whole plan)")
+                f"(megatrain-launch plan CONFIG shows the whole plan)"
+            )
         chunk = 0 if k * per_layer <= budget else max(1, int(room // (k * per_layer / batch)))
         # A tiled layer keeps about what a lean one does (its MLP half is recomputed per tile): no lean layers.
         cost = (per_layer, per_layer if self.tile else lean_bytes(spec, batch * seq, self.dtype_bytes), budget)
@@ -184,11 +195,14 @@ class _Shape:
         if chunked:  # sequence chunks are what make the batch fit, not lean layers: the whole batch's fit
             last, lean = max(min(fit, layers), 1), (0 if cfg.lean_layers == "auto" else cfg.lean_layers)
         else:
-            last, lean = _last_block(layers, k if cfg.last_block_layers == 0 else cfg.last_block_layers,
-                                     cfg.lean_layers, cost)
-        why = (f"{self.gpu_free / GIB:.1f} GiB free on the GPU, {max(budget, 0) / GIB:.1f} GiB left for layer "
-               f"activations; one layer's {per_layer / GIB:.2f} GiB for {batch}x{seq} tokens, a lean one's "
-               f"{cost[1] / GIB:.2f}")
+            last, lean = _last_block(
+                layers, k if cfg.last_block_layers == 0 else cfg.last_block_layers, cfg.lean_layers, cost
+            )
+        why = (
+            f"{self.gpu_free / GIB:.1f} GiB free on the GPU, {max(budget, 0) / GIB:.1f} GiB left for layer "
+            f"activations; one layer's {per_layer / GIB:.2f} GiB for {batch}x{seq} tokens, a lean one's "
+            f"{cost[1] / GIB:.2f}"
+        )
         both_auto = cfg.last_block_layers == "auto" and cfg.chunk_sequences == "auto"
         if self.clip and both_auto and chunk == 0 and 4 * (layers - last) >= layers:
             every = _chunk_for_every_layer(spec, batch, seq, self.dtype_bytes, budget)
@@ -231,8 +245,11 @@ def checkpoint_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int) -> int:
 def _explicit(cfg: EngineConfig, plan: tuple) -> tuple:
     """A plan with the config's explicit K and last block instead of the rule's (the checkpoints they keep)."""
     k, last, *rest = plan
-    return (k if cfg.checkpoint_interval == "auto" else cfg.checkpoint_interval,
-            last if cfg.last_block_layers == "auto" else cfg.last_block_layers, *rest)
+    return (
+        k if cfg.checkpoint_interval == "auto" else cfg.checkpoint_interval,
+        last if cfg.last_block_layers == "auto" else cfg.last_block_layers,
+        *rest,
+    )
 
 
 def _saved(spec: ModelSpec, plan: tuple) -> int:
@@ -301,24 +318,31 @@ def gpu_terms(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, sizes: S
     last = sizes.last_block_layers or sizes.checkpoint_interval
     kept = max(last, sizes.checkpoint_interval)
     lean = min(sizes.lean_layers, last)
-    whole, lean_kept = _kept_bytes(kept, lean, layer_activation_bytes(spec, chunk_tokens, dtype_bytes,
-                                                                      sizes.token_tile),
-                                   lean_bytes(spec, chunk_tokens, dtype_bytes))
+    whole, lean_kept = _kept_bytes(
+        kept,
+        lean,
+        layer_activation_bytes(spec, chunk_tokens, dtype_bytes, sizes.token_tile),
+        lean_bytes(spec, chunk_tokens, dtype_bytes),
+    )
     chunked = 0 < sizes.chunk_sequences < batch
     largest = spec.layout.max_unit_numel
     saved = len(blocks(spec.layout.num_layers, sizes.checkpoint_interval, sizes.last_block_layers)) - 1
     on_gpu = 0 if sizes.offload_checkpoints else saved
-    return {f"weight buffers ({cfg.prefetch + 1} layers, compute dtype)": buffer_bytes(spec, cfg.prefetch, dtype_bytes),
-            f"loss chunk logits ({sizes.loss_chunk_tokens} tokens x vocab, 12 B each)":
-                sizes.loss_chunk_tokens * hf.vocab_size * LOSS_BYTES,
-            "hidden states, checkpoint in flight, head input": stream_bytes(spec, batch * seq, dtype_bytes),
-            f"activations of {kept - lean} layers ({chunk_tokens} tokens each"
-            + (f", MLP in tiles of {sizes.token_tile})" if sizes.token_tile else ")"): whole,
-            f"{lean} lean layers ({chunk_tokens} tokens each, weights too)": lean_kept,
-            f"fp32 gradient sums over sequence chunks ({kept if chunked else 0} layers)":
-                sum_bytes(spec, kept) if chunked else 0,
-            f"activation checkpoints on the GPU ({on_gpu})": on_gpu * checkpoint_bytes(spec, batch * seq, dtype_bytes),
-            "largest unit's weights and fp32 gradient": largest * (dtype_bytes + 4)}
+    return {
+        f"weight buffers ({cfg.prefetch + 1} layers, compute dtype)": buffer_bytes(spec, cfg.prefetch, dtype_bytes),
+        f"loss chunk logits ({sizes.loss_chunk_tokens} tokens x vocab, 12 B each)": sizes.loss_chunk_tokens
+        * hf.vocab_size
+        * LOSS_BYTES,
+        "hidden states, checkpoint in flight, head input": stream_bytes(spec, batch * seq, dtype_bytes),
+        f"activations of {kept - lean} layers ({chunk_tokens} tokens each"
+        + (f", MLP in tiles of {sizes.token_tile})" if sizes.token_tile else ")"): whole,
+        f"{lean} lean layers ({chunk_tokens} tokens each, weights too)": lean_kept,
+        f"fp32 gradient sums over sequence chunks ({kept if chunked else 0} layers)": sum_bytes(spec, kept)
+        if chunked
+        else 0,
+        f"activation checkpoints on the GPU ({on_gpu})": on_gpu * checkpoint_bytes(spec, batch * seq, dtype_bytes),
+        "largest unit's weights and fp32 gradient": largest * (dtype_bytes + 4),
+    }
 
 
 def _loss_chunk(vocab: int, budget: int) -> int:
@@ -330,8 +354,12 @@ def _loss_chunk(vocab: int, budget: int) -> int:
 
 def _keep(cfg: EngineConfig, auto: Sizes) -> Sizes:
     """Explicit config values win over the rule."""
-    return Sizes(*(getattr(auto, f.name) if getattr(cfg, f.name) == "auto" else getattr(cfg, f.name)
-                   for f in dataclasses.fields(Sizes)))
+    return Sizes(
+        *(
+            getattr(auto, f.name) if getattr(cfg, f.name) == "auto" else getattr(cfg, f.name)
+            for f in dataclasses.fields(Sizes)
+        )
+    )
 
 
 def apply(cfg: EngineConfig, sizes: Sizes) -> EngineConfig:

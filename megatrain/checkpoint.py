@@ -101,8 +101,9 @@ def read_plane(path: Path, out: np.ndarray, expect: dict, where: Callable[[int],
     raw = out.view(np.uint8)
     size = path.stat().st_size if path.exists() else -1
     if size != expect["bytes"] or size != raw.size:
-        raise ConfigError(f"train.resume: {path} has {size} bytes; its manifest says {expect['bytes']} and the "
-                          f"store needs {raw.size}")
+        raise ConfigError(
+            f"train.resume: {path} has {size} bytes; its manifest says {expect['bytes']} and the store needs {raw.size}"
+        )
     segments = expect.get("segments") or [[0, raw.size, expect["crc32"]]]  # format 1: one CRC for the file
 
     def read(seg: list[int]) -> str | None:
@@ -111,17 +112,19 @@ def read_plane(path: Path, out: np.ndarray, expect: dict, where: Callable[[int],
         with open(path, "rb", buffering=0) as f:
             f.seek(off)
             while got < n:
-                part = memoryview(raw[off + got: off + n])
+                part = memoryview(raw[off + got : off + n])
                 k = f.readinto(part)
                 if not k:
                     break
                 got += k
-        have = zlib.crc32(raw[off: off + n])
+        have = zlib.crc32(raw[off : off + n])
         if got == n and have == crc:
             return None
         what = f" ({where(off)})" if where else ""
-        return (f"train.resume: {path} is corrupt: bytes {off}-{off + n}{what} have CRC-32 {have:08x}, the manifest "
-                f"says {crc:08x}")
+        return (
+            f"train.resume: {path} is corrupt: bytes {off}-{off + n}{what} have CRC-32 {have:08x}, the manifest "
+            f"says {crc:08x}"
+        )
 
     with ThreadPoolExecutor(READERS) as pool:
         bad = [msg for msg in pool.map(read, segments) if msg]
@@ -143,8 +146,9 @@ def verify(directory: Path, where: Callable[[int], str] | None = None) -> str:
     return ""
 
 
-def verify_file(directory: Path, name: str, where: Callable[[int], str] | None = None,
-                manifest: dict | None = None) -> str:
+def verify_file(
+    directory: Path, name: str, where: Callable[[int], str] | None = None, manifest: dict | None = None
+) -> str:
     """verify() for one file of the checkpoint (export checks the weights it reads, params.bin)."""
     manifest = manifest or manifest_of(directory)
     if manifest is None or name not in manifest["files"]:
@@ -283,8 +287,10 @@ def layout_difference(manifest: dict, units: list[dict], layout_hash: str) -> st
     for a, b in zip(theirs, units):
         for name in sorted(set(a["tensors"]) | set(b["tensors"])):
             if a["tensors"].get(name) != b["tensors"].get(name):
-                return (f"tensor '{name}': {a['tensors'].get(name)} in the checkpoint, {b['tensors'].get(name)} "
-                        "in this model")
+                return (
+                    f"tensor '{name}': {a['tensors'].get(name)} in the checkpoint, {b['tensors'].get(name)} "
+                    "in this model"
+                )
     return "the store layout differs (alignment or layout version)"
 
 
@@ -305,6 +311,12 @@ def unit_table(layout: Any) -> list[dict]:
     out = []
     for u in layout.units:
         st = layout.structure_of(u.index)
-        out.append({"unit": u.index, "offset": u.offset, "numel": st.numel,
-                    "tensors": {layout.hf_name(u.index, s.name): [list(s.shape), s.offset] for s in st.slots}})
+        out.append(
+            {
+                "unit": u.index,
+                "offset": u.offset,
+                "numel": st.numel,
+                "tensors": {layout.hf_name(u.index, s.name): [list(s.shape), s.offset] for s in st.slots},
+            }
+        )
     return out

@@ -37,12 +37,16 @@ class _Loader(yaml.SafeLoader):
 
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
     |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
     |\.[0-9_]+(?:[eE][-+][0-9]+)?
     |[-+]?\.(?:inf|Inf|INF)
-    |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."))
+    |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
 
 
 def _yaml(text: str) -> Any:
@@ -242,8 +246,10 @@ def load_located(cls: type, path: str | Path | None, overrides: list[str] | None
         what = " ".join(str(getattr(exc, "problem", None) or exc).split())
         raise ConfigError(f"{at}: not valid YAML: {what}") from None
     if path is not None and not data:
-        raise ConfigError(f"{source}: the config file sets nothing; give at least the model and the data "
-                          "(see examples/default.yaml), or run without a file to use the built-in defaults")
+        raise ConfigError(
+            f"{source}: the config file sets nothing; give at least the model and the data "
+            "(see examples/default.yaml), or run without a file to use the built-in defaults"
+        )
     if data is None:
         data = {}
     if not isinstance(data, dict):

@@ -33,69 +33,108 @@ IGNORE = -100
 @dataclass
 class EngineConfig:
     device: str = opt("auto", "Where the layers compute: auto (cuda if present), cuda or cpu.")
-    compute_dtype: str = opt("auto", "Compute and weight-streaming dtype: auto (bf16 on cuda, fp32 on cpu), "
-                                     "bf16 or fp32. Master weights and Adam state are fp32 regardless.")
-    checkpoint_interval: int | str = opt("auto", "K: keep the activation at the input of every K-th layer; a block "
-                                                 "of K layers is recomputed once, with grad, right before its "
-                                                 "backward. auto: megatrain/autosize.py (2; 1 when the GPU holds "
-                                                 "fewer than 2 layers' activations).")
-    last_block_layers: int | str = opt("auto", "Layers in the last block, the one never recomputed: it runs with grad "
-                                               "in the forward and keeps its activations on the GPU until its "
-                                               "backward. 0 = K. Each extra layer saves one layer's recompute and "
-                                               "costs one layer's activations of GPU memory (about 17 GiB for a 7B "
-                                               "layer at 64k tokens). auto: as many as the free GPU memory holds.")
-    lean_layers: int | str = opt("auto", "Layers of the last block (its first ones) that keep only the outputs of "
-                                         "their matmuls and attention for the backward and recompute the rest there "
-                                         "(norms, activation function, RoPE: elementwise work, about 9 % of a layer's "
-                                         "time) in about half the activation memory (megatrain/lean.py), so the last "
-                                         "block holds more layers. 0 = none; more than the last block has = all of "
-                                         "it. auto: the fewest that let the last block hold the layers the rule picks.")
-    prefetch: int = opt(2, "CUDA: units whose weights may be loaded ahead of compute (1 = double buffering, "
-                           "2 = triple); 0 copies on the compute stream (the no-double-buffering ablation).")
-    loss_chunk_tokens: int | str = opt("auto", "Tokens per LM-head/loss chunk; [chunk, vocab] logits is the "
-                                               "largest head activation. auto: 8192 where an eighth of the free GPU "
-                                               "memory holds the chunk's logits, else less (2048 on the CPU).")
-    chunk_sequences: int | str = opt("auto", "Sequences per compute chunk: every layer runs the batch in chunks of "
-                                             "this many sequences and sums its gradient over the chunks on the device "
-                                             "in fp32 before it leaves, so activation memory follows the chunk and "
-                                             "PCIe traffic stays one gradient per layer per step; 0 = the whole batch "
-                                             "in one chunk. auto: the whole batch when K layers' activations fit, "
-                                             "else the largest chunk that does; with clipping, the fewest chunks "
-                                             "that put every layer in the last block where that saves a quarter "
-                                             "or more of the recompute (megatrain/autosize.py).")
-    token_tile: int | str = opt("auto", "Tokens per tile of a layer's position-wise half (post-attention norm, MLP, "
-                                        "residual): it runs tile by tile in the forward and again in the backward, "
-                                        "so its memory follows the tile, not the sequence (megatrain/tiling.py; "
-                                        "for long context). 0 = untiled. auto: untiled where a layer's "
-                                        "activations fit, else the largest tile that does (megatrain/autosize.py).")
-    offload_checkpoints: bool | str = opt("auto", "CUDA: keep the activation checkpoints (one per recompute block, "
-                                                  "tokens·hidden·2 bytes each) in pinned host memory (out in the "
-                                                  "forward, back one block ahead in the backward) instead of GPU "
-                                                  "memory. auto: on the GPU where they take at most an eighth of "
-                                                  "the room left for activations, else offloaded.")
+    compute_dtype: str = opt(
+        "auto",
+        "Compute and weight-streaming dtype: auto (bf16 on cuda, fp32 on cpu), "
+        "bf16 or fp32. Master weights and Adam state are fp32 regardless.",
+    )
+    checkpoint_interval: int | str = opt(
+        "auto",
+        "K: keep the activation at the input of every K-th layer; a block "
+        "of K layers is recomputed once, with grad, right before its "
+        "backward. auto: megatrain/autosize.py (2; 1 when the GPU holds "
+        "fewer than 2 layers' activations).",
+    )
+    last_block_layers: int | str = opt(
+        "auto",
+        "Layers in the last block, the one never recomputed: it runs with grad "
+        "in the forward and keeps its activations on the GPU until its "
+        "backward. 0 = K. Each extra layer saves one layer's recompute and "
+        "costs one layer's activations of GPU memory (about 17 GiB for a 7B "
+        "layer at 64k tokens). auto: as many as the free GPU memory holds.",
+    )
+    lean_layers: int | str = opt(
+        "auto",
+        "Layers of the last block (its first ones) that keep only the outputs of "
+        "their matmuls and attention for the backward and recompute the rest there "
+        "(norms, activation function, RoPE: elementwise work, about 9 % of a layer's "
+        "time) in about half the activation memory (megatrain/lean.py), so the last "
+        "block holds more layers. 0 = none; more than the last block has = all of "
+        "it. auto: the fewest that let the last block hold the layers the rule picks.",
+    )
+    prefetch: int = opt(
+        2,
+        "CUDA: units whose weights may be loaded ahead of compute (1 = double buffering, "
+        "2 = triple); 0 copies on the compute stream (the no-double-buffering ablation).",
+    )
+    loss_chunk_tokens: int | str = opt(
+        "auto",
+        "Tokens per LM-head/loss chunk; [chunk, vocab] logits is the "
+        "largest head activation. auto: 8192 where an eighth of the free GPU "
+        "memory holds the chunk's logits, else less (2048 on the CPU).",
+    )
+    chunk_sequences: int | str = opt(
+        "auto",
+        "Sequences per compute chunk: every layer runs the batch in chunks of "
+        "this many sequences and sums its gradient over the chunks on the device "
+        "in fp32 before it leaves, so activation memory follows the chunk and "
+        "PCIe traffic stays one gradient per layer per step; 0 = the whole batch "
+        "in one chunk. auto: the whole batch when K layers' activations fit, "
+        "else the largest chunk that does; with clipping, the fewest chunks "
+        "that put every layer in the last block where that saves a quarter "
+        "or more of the recompute (megatrain/autosize.py).",
+    )
+    token_tile: int | str = opt(
+        "auto",
+        "Tokens per tile of a layer's position-wise half (post-attention norm, MLP, "
+        "residual): it runs tile by tile in the forward and again in the backward, "
+        "so its memory follows the tile, not the sequence (megatrain/tiling.py; "
+        "for long context). 0 = untiled. auto: untiled where a layer's "
+        "activations fit, else the largest tile that does (megatrain/autosize.py).",
+    )
+    offload_checkpoints: bool | str = opt(
+        "auto",
+        "CUDA: keep the activation checkpoints (one per recompute block, "
+        "tokens·hidden·2 bytes each) in pinned host memory (out in the "
+        "forward, back one block ahead in the backward) instead of GPU "
+        "memory. auto: on the GPU where they take at most an eighth of "
+        "the room left for activations, else offloaded.",
+    )
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"engine.device must be auto, cpu or cuda, not '{self.device}'")
         if self.compute_dtype not in ("auto", "bf16", "fp32"):
             raise ValueError(f"engine.compute_dtype must be auto, bf16 or fp32, not '{self.compute_dtype}'")
-        for key, least, what in (("checkpoint_interval", 1, ">= 1"), ("last_block_layers", 0, ">= 0 (0 = K)"),
-                                 ("loss_chunk_tokens", 1, ">= 1"), ("lean_layers", 0, ">= 0 (0 = none)"),
-                                 ("chunk_sequences", 0, ">= 0 (0 = the whole batch in one chunk)"),
-                                 ("token_tile", 0, ">= 0 (0 = untiled)")):
+        for key, least, what in (
+            ("checkpoint_interval", 1, ">= 1"),
+            ("last_block_layers", 0, ">= 0 (0 = K)"),
+            ("loss_chunk_tokens", 1, ">= 1"),
+            ("lean_layers", 0, ">= 0 (0 = none)"),
+            ("chunk_sequences", 0, ">= 0 (0 = the whole batch in one chunk)"),
+            ("token_tile", 0, ">= 0 (0 = untiled)"),
+        ):
             value = getattr(self, key)
             if value != "auto" and (isinstance(value, str) or value < least):
                 raise ValueError(f"engine.{key} must be 'auto' or an integer {what}, not {value!r}")
         if self.offload_checkpoints not in (True, False, "auto"):
-            raise ValueError(f"engine.offload_checkpoints must be auto, true or false, not "
-                             f"{self.offload_checkpoints!r}")
+            raise ValueError(
+                f"engine.offload_checkpoints must be auto, true or false, not {self.offload_checkpoints!r}"
+            )
         if self.prefetch < 0:
             raise ValueError("engine.prefetch must be >= 0")
 
 
 # What an `auto` size is where no memory is scarce (the CPU device; megatrain/autosize.py decides on CUDA).
-FIXED_SIZES = {"checkpoint_interval": 2, "last_block_layers": 0, "chunk_sequences": 0, "loss_chunk_tokens": 2048,
-               "lean_layers": 0, "offload_checkpoints": True, "token_tile": 0}
+FIXED_SIZES = {
+    "checkpoint_interval": 2,
+    "last_block_layers": 0,
+    "chunk_sequences": 0,
+    "loss_chunk_tokens": 2048,
+    "lean_layers": 0,
+    "offload_checkpoints": True,
+    "token_tile": 0,
+}
 
 
 def blocks(num_layers: int, k: int, last: int = 0) -> list[list[int]]:
@@ -107,8 +146,9 @@ def blocks(num_layers: int, k: int, last: int = 0) -> list[list[int]]:
     rest = num_layers - last
     first = rest % k
     head = [list(range(1, first + 1))] if first else []
-    return (head + [list(range(s, s + k)) for s in range(first + 1, rest + 1, k)]
-            + [list(range(rest + 1, num_layers + 1))])
+    return (
+        head + [list(range(s, s + k)) for s in range(first + 1, rest + 1, k)] + [list(range(rest + 1, num_layers + 1))]
+    )
 
 
 def fixed_sizes(cfg: EngineConfig) -> EngineConfig:
@@ -196,8 +236,10 @@ class Templates:
 
     def use_tiles(self, tile: int) -> None:
         if tile and not all(tileable(layer) for layer in self.layers.values()):
-            raise ConfigError(f"engine.token_tile: {self.spec.family} layers do not have the pre-norm residual "
-                              f"shape a tiled layer reproduces (megatrain/tiling.py); set engine.token_tile: 0")
+            raise ConfigError(
+                f"engine.token_tile: {self.spec.family} layers do not have the pre-norm residual "
+                f"shape a tiled layer reproduces (megatrain/tiling.py); set engine.token_tile: 0"
+            )
         self.tile = tile
 
     def views(self, unit: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -221,12 +263,14 @@ class Templates:
             pos = s.offset + s.numel
         return sizes, slots, pos
 
-    def layer(self, unit: int, flat: torch.Tensor, x: torch.Tensor, pos: tuple, pos_ids: torch.Tensor,
-              lean: bool = False) -> torch.Tensor:
+    def layer(
+        self, unit: int, flat: torch.Tensor, x: torch.Tensor, pos: tuple, pos_ids: torch.Tensor, lean: bool = False
+    ) -> torch.Tensor:
         kwargs = {"position_embeddings": pos, "position_ids": pos_ids, "attention_mask": None}
         if self.tile and x.shape[0] * x.shape[1] > self.tile:  # the MLP half in tiles; lean covers attention
-            return tiled_layer(self.layers[unit], self.views(unit, flat), x, self.tile, kwargs,
-                               lean_call if lean else None)
+            return tiled_layer(
+                self.layers[unit], self.views(unit, flat), x, self.tile, kwargs, lean_call if lean else None
+            )
         if lean:
             return lean_call(self.layer, unit, flat, x, pos, pos_ids)
         out = functional_call(self.layers[unit], self.views(unit, flat), (x,), kwargs)
@@ -237,7 +281,7 @@ class Templates:
 
     def head(self, head_flat: torch.Tensor, emb_flat: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
         v = self.views(self.layout.num_layers + 1, head_flat)
-        normed = functional_call(self.norm, {k[len("norm."):]: t for k, t in v.items() if k.startswith("norm.")}, (x,))
+        normed = functional_call(self.norm, {k[len("norm.") :]: t for k, t in v.items() if k.startswith("norm.")}, (x,))
         return F.linear(normed, self.embed_weight(emb_flat) if self.layout.tied else v["lm_head.weight"])
 
 
@@ -298,8 +342,14 @@ class StepEngine:
         self.upload = _BatchUpload(device)
         self.mark: Callable[[str], None] = lambda name: None
 
-    def step(self, ids: torch.Tensor, labels: torch.Tensor, src: WeightSource, sink: GradSink,
-             mark: Callable[[str], None] = lambda name: None) -> StepResult:
+    def step(
+        self,
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+        src: WeightSource,
+        sink: GradSink,
+        mark: Callable[[str], None] = lambda name: None,
+    ) -> StepResult:
         """One step's forward and backward. `mark(name)` is called at phase and layer boundaries
         (the executor records CUDA events there for the time split and the timeline).
 
@@ -345,9 +395,10 @@ class StepEngine:
         tgt = F.pad(labels[:, 1:], (0, 1), value=IGNORE).reshape(-1)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for c in range(0, x.shape[0], self.cfg.loss_chunk_tokens):
-            logits = self.t.head(head_flat, emb_flat, x[c: c + self.cfg.loss_chunk_tokens])
-            total += F.cross_entropy(logits.float(), tgt[c: c + self.cfg.loss_chunk_tokens], ignore_index=IGNORE,
-                                     reduction="sum")
+            logits = self.t.head(head_flat, emb_flat, x[c : c + self.cfg.loss_chunk_tokens])
+            total += F.cross_entropy(
+                logits.float(), tgt[c : c + self.cfg.loss_chunk_tokens], ignore_index=IGNORE, reduction="sum"
+            )
         return total, (tgt != IGNORE).sum()
 
     @torch.no_grad()
@@ -406,13 +457,23 @@ class StepEngine:
             g = a.x.grad
         return g
 
-    def _recompute_backward(self, blk: _Block, h: torch.Tensor, g: torch.Tensor, ctx: tuple,
-                            chunks: list[slice]) -> torch.Tensor:
-        return _per_chunk(g, chunks, lambda c, final: self._backward(
-            blk, self._with_grad(blk, h[c], ctx, "recompute"), g[c], final))
+    def _recompute_backward(
+        self, blk: _Block, h: torch.Tensor, g: torch.Tensor, ctx: tuple, chunks: list[slice]
+    ) -> torch.Tensor:
+        return _per_chunk(
+            g, chunks, lambda c, final: self._backward(blk, self._with_grad(blk, h[c], ctx, "recompute"), g[c], final)
+        )
 
-    def _last_block_and_head(self, h: torch.Tensor, ctx: tuple, labels: torch.Tensor,
-                             emb_flat: torch.Tensor | None, src: WeightSource, sink: GradSink, chunks: list[slice]):
+    def _last_block_and_head(
+        self,
+        h: torch.Tensor,
+        ctx: tuple,
+        labels: torch.Tensor,
+        emb_flat: torch.Tensor | None,
+        src: WeightSource,
+        sink: GradSink,
+        chunks: list[slice],
+    ):
         """Per chunk: forward through the last block with grad, head + loss, backward into the block."""
         blk = _Block(self.blocks[-1], src, sink, len(chunks))
         tgt = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
@@ -432,8 +493,7 @@ class StepEngine:
         g = _per_chunk(h, chunks, one)
         return head.loss, tokens, g, (head.sums[1] if len(head.sums) > 1 else None)
 
-    def _embed_backward(self, ids: torch.Tensor, g: torch.Tensor, tied: torch.Tensor | None,
-                        sink: GradSink) -> None:
+    def _embed_backward(self, ids: torch.Tensor, g: torch.Tensor, tied: torch.Tensor | None, sink: GradSink) -> None:
         vocab, hidden = self.spec.layout.structure_of(0).slots[0].shape
         grad = tied if tied is not None else torch.zeros(vocab * hidden, dtype=torch.float32, device=self.device)
         rows = grad.view(vocab, hidden)
@@ -476,11 +536,11 @@ class _Head:
         grad_x = torch.empty_like(x_all)
         step = self.e.cfg.loss_chunk_tokens
         for c in range(0, x_all.shape[0], step):
-            xc = x_all[c: c + step].detach().requires_grad_(True)
+            xc = x_all[c : c + step].detach().requires_grad_(True)
             logits = self.e.t.head(self.flat, self.emb_flat, xc)
-            lc = F.cross_entropy(logits.float(), tgt[c: c + step], ignore_index=IGNORE, reduction="sum") / self.denom
+            lc = F.cross_entropy(logits.float(), tgt[c : c + step], ignore_index=IGNORE, reduction="sum") / self.denom
             lc.backward()
-            grad_x[c: c + step] = xc.grad
+            grad_x[c : c + step] = xc.grad
             for acc, leaf in zip(self.sums, leaves):
                 acc += leaf.grad  # fp32 sum over chunks, whatever the compute dtype
                 leaf.grad = None

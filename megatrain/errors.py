@@ -93,8 +93,10 @@ def disk_full(directory: str | Path, what: str, need: int | None = None, after: 
     """The error for `what` (e.g. 'the checkpoint of step 40') not fitting in `directory`."""
     free = free_bytes(directory)
     needs = f" needs {human_bytes(need)};" if need else ""
-    return DiskFull(f"no space left on the disk of {directory}: {what}{needs} {human_bytes(free)} free there"
-                    + (f" ({after})" if after else ""))
+    return DiskFull(
+        f"no space left on the disk of {directory}: {what}{needs} {human_bytes(free)} free there"
+        + (f" ({after})" if after else "")
+    )
 
 
 def is_disk_full(exc: BaseException) -> bool:

@@ -18,15 +18,26 @@ import torch
 from megatrain.model import ModelSpec
 
 DTYPES = {"fp32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16")}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
-                   "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
 
 
 def _tensors(spec: ModelSpec) -> list[tuple[int, str, str, tuple[int, ...]]]:
     """(unit, slot name, HF name, shape) of every tensor, in unit order."""
     layout = spec.layout
-    return [(u.index, s.name, layout.hf_name(u.index, s.name), s.shape)
-            for u in layout.units for s in layout.structure_of(u.index).slots]
+    return [
+        (u.index, s.name, layout.hf_name(u.index, s.name), s.shape)
+        for u in layout.units
+        for s in layout.structure_of(u.index).slots
+    ]
 
 
 def _plan(spec: ModelSpec, itemsize: int, shard_bytes: int) -> list[list[tuple[int, str, str, tuple[int, ...]]]]:
@@ -43,8 +54,14 @@ def _plan(spec: ModelSpec, itemsize: int, shard_bytes: int) -> list[list[tuple[i
     return shards
 
 
-def export(spec: ModelSpec, tile: Callable[[int], torch.Tensor], out: str | Path, dtype: str = "fp32",
-           shard_bytes: int = 5 * 10**9, tokenizer: str | Path | None = None) -> Path:
+def export(
+    spec: ModelSpec,
+    tile: Callable[[int], torch.Tensor],
+    out: str | Path,
+    dtype: str = "fp32",
+    shard_bytes: int = 5 * 10**9,
+    tokenizer: str | Path | None = None,
+) -> Path:
     """Write the model whose unit u's flat fp32 tile is `tile(u)` as an HF directory at `out`."""
     torch_dtype, tag = DTYPES[dtype]
     root = Path(out)
@@ -86,8 +103,9 @@ def _unit(cache: dict[int, torch.Tensor], tile: Callable[[int], torch.Tensor], u
     return cache[unit]
 
 
-def _write_shard(path: Path, shard: list, tile: Callable[[int], torch.Tensor], dtype: torch.dtype, tag: str,
-                 spec: ModelSpec) -> int:
+def _write_shard(
+    path: Path, shard: list, tile: Callable[[int], torch.Tensor], dtype: torch.dtype, tag: str, spec: ModelSpec
+) -> int:
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for _, _, hf, shape in shard:
         n = dtype.itemsize * int(torch.Size(shape).numel())
@@ -100,7 +118,7 @@ def _write_shard(path: Path, shard: list, tile: Callable[[int], torch.Tensor], d
         f.write(len(raw).to_bytes(8, "little") + raw)
         for unit, slot, _, _ in shard:
             s = next(x for x in st.structure_of(unit).slots if x.name == slot)
-            t = tile(unit)[s.offset: s.offset + s.numel].to(dtype).contiguous()
+            t = tile(unit)[s.offset : s.offset + s.numel].to(dtype).contiguous()
             f.write(memoryview(t.view(torch.uint8).numpy()))
     return offset
 
@@ -119,11 +137,15 @@ def _special_ids_from(tokenizer: Path, config) -> None:
     for key in SPECIAL_IDS:
         want, had = getattr(tok, key, None), getattr(config, key, None)
         if want is not None and want >= config.vocab_size:
-            raise ValueError(f"the tokenizer in {tokenizer} has {key} {want}, outside the model's vocabulary of "
-                             f"{config.vocab_size}")
+            raise ValueError(
+                f"the tokenizer in {tokenizer} has {key} {want}, outside the model's vocabulary of {config.vocab_size}"
+            )
         if want is not None and want != had:
-            print(f"[megatrain] export: config {key} {had} -> {want} (the tokenizer's "
-                  f"{tok.convert_ids_to_tokens(want)!r})", flush=True)
+            print(
+                f"[megatrain] export: config {key} {had} -> {want} (the tokenizer's "
+                f"{tok.convert_ids_to_tokens(want)!r})",
+                flush=True,
+            )
             setattr(config, key, want)
 
 

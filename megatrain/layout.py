@@ -106,8 +106,9 @@ class StoreLayout:
         return hashlib.sha256(blob.encode()).digest()[:16]
 
 
-def build_layout(unit_tensors: list[tuple[str, str, list[tuple[str, tuple[int, ...], bool]]]], tied: bool,
-                 hf_names: dict[str, str]) -> StoreLayout:
+def build_layout(
+    unit_tensors: list[tuple[str, str, list[tuple[str, tuple[int, ...], bool]]]], tied: bool, hf_names: dict[str, str]
+) -> StoreLayout:
     """unit_tensors: per unit (kind, prefix, [(name, shape, decay)]) in unit order."""
     structures: dict[str, Structure] = {}
     units, off = [], 0

@@ -29,10 +29,18 @@ from megatrain.model import ModelSpec
 _aten = torch.ops.aten
 # The GEMMs (F.linear lowers to mm, or addmm with a bias) and every fused attention kernel SDPA may pick;
 # their outputs are what a backward cannot get back without paying their FLOPs again.
-_SAVED_NAMES = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
-                "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-                "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
-                "_efficient_attention_forward")
+_SAVED_NAMES = (
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_flash_attention_forward",
+    "_efficient_attention_forward",
+)
 SAVED_OPS = frozenset(getattr(_aten, n).default for n in _SAVED_NAMES if hasattr(_aten, n))
 
 

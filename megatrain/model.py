@@ -37,10 +37,14 @@ def family_classes(family: str) -> tuple[type, type]:
 @dataclass
 class ModelConfig:
     family: str = opt("llama", "Model family: llama, qwen2 or mistral (taken from config.json with `pretrained`).")
-    pretrained: str | None = opt(None, "Local directory written by save_pretrained (config.json + safetensors) "
-                                       "to start from; never a hub name.")
-    hf: dict = opt({}, "HF config fields (hidden_size, num_hidden_layers, vocab_size, tie_word_embeddings, ...) "
-                       "set over the family's defaults or the pretrained config.")
+    pretrained: str | None = opt(
+        None, "Local directory written by save_pretrained (config.json + safetensors) to start from; never a hub name."
+    )
+    hf: dict = opt(
+        {},
+        "HF config fields (hidden_size, num_hidden_layers, vocab_size, tie_word_embeddings, ...) "
+        "set over the family's defaults or the pretrained config.",
+    )
     init_seed: int = opt(0, "Seed of the fresh initialization (HF's init scheme, drawn unit by unit).")
 
     def __post_init__(self) -> None:
@@ -59,9 +63,20 @@ class ModelSpec:
 
 # Accepted by every family's config without being one of its fields: read by PretrainedConfig itself or
 # folded into rope_parameters (transformers 5) from the names older config.json files use.
-_COMMON_KEYS = {"torch_dtype", "dtype", "model_type", "transformers_version", "architectures", "_name_or_path",
-                "output_attentions", "use_cache", "rope_theta", "rope_scaling", "rope_type",
-                "partial_rotary_factor"}
+_COMMON_KEYS = {
+    "torch_dtype",
+    "dtype",
+    "model_type",
+    "transformers_version",
+    "architectures",
+    "_name_or_path",
+    "output_attentions",
+    "use_cache",
+    "rope_theta",
+    "rope_scaling",
+    "rope_type",
+    "partial_rotary_factor",
+}
 
 
 def hf_config_fields(family: str, base: dict | None = None) -> set[str]:
@@ -79,13 +94,15 @@ def pretrained_config(cfg: ModelConfig) -> tuple[str, dict]:
     if cfg.pretrained:
         path = Path(cfg.pretrained) / "config.json"
         if not path.is_file():
-            raise ConfigError(f"model.pretrained: '{cfg.pretrained}' has no config.json "
-                              "(expected a save_pretrained directory)")
+            raise ConfigError(
+                f"model.pretrained: '{cfg.pretrained}' has no config.json (expected a save_pretrained directory)"
+            )
         base = json.loads(path.read_text())
         family = base.get("model_type", family)
         if family not in FAMILIES:
-            raise ConfigError(f"model.pretrained: model_type '{family}' is not supported; "
-                              f"use one of {sorted(FAMILIES)}")
+            raise ConfigError(
+                f"model.pretrained: model_type '{family}' is not supported; use one of {sorted(FAMILIES)}"
+            )
     return family, base
 
 
@@ -142,9 +159,21 @@ def build_spec(cfg: ModelConfig, no_decay_1d: bool = True) -> ModelSpec:
 
 
 # Random draws that take a `generator`: the Tensor methods HF's init reaches through torch.nn.init.
-_RANDOM_METHODS = {torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.random_, torch.Tensor.bernoulli_,
-                   torch.Tensor.exponential_, torch.Tensor.cauchy_, torch.Tensor.log_normal_,
-                   torch.Tensor.geometric_, torch.normal, torch.rand, torch.randn, torch.randint, torch.randperm}
+_RANDOM_METHODS = {
+    torch.Tensor.normal_,
+    torch.Tensor.uniform_,
+    torch.Tensor.random_,
+    torch.Tensor.bernoulli_,
+    torch.Tensor.exponential_,
+    torch.Tensor.cauchy_,
+    torch.Tensor.log_normal_,
+    torch.Tensor.geometric_,
+    torch.normal,
+    torch.rand,
+    torch.randn,
+    torch.randint,
+    torch.randperm,
+}
 
 
 class UnitRng(torch.overrides.TorchFunctionMode):
@@ -167,8 +196,9 @@ def unit_seed(seed: int, unit: int) -> int:
     return seed * 1_000_003 + unit
 
 
-def init_unit(spec: ModelSpec, model: torch.nn.Module, unit: int, seed: int,
-              into: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def init_unit(
+    spec: ModelSpec, model: torch.nn.Module, unit: int, seed: int, into: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """Fresh HF-style init of one unit (the family's `_init_weights`), on the CPU, from the unit's own seed,
     so a 9B model never has to exist whole in one process and units may be drawn in parallel threads.
 

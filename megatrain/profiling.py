@@ -21,9 +21,23 @@ from torch.profiler import ProfilerActivity, profile, record_function
 LOOP = "megatrain.layer_loop"
 # Runtime and driver calls that wait for the GPU: explicit syncs, synchronous copies and sets (not their
 # Async forms), and frees (device-wide). Exact names.
-BLOCKING = frozenset({"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-                      "cudaMemcpy2D", "cudaMemset", "cudaFree", "cudaFreeHost", "cudaHostUnregister",
-                      "cuCtxSynchronize", "cuStreamSynchronize", "cuEventSynchronize", "cuMemFree_v2"})
+BLOCKING = frozenset(
+    {
+        "cudaDeviceSynchronize",
+        "cudaStreamSynchronize",
+        "cudaEventSynchronize",
+        "cudaMemcpy",
+        "cudaMemcpy2D",
+        "cudaMemset",
+        "cudaFree",
+        "cudaFreeHost",
+        "cudaHostUnregister",
+        "cuCtxSynchronize",
+        "cuStreamSynchronize",
+        "cuEventSynchronize",
+        "cuMemFree_v2",
+    }
+)
 
 
 class StepProfile:
@@ -60,16 +74,23 @@ def blocking_calls(trace: dict) -> dict:
         raise ValueError(f"the trace has no '{LOOP}' range")
     loop = loops[0]
     t0, t1 = loop["ts"], loop["ts"] + loop["dur"]
-    inside = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
-              and e.get("name") in BLOCKING and t0 <= e["ts"] <= t1]
+    inside = [
+        e
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("name") in BLOCKING and t0 <= e["ts"] <= t1
+    ]
     same = [e["name"] for e in inside if e.get("tid") == loop.get("tid")]
     # Kernel launches seen on the loop's thread: proof that runtime calls are attributed to it, so
     # that zero blocking calls is a finding and not a thread-id mismatch.
-    launches = sum(1 for e in events if e.get("cat") == "cuda_runtime" and e.get("tid") == loop.get("tid")
-                   and t0 <= e["ts"] <= t1)
-    return {"loop_blocking_calls": len(same), "loop_blocking_names": sorted(set(same)),
-            "helper_thread_blocking_calls": len(inside) - len(same), "loop_runtime_calls": launches}
-
+    launches = sum(
+        1 for e in events if e.get("cat") == "cuda_runtime" and e.get("tid") == loop.get("tid") and t0 <= e["ts"] <= t1
+    )
+    return {
+        "loop_blocking_calls": len(same),
+        "loop_blocking_names": sorted(set(same)),
+        "helper_thread_blocking_calls": len(inside) - len(same),
+        "loop_runtime_calls": launches,
+    }
 
 
 class NvtxPhases:

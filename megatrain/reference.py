@@ -30,9 +30,15 @@ def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.Adam
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
 
 
-def train_reference(model: torch.nn.Module, optim: OptimConfig, batches: Batches, steps: int,
-                    device: str = "cpu", autocast_bf16: bool = False,
-                    eval_batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> ReferenceResult:
+def train_reference(
+    model: torch.nn.Module,
+    optim: OptimConfig,
+    batches: Batches,
+    steps: int,
+    device: str = "cpu",
+    autocast_bf16: bool = False,
+    eval_batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> ReferenceResult:
     """`batches(t)` gives step t's (ids, labels), the batches MegaTrain trained on; the final weights'
     loss over `eval_batches` is the mean over all their labelled tokens."""
     model = model.to(device).float().train()

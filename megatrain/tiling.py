@@ -34,23 +34,24 @@ def tileable(layer: torch.nn.Module) -> bool:
 
 
 def _sub(views: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    return {k[len(prefix):]: t for k, t in views.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: t for k, t in views.items() if k.startswith(prefix)}
 
 
 class _TiledMlp(torch.autograd.Function):
     """out = x + mlp_half(x), computed `tile` tokens at a time; saves x only."""
 
     @staticmethod
-    def forward(ctx, fn: Callable, names: Sequence[str], tile: int, x: torch.Tensor,
-                *params: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, fn: Callable, names: Sequence[str], tile: int, x: torch.Tensor, *params: torch.Tensor
+    ) -> torch.Tensor:
         ctx.fn, ctx.names, ctx.tile = fn, names, tile
         ctx.save_for_backward(x, *params)
         rows = x.reshape(-1, x.shape[-1])
         out = torch.empty_like(rows)
         with torch.no_grad():
             for s in range(0, rows.shape[0], tile):
-                xs = rows[s: s + tile]
-                out[s: s + tile] = xs + fn(dict(zip(names, params)), xs)
+                xs = rows[s : s + tile]
+                out[s : s + tile] = xs + fn(dict(zip(names, params)), xs)
         return out.view(x.shape)
 
     @staticmethod
@@ -61,19 +62,25 @@ class _TiledMlp(torch.autograd.Function):
         sums = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
         for s in range(0, rows.shape[0], ctx.tile):
             with torch.enable_grad():
-                xs = rows[s: s + ctx.tile].detach().requires_grad_(True)
+                xs = rows[s : s + ctx.tile].detach().requires_grad_(True)
                 leaves = [p.detach().requires_grad_(True) for p in params]
                 ys = ctx.fn(dict(zip(ctx.names, leaves)), xs)
-                got = torch.autograd.grad(ys, [xs, *leaves], g[s: s + ctx.tile], allow_unused=True)
-            grad_x[s: s + ctx.tile] = g[s: s + ctx.tile] + got[0]  # the residual's share, then the MLP's
+                got = torch.autograd.grad(ys, [xs, *leaves], g[s : s + ctx.tile], allow_unused=True)
+            grad_x[s : s + ctx.tile] = g[s : s + ctx.tile] + got[0]  # the residual's share, then the MLP's
             for acc, part in zip(sums, got[1:]):
                 if part is not None:
                     acc += part
         return (None, None, None, grad_x.view(x.shape), *(a.to(p.dtype) for a, p in zip(sums, params)))
 
 
-def tiled_layer(layer: torch.nn.Module, views: dict[str, torch.Tensor], x: torch.Tensor, tile: int,
-                attn_kwargs: dict, attention: Callable | None = None) -> torch.Tensor:
+def tiled_layer(
+    layer: torch.nn.Module,
+    views: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    tile: int,
+    attn_kwargs: dict,
+    attention: Callable | None = None,
+) -> torch.Tensor:
     """The decoder layer's output for input x, its MLP half in tiles of `tile` tokens.
 
     `views`: the layer's tensors by HF name. `attention(fn, *args)` runs the attention half (the engine
@@ -83,8 +90,9 @@ def tiled_layer(layer: torch.nn.Module, views: dict[str, torch.Tensor], x: torch
     norm, mlp = layer.post_attention_layernorm, layer.mlp
 
     def mlp_half(p: dict[str, torch.Tensor], xs: torch.Tensor) -> torch.Tensor:
-        return functional_call(mlp, _sub(p, "mlp."), (functional_call(norm, _sub(p, "post_attention_layernorm."),
-                                                                      (xs,)),))
+        return functional_call(
+            mlp, _sub(p, "mlp."), (functional_call(norm, _sub(p, "post_attention_layernorm."), (xs,)),)
+        )
 
     def attn_half(x: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         v = dict(zip(attn_names, tensors))

@@ -26,29 +26,32 @@ def copy_slots(spec: ModelSpec, unit: int, tile: torch.Tensor, tensors: dict[str
             raise ConfigError(f"weights for unit {unit} lack '{spec.layout.hf_name(unit, s.name)}'")
         src = tensors[s.name]
         if tuple(src.shape) != s.shape:
-            raise ConfigError(f"'{spec.layout.hf_name(unit, s.name)}' has shape {tuple(src.shape)}, "
-                              f"the model config expects {s.shape}")
-        dst = tile[s.offset: s.offset + s.numel]
+            raise ConfigError(
+                f"'{spec.layout.hf_name(unit, s.name)}' has shape {tuple(src.shape)}, "
+                f"the model config expects {s.shape}"
+            )
+        dst = tile[s.offset : s.offset + s.numel]
         if src.data_ptr() != dst.data_ptr():
             dst.copy_(src.reshape(-1))
 
 
 def slot_views(spec: ModelSpec, unit: int, tile: torch.Tensor) -> dict[str, torch.Tensor]:
     """Views of a unit's tile keyed by slot name, each in its tensor's shape."""
-    return {s.name: tile[s.offset: s.offset + s.numel].view(s.shape) for s in spec.layout.structure_of(unit).slots}
+    return {s.name: tile[s.offset : s.offset + s.numel].view(s.shape) for s in spec.layout.structure_of(unit).slots}
 
 
 def tile_tensors(spec: ModelSpec, unit: int, tile: torch.Tensor) -> dict[str, torch.Tensor]:
     """HF-named views of a unit's tile."""
     st = spec.layout.structure_of(unit)
-    return {spec.layout.hf_name(unit, s.name): tile[s.offset: s.offset + s.numel].view(s.shape) for s in st.slots}
+    return {spec.layout.hf_name(unit, s.name): tile[s.offset : s.offset + s.numel].view(s.shape) for s in st.slots}
 
 
 def unit_from_state(spec: ModelSpec, unit: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Pick a unit's tensors out of an HF state dict, keyed by slot name."""
     st = spec.layout.structure_of(unit)
-    return {s.name: state[spec.layout.hf_name(unit, s.name)] for s in st.slots
-            if spec.layout.hf_name(unit, s.name) in state}
+    return {
+        s.name: state[spec.layout.hf_name(unit, s.name)] for s in st.slots if spec.layout.hf_name(unit, s.name) in state
+    }
 
 
 def flat_unit(spec: ModelSpec, unit: int, state: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -76,8 +79,9 @@ def checkpoint_index(directory: str | Path) -> dict[str, Path]:
         names = _header(path)
         missing = [k for k, p in where.items() if p == path and k not in names]
         if missing:
-            raise ConfigError(f"model.pretrained: {path} lacks {len(missing)} tensors its index puts there "
-                              f"(first: '{missing[0]}')")
+            raise ConfigError(
+                f"model.pretrained: {path} lacks {len(missing)} tensors its index puts there (first: '{missing[0]}')"
+            )
     return where
 
 
@@ -96,8 +100,9 @@ def _header(path: Path) -> dict[str, dict]:
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         raise ConfigError(f"model.pretrained: {path} is not a readable safetensors file ({exc})") from None
     if 8 + n + end > size:
-        raise ConfigError(f"model.pretrained: {path} is truncated: its header needs {8 + n + end} bytes, the "
-                          f"file has {size}")
+        raise ConfigError(
+            f"model.pretrained: {path} is truncated: its header needs {8 + n + end} bytes, the file has {size}"
+        )
     return tensors
 
 

@@ -9,9 +9,42 @@ from pathlib import Path
 from megatrain.data.bpe import train_bpe
 
 WORDS = (
-    "the", "cat", "dog", "sat", "ran", "on", "a", "mat", "big", "small", "red", "blue", "green", "house",
-    "tree", "river", "stone", "light", "dark", "quick", "slow", "over", "under", "jumps", "walks", "sings",
-    "reads", "writes", "bright", "quiet", "happy", "one", "two", "three", "four", "five",
+    "the",
+    "cat",
+    "dog",
+    "sat",
+    "ran",
+    "on",
+    "a",
+    "mat",
+    "big",
+    "small",
+    "red",
+    "blue",
+    "green",
+    "house",
+    "tree",
+    "river",
+    "stone",
+    "light",
+    "dark",
+    "quick",
+    "slow",
+    "over",
+    "under",
+    "jumps",
+    "walks",
+    "sings",
+    "reads",
+    "writes",
+    "bright",
+    "quiet",
+    "happy",
+    "one",
+    "two",
+    "three",
+    "four",
+    "five",
 )
 SPECIALS = ["<|endoftext|>", "<|pad|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 # Knows system/user/assistant; any other role is refused by the template itself.
@@ -40,8 +73,9 @@ def sentence(rng: random.Random, n: int | None = None) -> str:
 def make_tokenizer(directory: Path, template: str = CHAT_TEMPLATE) -> Path:
     """A byte-level BPE of TOKENIZER_VOCAB tokens with EOS, pad and the chat markers as special tokens."""
     rng = random.Random(0)
-    train_bpe([sentence(rng) for _ in range(2000)], TOKENIZER_VOCAB, SPECIALS, template, pad="<|pad|>") \
-        .save_pretrained(directory)
+    train_bpe([sentence(rng) for _ in range(2000)], TOKENIZER_VOCAB, SPECIALS, template, pad="<|pad|>").save_pretrained(
+        directory
+    )
     return directory
 
 

@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatrain.ipc.protocol import fetch_order
 
+from megatrain.ipc.protocol import fetch_order
 from megatrain.model import ModelConfig, ModelSpec, build_spec, family_classes
 from megatrain.weights import flat_unit
 
 # The GPU tests: marked cuda, skipped without a GPU (tests/conftest.py hides GPUs unless MEGATRAIN_TEST_CUDA=1).
-requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
-                                   reason="needs a CUDA device (the suite hides it unless MEGATRAIN_TEST_CUDA=1)")
+requires_cuda = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (the suite hides it unless MEGATRAIN_TEST_CUDA=1)"
+)
 NEEDS_CUDA = [pytest.mark.cuda, requires_cuda]  # a module's pytestmark
 
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=256, max_position_embeddings=256, rms_norm_eps=1e-6)
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
 
 
 def tiny_hf(family: str, tied: bool, layers: int = 3, seed: int = 0) -> torch.nn.Module:
@@ -37,8 +46,9 @@ def spec_for(model: torch.nn.Module, family: str) -> ModelSpec:
 class DictSource:
     """Serves unit weights from an HF state dict; with a plan's `blocks`, checks the fetch order against it."""
 
-    def __init__(self, spec: ModelSpec, state: dict, order: list[int] | None = None,
-                 blocks: list[list[int]] | None = None):
+    def __init__(
+        self, spec: ModelSpec, state: dict, order: list[int] | None = None, blocks: list[list[int]] | None = None
+    ):
         self.spec, self.state, self.seen = spec, state, []
         self.blocks = blocks or []
         self.order = order if order is not None else (fetch_order(blocks) if blocks else None)

@@ -33,7 +33,15 @@ def remove_all(rid: str) -> None:
     shm.unlink_entries(shm.run_entries(SHM).get(rid, []))
 
 
-def make_spec(rid: str, model_spec, staging: str = "bf16", k: int = 2, packers: int = 2, accs: int = 2,
-              staging_mode: str = "slabs", **ipc) -> StoreSpec:
+def make_spec(
+    rid: str,
+    model_spec,
+    staging: str = "bf16",
+    k: int = 2,
+    packers: int = 2,
+    accs: int = 2,
+    staging_mode: str = "slabs",
+    **ipc,
+) -> StoreSpec:
     ipc = {"weight_slabs": 3, "grad_slabs": 2, **ipc}
     return StoreSpec(rid, model_spec, staging, k, packers, accs, IpcConfig(**ipc), staging_mode)

@@ -6,9 +6,8 @@ import threading
 import time
 
 from megatrain.actors.adam_updater import AdamUpdater
-from megatrain.ipc.protocol import Store
-
 from megatrain.adamw import OptimConfig, adamw_update
+from megatrain.ipc.protocol import Store
 from tests.shm_fixtures import make_spec
 
 
@@ -37,8 +36,9 @@ def test_adam_takes_overlapping_step_calls_in_order(rid: str, model_spec) -> Non
         owner.unlink()
 
 
-def test_adam_takes_bf16_gradients_from_the_resident_copy_and_writes_the_new_weights_there(rid: str,
-                                                                                        model_spec) -> None:
+def test_adam_takes_bf16_gradients_from_the_resident_copy_and_writes_the_new_weights_there(
+    rid: str, model_spec
+) -> None:
     """Clipping in resident mode (bf16): each unit's gradient waits in its resident tile; Adam's update is the
     one of the widened gradient, and right after it the tile holds torch's cast of the new fp32 params, bit
     for bit (the fused kernel, not a second pass)."""
@@ -58,8 +58,16 @@ def test_adam_takes_bf16_gradients_from_the_resident_copy_and_writes_the_new_wei
             grad = torch.from_numpy(rng.standard_normal(p.size).astype(np.float32)).to(torch.bfloat16)
             owner.resident_tile(u).copy_(grad)
             want[u] = p.copy()
-            adamw_update(want[u], grad.float().numpy(), np.zeros_like(p), np.zeros_like(p), step=1, lr=1e-2, cfg=cfg,
-                         weight_decay=0.0)
+            adamw_update(
+                want[u],
+                grad.float().numpy(),
+                np.zeros_like(p),
+                np.zeros_like(p),
+                step=1,
+                lr=1e-2,
+                cfg=cfg,
+                weight_decay=0.0,
+            )
         adam = AdamUpdater(cfg)
         adam.attach(spec)
         for _ in range(spec.num_pieces):

@@ -18,8 +18,9 @@ def rel(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a.astype(np.float64) - b.astype(np.float64)) / np.linalg.norm(b.astype(np.float64)))
 
 
-def run_both(cfg: OptimConfig, weight_decay: float, grad_scale: float, foreach: bool, seed: int = 0,
-             total_steps: int = STEPS):
+def run_both(
+    cfg: OptimConfig, weight_decay: float, grad_scale: float, foreach: bool, seed: int = 0, total_steps: int = STEPS
+):
     """STEPS steps of ours and torch's AdamW on the same random parameters and gradients.
 
     Torch sees the gradient already multiplied by grad_scale; ours gets the raw gradient plus the scale.
@@ -27,8 +28,7 @@ def run_both(cfg: OptimConfig, weight_decay: float, grad_scale: float, foreach: 
     gen = torch.Generator().manual_seed(seed)
     p0 = torch.randn(N, generator=gen)
     ref = torch.nn.Parameter(p0.clone())
-    opt = torch.optim.AdamW([ref], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=weight_decay,
-                            foreach=foreach)
+    opt = torch.optim.AdamW([ref], lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=weight_decay, foreach=foreach)
     p = p0.numpy().copy()
     m = np.zeros(N, np.float32)
     v = np.zeros(N, np.float32)
@@ -50,10 +50,8 @@ def run_both(cfg: OptimConfig, weight_decay: float, grad_scale: float, foreach: 
 @pytest.mark.parametrize("grad_scale", [1.0, 0.3])
 @pytest.mark.parametrize("betas", [(0.9, 0.95), (0.8, 0.9)])
 @pytest.mark.parametrize("foreach", [False, True])
-def test_adamw_matches_torch(weight_decay: float, grad_scale: float, betas: tuple[float, float],
-                             foreach: bool) -> None:
-    cfg = OptimConfig(lr=1e-2, betas=betas, eps=1e-8, weight_decay=weight_decay, schedule="cosine",
-                      warmup_steps=3)
+def test_adamw_matches_torch(weight_decay: float, grad_scale: float, betas: tuple[float, float], foreach: bool) -> None:
+    cfg = OptimConfig(lr=1e-2, betas=betas, eps=1e-8, weight_decay=weight_decay, schedule="cosine", warmup_steps=3)
     ours, theirs = run_both(cfg, weight_decay, grad_scale, foreach)
     for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), ours, theirs):
         assert rel(a, b) < 1e-6, (name, rel(a, b))
@@ -203,12 +201,12 @@ def test_fused_bf16_copy_equals_the_update_then_torchs_cast() -> None:
     g[13] = np.nan  # a NaN weight after the update
     cfg = OptimConfig(lr=1e-3, weight_decay=0.0)
     plain = [x.copy() for x in (p, g, m, v)]
-    adamw_update(plain[0], plain[1], plain[2], plain[3], step=3, lr=1e-3, cfg=cfg, weight_decay=0.0,
-                 grad_scale=0.5)
+    adamw_update(plain[0], plain[1], plain[2], plain[3], step=3, lr=1e-3, cfg=cfg, weight_decay=0.0, grad_scale=0.5)
     out = np.zeros(n, np.uint16)
     fused = [x.copy() for x in (p, g, m, v)]
-    adamw_update(fused[0], fused[1], fused[2], fused[3], step=3, lr=1e-3, cfg=cfg, weight_decay=0.0,
-                 grad_scale=0.5, bf16_out=out)
+    adamw_update(
+        fused[0], fused[1], fused[2], fused[3], step=3, lr=1e-3, cfg=cfg, weight_decay=0.0, grad_scale=0.5, bf16_out=out
+    )
     for a, b in zip(plain, fused):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
     assert np.isnan(fused[0][13])
@@ -228,13 +226,26 @@ def test_bf16_gradients_are_widened_exactly_and_may_share_the_output() -> None:
     m0, v0 = (torch.randn(N, generator=gen) * 0.1).numpy(), (torch.rand(N, generator=gen) * 0.01).numpy()
     g = torch.randn(N, generator=gen).bfloat16()
     wide = [a.copy() for a in (p0, m0, v0)]
-    adamw_update(wide[0], g.float().numpy(), wide[1], wide[2], step=2, lr=cfg.lr, cfg=cfg, weight_decay=0.1,
-                 grad_scale=0.4)
+    adamw_update(
+        wide[0], g.float().numpy(), wide[1], wide[2], step=2, lr=cfg.lr, cfg=cfg, weight_decay=0.1, grad_scale=0.4
+    )
     tile = g.view(torch.int16).numpy().view(np.uint16).copy()
     narrow = [a.copy() for a in (p0, m0, v0)]
-    adamw_update(narrow[0], tile, narrow[1], narrow[2], step=2, lr=cfg.lr, cfg=cfg, weight_decay=0.1,
-                 grad_scale=0.4, bf16_out=tile)
+    adamw_update(
+        narrow[0],
+        tile,
+        narrow[1],
+        narrow[2],
+        step=2,
+        lr=cfg.lr,
+        cfg=cfg,
+        weight_decay=0.1,
+        grad_scale=0.4,
+        bf16_out=tile,
+    )
     for a, b in zip(wide, narrow):
         np.testing.assert_array_equal(a, b)
-    np.testing.assert_array_equal(torch.from_numpy(tile.view(np.int16)).view(torch.bfloat16).float().numpy(),
-                                  torch.from_numpy(wide[0]).bfloat16().float().numpy())
+    np.testing.assert_array_equal(
+        torch.from_numpy(tile.view(np.int16)).view(torch.bfloat16).float().numpy(),
+        torch.from_numpy(wide[0]).bfloat16().float().numpy(),
+    )

@@ -6,16 +6,23 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from megatrain.launch.config import load_config
 
 from megatrain import autosize
 from megatrain.engine import EngineConfig, resolve_engine
+from megatrain.launch.config import load_config
 from megatrain.model import ModelConfig, build_spec
 
 GIB = 2**30
-QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4,
-          "vocab_size": 152064, "max_position_embeddings": 32768, "tie_word_embeddings": False,
-          "use_sliding_window": False}
+QWEN7B = {
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+}
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +46,9 @@ def test_an_h200_gets_the_measured_headline_shape(spec8) -> None:
     2 of them lean; without, 7 as measured."""
     sizes, why = autosize.choose(spec8, cuda_cfg(), 16, 4096, 138 * GIB, clip=True)
     assert sizes == autosize.Sizes(2, 8, 0, 8192, 2, False), why
-    assert autosize.choose(spec8, cuda_cfg(lean_layers=0), 16, 4096, 138 * GIB, clip=True)[0] == \
-        autosize.Sizes(2, 7, 0, 8192, 0, False)
+    assert autosize.choose(spec8, cuda_cfg(lean_layers=0), 16, 4096, 138 * GIB, clip=True)[0] == autosize.Sizes(
+        2, 7, 0, 8192, 0, False
+    )
     assert abs(autosize.layer_activation_bytes(spec8, 16 * 4096, 2) / GIB - 14.6) < 0.2
     assert abs(autosize.lean_bytes(spec8, 16 * 4096, 2) / GIB - 7.4) < 0.1
 
@@ -58,8 +66,9 @@ def test_lean_layers_let_the_last_block_of_28_layers_double() -> None:
     assert margin_covers > 0 and sum(terms.values()) <= free * autosize.MARGIN
     assert terms["12 lean layers (65536 tokens each, weights too)"] == 12 * autosize.lean_bytes(spec, 65536, 2)
     # One more layer in the block would not fit even all lean.
-    assert not autosize._fits(14, 14, (autosize.layer_activation_bytes(spec, 65536, 2),
-                                       autosize.lean_bytes(spec, 65536, 2), int(107.7 * GIB)))
+    assert not autosize._fits(
+        14, 14, (autosize.layer_activation_bytes(spec, 65536, 2), autosize.lean_bytes(spec, 65536, 2), int(107.7 * GIB))
+    )
 
 
 def test_an_explicit_last_block_gets_the_fewest_lean_layers_that_fit(spec8) -> None:
@@ -97,8 +106,9 @@ def test_chunking_is_left_out_where_it_saves_little_or_its_chunks_would_be_small
     """16x4096 keeps 7 of 8 layers whole (one layer's recompute is not worth the chunks); an explicit last
     block or chunk size leaves the rule alone; a GPU that would need sub-32k-token chunks keeps the recompute."""
     assert autosize.choose(spec8, cuda_cfg(), 16, 4096, int(139.3 * GIB), clip=True)[0].chunk_sequences == 0
-    assert autosize.choose(spec8, cuda_cfg(last_block_layers=2), 158, 1024, int(139.3 * GIB),
-                           clip=True)[0] == autosize.Sizes(2, 2, 0, 8192, 0, False)
+    assert autosize.choose(spec8, cuda_cfg(last_block_layers=2), 158, 1024, int(139.3 * GIB), clip=True)[
+        0
+    ] == autosize.Sizes(2, 2, 0, 8192, 0, False)
     sizes, _ = autosize.choose(spec8, cuda_cfg(), 16, 4096, 60 * GIB, clip=True)
     assert sizes.chunk_sequences == 0 and sizes.last_block_layers < 8
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from megatrain.launch import cli
 
+from megatrain.launch import cli
 from tests.conftest import ROOT, run_leftovers
 from tests.helpers import TINY, tiny_hf
 
@@ -35,27 +35,32 @@ def usage_error(capsys, *argv: str) -> str:
     return err
 
 
-@pytest.mark.parametrize("overrides, expect", [
-    (["engine.checkpoint_interval=0"], ["command line 'engine.checkpoint_interval=0'", "0 is not allowed"]),
-    (["engine.checkpoint_interval=3"], ["'engine.checkpoint_interval=3'", "3 exceeds the model's 2 layers"]),
-    (["model.hf.num_hiden_layers=2"], ["model.hf.num_hiden_layers", "did you mean 'model.hf.num_hidden_layers'"]),
-    (["model.hf.attention_dropout=0.1"], ["'model.hf.attention_dropout=0.1'", "dropout is not supported"]),
-    (['model.hf={"hiden_size": 64}'], ["model.hf.hiden_size", "did you mean 'model.hf.hidden_size'"]),
-    (["optim.lrr=1"], ["optim.lrr", "did you mean 'optim.lr'"]),
-    (["train.steps=ten"], ["train.steps", "expected an integer, got 'ten'"]),
-    (["train.run_id=Bad_Id"], ["train.run_id", "'Bad_Id'", "lowercase"]),
-    (["data.seq_len=100000"], ["data.seq_len", "100000 exceeds", "max_position_embeddings"]),
-    (["data.kind=text", "data.path=/nonexistent/corpus.jsonl", "data.tokenizer=/nonexistent/tok"],
-     ["/nonexistent"]),
-    (["model.pretrained=/nonexistent/model"], ["model.pretrained", "/nonexistent/model"]),
-    (["launch.runner=threads"], ["launch.runner", "'threads'"]),
-    (["nonsense"], ["'nonsense'", "dotted.key=value"]),
-    # A check that speaks of two keys names the one that is wrong, with its value and where it was set.
-    (["data.batch_size=0"], ["command line 'data.batch_size=0': config key 'data.batch_size': 0 is not allowed"]),
-    (["optim.lr=-1e-3"], ["command line 'optim.lr=-1e-3': config key 'optim.lr': -0.001 is not allowed"]),
-    (["optim.eps=0"], ["command line 'optim.eps=0': config key 'optim.eps': 0.0 is not allowed"]),
-    (["ipc.poll_s=0"], ["command line 'ipc.poll_s=0': config key 'ipc.poll_s': 0.0 is not allowed"]),
-])
+@pytest.mark.parametrize(
+    "overrides, expect",
+    [
+        (["engine.checkpoint_interval=0"], ["command line 'engine.checkpoint_interval=0'", "0 is not allowed"]),
+        (["engine.checkpoint_interval=3"], ["'engine.checkpoint_interval=3'", "3 exceeds the model's 2 layers"]),
+        (["model.hf.num_hiden_layers=2"], ["model.hf.num_hiden_layers", "did you mean 'model.hf.num_hidden_layers'"]),
+        (["model.hf.attention_dropout=0.1"], ["'model.hf.attention_dropout=0.1'", "dropout is not supported"]),
+        (['model.hf={"hiden_size": 64}'], ["model.hf.hiden_size", "did you mean 'model.hf.hidden_size'"]),
+        (["optim.lrr=1"], ["optim.lrr", "did you mean 'optim.lr'"]),
+        (["train.steps=ten"], ["train.steps", "expected an integer, got 'ten'"]),
+        (["train.run_id=Bad_Id"], ["train.run_id", "'Bad_Id'", "lowercase"]),
+        (["data.seq_len=100000"], ["data.seq_len", "100000 exceeds", "max_position_embeddings"]),
+        (
+            ["data.kind=text", "data.path=/nonexistent/corpus.jsonl", "data.tokenizer=/nonexistent/tok"],
+            ["/nonexistent"],
+        ),
+        (["model.pretrained=/nonexistent/model"], ["model.pretrained", "/nonexistent/model"]),
+        (["launch.runner=threads"], ["launch.runner", "'threads'"]),
+        (["nonsense"], ["'nonsense'", "dotted.key=value"]),
+        # A check that speaks of two keys names the one that is wrong, with its value and where it was set.
+        (["data.batch_size=0"], ["command line 'data.batch_size=0': config key 'data.batch_size': 0 is not allowed"]),
+        (["optim.lr=-1e-3"], ["command line 'optim.lr=-1e-3': config key 'optim.lr': -0.001 is not allowed"]),
+        (["optim.eps=0"], ["command line 'optim.eps=0': config key 'optim.eps': 0.0 is not allowed"]),
+        (["ipc.poll_s=0"], ["command line 'ipc.poll_s=0': config key 'ipc.poll_s': 0.0 is not allowed"]),
+    ],
+)
 def test_bad_config_values(capsys, overrides: list[str], expect: list[str]) -> None:
     err = usage_error(capsys, DEFAULT, *overrides)
     for text in expect:
@@ -75,8 +80,9 @@ def test_bad_yaml_names_file_and_line(capsys, tmp_path: Path) -> None:
 def test_a_range_check_names_the_file_line_of_its_key(capsys, tmp_path: Path) -> None:
     """Not the section's header line, nor another key the same check speaks of."""
     bad = tmp_path / "bad.yaml"
-    bad.write_text("model:\n  family: llama\ndata:\n  seq_len: 64\n  batch_size: 0\noptim:\n  weight_decay: 0.1\n"
-                   "  lr: -1.0e-3\n")
+    bad.write_text(
+        "model:\n  family: llama\ndata:\n  seq_len: 64\n  batch_size: 0\noptim:\n  weight_decay: 0.1\n  lr: -1.0e-3\n"
+    )
     err = usage_error(capsys, str(bad))
     assert f"{bad}:5: config key 'data.batch_size': 0 is not allowed" in err, err
     err = usage_error(capsys, str(bad), "data.batch_size=2")
@@ -89,8 +95,9 @@ def test_a_token_file_of_part_tokens_says_so_and_creates_nothing(capsys, tmp_pat
     tokens = tmp_path / "tokens.bin"
     tokens.write_bytes(bytes(range(7)) * 3)  # 21 bytes: 5 uint32 tokens and 1 byte
     out = tmp_path / "runs" / "r1"
-    err = usage_error(capsys, DEFAULT, "data.kind=tokens", f"data.path={tokens}", "data.token_dtype=uint32",
-                      f"train.output_dir={out}")
+    err = usage_error(
+        capsys, DEFAULT, "data.kind=tokens", f"data.path={tokens}", "data.token_dtype=uint32", f"train.output_dir={out}"
+    )
     assert f"{tokens}: 21 bytes is not a whole number of data.token_dtype uint32 tokens (4 bytes each)" in err, err
     assert "5 tokens and 1 byte(s) left over" in err, err
     assert not (tmp_path / "runs").exists()
@@ -123,7 +130,6 @@ def test_output_dir_that_is_a_file(capsys, tmp_path: Path) -> None:
 
 def test_run_id_of_a_live_run(capsys, tmp_path: Path, rid: str, model_spec) -> None:
     from megatrain.ipc.protocol import Store
-
     from tests.shm_fixtures import make_spec
 
     store = Store.create(make_spec(rid, model_spec))  # this process owns it: a live run
@@ -147,8 +153,14 @@ def test_truncated_safetensors_is_named(capsys, tmp_path: Path) -> None:
 
 
 def test_unreachable_ray_address_names_the_key(capsys, tmp_path: Path) -> None:
-    err = usage_error(capsys, DEFAULT, "--address", "127.0.0.1:9", f"train.output_dir={tmp_path / 'o'}",
-                      f"model.hf={json.dumps({**TINY, 'num_hidden_layers': 2})}")
+    err = usage_error(
+        capsys,
+        DEFAULT,
+        "--address",
+        "127.0.0.1:9",
+        f"train.output_dir={tmp_path / 'o'}",
+        f"model.hf={json.dumps({**TINY, 'num_hidden_layers': 2})}",
+    )
     assert "--address / launch.address '127.0.0.1:9'" in err and "cannot join" in err
 
 
@@ -183,8 +195,14 @@ def test_sizes_refused_while_the_store_is_made_leave_nothing(capsys, tmp_path: P
 
     monkeypatch.setattr(autosize, "choose", refuse)
     threads = threading.active_count()
-    code, err = launch(capsys, DEFAULT, f"train.run_id={rid}", f"train.output_dir={tmp_path / 'run'}",
-                       "launch.runner=inprocess", "model.hf.num_hidden_layers=2")
+    code, err = launch(
+        capsys,
+        DEFAULT,
+        f"train.run_id={rid}",
+        f"train.output_dir={tmp_path / 'run'}",
+        "launch.runner=inprocess",
+        "model.hf.num_hidden_layers=2",
+    )
     assert code == 1 and "cannot hold one sequence" in err and len(err.strip().splitlines()) == 1, err
     assert run_leftovers(rid) == []
     deadline = time.monotonic() + 60  # the fill stops at its next unit once the run is shut down

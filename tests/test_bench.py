@@ -20,12 +20,22 @@ def test_model_hf_extras_change_the_model_of_every_row(tmp_path: Path) -> None:
     """--extra model.hf.KEY=VALUE reaches the bench's own model (so --seq past its 32768 positions is allowed),
     the ablations and the peers' hf; the other extras stay with the default variant."""
     from megatrain.launch.config import load_config
-
     from megatrain.model import resolve_hf_config
 
-    args = bench_run.parse(["--out", str(tmp_path), "--seq", "40000", "--layers", "2",
-                            "--extra", "model.hf.max_position_embeddings=65536", "model.hf.rope_theta=5e5",
-                            "train.log_every=2"])
+    args = bench_run.parse(
+        [
+            "--out",
+            str(tmp_path),
+            "--seq",
+            "40000",
+            "--layers",
+            "2",
+            "--extra",
+            "model.hf.max_position_embeddings=65536",
+            "model.hf.rope_theta=5e5",
+            "train.log_every=2",
+        ]
+    )
     args.hf, extra = bench_run.bench_model(args.layers, args.extra)
     assert extra == ["train.log_every=2"]
     default = load_config(None, bench_run.overrides(args, tmp_path, extra))
@@ -42,18 +52,32 @@ def test_model_hf_extras_change_the_model_of_every_row(tmp_path: Path) -> None:
 
 
 def _bench(tmp_path: Path, *argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "run.py"), "--out", str(tmp_path / "out"), *argv],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "run.py"), "--out", str(tmp_path / "out"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+        env={**os.environ, **(env or {})},
+    )
 
 
-@pytest.mark.parametrize("argv, env, named", [
-    (["--seq", "40000"], {}, "data.seq_len': 40000 exceeds model max_position_embeddings 32768"),
-    (["--extra", "model.hf.num_hidden_layers=4"], {}, "the layer count is --layers"),
-    (["--peers", "official"], {checkout.ENV: "/nonexistent/official"},
-     f"{checkout.ENV}=/nonexistent/official: no such directory; set --official-src PATH or {checkout.ENV}"),
-], ids=["seq-past-positions", "layers-in-extra", "no-official-checkout"])
-def test_bad_input_is_one_line_and_exit_2_before_anything_runs(tmp_path: Path, argv: list[str], env: dict,
-                                                              named: str) -> None:
+@pytest.mark.parametrize(
+    "argv, env, named",
+    [
+        (["--seq", "40000"], {}, "data.seq_len': 40000 exceeds model max_position_embeddings 32768"),
+        (["--extra", "model.hf.num_hidden_layers=4"], {}, "the layer count is --layers"),
+        (
+            ["--peers", "official"],
+            {checkout.ENV: "/nonexistent/official"},
+            f"{checkout.ENV}=/nonexistent/official: no such directory; set --official-src PATH or {checkout.ENV}",
+        ),
+    ],
+    ids=["seq-past-positions", "layers-in-extra", "no-official-checkout"],
+)
+def test_bad_input_is_one_line_and_exit_2_before_anything_runs(
+    tmp_path: Path, argv: list[str], env: dict, named: str
+) -> None:
     proc = _bench(tmp_path, *argv, env=env)
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("bench/run.py: error: "), proc.stderr
@@ -86,7 +110,8 @@ def _fake_checkout(path: Path) -> Path:
 
 
 def test_the_official_checkout_comes_from_the_flag_then_the_environment_then_the_default(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     flag, env, default = (_fake_checkout(tmp_path / name) for name in ("flag", "env", "default"))
     monkeypatch.setattr(checkout, "DEFAULT", default)
     monkeypatch.setenv(checkout.ENV, str(env))
@@ -98,8 +123,11 @@ def test_the_official_checkout_comes_from_the_flag_then_the_environment_then_the
     with pytest.raises(checkout.MissingCheckout, match=rf"the default .*: not a checkout .*no {checkout.NEEDED[0]}"):
         checkout.official_src()
     monkeypatch.setattr(checkout, "DEFAULT", tmp_path / "absent")
-    with pytest.raises(checkout.MissingCheckout, match=rf"{tmp_path / 'absent'} does not exist: set "
-                                                       rf"--official-src PATH or {checkout.ENV} to a checkout"):
+    with pytest.raises(
+        checkout.MissingCheckout,
+        match=rf"{tmp_path / 'absent'} does not exist: set "
+        rf"--official-src PATH or {checkout.ENV} to a checkout",
+    ):
         checkout.official_src()
     with pytest.raises(checkout.MissingCheckout, match=rf"--src {tmp_path}: not a checkout"):
         checkout.official_src(str(tmp_path), "--src")

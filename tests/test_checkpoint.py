@@ -8,11 +8,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from megatrain.launch.config import load_config
-from megatrain.launch.driver import Trainer
 
 from megatrain import checkpoint as ckpt
 from megatrain.errors import ConfigError
+from megatrain.launch.config import load_config
+from megatrain.launch.driver import Trainer
 from tests.data_fixtures import MODEL_VOCAB, chat_records, make_tokenizer, write_jsonl
 from tests.helpers import TINY
 
@@ -21,10 +21,23 @@ def run(out: Path, family: str, *extra: str, steps: int = 10) -> dict:
     hf = {**TINY, "num_hidden_layers": 3, "tie_word_embeddings": family == "qwen2"}
     if family == "mistral":
         hf["sliding_window"] = None
-    cfg = load_config(None, [f"model.family={family}", f"model.hf={json.dumps(hf)}", "data.seq_len=32",
-                             "data.batch_size=4", "optim.lr=2e-3", "optim.weight_decay=0.1", "optim.warmup_steps=2",
-                             f"train.steps={steps}", "train.save_every=5", f"train.output_dir={out}",
-                             "launch.runner=inprocess", *extra])
+    cfg = load_config(
+        None,
+        [
+            f"model.family={family}",
+            f"model.hf={json.dumps(hf)}",
+            "data.seq_len=32",
+            "data.batch_size=4",
+            "optim.lr=2e-3",
+            "optim.weight_decay=0.1",
+            "optim.warmup_steps=2",
+            f"train.steps={steps}",
+            "train.save_every=5",
+            f"train.output_dir={out}",
+            "launch.runner=inprocess",
+            *extra,
+        ],
+    )
     return Trainer(cfg).run()
 
 
@@ -36,8 +49,14 @@ def losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
 
 
-@pytest.mark.parametrize("family, extra", [("llama", []), ("qwen2", ["optim.max_grad_norm=0"]),
-                                           ("mistral", ["ipc.staging=resident", "train.overlap_adam=false"])])
+@pytest.mark.parametrize(
+    "family, extra",
+    [
+        ("llama", []),
+        ("qwen2", ["optim.max_grad_norm=0"]),
+        ("mistral", ["ipc.staging=resident", "train.overlap_adam=false"]),
+    ],
+)
 def test_resume_is_bit_identical(tmp_path: Path, family: str, extra: list[str]) -> None:
     run(tmp_path / "a", family, *extra)
     a = tmp_path / "a" / "checkpoints"
@@ -54,19 +73,29 @@ def test_resume_on_shuffled_jsonl_is_bit_identical(tmp_path: Path, family: str) 
     next epoch's permutation; losses, evaluation losses and the final planes equal the run's in one go."""
     tok = make_tokenizer(tmp_path / "tok")
     data = write_jsonl(tmp_path / "chat.jsonl", chat_records(31))
-    extra = ["data.kind=chat", f"data.path={data}", f"data.tokenizer={tok}", "data.seq_len=64",
-             f"data.cache_dir={tmp_path / 'cache'}", "data.eval_fraction=0.1", "train.eval_every=4",
-             f"model.hf.vocab_size={MODEL_VOCAB}"]
+    extra = [
+        "data.kind=chat",
+        f"data.path={data}",
+        f"data.tokenizer={tok}",
+        "data.seq_len=64",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.eval_fraction=0.1",
+        "train.eval_every=4",
+        f"model.hf.vocab_size={MODEL_VOCAB}",
+    ]
     run(tmp_path / "a", family, *extra)
     run(tmp_path / "b", family, *extra, f"train.resume={ckpt.step_dir(tmp_path / 'a' / 'checkpoints', 5)}")
-    rows = {k: {r["step"]: r for r in map(json.loads, (tmp_path / k / "metrics.jsonl").read_text().splitlines())}
-            for k in "ab"}
+    rows = {
+        k: {r["step"]: r for r in map(json.loads, (tmp_path / k / "metrics.jsonl").read_text().splitlines())}
+        for k in "ab"
+    }
     assert rows["a"][10]["epoch"] > 1 and sorted(rows["b"]) == [6, 7, 8, 9, 10]
     pick = lambda r: (r["loss"], r.get("eval_loss"))  # noqa: E731
     assert all(pick(rows["a"][s]) == pick(rows["b"][s]) for s in rows["b"])
     assert any("eval_loss" in r for r in rows["b"].values())
-    assert planes(ckpt.step_dir(tmp_path / "a" / "checkpoints", 10)) == \
-        planes(ckpt.step_dir(tmp_path / "b" / "checkpoints", 10))
+    assert planes(ckpt.step_dir(tmp_path / "a" / "checkpoints", 10)) == planes(
+        ckpt.step_dir(tmp_path / "b" / "checkpoints", 10)
+    )
 
 
 def test_auto_resume_in_place_appends_metrics_and_ignores_torn_saves(tmp_path: Path) -> None:
@@ -119,13 +148,26 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_is_exact
 
     run(tmp_path / "ref", "llama", steps=8)
     out = tmp_path / "run"
-    args = [str(Path(__file__).parents[1] / "examples/default.yaml"), "model.family=llama",
-            f"model.hf={json.dumps({**TINY, 'num_hidden_layers': 3, 'tie_word_embeddings': False})}",
-            "data.seq_len=32", "data.batch_size=4", "data.ops=+-*", "data.loss_on=all", "optim.lr=2e-3",
-            "optim.weight_decay=0.1", "optim.warmup_steps=2", "optim.schedule=cosine", "optim.min_lr_ratio=0.1",
-            "train.steps=8", "train.eval_every=0", "train.log_every=1", "train.save_every=100",
-            f"train.output_dir={out}",
-            "launch.runner=inprocess"]
+    args = [
+        str(Path(__file__).parents[1] / "examples/default.yaml"),
+        "model.family=llama",
+        f"model.hf={json.dumps({**TINY, 'num_hidden_layers': 3, 'tie_word_embeddings': False})}",
+        "data.seq_len=32",
+        "data.batch_size=4",
+        "data.ops=+-*",
+        "data.loss_on=all",
+        "optim.lr=2e-3",
+        "optim.weight_decay=0.1",
+        "optim.warmup_steps=2",
+        "optim.schedule=cosine",
+        "optim.min_lr_ratio=0.1",
+        "train.steps=8",
+        "train.eval_every=0",
+        "train.log_every=1",
+        "train.save_every=100",
+        f"train.output_dir={out}",
+        "launch.runner=inprocess",
+    ]
     metrics = out / "metrics.jsonl"
 
     def kill_after_step_3() -> None:

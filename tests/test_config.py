@@ -8,10 +8,10 @@ import typing
 from pathlib import Path
 
 import pytest
-from megatrain.launch.config import Config, load_config, validate
 
 from megatrain.configbase import dump_yaml, reference
 from megatrain.errors import ConfigError
+from megatrain.launch.config import Config, load_config, validate
 
 DEFAULT_YAML = Path(__file__).resolve().parents[1] / "examples" / "default.yaml"
 
@@ -111,8 +111,9 @@ def test_unknown_key_names_dotted_key_and_file_line(write_yaml) -> None:
         ("model:\n  family: llama\noptimizer:\n  lr: 1.0\n", 3, "optimizer", "optim"),
     ],
 )
-def test_misspelled_key_suggests_the_right_one(write_yaml, yaml_text: str, line: int, bad: str,
-                                               suggestion: str) -> None:
+def test_misspelled_key_suggests_the_right_one(
+    write_yaml, yaml_text: str, line: int, bad: str, suggestion: str
+) -> None:
     path = write_yaml(yaml_text)
     msg = config_error(path)
     assert f"{path}:{line}" in msg
@@ -154,8 +155,7 @@ def test_wrong_type_names_key_and_line(write_yaml, yaml_text: str, line: int, ke
         ("model:\n  family: gpt2\n", ["model.family", "gpt2"]),
     ],
 )
-def test_bad_value_in_a_section_is_reported_with_the_file(write_yaml, yaml_text: str,
-                                                          words: list[str]) -> None:
+def test_bad_value_in_a_section_is_reported_with_the_file(write_yaml, yaml_text: str, words: list[str]) -> None:
     path = write_yaml(yaml_text)
     msg = config_error(path)
     assert str(path) in msg
@@ -173,9 +173,18 @@ def test_float_written_without_a_dot_is_accepted() -> None:
 
 
 def test_dotted_overrides_apply_over_the_file() -> None:
-    cfg = load_config(DEFAULT_YAML, ["optim.lr=3e-4", "model.hf.hidden_size=64", "data.batch_size=4",
-                                     "optim.betas=[0.8, 0.9]", "train.save_final=true",
-                                     "model.hf.num_hidden_layers=2", "ipc.poll_s=0.01"])
+    cfg = load_config(
+        DEFAULT_YAML,
+        [
+            "optim.lr=3e-4",
+            "model.hf.hidden_size=64",
+            "data.batch_size=4",
+            "optim.betas=[0.8, 0.9]",
+            "train.save_final=true",
+            "model.hf.num_hidden_layers=2",
+            "ipc.poll_s=0.01",
+        ],
+    )
     assert cfg.optim.lr == pytest.approx(3e-4)
     assert cfg.model.hf["hidden_size"] == 64 and cfg.model.hf["num_hidden_layers"] == 2
     assert cfg.data.batch_size == 4
@@ -286,8 +295,10 @@ def test_validate_directly_on_a_modified_config() -> None:
 # ---- dump and reference ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overrides", [[], ["optim.betas=[0.8, 0.99]", "model.hf.hidden_size=64",
-                                            "train.run_id=abc123", "model.pretrained=null"]])
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["optim.betas=[0.8, 0.99]", "model.hf.hidden_size=64", "train.run_id=abc123", "model.pretrained=null"]],
+)
 def test_dump_yaml_reloads_to_an_equal_config(write_yaml, overrides: list[str]) -> None:
     cfg = load_config(DEFAULT_YAML, overrides)
     text = dump_yaml(cfg)

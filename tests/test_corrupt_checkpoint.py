@@ -9,20 +9,31 @@ import json
 from pathlib import Path
 
 import pytest
-from megatrain.launch import cli
-from megatrain.launch.runners import InProcessRunner, RayRunner
 
 from megatrain import checkpoint as ckpt
+from megatrain.launch import cli
+from megatrain.launch.runners import InProcessRunner, RayRunner
 from tests.conftest import ROOT
 
 STEPS = 10
 
 
 def args(out: Path, *extra: str) -> list[str]:
-    return [str(ROOT / "examples/default.yaml"), "model.hf.hidden_size=32", "model.hf.intermediate_size=64",
-            "model.hf.num_hidden_layers=2", "data.seq_len=32", "data.batch_size=2", "train.save_every=5",
-            f"train.steps={STEPS}", "train.eval_every=0", "train.final_eval=false", "launch.runner=inprocess",
-            f"train.output_dir={out}", *extra]
+    return [
+        str(ROOT / "examples/default.yaml"),
+        "model.hf.hidden_size=32",
+        "model.hf.intermediate_size=64",
+        "model.hf.num_hidden_layers=2",
+        "data.seq_len=32",
+        "data.batch_size=2",
+        "train.save_every=5",
+        f"train.steps={STEPS}",
+        "train.eval_every=0",
+        "train.final_eval=false",
+        "launch.runner=inprocess",
+        f"train.output_dir={out}",
+        *extra,
+    ]
 
 
 def tree(out: Path) -> dict[str, bytes]:
@@ -39,6 +50,7 @@ def flip(path: Path, at: int) -> None:
 @pytest.fixture
 def nothing_starts(monkeypatch):
     """Starting Ray or any actor fails the launch (it would be exit 1, not the refusal's 2)."""
+
     def started(*_a, **_k):
         raise AssertionError("Ray or an actor was started before the checkpoint was checked")
 
@@ -62,8 +74,9 @@ def copy_of(run: Path, to: Path) -> Path:
     return to
 
 
-def test_an_explicit_corrupt_checkpoint_is_refused_naming_the_intact_one(finished: Path, tmp_path: Path, capsys,
-                                                                         nothing_starts) -> None:
+def test_an_explicit_corrupt_checkpoint_is_refused_naming_the_intact_one(
+    finished: Path, tmp_path: Path, capsys, nothing_starts
+) -> None:
     out = copy_of(finished, tmp_path / "run")
     bad, good = ckpt.step_dir(out / "checkpoints", 10), ckpt.step_dir(out / "checkpoints", 5)
     flip(bad / "exp_avg.bin", 100)
@@ -79,8 +92,9 @@ def test_an_explicit_corrupt_checkpoint_is_refused_naming_the_intact_one(finishe
     assert tree(out) == before  # metrics not cut back, config.yaml not replaced, no error.log
 
 
-def test_auto_falls_back_to_the_newest_intact_checkpoint_loudly_and_exactly(finished: Path, tmp_path: Path,
-                                                                            capsys) -> None:
+def test_auto_falls_back_to_the_newest_intact_checkpoint_loudly_and_exactly(
+    finished: Path, tmp_path: Path, capsys
+) -> None:
     """The newest checkpoint is corrupt (as if the disk flipped a bit after it was written) and the run was
     stopped after it: resuming it redoes the steps from the intact one, ending where the run ended."""
     out = copy_of(finished, tmp_path / "run")
@@ -130,13 +144,16 @@ def test_a_truncated_file_is_refused_by_its_size(finished: Path, tmp_path: Path,
     assert not (tmp_path / "new").exists()  # a refused input creates nothing
 
 
-def test_resuming_a_complete_run_says_so_and_starts_nothing(finished: Path, tmp_path: Path, capsys,
-                                                            nothing_starts) -> None:
+def test_resuming_a_complete_run_says_so_and_starts_nothing(
+    finished: Path, tmp_path: Path, capsys, nothing_starts
+) -> None:
     out = copy_of(finished, tmp_path / "run")
     before = tree(out)
     capsys.readouterr()
     assert cli.main(args(out)) == 0
     printed = capsys.readouterr().out
-    assert (f"megatrain-launch: nothing to do: the run is complete, its checkpoint "
-            f"{ckpt.step_dir(out / 'checkpoints', 10)} is after step 10 of 10") in printed, printed
+    assert (
+        f"megatrain-launch: nothing to do: the run is complete, its checkpoint "
+        f"{ckpt.step_dir(out / 'checkpoints', 10)} is after step 10 of 10"
+    ) in printed, printed
     assert tree(out) == before

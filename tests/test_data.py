@@ -103,8 +103,14 @@ def test_byte_tokenizer_round_trip() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(kind="wikitext"), dict(seq_len=1), dict(batch_size=0), dict(ops="/"), dict(ops=""),
-     dict(loss_on="questions")],
+    [
+        dict(kind="wikitext"),
+        dict(seq_len=1),
+        dict(batch_size=0),
+        dict(ops="/"),
+        dict(ops=""),
+        dict(loss_on="questions"),
+    ],
 )
 def test_data_config_rejects_bad_values(kwargs: dict) -> None:
     with pytest.raises(ValueError):

@@ -41,8 +41,14 @@ def tokenizer(tok_dir):
 
 
 def cfg(tmp_path: Path, tok_dir: Path, **kw) -> DataConfig:
-    base = dict(tokenizer=str(tok_dir), cache_dir=str(tmp_path / "cache"), seq_len=16, batch_size=2,
-                shuffle=False, num_workers=1)
+    base = dict(
+        tokenizer=str(tok_dir),
+        cache_dir=str(tmp_path / "cache"),
+        seq_len=16,
+        batch_size=2,
+        shuffle=False,
+        num_workers=1,
+    )
     return DataConfig(**{**base, **kw})
 
 
@@ -71,12 +77,13 @@ def test_text_windows_follow_the_documented_order(tmp_path, tok_dir, tokenizer) 
     assert len(data.train) == len(stream) // L
     for t in range(data.order.per_epoch):
         got = data.batch(t)
-        want = torch.tensor([stream[w * L:(w + 1) * L] for w in range(t * B, (t + 1) * B)])
+        want = torch.tensor([stream[w * L : (w + 1) * L] for w in range(t * B, (t + 1) * B)])
         assert torch.equal(got.ids, want) and torch.equal(got.labels, want), t  # every token labelled
     # The next epoch starts over, in the same (unshuffled) order.
     assert torch.equal(data.batch(data.order.per_epoch).ids, data.batch(0).ids)
-    assert data.batch(data.order.per_epoch).epoch == pytest.approx((data.order.per_epoch + 1) / data.order.per_epoch,
-                                                                   abs=1e-4)
+    assert data.batch(data.order.per_epoch).epoch == pytest.approx(
+        (data.order.per_epoch + 1) / data.order.per_epoch, abs=1e-4
+    )
 
 
 def test_a_glob_takes_files_in_sorted_order(tmp_path, tok_dir, tokenizer) -> None:
@@ -126,17 +133,37 @@ def test_eval_fraction_holds_out_the_last_windows(tmp_path, tok_dir) -> None:
 
 # ---- chat and prompt/completion: masks -------------------------------------------------------------
 def test_chat_masks_every_assistant_turn_and_nothing_else(tmp_path, tok_dir, tokenizer) -> None:
-    convo = {"messages": [{"role": "system", "content": "be brief"},
-                          {"role": "user", "content": "the cat"}, {"role": "assistant", "content": "sat on a mat"},
-                          {"role": "user", "content": "the dog"}, {"role": "assistant", "content": "ran"}]}
+    convo = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "the cat"},
+            {"role": "assistant", "content": "sat on a mat"},
+            {"role": "user", "content": "the dog"},
+            {"role": "assistant", "content": "ran"},
+        ]
+    }
     path = write_jsonl(tmp_path / "c.jsonl", [convo] * 2)
     data = open_data(cfg(tmp_path, tok_dir, kind="chat", path=str(path), seq_len=64), HF, None)
     ids, labels = data.batch(0).ids[0].tolist(), data.batch(0).labels[0].tolist()
     # By hand: the special markers split the text, so each piece tokenizes on its own.
     sp = tokenizer.convert_tokens_to_ids
-    pieces = [("<|system|>", 0), ("be brief", 0), ("<|end|>", 0), ("<|user|>", 0), ("the cat", 0), ("<|end|>", 0),
-              ("<|assistant|>", 0), ("sat on a mat", 1), ("<|end|>", 1), ("<|user|>", 0), ("the dog", 0),
-              ("<|end|>", 0), ("<|assistant|>", 0), ("ran", 1), ("<|end|>", 1)]
+    pieces = [
+        ("<|system|>", 0),
+        ("be brief", 0),
+        ("<|end|>", 0),
+        ("<|user|>", 0),
+        ("the cat", 0),
+        ("<|end|>", 0),
+        ("<|assistant|>", 0),
+        ("sat on a mat", 1),
+        ("<|end|>", 1),
+        ("<|user|>", 0),
+        ("the dog", 0),
+        ("<|end|>", 0),
+        ("<|assistant|>", 0),
+        ("ran", 1),
+        ("<|end|>", 1),
+    ]
     want_ids, want_mask = [], []
     for text, m in pieces:
         toks = [sp(text)] if text.startswith("<|") else tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -162,15 +189,33 @@ def test_chat_masks_when_the_template_renders_earlier_turns_differently(tmp_path
     """An echoing assistant ('the cat' after 'the cat'): the label goes on the assistant's copy, with its
     end-of-turn marker, and never on the user's identical text."""
     tok = make_tokenizer(tmp_path / "tok", REWRITING_TEMPLATE)
-    convo = {"messages": [{"role": "user", "content": "the cat"}, {"role": "assistant", "content": "the cat"},
-                          {"role": "user", "content": "a dog"}, {"role": "assistant", "content": "big dog"}]}
+    convo = {
+        "messages": [
+            {"role": "user", "content": "the cat"},
+            {"role": "assistant", "content": "the cat"},
+            {"role": "user", "content": "a dog"},
+            {"role": "assistant", "content": "big dog"},
+        ]
+    }
     path = write_jsonl(tmp_path / "c.jsonl", [convo] * 2)
     data = open_data(cfg(tmp_path, tok, kind="chat", path=str(path), seq_len=64), HF, None)
     ids, labels = data.batch(0).ids[0].tolist(), data.batch(0).labels[0].tolist()
     sp = tokenizer.convert_tokens_to_ids
-    pieces = [("<|user|>", 0), ("the cat", 0), ("<|end|>", 0), ("<|assistant|>", 0), ("<|system|>", 0),
-              ("the cat", 1), ("<|end|>", 1), ("<|user|>", 0), ("a dog", 0), ("<|end|>", 0), ("<|assistant|>", 0),
-              ("big dog", 1), ("<|end|>", 1)]
+    pieces = [
+        ("<|user|>", 0),
+        ("the cat", 0),
+        ("<|end|>", 0),
+        ("<|assistant|>", 0),
+        ("<|system|>", 0),
+        ("the cat", 1),
+        ("<|end|>", 1),
+        ("<|user|>", 0),
+        ("a dog", 0),
+        ("<|end|>", 0),
+        ("<|assistant|>", 0),
+        ("big dog", 1),
+        ("<|end|>", 1),
+    ]
     want_ids, want_labels = [], []
     for text, m in pieces:
         toks = [sp(text)] if text.startswith("<|") else tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -196,7 +241,7 @@ def test_prompt_completion_labels_the_completion_and_eos(tmp_path, tok_dir, toke
     c = tokenizer(" sat on a mat", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     assert ids[: len(p) + len(c)] == p + c
     assert labels[: len(p) + len(c)] == [IGNORE] * len(p) + c
-    assert set(labels[len(p) + len(c):]) == {IGNORE}
+    assert set(labels[len(p) + len(c) :]) == {IGNORE}
 
 
 def test_padded_examples_are_cut_and_the_cut_is_reported(tmp_path, tok_dir, capsys) -> None:
@@ -230,8 +275,14 @@ def test_token_files_are_windows_of_the_file(tmp_path, dtype: str) -> None:
     tokens = (np.arange(1000) * 7 % MODEL_VOCAB).astype(dtype)
     np.save(tmp_path / "a.npy", tokens[:600])
     tokens[600:].tofile(tmp_path / "b.bin")
-    c = DataConfig(kind="tokens", path=[str(tmp_path / "a.npy"), str(tmp_path / "b.bin")], token_dtype=dtype,
-                   seq_len=10, batch_size=3, shuffle=False)
+    c = DataConfig(
+        kind="tokens",
+        path=[str(tmp_path / "a.npy"), str(tmp_path / "b.bin")],
+        token_dtype=dtype,
+        seq_len=10,
+        batch_size=3,
+        shuffle=False,
+    )
     data = open_data(c, HF, None)
     assert len(data.train) == 100
     got = data.batch(20)  # windows 60..62: across the file boundary at token 600
@@ -274,19 +325,25 @@ GOOD = json.dumps({"text": "the cat sat"})
 CHAT_OK = json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]})
 
 
-@pytest.mark.parametrize("kind, lines, where, words", [
-    ("text", [GOOD, "{not json"], ":2:", "not valid JSON"),
-    ("text", [GOOD, GOOD, "[1, 2]"], ":3:", "expected a JSON object"),
-    ("text", [GOOD, json.dumps({"body": "x"})], ":2:", "missing field 'text'"),
-    ("text", [GOOD, json.dumps({"text": 3})], ":2:", "must be a string"),
-    ("chat", [CHAT_OK, json.dumps({"messages": [{"role": "user", "content": "a"}]})], ":2:", "no assistant turn"),
-    ("chat", [json.dumps({"messages": [{"role": "wizard", "content": "a"}, {"role": "assistant", "content": "b"}]})],
-     ":1:", "unknown role wizard"),
-    ("chat", [CHAT_OK, json.dumps({"messages": "hi"})], ":2:", "messages"),
-    ("prompt_completion", [json.dumps({"prompt": "a"})], ":1:", "missing field 'completion'"),
-])
-def test_bad_records_name_file_and_line(tmp_path, tok_dir, kind: str, lines: list[str], where: str,
-                                        words: str) -> None:
+@pytest.mark.parametrize(
+    "kind, lines, where, words",
+    [
+        ("text", [GOOD, "{not json"], ":2:", "not valid JSON"),
+        ("text", [GOOD, GOOD, "[1, 2]"], ":3:", "expected a JSON object"),
+        ("text", [GOOD, json.dumps({"body": "x"})], ":2:", "missing field 'text'"),
+        ("text", [GOOD, json.dumps({"text": 3})], ":2:", "must be a string"),
+        ("chat", [CHAT_OK, json.dumps({"messages": [{"role": "user", "content": "a"}]})], ":2:", "no assistant turn"),
+        (
+            "chat",
+            [json.dumps({"messages": [{"role": "wizard", "content": "a"}, {"role": "assistant", "content": "b"}]})],
+            ":1:",
+            "unknown role wizard",
+        ),
+        ("chat", [CHAT_OK, json.dumps({"messages": "hi"})], ":2:", "messages"),
+        ("prompt_completion", [json.dumps({"prompt": "a"})], ":1:", "missing field 'completion'"),
+    ],
+)
+def test_bad_records_name_file_and_line(tmp_path, tok_dir, kind: str, lines: list[str], where: str, words: str) -> None:
     path = _lines(tmp_path / "bad.jsonl", lines)
     with pytest.raises(DataError) as exc:
         open_data(cfg(tmp_path, tok_dir, kind=kind, path=str(path)), HF, None)
@@ -311,21 +368,29 @@ def test_a_bad_line_in_a_later_range_of_a_parallel_build_names_its_line(tmp_path
 
 def test_a_role_the_template_drops_is_refused(tmp_path) -> None:
     tok = make_tokenizer(tmp_path / "tok", SILENT_TEMPLATE)
-    convo = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a"},
-                          {"role": "assistant", "content": "b"}]}
+    convo = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+        ]
+    }
     path = write_jsonl(tmp_path / "c.jsonl", [json.loads(CHAT_OK), convo])
     with pytest.raises(DataError, match=r"c.jsonl:2: message 0 \(role 'system'\).*does not know this role"):
         open_data(cfg(tmp_path, tok, kind="chat", path=str(path)), HF, None)
 
 
-@pytest.mark.parametrize("setup, words", [
-    ("missing", "does not exist"),
-    ("directory", "is a directory, neither a JSONL file nor"),
-    ("empty", "no records (the file is empty)"),
-    ("blank-lines", "no records (the file is empty)"),
-    ("no-match", "no file matches"),
-    ("too-few", "one batch needs data.batch_size 2"),
-])
+@pytest.mark.parametrize(
+    "setup, words",
+    [
+        ("missing", "does not exist"),
+        ("directory", "is a directory, neither a JSONL file nor"),
+        ("empty", "no records (the file is empty)"),
+        ("blank-lines", "no records (the file is empty)"),
+        ("no-match", "no file matches"),
+        ("too-few", "one batch needs data.batch_size 2"),
+    ],
+)
 def test_unusable_files_are_refused(tmp_path, tok_dir, setup: str, words: str) -> None:
     path = tmp_path / "d.jsonl"
     if setup == "empty":
@@ -380,10 +445,11 @@ def test_tokenizer_problems_are_refused(tmp_path, tok_dir) -> None:
 
 
 # ---- datasets.save_to_disk directories (the optional `datasets` extra) -----------------------------
-@pytest.mark.parametrize("kind, records", [("text", text_records(40)), ("chat", chat_records(30)),
-                                           ("prompt_completion", prompt_completion_records(20))])
-def test_save_to_disk_directory_equals_the_same_jsonl(tmp_path, tok_dir, monkeypatch, kind: str,
-                                                     records: list) -> None:
+@pytest.mark.parametrize(
+    "kind, records",
+    [("text", text_records(40)), ("chat", chat_records(30)), ("prompt_completion", prompt_completion_records(20))],
+)
+def test_save_to_disk_directory_equals_the_same_jsonl(tmp_path, tok_dir, monkeypatch, kind: str, records: list) -> None:
     datasets = pytest.importorskip("datasets")
     monkeypatch.setattr(cache_mod, "DATASET_ROWS", 7)  # several parts
     datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "ds"))
@@ -404,8 +470,11 @@ def test_save_to_disk_problems_are_refused(tmp_path, tok_dir) -> None:
     with pytest.raises(DataError, match="bad: row 0: missing field 'text'"):
         open_data(cfg(tmp_path, tok_dir, kind="text", path=str(tmp_path / "bad")), HF, None)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match="data.path: '.*empty' is a directory, neither a JSONL file nor a directory "
-                                        "written by datasets.save_to_disk"):
+    with pytest.raises(
+        DataError,
+        match="data.path: '.*empty' is a directory, neither a JSONL file nor a directory "
+        "written by datasets.save_to_disk",
+    ):
         open_data(cfg(tmp_path, tok_dir, kind="text", path=str(tmp_path / "empty")), HF, None)
 
 

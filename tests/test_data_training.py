@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
 from megatrain.launch import cli
 from megatrain.launch.config import load_config
 from megatrain.launch.fidelity import compare
-
 from tests.conftest import run_leftovers
 from tests.data_fixtures import (
     MODEL_VOCAB,
@@ -31,16 +31,30 @@ def tok_dir(tmp_path_factory) -> Path:
     return make_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
-def overrides(family: str, tmp_path: Path, tok_dir: Path, data: list[str], runner: str = "inprocess",
-              steps: int = 10) -> list[str]:
+def overrides(
+    family: str, tmp_path: Path, tok_dir: Path, data: list[str], runner: str = "inprocess", steps: int = 10
+) -> list[str]:
     hf = {**TINY, "vocab_size": MODEL_VOCAB, "tie_word_embeddings": family == "qwen2"}
     if family == "mistral":
         hf["sliding_window"] = None
-    return [f"model.family={family}", f"model.hf={json.dumps(hf)}", "data.seq_len=32", "data.batch_size=4",
-            f"data.tokenizer={tok_dir}", f"data.cache_dir={tmp_path / 'cache'}", "data.num_workers=1",
-            "optim.lr=2e-3", "optim.weight_decay=0.1", "optim.warmup_steps=2", "engine.checkpoint_interval=2",
-            "engine.loss_chunk_tokens=40", f"train.steps={steps}", f"train.output_dir={tmp_path}/out",
-            f"launch.runner={runner}", *data]
+    return [
+        f"model.family={family}",
+        f"model.hf={json.dumps(hf)}",
+        "data.seq_len=32",
+        "data.batch_size=4",
+        f"data.tokenizer={tok_dir}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.num_workers=1",
+        "optim.lr=2e-3",
+        "optim.weight_decay=0.1",
+        "optim.warmup_steps=2",
+        "engine.checkpoint_interval=2",
+        "engine.loss_chunk_tokens=40",
+        f"train.steps={steps}",
+        f"train.output_dir={tmp_path}/out",
+        f"launch.runner={runner}",
+        *data,
+    ]
 
 
 def hand_windows(tok_dir: Path, records: list[dict], L: int, B: int):
@@ -53,7 +67,7 @@ def hand_windows(tok_dir: Path, records: list[dict], L: int, B: int):
         stream += tok(r["text"])["input_ids"] + [tok.eos_token_id]
 
     def batch(t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = torch.tensor([stream[w * L:(w + 1) * L] for w in range(t * B, (t + 1) * B)])
+        ids = torch.tensor([stream[w * L : (w + 1) * L] for w in range(t * B, (t + 1) * B)])
         return ids, ids.clone()
 
     return batch
@@ -75,9 +89,21 @@ def test_text_run_sees_the_documented_windows_and_matches_plain_pytorch(tmp_path
     per-step losses mean the run consumed exactly those windows; eval on a held-out tenth."""
     recs = text_records(80)
     path = write_jsonl(tmp_path / "t.jsonl", recs)
-    cfg = load_config(None, overrides("llama", tmp_path, tok_dir, [
-        "data.kind=text", f"data.path={path}", "data.shuffle=false", "data.eval_fraction=0.1",
-        "train.eval_every=5"]))
+    cfg = load_config(
+        None,
+        overrides(
+            "llama",
+            tmp_path,
+            tok_dir,
+            [
+                "data.kind=text",
+                f"data.path={path}",
+                "data.shuffle=false",
+                "data.eval_fraction=0.1",
+                "train.eval_every=5",
+            ],
+        ),
+    )
     rep = compare(cfg, tmp_path, batches=hand_windows(tok_dir, recs, 32, 4))
     check_match(rep)
     rows = rep["summary"]["metrics"]
@@ -92,9 +118,24 @@ def test_chat_run_matches_plain_pytorch(tmp_path, tok_dir, family: str, staging:
     """Shuffled, padded chat with a separate eval file; the eval walk in both staging modes."""
     train = write_jsonl(tmp_path / "train.jsonl", chat_records(60))
     held = write_jsonl(tmp_path / "eval.jsonl", chat_records(10, seed=77))
-    cfg = load_config(None, overrides(family, tmp_path, tok_dir, [
-        "data.kind=chat", f"data.path={train}", f"data.eval_path={held}", f"ipc.staging={staging}", "data.seq_len=96",
-        "actors.num_packers=2", "ipc.weight_slabs=3", "ipc.slab_params=3000"]))
+    cfg = load_config(
+        None,
+        overrides(
+            family,
+            tmp_path,
+            tok_dir,
+            [
+                "data.kind=chat",
+                f"data.path={train}",
+                f"data.eval_path={held}",
+                f"ipc.staging={staging}",
+                "data.seq_len=96",
+                "actors.num_packers=2",
+                "ipc.weight_slabs=3",
+                "ipc.slab_params=3000",
+            ],
+        ),
+    )
     rep = compare(cfg, tmp_path)
     check_match(rep)
     assert rep["summary"]["metrics"][-1]["eval_tokens"] > 0
@@ -104,9 +145,16 @@ def test_chat_run_matches_plain_pytorch(tmp_path, tok_dir, family: str, staging:
 def test_chat_through_ray_matches_plain_pytorch(ray_cluster, tmp_path, tok_dir) -> None:
     """The same through one OS process per actor (packers packing the evaluation walks included)."""
     train = write_jsonl(tmp_path / "train.jsonl", chat_records(60))
-    cfg = load_config(None, overrides("llama", tmp_path, tok_dir, [
-        "data.kind=chat", f"data.path={train}", "data.eval_fraction=0.1", "train.eval_every=4", "data.seq_len=96"],
-        runner="ray"))
+    cfg = load_config(
+        None,
+        overrides(
+            "llama",
+            tmp_path,
+            tok_dir,
+            ["data.kind=chat", f"data.path={train}", "data.eval_fraction=0.1", "train.eval_every=4", "data.seq_len=96"],
+            runner="ray",
+        ),
+    )
     check_match(compare(cfg, tmp_path))
 
 
@@ -127,8 +175,12 @@ def _empty_yaml(tmp_path: Path) -> Path:
 
 def test_prompt_completion_with_epochs(tmp_path, tok_dir) -> None:
     path = write_jsonl(tmp_path / "p.jsonl", prompt_completion_records(12))
-    rc, rows = _launch(tmp_path, tok_dir, ["data.kind=prompt_completion", f"data.path={path}", "data.epochs=2",
-                                          "data.eval_fraction=0.25"], steps=99)
+    rc, rows = _launch(
+        tmp_path,
+        tok_dir,
+        ["data.kind=prompt_completion", f"data.path={path}", "data.epochs=2", "data.eval_fraction=0.25"],
+        steps=99,
+    )
     assert rc == 0 and len(rows) == 4  # 9 training examples: 2 batches of 4 per epoch
     assert [r["epoch"] for r in rows] == [0.5, 1.0, 1.5, 2.0]
     assert "eval_loss" in rows[-1] and all(np.isfinite(r["loss"]) for r in rows)
@@ -140,17 +192,22 @@ def test_packed_chat_and_token_files(tmp_path, tok_dir) -> None:
     assert rc == 0 and len(rows) == 4 and rows[0]["tokens"] < 4 * 32  # only assistant tokens carry labels
     tokens = (np.arange(5000) * 13 % MODEL_VOCAB).astype(np.uint16)
     tokens.tofile(tmp_path / "t.bin")
-    rc, rows = _launch(tmp_path / "tok", tok_dir, ["data.kind=tokens", f"data.path={tmp_path / 't.bin'}",
-                                                   "data.eval_fraction=0.05"])
+    rc, rows = _launch(
+        tmp_path / "tok", tok_dir, ["data.kind=tokens", f"data.path={tmp_path / 't.bin'}", "data.eval_fraction=0.05"]
+    )
     assert rc == 0 and len(rows) == 4 and rows[0]["tokens"] == 4 * 31 and "eval_loss" in rows[-1]
 
 
-@pytest.mark.parametrize("problem, words", [
-    ("missing", "data.path: file '"),
-    ("bad-line", "t.jsonl:3: not valid JSON"),
-])
-def test_bad_data_exits_2_with_one_line_before_anything_starts(tmp_path, tok_dir, capsys, monkeypatch, problem: str,
-                                                               words: str) -> None:
+@pytest.mark.parametrize(
+    "problem, words",
+    [
+        ("missing", "data.path: file '"),
+        ("bad-line", "t.jsonl:3: not valid JSON"),
+    ],
+)
+def test_bad_data_exits_2_with_one_line_before_anything_starts(
+    tmp_path, tok_dir, capsys, monkeypatch, problem: str, words: str
+) -> None:
     from megatrain.launch.runners import RayRunner
 
     def no_ray(*_):
@@ -175,11 +232,24 @@ def test_the_readme_own_data_example_runs(tmp_path) -> None:
 
     from tests.conftest import ROOT
 
-    subprocess.run([sys.executable, str(ROOT / "examples" / "make_own_data.py"), str(tmp_path), "--conversations",
-                    "300"], check=True, capture_output=True, timeout=300)
-    rc = cli.main([str(ROOT / "examples" / "own-data.yaml"), f"model.pretrained={tmp_path / 'model'}",
-                   f"data.path={tmp_path / 'chat.jsonl'}", f"data.cache_dir={tmp_path / 'cache'}", "train.steps=4",
-                   "train.eval_every=2", f"train.output_dir={tmp_path / 'run'}", "launch.runner=inprocess"])
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "make_own_data.py"), str(tmp_path), "--conversations", "300"],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    rc = cli.main(
+        [
+            str(ROOT / "examples" / "own-data.yaml"),
+            f"model.pretrained={tmp_path / 'model'}",
+            f"data.path={tmp_path / 'chat.jsonl'}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "train.steps=4",
+            "train.eval_every=2",
+            f"train.output_dir={tmp_path / 'run'}",
+            "launch.runner=inprocess",
+        ]
+    )
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rc == 0 and len(rows) == 4 and "eval_loss" in rows[1] and "eval_loss" in rows[3]
     assert (tmp_path / "run" / "final" / "model.safetensors").is_file()

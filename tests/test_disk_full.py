@@ -17,19 +17,28 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from megatrain import checkpoint as ckpt
+from megatrain.errors import ConfigError, human_bytes
 from megatrain.launch import cli
 from megatrain.launch.config import load_config
 from megatrain.launch.metrics import MetricsFile
 from megatrain.launch.output import prepare_output
-
-from megatrain import checkpoint as ckpt
-from megatrain.errors import ConfigError, human_bytes
 from megatrain.model import build_spec
 from tests.conftest import ROOT
 
-SMALL = [str(ROOT / "examples/default.yaml"), "model.hf.hidden_size=32", "model.hf.intermediate_size=64",
-         "model.hf.num_hidden_layers=2", "data.seq_len=32", "data.batch_size=2", "train.eval_every=0",
-         "train.final_eval=false", "train.log_every=1", "launch.runner=inprocess"]
+SMALL = [
+    str(ROOT / "examples/default.yaml"),
+    "model.hf.hidden_size=32",
+    "model.hf.intermediate_size=64",
+    "model.hf.num_hidden_layers=2",
+    "data.seq_len=32",
+    "data.batch_size=2",
+    "train.eval_every=0",
+    "train.final_eval=false",
+    "train.log_every=1",
+    "launch.runner=inprocess",
+]
 
 
 def whole_rows(metrics: Path) -> list[int]:
@@ -82,8 +91,24 @@ small_fs = pytest.mark.skipif(not _namespaces(), reason="no user namespaces here
 def on_small_fs(tmp_path: Path, size: int, fill_after: int, *argv: str) -> tuple[dict, Path]:
     mnt, copy = tmp_path / "mnt", tmp_path / "left"
     mnt.mkdir()
-    subprocess.run(["unshare", "-rm", sys.executable, "-c", INNER, str(mnt), str(size), str(fill_after), str(copy),
-                    *argv, f"train.output_dir={mnt / 'run'}"], cwd=ROOT, check=True, timeout=400)
+    subprocess.run(
+        [
+            "unshare",
+            "-rm",
+            sys.executable,
+            "-c",
+            INNER,
+            str(mnt),
+            str(size),
+            str(fill_after),
+            str(copy),
+            *argv,
+            f"train.output_dir={mnt / 'run'}",
+        ],
+        cwd=ROOT,
+        check=True,
+        timeout=400,
+    )
     return json.loads(Path(f"{copy}.json").read_text()), copy / "run"
 
 
@@ -102,9 +127,12 @@ def test_a_checkpoint_that_does_not_fit_is_one_line_and_leaves_the_earlier_one(t
     assert res["rc"] == 1, res
     line = [ln for ln in err.splitlines() if ln.strip()]
     assert len(line) == 1 and "Traceback" not in err and "OSError" not in err and "DiskFull" not in err, err
-    assert f"no space left on the disk of {tmp_path / 'mnt' / 'run' / 'checkpoints'}: the checkpoint of step 4 " \
-           f"needs " in err and " free there (nothing of step 4 was left behind; the newest complete checkpoint, " \
-           "step-0000002, is intact" in err, err
+    assert (
+        f"no space left on the disk of {tmp_path / 'mnt' / 'run' / 'checkpoints'}: the checkpoint of step 4 needs "
+        in err
+        and " free there (nothing of step 4 was left behind; the newest complete checkpoint, step-0000002, is intact"
+        in err
+    ), err
     assert [s for s, _ in ckpt.complete(run / "checkpoints")] == [2]
     assert not ckpt.verify(ckpt.step_dir(run / "checkpoints", 2))
     assert not [p for p in (run / "checkpoints").iterdir() if ".tmp-" in p.name]
@@ -138,11 +166,15 @@ def test_error_log_that_cannot_be_written_still_gives_the_line(tmp_path: Path, c
 
     from megatrain.errors import DiskFull
 
-    code = cli._report(DiskFull("no space left on the disk of /x"), "no space left on the disk of /x",
-                       SimpleNamespace(log_dir=Path("/proc")))
+    code = cli._report(
+        DiskFull("no space left on the disk of /x"),
+        "no space left on the disk of /x",
+        SimpleNamespace(log_dir=Path("/proc")),
+    )
     err = capsys.readouterr().err
-    assert code == 1 and err.startswith("megatrain-launch: error: no space left on the disk of /x (/proc/error.log "
-                                        "could not be written: "), err
+    assert code == 1 and err.startswith(
+        "megatrain-launch: error: no space left on the disk of /x (/proc/error.log could not be written: "
+    ), err
     assert len(err.strip().splitlines()) == 1
 
 
@@ -187,10 +219,14 @@ def test_an_enospc_in_the_middle_of_a_checkpoint_write_removes_it(tmp_path: Path
     out = tmp_path / "run"
     assert cli.main([*SMALL, "train.steps=6", "train.save_every=2", f"train.output_dir={out}"]) == 1
     err = capsys.readouterr().err
-    assert f"actor 'checkpoint-writer' failed: no space left on the disk of {out / 'checkpoints'}: the checkpoint " \
-           f"of step 4 needs {human_bytes(checkpoint_bytes())};" in err, err
-    assert "free there (nothing of step 4 was left behind; the newest complete checkpoint, step-0000002, is " \
-           "intact" in err and len(err.strip().splitlines()) == 1, err
+    assert (
+        f"actor 'checkpoint-writer' failed: no space left on the disk of {out / 'checkpoints'}: the checkpoint "
+        f"of step 4 needs {human_bytes(checkpoint_bytes())};" in err
+    ), err
+    assert (
+        "free there (nothing of step 4 was left behind; the newest complete checkpoint, step-0000002, is intact" in err
+        and len(err.strip().splitlines()) == 1
+    ), err
     assert [s for s, _ in ckpt.complete(out / "checkpoints")] == [2]
     assert not ckpt.verify(ckpt.step_dir(out / "checkpoints", 2))
     assert not [p for p in (out / "checkpoints").iterdir() if ".tmp-" in p.name]
@@ -207,7 +243,7 @@ def test_a_resume_drops_a_cut_off_last_row_and_names_a_bad_one_before_it(tmp_pat
     (out / "metrics.jsonl").write_text("\n".join(rows) + "\n" + rows[0][:9])
     prepare_output(out, overwrite=False, resume_step=5)
     assert whole_rows(out / "metrics.jsonl") == [1, 2, 3, 4, 5]
-    (out / "metrics.jsonl").write_text(rows[0] + "\n{\"st\n" + rows[1] + "\n")
+    (out / "metrics.jsonl").write_text(rows[0] + '\n{"st\n' + rows[1] + "\n")
     with pytest.raises(ConfigError, match=rf"{out / 'metrics.jsonl'}:2: not a metrics row"):
         prepare_output(out, overwrite=False, resume_step=5)
 
@@ -229,12 +265,13 @@ def test_plan_warns_when_the_checkpoints_do_not_fit(tmp_path: Path, capsys) -> N
     out = tmp_path / "run"
     assert cli.main(["plan", *SMALL[:-1], "train.save_every=10", "train.keep_last=2", f"train.output_dir={out}"]) == 0
     printed = capsys.readouterr().out
-    assert f"disk: {human_bytes(3 * each)} needed in {out}: checkpoints {human_bytes(3 * each)} (train.keep_last 2 + " \
-           f"one being written, {human_bytes(each)} each); " in printed, printed
+    assert (
+        f"disk: {human_bytes(3 * each)} needed in {out}: checkpoints {human_bytes(3 * each)} (train.keep_last 2 + "
+        f"one being written, {human_bytes(each)} each); " in printed
+    ), printed
     assert "WARNING" not in printed
     many = shutil.disk_usage(tmp_path).free // each + 10  # more checkpoints, all kept, than the disk holds
-    assert cli.main(["plan", *SMALL[:-1], "train.save_every=1", f"train.steps={many}",
-                     f"train.output_dir={out}"]) == 0
+    assert cli.main(["plan", *SMALL[:-1], "train.save_every=1", f"train.steps={many}", f"train.output_dir={out}"]) == 0
     printed = capsys.readouterr().out
     assert f"checkpoints {human_bytes(many * each)} ({many}, all kept (train.keep_last 0)" in printed, printed
     assert "  WARNING: " in printed and " short: the run would stop when a checkpoint does not fit" in printed

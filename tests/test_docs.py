@@ -21,12 +21,12 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+
+from megatrain.configbase import reference
 from megatrain.launch.cli import main as launch
 from megatrain.launch.config import Config, load_config
 from megatrain.launch.driver import Trainer
 from megatrain.launch.metrics import METRICS, metrics_table
-
-from megatrain.configbase import reference
 from tests.conftest import ROOT
 from tests.helpers import TINY
 
@@ -39,8 +39,10 @@ SECTIONS = "model|data|optim|engine|ipc|actors|train|launch"
 KEY = re.compile(rf"(?<![\w./-])(?:{SECTIONS})\.[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*(?![\w/])")
 FILE_SUFFIXES = (".json", ".jsonl", ".py", ".yaml", ".md", ".png", ".npy", ".bin")
 # Documented before its code lands (another change in progress): the command is skipped while absent.
-PENDING = {"tokenizer": lambda: importlib.util.find_spec("megatrain.launch.tokenizer_cmd") is not None,
-           "--official-src": lambda: "--official-src" in script_help("bench/run.py")}
+PENDING = {
+    "tokenizer": lambda: importlib.util.find_spec("megatrain.launch.tokenizer_cmd") is not None,
+    "--official-src": lambda: "--official-src" in script_help("bench/run.py"),
+}
 
 
 def text(path: Path) -> str:
@@ -69,22 +71,37 @@ def block(path: Path, name: str) -> str:
 
 # ---- generated references ---------------------------------------------------------------------------
 
+
 def test_configuration_md_is_what_config_reference_prints(capsys) -> None:
     assert launch(["--config-reference"]) == 0
     assert text(ROOT / "docs" / "configuration.md") == capsys.readouterr().out, (
-        "docs/configuration.md is stale: run `megatrain-launch --config-reference > docs/configuration.md`")
+        "docs/configuration.md is stale: run `megatrain-launch --config-reference > docs/configuration.md`"
+    )
 
 
 def test_metrics_table_is_generated_from_the_code() -> None:
     assert block(ROOT / "docs" / "operations.md", "metrics-table") == metrics_table(), (
-        "docs/operations.md's metrics table is stale (launch/metrics.py metrics_table())")
+        "docs/operations.md's metrics table is stale (launch/metrics.py metrics_table())"
+    )
 
 
 def test_every_field_a_run_writes_is_documented(tmp_path, rid: str) -> None:
     hf = json.dumps({**TINY, "num_hidden_layers": 2})
-    cfg = load_config(None, [f"model.hf={hf}", "data.seq_len=32", "data.batch_size=2", "train.steps=2",
-                             "train.eval_every=1", "data.ops=+", f"train.run_id={rid}", "train.profile.step=2",
-                             f"train.output_dir={tmp_path / 'out'}", "launch.runner=inprocess"])
+    cfg = load_config(
+        None,
+        [
+            f"model.hf={hf}",
+            "data.seq_len=32",
+            "data.batch_size=2",
+            "train.steps=2",
+            "train.eval_every=1",
+            "data.ops=+",
+            f"train.run_id={rid}",
+            "train.profile.step=2",
+            f"train.output_dir={tmp_path / 'out'}",
+            "launch.runner=inprocess",
+        ],
+    )
     Trainer(cfg).run()
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     written = set().union(*rows)
@@ -93,6 +110,7 @@ def test_every_field_a_run_writes_is_documented(tmp_path, rid: str) -> None:
 
 
 # ---- config keys, overrides and YAML examples -------------------------------------------------------
+
 
 @cache
 def leaf_keys() -> frozenset[str]:
@@ -163,6 +181,7 @@ def test_every_yaml_example_is_a_valid_config(tmp_path: Path) -> None:
 
 # ---- commands ---------------------------------------------------------------------------------------
 
+
 def command_lines(path: Path) -> list[str]:
     lines = []
     for lang, body in fenced(path):
@@ -183,7 +202,7 @@ def documented_commands() -> list[tuple[str, list[str]]]:
             while argv and re.fullmatch(r"[A-Z_]+=\S*", argv[0]):  # MEGATRAIN_TEST_CUDA=1 ./run-tests.sh
                 argv = argv[1:]
             cut = [i for i, a in enumerate(argv) if a in (">", "|", "&&", ";", "2>&1")]
-            argv = argv[:cut[0]] if cut else argv
+            argv = argv[: cut[0]] if cut else argv
             if argv and argv[0] in ("megatrain-launch", "python", "./run-default.sh", "./run-tests.sh", "ray"):
                 out.setdefault(" ".join(argv), (p.name, argv))
     return sorted(out.values(), key=lambda x: " ".join(x[1]))
@@ -256,7 +275,7 @@ def check_launch(argv: list[str], cwd: Path, tmp: Path, request: pytest.FixtureR
     assert not missing, f"flags not in `megatrain-launch {sub or ''} --help`: {missing}"
     if any(placeholder(a) for a in argv):
         return  # a synopsis: its flags are checked, there is nothing to run
-    args = argv[2 if sub else 1:]
+    args = argv[2 if sub else 1 :]
     cfg = config_file(args[0], cwd, tmp) if args and sub in (None, "plan") else None
     if cfg is not None and cfg.name == "own-data.yaml":  # its model and data come from make_own_data.py
         request.getfixturevalue("monkeypatch").chdir(request.getfixturevalue("own_data"))
@@ -275,8 +294,13 @@ def check_launch(argv: list[str], cwd: Path, tmp: Path, request: pytest.FixtureR
 def own_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """What `python examples/make_own_data.py runs/own-data` writes, in a directory of its own (fewer rows)."""
     where = tmp_path_factory.mktemp("own-data")
-    subprocess.run([sys.executable, str(ROOT / "examples" / "make_own_data.py"), "runs/own-data",
-                    "--conversations", "200"], cwd=where, check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "make_own_data.py"), "runs/own-data", "--conversations", "200"],
+        cwd=where,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return where
 
 
@@ -328,7 +352,7 @@ def test_documented_command_works(where: str, argv: list[str], tmp_path: Path, r
         if "--" not in argv:
             pytest.skip("a Ray command, not ours")
         cwd = ROOT / argv[argv.index("--working-dir") + 1] if "--working-dir" in argv else ROOT
-        check_launch(argv[argv.index("--") + 1:], cwd, tmp_path, request)
+        check_launch(argv[argv.index("--") + 1 :], cwd, tmp_path, request)
     elif argv[0] == "megatrain-launch":
         check_launch(argv, ROOT, tmp_path, request)
     elif argv[0] == "python":
@@ -339,9 +363,16 @@ def test_documented_command_works(where: str, argv: list[str], tmp_path: Path, r
 
 def test_the_command_scan_finds_the_commands() -> None:
     found = {" ".join(argv[:2]) for _, argv in documented_commands()}
-    for cmd in ("./run-default.sh", "./run-tests.sh", "megatrain-launch plan", "megatrain-launch status",
-                "megatrain-launch export", "megatrain-launch plot", "megatrain-launch tokenizer",
-                "python bench/run.py"):
+    for cmd in (
+        "./run-default.sh",
+        "./run-tests.sh",
+        "megatrain-launch plan",
+        "megatrain-launch status",
+        "megatrain-launch export",
+        "megatrain-launch plot",
+        "megatrain-launch tokenizer",
+        "python bench/run.py",
+    ):
         assert any(f.startswith(cmd) for f in found), f"no documented command starts with {cmd!r}"
 
 
@@ -360,10 +391,20 @@ def test_the_readme_recipe_trains_and_exports(tmp_path: Path, monkeypatch: pytes
     words = ["the", "of", "river", "stone", "cloud", "tiger", "maple", "ocean", "candle", "silver", "rocket"]
     lines = [" ".join(words[(i * j) % len(words)] for j in range(25)) for i in range(3000)]
     (tmp_path / "my-data.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
-    tiny = ["model.hf.hidden_size=64", "model.hf.intermediate_size=128", "model.hf.num_hidden_layers=2",
-            "model.hf.num_attention_heads=4", "model.hf.num_key_value_heads=2", "data.seq_len=64", "data.batch_size=4",
-            "train.steps=2", "train.save_every=2", "train.eval_every=2", "launch.runner=inprocess",
-            f"train.run_id={rid}"]
+    tiny = [
+        "model.hf.hidden_size=64",
+        "model.hf.intermediate_size=128",
+        "model.hf.num_hidden_layers=2",
+        "model.hf.num_attention_heads=4",
+        "model.hf.num_key_value_heads=2",
+        "data.seq_len=64",
+        "data.batch_size=4",
+        "train.steps=2",
+        "train.save_every=2",
+        "train.eval_every=2",
+        "launch.runner=inprocess",
+        f"train.run_id={rid}",
+    ]
     ran = []
     for line in recipe.splitlines():
         argv = shlex.split(line, comments=True)
@@ -382,6 +423,7 @@ def test_the_readme_recipe_trains_and_exports(tmp_path: Path, monkeypatch: pytes
 
 
 # ---- links, pictures, and what the docs must not say ------------------------------------------------
+
 
 def slug(heading: str) -> str:
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
@@ -414,8 +456,12 @@ def test_no_history_or_outside_paths(path: Path) -> None:
     measured on), nothing about the tools the project is developed with, no paths outside the repository."""
     t = text(path)
     bench = path.name == "BENCHMARKS.md"
-    rules = {"an issue number": r"\bissues? #?\d+", "a round": r"\b(round|rounds)\b", "a path outside the repository":
-             r"(\.\./|/work/|/home/)", "the development tools": r"device tool|make-bundle|lent machine"}
+    rules = {
+        "an issue number": r"\bissues? #?\d+",
+        "a round": r"\b(round|rounds)\b",
+        "a path outside the repository": r"(\.\./|/work/|/home/)",
+        "the development tools": r"device tool|make-bundle|lent machine",
+    }
     if not bench:
         rules |= {"a date": r"\b20\d\d-\d\d-\d\d\b", "a commit": r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"}
     found = [f"{what}: {m.group(0)!r}" for what, rx in rules.items() for m in re.finditer(rx, t, re.I)]

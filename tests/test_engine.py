@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 import torch
-from megatrain.ipc.protocol import blocks, checkpoint_host_bytes, fetch_order, forward_order, grad_order
 
 from megatrain.data import DataConfig, batch
 from megatrain.engine import EngineConfig, StepEngine
+from megatrain.ipc.protocol import blocks, checkpoint_host_bytes, fetch_order, forward_order, grad_order
 from megatrain.weights import flat_unit
 from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatrain.ipc.protocol import blocks
 
 from megatrain.data import DataConfig, batch
 from megatrain.engine import EngineConfig, StepEngine
+from megatrain.ipc.protocol import blocks
 from megatrain.weights import flat_unit
 from tests.helpers import NEEDS_CUDA, DictSink, DictSource, spec_for, tiny_hf
 
@@ -22,8 +22,10 @@ class CudaSource(DictSource):
 
 
 @pytest.mark.parametrize("offload", [True, False])
-@pytest.mark.parametrize("k,last,chunk,lean", [(1, 0, 0, 0), (1, 0, 1, 0), (2, 0, 2, 0), (4, 0, 1, 0), (1, 3, 0, 0),
-                                              (2, 3, 1, 0), (1, 3, 0, 2), (2, 3, 1, 3)])
+@pytest.mark.parametrize(
+    "k,last,chunk,lean",
+    [(1, 0, 0, 0), (1, 0, 1, 0), (2, 0, 2, 0), (4, 0, 1, 0), (1, 3, 0, 0), (2, 3, 1, 0), (1, 3, 0, 2), (2, 3, 1, 3)],
+)
 def test_cuda_engine_matches_hf_autograd(offload: bool, k: int, last: int, chunk: int, lean: int) -> None:
     # llama: Qwen2's k_proj.bias has an exactly-zero gradient, which a relative check cannot hold
     model = tiny_hf("llama", tied=False, layers=5)
@@ -34,8 +36,16 @@ def test_cuda_engine_matches_hf_autograd(offload: bool, k: int, last: int, chunk
     ref_grads = {k_: p.grad for k_, p in model.named_parameters()}
     state = {k_: v.detach() for k_, v in model.state_dict().items()}
 
-    cfg = EngineConfig(device="cuda", compute_dtype="fp32", checkpoint_interval=k, last_block_layers=last,
-                       loss_chunk_tokens=20, chunk_sequences=chunk, offload_checkpoints=offload, lean_layers=lean)
+    cfg = EngineConfig(
+        device="cuda",
+        compute_dtype="fp32",
+        checkpoint_interval=k,
+        last_block_layers=last,
+        loss_chunk_tokens=20,
+        chunk_sequences=chunk,
+        offload_checkpoints=offload,
+        lean_layers=lean,
+    )
     engine = StepEngine(spec, cfg, torch.device("cuda"), torch.float32)
     n = spec.layout.num_layers
     for _ in range(2):  # the second step reuses the pinned checkpoint buffers

@@ -11,10 +11,10 @@ import json
 
 import numba
 import pytest
+
 from megatrain.ipc.protocol.cpus import node_cores
 from megatrain.launch.config import load_config
 from megatrain.launch.fidelity import compare
-
 from tests.conftest import run_leftovers
 from tests.helpers import TINY
 
@@ -26,22 +26,45 @@ NOISE_ONLY = ("self_attn.k_proj.bias",)
 CASES = list(itertools.product(["llama", "qwen2", "mistral"], [True, False], [1, 2, LAYERS]))
 
 
-def tiny_config(family: str, tied: bool, k: int, tmp_path, steps: int = 10, extra: list[str] | None = None,
-                runner: str = "inprocess"):
+def tiny_config(
+    family: str,
+    tied: bool,
+    k: int,
+    tmp_path,
+    steps: int = 10,
+    extra: list[str] | None = None,
+    runner: str = "inprocess",
+):
     hf = {**TINY, "num_hidden_layers": LAYERS, "tie_word_embeddings": tied}
     if family == "mistral":
         hf["sliding_window"] = None
-    overrides = [f"model.family={family}", f"model.hf={json.dumps(hf)}", "data.seq_len=32", "data.batch_size=4",
-                 "optim.lr=2e-3", "optim.weight_decay=0.1", "optim.max_grad_norm=1.0", "optim.warmup_steps=2",
-                 f"engine.checkpoint_interval={k}", "engine.loss_chunk_tokens=40", f"train.steps={steps}",
-                 f"train.output_dir={tmp_path}/out", f"launch.runner={runner}", *(extra or [])]
+    overrides = [
+        f"model.family={family}",
+        f"model.hf={json.dumps(hf)}",
+        "data.seq_len=32",
+        "data.batch_size=4",
+        "optim.lr=2e-3",
+        "optim.weight_decay=0.1",
+        "optim.max_grad_norm=1.0",
+        "optim.warmup_steps=2",
+        f"engine.checkpoint_interval={k}",
+        "engine.loss_chunk_tokens=40",
+        f"train.steps={steps}",
+        f"train.output_dir={tmp_path}/out",
+        f"launch.runner={runner}",
+        *(extra or []),
+    ]
     return load_config(None, overrides)
 
 
 VARIANTS = {
     "resident": ["ipc.staging=resident"],
-    "2packers-2accumulators-3slabs": ["actors.num_packers=2", "actors.num_accumulators=2", "ipc.weight_slabs=3",
-                                      "ipc.grad_slabs=3"],
+    "2packers-2accumulators-3slabs": [
+        "actors.num_packers=2",
+        "actors.num_accumulators=2",
+        "ipc.weight_slabs=3",
+        "ipc.grad_slabs=3",
+    ],
     "no-adam-overlap": ["train.overlap_adam=false"],
     "no-clip": ["optim.max_grad_norm=0"],
     "no-clip-resident": ["optim.max_grad_norm=0", "ipc.staging=resident"],
@@ -49,20 +72,35 @@ VARIANTS = {
     "chunks-no-clip": ["engine.chunk_sequences=1", "optim.max_grad_norm=0"],
     "lean-no-clip": ["engine.last_block_layers=3", "engine.lean_layers=2", "optim.max_grad_norm=0"],
     # Slabs of 3000 elements: every unit streams in 2-3 pieces, and pieces cut across the decay split.
-    "pieces": ["ipc.slab_params=3000", "actors.num_packers=2", "actors.num_accumulators=2", "ipc.weight_slabs=3",
-               "ipc.grad_slabs=3"],
+    "pieces": [
+        "ipc.slab_params=3000",
+        "actors.num_packers=2",
+        "actors.num_accumulators=2",
+        "ipc.weight_slabs=3",
+        "ipc.grad_slabs=3",
+    ],
     "pieces-no-clip-resident": ["ipc.slab_params=3000", "optim.max_grad_norm=0", "ipc.staging=resident"],
 }
-VARIANT_CASES = [("llama", True, 2, "resident"), ("qwen2", False, 1, "resident"), ("mistral", False, 3, "resident"),
-                 ("llama", False, 1, "2packers-2accumulators-3slabs"), ("qwen2", True, 2, "no-adam-overlap"),
-                 ("llama", False, 2, "no-clip"), ("mistral", True, 1, "no-clip-resident"),
-                 ("qwen2", True, 2, "chunks"), ("llama", False, 3, "chunks-no-clip"), ("qwen2", False, 2, "pieces"),
-                 ("llama", True, 1, "pieces-no-clip-resident"), ("qwen2", False, 1, "lean-no-clip")]
+VARIANT_CASES = [
+    ("llama", True, 2, "resident"),
+    ("qwen2", False, 1, "resident"),
+    ("mistral", False, 3, "resident"),
+    ("llama", False, 1, "2packers-2accumulators-3slabs"),
+    ("qwen2", True, 2, "no-adam-overlap"),
+    ("llama", False, 2, "no-clip"),
+    ("mistral", True, 1, "no-clip-resident"),
+    ("qwen2", True, 2, "chunks"),
+    ("llama", False, 3, "chunks-no-clip"),
+    ("qwen2", False, 2, "pieces"),
+    ("llama", True, 1, "pieces-no-clip-resident"),
+    ("qwen2", False, 1, "lean-no-clip"),
+]
 
 
 @pytest.mark.parametrize("family,tied,k,variant", VARIANT_CASES, ids=[c[3] + "-" + c[0] for c in VARIANT_CASES])
-def test_staging_and_worker_variants_match_plain_pytorch(tmp_path, family: str, tied: bool, k: int,
-                                                         variant: str) -> None:
+def test_staging_and_worker_variants_match_plain_pytorch(
+    tmp_path, family: str, tied: bool, k: int, variant: str
+) -> None:
     rep = compare(tiny_config(family, tied, k, tmp_path, extra=VARIANTS[variant]), tmp_path)
     check(rep, tied)
     assert rep["summary"]["staging"] == ("resident" if "resident" in variant else "slabs")
@@ -80,8 +118,9 @@ RAY_CASES = [("llama", False, 2, "2packers-2accumulators-3slabs"), ("qwen2", Tru
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family,tied,k,variant", RAY_CASES, ids=[c[3] + "-" + c[0] for c in RAY_CASES])
-def test_through_ray_one_process_per_actor(ray_cluster, tmp_path, family: str, tied: bool, k: int,
-                                           variant: str) -> None:
+def test_through_ray_one_process_per_actor(
+    ray_cluster, tmp_path, family: str, tied: bool, k: int, variant: str
+) -> None:
     rep = compare(tiny_config(family, tied, k, tmp_path, extra=VARIANTS[variant], runner="ray"), tmp_path)
     check(rep, tied)
     # Every process of the run reported, and their PSS holds at least the fp32 params, m and v.

@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from megatrain.launch import cli
 from transformers import AutoModelForCausalLM
 
 from megatrain import checkpoint as ckpt
 from megatrain.data import DataConfig, batch
 from megatrain.engine import EngineConfig, StepEngine
+from megatrain.launch import cli
 from tests.helpers import DictSource, spec_for
 from tests.test_checkpoint import run
 
@@ -28,14 +28,16 @@ def checkpoint_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
     for u in m["units"]:
         for name, (shape, off) in u["tensors"].items():
             lo = u["offset"] + off
-            out[name] = torch.from_numpy(params[lo: lo + int(np.prod(shape))].reshape(shape).copy())
+            out[name] = torch.from_numpy(params[lo : lo + int(np.prod(shape))].reshape(shape).copy())
     return out
 
 
-@pytest.mark.parametrize("family, dtype, shard_gb", [("llama", "fp32", 5.0), ("qwen2", "bf16", 0.00005),
-                                                     ("mistral", "fp32", 0.00005)])
-def test_export_loads_with_from_pretrained_and_matches(tmp_path: Path, family: str, dtype: str, shard_gb: float,
-                                                       capsys) -> None:
+@pytest.mark.parametrize(
+    "family, dtype, shard_gb", [("llama", "fp32", 5.0), ("qwen2", "bf16", 0.00005), ("mistral", "fp32", 0.00005)]
+)
+def test_export_loads_with_from_pretrained_and_matches(
+    tmp_path: Path, family: str, dtype: str, shard_gb: float, capsys
+) -> None:
     run(tmp_path / "run", family, steps=5)  # qwen2 ties its embeddings in this helper
     step = ckpt.step_dir(tmp_path / "run" / "checkpoints", 5)
     out = tmp_path / "hf"
@@ -122,15 +124,19 @@ def test_import_of_sharded_bf16_weights_and_a_truncated_shard(tmp_path: Path, ca
     with open(shard, "r+b") as f:
         f.truncate(shard.stat().st_size - 100)
     capsys.readouterr()
-    args = [str(Path(__file__).parents[1] / "examples/default.yaml"), f"model.pretrained={src}", "model.hf={}",
-            f"train.output_dir={tmp_path / 'run2'}", "launch.runner=inprocess"]
+    args = [
+        str(Path(__file__).parents[1] / "examples/default.yaml"),
+        f"model.pretrained={src}",
+        "model.hf={}",
+        f"train.output_dir={tmp_path / 'run2'}",
+        "launch.runner=inprocess",
+    ]
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert str(shard) in err and "truncated" in err
 
 
-def test_export_takes_the_special_ids_from_the_tokenizer_and_generates_with_the_cache(tmp_path: Path,
-                                                                                    capsys) -> None:
+def test_export_takes_the_special_ids_from_the_tokenizer_and_generates_with_the_cache(tmp_path: Path, capsys) -> None:
     """A fresh model keeps its class's defaults (bos 1, eos 2); the user's tokenizer ends texts with id 0.
     The exported config and generation config carry the tokenizer's ids, with the KV cache on, so
     generate() stops at the tokenizer's end token."""

@@ -10,10 +10,10 @@ import time
 
 import pytest
 import torch
-from megatrain.launch.config import load_config
-from megatrain.launch.driver import Trainer
 
 from megatrain.errors import MegatrainError
+from megatrain.launch.config import load_config
+from megatrain.launch.driver import Trainer
 from tests.conftest import run_leftovers
 from tests.helpers import TINY
 
@@ -21,9 +21,20 @@ HF = json.dumps({**TINY, "num_hidden_layers": 2, "tie_word_embeddings": False})
 
 
 def run(tmp_path, rid: str, *extra: str, steps: int = 4) -> dict:
-    cfg = load_config(None, [f"model.hf={HF}", "data.seq_len=32", "data.batch_size=2", f"train.steps={steps}",
-                             f"train.run_id={rid}", f"train.output_dir={tmp_path / 'out'}", "launch.runner=inprocess",
-                             "ipc.poll_s=0.02", *extra])
+    cfg = load_config(
+        None,
+        [
+            f"model.hf={HF}",
+            "data.seq_len=32",
+            "data.batch_size=2",
+            f"train.steps={steps}",
+            f"train.run_id={rid}",
+            f"train.output_dir={tmp_path / 'out'}",
+            "launch.runner=inprocess",
+            "ipc.poll_s=0.02",
+            *extra,
+        ],
+    )
     return Trainer(cfg).run()
 
 

@@ -13,10 +13,10 @@ import dataclasses
 
 import pytest
 import torch
+
 from megatrain.actors.store_owner import StoreOwner
 from megatrain.ipc.protocol import Store
 from megatrain.ipc.protocol.cpus import Threads
-
 from megatrain.model import _unit_modules, meta_model, unit_seed
 from tests.helpers import spec_for, tiny_hf
 from tests.shm_fixtures import make_spec, owned
@@ -34,14 +34,15 @@ def plain_init(spec, unit: int, seed: int) -> torch.Tensor:
             model._init_weights(m)
         for name, p in real.named_parameters():
             slot = next(s for s in spec.layout.structure_of(unit).slots if s.name == sub + name)
-            tile[slot.offset: slot.offset + slot.numel] = p.detach().reshape(-1)
+            tile[slot.offset : slot.offset + slot.numel] = p.detach().reshape(-1)
     return tile
 
 
 def owner_with_store(rid: str, spec, threads: int, resident: bool) -> StoreOwner:
     store_spec = make_spec(rid, spec, staging="bf16")
-    store_spec = dataclasses.replace(store_spec, threads={"store-owner": Threads(threads, 1)},
-                                     staging_mode="resident" if resident else "slabs")
+    store_spec = dataclasses.replace(
+        store_spec, threads={"store-owner": Threads(threads, 1)}, staging_mode="resident" if resident else "slabs"
+    )
     owner = StoreOwner()
     owner.store = Store.create(store_spec)
     return owner

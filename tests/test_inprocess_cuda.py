@@ -19,9 +19,11 @@ from tests.test_checkpoint import losses, planes, run
 pytestmark = NEEDS_CUDA
 
 
-@pytest.mark.parametrize("extra", [["ipc.staging=slabs"], ["ipc.staging=resident", "optim.max_grad_norm=0"],
-                                   ["ipc.staging=resident"]],
-                         ids=["slabs-clip", "resident-no-clip", "resident-clip"])
+@pytest.mark.parametrize(
+    "extra",
+    [["ipc.staging=slabs"], ["ipc.staging=resident", "optim.max_grad_norm=0"], ["ipc.staging=resident"]],
+    ids=["slabs-clip", "resident-no-clip", "resident-clip"],
+)
 def test_runs_one_after_another_in_one_process_and_resume_bit_identical(tmp_path: Path, extra: list[str]) -> None:
     extra = ["engine.device=cuda", *extra]
     run(tmp_path / "a", "llama", *extra)

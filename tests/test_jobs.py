@@ -50,8 +50,13 @@ def user_env(home: Path, **extra: str) -> dict[str, str]:
 def home(tmp_path_factory) -> Path:
     """A user's home with the token `ray get-auth-token --generate` makes (as the README's recipe does)."""
     home = tmp_path_factory.mktemp("home")
-    made = subprocess.run([*RAY, "get-auth-token", "--generate"], capture_output=True, text=True, timeout=120,
-                          env=user_env(home, **RECIPE))
+    made = subprocess.run(
+        [*RAY, "get-auth-token", "--generate"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=user_env(home, **RECIPE),
+    )
     assert made.returncode == 0 and (home / ".ray" / "auth_token").is_file(), made.stderr
     return home
 
@@ -66,13 +71,36 @@ def job_head(home: Path):
     dash, gcs = free_port(), free_port()
     # Every port of its own: another Ray instance of the session (tests/conftest.py) holds the defaults,
     # and a job agent that cannot bind its port leaves the job server with "No available agent".
-    ports = [f"--{name}={free_port()}" for name in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                                                     "metrics-export-port", "runtime-env-agent-port",
-                                                     "ray-client-server-port")]
-    proc = subprocess.Popen([*RAY, "start", "--head", "--block", f"--port={gcs}", *ports, f"--dashboard-port={dash}",
-                             "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--num-cpus=8",
-                             "--disable-usage-stats", f"--temp-dir={temp}"], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=user_env(home, **RECIPE))
+    ports = [
+        f"--{name}={free_port()}"
+        for name in (
+            "dashboard-agent-listen-port",
+            "dashboard-agent-grpc-port",
+            "metrics-export-port",
+            "runtime-env-agent-port",
+            "ray-client-server-port",
+        )
+    ]
+    proc = subprocess.Popen(
+        [
+            *RAY,
+            "start",
+            "--head",
+            "--block",
+            f"--port={gcs}",
+            *ports,
+            f"--dashboard-port={dash}",
+            "--include-dashboard=true",
+            "--dashboard-host=127.0.0.1",
+            "--num-cpus=8",
+            "--disable-usage-stats",
+            f"--temp-dir={temp}",
+        ],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=user_env(home, **RECIPE),
+    )
     address = f"http://127.0.0.1:{dash}"
     try:
         # The job server answers before its agent on the head has registered ("No available agent to
@@ -92,16 +120,34 @@ def job_head(home: Path):
 
 def jobs(home: Path, address: str, verb: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """`ray job VERB --address ADDRESS ARGS` as the README's recipe runs it (the address before `--`)."""
-    return subprocess.run([*RAY, "job", verb, "--address", address, *args], capture_output=True, text=True,
-                          timeout=timeout, env=user_env(home, **RECIPE))
+    return subprocess.run(
+        [*RAY, "job", verb, "--address", address, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=user_env(home, **RECIPE),
+    )
 
 
-def submit(home: Path, address: str, sid: str, root: Path, *overrides: str,
-           wait: bool = True) -> subprocess.CompletedProcess:
+def submit(
+    home: Path, address: str, sid: str, root: Path, *overrides: str, wait: bool = True
+) -> subprocess.CompletedProcess:
     env = {"env_vars": {"MEGATRAIN_OUTPUT_ROOT": str(root), "RAY_JOB_STOP_WAIT_TIME_S": "120"}}
-    return jobs(home, address, "submit", f"--submission-id={sid}", f"--working-dir={ROOT / 'examples'}",
-                f"--runtime-env-json={json.dumps(env)}", *([] if wait else ["--no-wait"]), "--",
-                sys.executable, "-m", "megatrain.launch.cli", "default.yaml", *overrides)
+    return jobs(
+        home,
+        address,
+        "submit",
+        f"--submission-id={sid}",
+        f"--working-dir={ROOT / 'examples'}",
+        f"--runtime-env-json={json.dumps(env)}",
+        *([] if wait else ["--no-wait"]),
+        "--",
+        sys.executable,
+        "-m",
+        "megatrain.launch.cli",
+        "default.yaml",
+        *overrides,
+    )
 
 
 def status(home: Path, address: str, sid: str) -> str:
@@ -133,10 +179,21 @@ def test_submit_logs_stop_and_a_cluster_too_small(job_head: tuple[str, str], hom
 
     # `ray job stop`: the step in flight finishes, a checkpoint is written, nothing of the run is left.
     out = root / "out" / "jobstop"
-    submit(home, head, "mtstop", root, "train.steps=100000", "train.run_id=jobstop", "train.output_dir=out/{run_id}",
-           wait=False)
-    wait_for(lambda: (out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2,
-             120, "the stopped run's first steps")
+    submit(
+        home,
+        head,
+        "mtstop",
+        root,
+        "train.steps=100000",
+        "train.run_id=jobstop",
+        "train.output_dir=out/{run_id}",
+        wait=False,
+    )
+    wait_for(
+        lambda: (out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2,
+        120,
+        "the stopped run's first steps",
+    )
     assert jobs(home, head, "stop", "mtstop").returncode == 0
     wait_for(lambda: status(home, head, "mtstop") == "STOPPED", 120, "STOPPED")
     assert (out / "checkpoints" / "latest").exists()
@@ -144,9 +201,17 @@ def test_submit_logs_stop_and_a_cluster_too_small(job_head: tuple[str, str], hom
     wait_for(lambda: not run_leftovers("jobstop"), 30, "the stopped run's shared memory to go")
 
     # A cluster with fewer CPUs than the actors ask for: the job fails naming each role's need.
-    small = submit(home, head, "mtsmall", root, "train.steps=2", "actors.num_packers=8", "ipc.weight_slabs=8",
-                   "launch.placement_timeout_s=3",
-                   "train.output_dir=out/{run_id}")
+    small = submit(
+        home,
+        head,
+        "mtsmall",
+        root,
+        "train.steps=2",
+        "actors.num_packers=8",
+        "ipc.weight_slabs=8",
+        "launch.placement_timeout_s=3",
+        "train.output_dir=out/{run_id}",
+    )
     assert small.returncode != 0 and status(home, head, "mtsmall") == "FAILED"
     logs = jobs(home, head, "logs", "mtsmall").stdout
     assert "they need 11 CPUs on one node (store-owner 0, gpu-executor 1, adam-updater 1, packer-0 1" in logs
@@ -154,27 +219,40 @@ def test_submit_logs_stop_and_a_cluster_too_small(job_head: tuple[str, str], hom
 
 
 def launch(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([*LAUNCH, str(ROOT / "examples" / "default.yaml"), *SMALL, *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [*LAUNCH, str(ROOT / "examples" / "default.yaml"), *SMALL, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
-def test_joining_with_address_sends_the_token_ray_start_found(job_head: tuple[str, str], home: Path,
-                                                             tmp_path: Path) -> None:
+def test_joining_with_address_sends_the_token_ray_start_found(
+    job_head: tuple[str, str], home: Path, tmp_path: Path
+) -> None:
     """RAY_AUTH_MODE not exported: Ray alone would send no token and fail after 20 s of InvalidAuthToken."""
     _, gcs = job_head
-    run = launch(user_env(home), "--address", gcs, "train.steps=2", "train.run_id=joined",
-                 f"train.output_dir={tmp_path / 'out'}")
+    run = launch(
+        user_env(home), "--address", gcs, "train.steps=2", "train.run_id=joined", f"train.output_dir={tmp_path / 'out'}"
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "done, 2 steps" in run.stdout and "InvalidAuthToken" not in run.stderr
 
 
-@pytest.mark.parametrize("case, says", [
-    ("wrong token", "the cluster refused this machine's Ray token"),
-    ("no token", "the cluster requires Ray's token authentication; export RAY_AUTH_MODE=token"),
-    ("token mode, no token", "RAY_AUTH_MODE is token but this machine has no Ray token"),
-    ("token path naming no file", "RAY_AUTH_TOKEN_PATH is set but file cannot be opened or is empty")])
-def test_a_join_refused_for_authentication_says_so_in_one_line(job_head: tuple[str, str], tmp_path: Path,
-                                                               case: str, says: str) -> None:
+@pytest.mark.parametrize(
+    "case, says",
+    [
+        ("wrong token", "the cluster refused this machine's Ray token"),
+        ("no token", "the cluster requires Ray's token authentication; export RAY_AUTH_MODE=token"),
+        ("token mode, no token", "RAY_AUTH_MODE is token but this machine has no Ray token"),
+        ("token path naming no file", "RAY_AUTH_TOKEN_PATH is set but file cannot be opened or is empty"),
+    ],
+)
+def test_a_join_refused_for_authentication_says_so_in_one_line(
+    job_head: tuple[str, str], tmp_path: Path, case: str, says: str
+) -> None:
     _, gcs = job_head
     env = user_env(tmp_path)  # a home without a token
     if case == "wrong token":
@@ -191,18 +269,22 @@ def test_a_join_refused_for_authentication_says_so_in_one_line(job_head: tuple[s
 
 
 def test_a_local_instance_refused_for_its_token_file_says_so_in_one_line(tmp_path: Path) -> None:
-    run = launch(user_env(tmp_path, RAY_AUTH_TOKEN_PATH=str(tmp_path / "no-such-token")),
-                 f"train.output_dir={tmp_path / 'out'}")
+    run = launch(
+        user_env(tmp_path, RAY_AUTH_TOKEN_PATH=str(tmp_path / "no-such-token")), f"train.output_dir={tmp_path / 'out'}"
+    )
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr[-3000:]
-    assert "cannot start a local Ray instance: authentication failed: RAY_AUTH_TOKEN_PATH is set but file cannot " \
-           f"be opened or is empty: {tmp_path / 'no-such-token'}" in run.stderr
+    assert (
+        "cannot start a local Ray instance: authentication failed: RAY_AUTH_TOKEN_PATH is set but file cannot "
+        f"be opened or is empty: {tmp_path / 'no-such-token'}" in run.stderr
+    )
 
 
 def test_a_local_run_shows_no_token_warning_and_no_cpu_tflops(tmp_path: Path) -> None:
     """A private instance keeps Ray's token authentication without announcing it; the CPU's progress lines
     carry tokens/s, not a TFLOPS figure of 0.0."""
-    run = launch(user_env(tmp_path / "home"), "train.steps=2", "train.progress=lines",
-                 f"train.output_dir={tmp_path / 'out'}")
+    run = launch(
+        user_env(tmp_path / "home"), "train.steps=2", "train.progress=lines", f"train.output_dir={tmp_path / 'out'}"
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     output = run.stdout + run.stderr
     assert "Token authentication" not in output and "WARNING" not in output, output[-3000:]

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatrain.ipc.protocol import blocks
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatrain.data import DataConfig, batch
 from megatrain.engine import EngineConfig, StepEngine
+from megatrain.ipc.protocol import blocks
 from megatrain.lean import SAVED_OPS, lean_call, lean_layer_bytes
 from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
 
@@ -18,11 +18,13 @@ def _step(family: str, tied: bool, last: int, lean: int, chunk: int):
     spec = spec_for(model, family)
     ids, labels = batch(DataConfig(seq_len=24, batch_size=3), 0)
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    cfg = EngineConfig(checkpoint_interval=2, last_block_layers=last, lean_layers=lean, loss_chunk_tokens=10,
-                       chunk_sequences=chunk)
+    cfg = EngineConfig(
+        checkpoint_interval=2, last_block_layers=last, lean_layers=lean, loss_chunk_tokens=10, chunk_sequences=chunk
+    )
     sink = DictSink()
     res = StepEngine(spec, cfg, torch.device("cpu"), torch.float32).step(
-        ids, labels, DictSource(spec, state, blocks=blocks(4, 2, last)), sink)
+        ids, labels, DictSource(spec, state, blocks=blocks(4, 2, last)), sink
+    )
     return res.loss, sink.grads
 
 

@@ -22,8 +22,13 @@ import pytest
 from megatrain import checkpoint as ckpt
 from tests.conftest import ROOT, run_leftovers
 
-SMALL = ["model.hf.hidden_size=32", "model.hf.intermediate_size=64", "model.hf.num_hidden_layers=2",
-         "data.seq_len=32", "data.batch_size=2"]
+SMALL = [
+    "model.hf.hidden_size=32",
+    "model.hf.intermediate_size=64",
+    "model.hf.num_hidden_layers=2",
+    "data.seq_len=32",
+    "data.batch_size=2",
+]
 
 
 class Cli:
@@ -32,10 +37,26 @@ class Cli:
     def __init__(self, tmp_path: Path, *args: str, steps: int = 4, env: dict | None = None):
         self.run_id = "t" + secrets.token_hex(4)
         self.out = tmp_path / "out"
-        cmd = [sys.executable, "-m", "megatrain.launch.cli", str(ROOT / "examples/default.yaml"), *SMALL,
-               f"train.steps={steps}", f"train.run_id={self.run_id}", f"train.output_dir={self.out}", *args]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     start_new_session=True, env={**os.environ, **(env or {})})
+        cmd = [
+            sys.executable,
+            "-m",
+            "megatrain.launch.cli",
+            str(ROOT / "examples/default.yaml"),
+            *SMALL,
+            f"train.steps={steps}",
+            f"train.run_id={self.run_id}",
+            f"train.output_dir={self.out}",
+            *args,
+        ]
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
         self.stdout: list[str] = []
         self.stderr: list[str] = []
         self.tree: set[int] = set()
@@ -71,8 +92,9 @@ class Cli:
             self.tree |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
         except psutil.NoSuchProcess:
             pass
-        self.tree |= {p.pid for p in psutil.process_iter(["cmdline"])
-                      if self.run_id in " ".join(p.info["cmdline"] or [])}
+        self.tree |= {
+            p.pid for p in psutil.process_iter(["cmdline"]) if self.run_id in " ".join(p.info["cmdline"] or [])
+        }
 
     def finish(self, timeout: float = 120) -> int:
         try:
@@ -102,16 +124,28 @@ class Cli:
 def test_bad_config_key_is_one_clear_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("optim:\n  lr: 1.0e-3\n  lrr: 2.0e-3\n")
-    proc = subprocess.run([sys.executable, "-m", "megatrain.launch.cli", str(bad)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatrain.launch.cli", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2  # a usage error
     assert f"{bad}:3" in proc.stderr and "optim.lrr" in proc.stderr and "did you mean 'optim.lr'" in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_bad_override_names_the_command_line(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "megatrain.launch.cli", str(ROOT / "examples/default.yaml"),
-                           "engine.checkpoint_interval=0"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatrain.launch.cli",
+            str(ROOT / "examples/default.yaml"),
+            "engine.checkpoint_interval=0",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "checkpoint_interval" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -126,10 +160,24 @@ def head_node(tmp_path: Path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
-                             f"--port={port}", "--num-cpus=8", "--include-dashboard=false", "--disable-usage-stats"],
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, **NO_AUTH})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ray.scripts.scripts",
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--num-cpus=8",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+        ],
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, **NO_AUTH},
+    )
     try:
         deadline = time.monotonic() + 300  # a bound for a hung start only: a busy machine starts Ray slowly
         while proc.poll() is None and time.monotonic() < deadline:
@@ -151,12 +199,24 @@ def head_node(tmp_path: Path):
 # ---- one run, stopped and killed again and again, resumed each time --------------------------------
 STEPS = 200  # ~20 ms each here: every link has time to catch a checkpoint being written
 # Threads pinned, so the uninterrupted reference can run in-process (2 s instead of a Ray start).
-CHAIN = ["train.save_every=1", "actors.adam_threads=1", "actors.accumulator_threads=1", "actors.executor_threads=1",
-         f"train.profile.step={STEPS}"]
+CHAIN = [
+    "train.save_every=1",
+    "actors.adam_threads=1",
+    "actors.accumulator_threads=1",
+    "actors.executor_threads=1",
+    f"train.profile.step={STEPS}",
+]
 # Each link: who is SIGKILLed in the middle of a checkpoint write (several at the same instant); a
 # driver joined to a `ray start` cluster; or a signal.
-LINKS = [("ctrl-c",), ("gpu-executor", "packer-0", "grad-accumulator-0"), ("sigstop",),
-         ("adam-updater", "checkpoint-writer", "store-owner"), ("driver",), ("driver-joined",), ("sigterm-twice",)]
+LINKS = [
+    ("ctrl-c",),
+    ("gpu-executor", "packer-0", "grad-accumulator-0"),
+    ("sigstop",),
+    ("adam-updater", "checkpoint-writer", "store-owner"),
+    ("driver",),
+    ("driver-joined",),
+    ("sigterm-twice",),
+]
 
 
 def freeze_mid_write(cli: Cli, writer: int) -> Path:
@@ -250,17 +310,25 @@ def test_one_run_stopped_and_killed_mid_checkpoint_resumes_bit_identical(tmp_pat
     from megatrain.launch.driver import Trainer
 
     ref = tmp_path / "ref"
-    Trainer(load_config(ROOT / "examples/default.yaml", [*SMALL, *CHAIN, f"train.steps={STEPS}",
-                                                         f"train.output_dir={ref}", "launch.runner=inprocess"])).run()
+    Trainer(
+        load_config(
+            ROOT / "examples/default.yaml",
+            [*SMALL, *CHAIN, f"train.steps={STEPS}", f"train.output_dir={ref}", "launch.runner=inprocess"],
+        )
+    ).run()
     joined = ["--address", head_node]  # no Ray start per link; the local driver's link starts its own
     for link in LINKS:
         # The SIGSTOPped Adam updater is named by the monitor within 5 s. Where the test freezes the writer only to
         # tear a checkpoint, the deaths must be what is reported, however long a busy machine takes to notice
         # them: the writer's own stall verdict is put out of their way.
-        extra = ["ipc.stall_timeout_s=5"] if link == ("sigstop",) else \
-            ["ipc.stall_timeout_s=300"] if link[0] not in ("ctrl-c", "sigterm-twice") else []
-        cli = Cli(tmp_path / "run", *CHAIN, *extra, *([] if link == ("driver",) else joined), steps=STEPS,
-                  env=NO_AUTH)
+        extra = (
+            ["ipc.stall_timeout_s=5"]
+            if link == ("sigstop",)
+            else ["ipc.stall_timeout_s=300"]
+            if link[0] not in ("ctrl-c", "sigterm-twice")
+            else []
+        )
+        cli = Cli(tmp_path / "run", *CHAIN, *extra, *([] if link == ("driver",) else joined), steps=STEPS, env=NO_AUTH)
         if link == ("sigstop",):
             stopped_actor(cli)
         elif link[0] in ("ctrl-c", "sigterm-twice"):
@@ -279,8 +347,9 @@ def test_one_run_stopped_and_killed_mid_checkpoint_resumes_bit_identical(tmp_pat
         a = (ckpt.step_dir(root, STEPS) / f"{part}.bin").read_bytes()
         assert a == (ckpt.step_dir(want, STEPS) / f"{part}.bin").read_bytes(), part
     rows = [json.loads(line) for line in (last.out / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["step"], r["loss"]) for r in rows] == \
-        [(r["step"], r["loss"]) for r in map(json.loads, (ref / "metrics.jsonl").read_text().splitlines())]
+    assert [(r["step"], r["loss"]) for r in rows] == [
+        (r["step"], r["loss"]) for r in map(json.loads, (ref / "metrics.jsonl").read_text().splitlines())
+    ]
     for key in ("step", "loss", "lr", "grad_norm", "tokens", "step_time_s"):
         assert all(key in r for r in rows), key
     assert "run_id: " + last.run_id in (last.out / "config.yaml").read_text()
@@ -292,6 +361,11 @@ def test_one_run_stopped_and_killed_mid_checkpoint_resumes_bit_identical(tmp_pat
 
 
 def test_cleanup_command_runs(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "megatrain.launch.cli", "--cleanup"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatrain.launch.cli", "--cleanup"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0 and "removed" in proc.stdout

@@ -6,19 +6,28 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from megatrain.ipc.protocol import blocks
 
 from megatrain.attention import windowed_attention
 from megatrain.data import DataConfig, batch
 from megatrain.engine import EngineConfig, StepEngine
+from megatrain.ipc.protocol import blocks
 from megatrain.model import family_classes
 from tests.helpers import NEEDS_CUDA, DictSink, DictSource, spec_for
 
 pytestmark = NEEDS_CUDA
 
-WIDE = dict(hidden_size=512, intermediate_size=2816, num_hidden_layers=2, num_attention_heads=8,
-            num_key_value_heads=2, vocab_size=1024, max_position_embeddings=16384, rms_norm_eps=1e-6,
-            tie_word_embeddings=False, use_sliding_window=False)
+WIDE = dict(
+    hidden_size=512,
+    intermediate_size=2816,
+    num_hidden_layers=2,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=16384,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+    use_sliding_window=False,
+)
 
 
 class CudaSource(DictSource):
@@ -30,8 +39,15 @@ def _step(model: torch.nn.Module, tile: int, seq: int) -> tuple[float, dict[int,
     spec = spec_for(model, "qwen2")
     ids, labels = batch(DataConfig(seq_len=seq, batch_size=1), 0)
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    cfg = EngineConfig(device="cuda", compute_dtype="bf16", checkpoint_interval=1, last_block_layers=1,
-                       loss_chunk_tokens=2048, token_tile=tile, offload_checkpoints=False)
+    cfg = EngineConfig(
+        device="cuda",
+        compute_dtype="bf16",
+        checkpoint_interval=1,
+        last_block_layers=1,
+        loss_chunk_tokens=2048,
+        token_tile=tile,
+        offload_checkpoints=False,
+    )
     engine = StepEngine(spec, cfg, torch.device("cuda"), torch.bfloat16)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -69,8 +85,9 @@ def test_windowed_attention_on_the_gpu_is_masked_attention(window: int) -> None:
     v = torch.randn(1, 2, 8192, 64, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
     qi, kj = torch.arange(8192, device="cuda").unsqueeze(1), torch.arange(8192, device="cuda").unsqueeze(0)
     mask = (kj <= qi) & (kj > qi - window)
-    want = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1),
-                                          attn_mask=mask).transpose(1, 2)
+    want = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), attn_mask=mask
+    ).transpose(1, 2)
     got = windowed_attention(q, k, v, window, None)
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     go = torch.randn_like(got)

@@ -7,43 +7,71 @@ from pathlib import Path
 
 import pytest
 import torch
-from megatrain.launch import memplan
-from megatrain.launch.cli import main
-from megatrain.launch.config import load_config
 
 from megatrain import autosize
 from megatrain.engine import EngineConfig, resolve_engine
 from megatrain.errors import ResourceError
+from megatrain.launch import memplan
+from megatrain.launch.cli import main
+from megatrain.launch.config import load_config
 from megatrain.model import build_spec
 
 GIB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
-QWEN7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4,
-          "vocab_size": 152064, "max_position_embeddings": 32768, "tie_word_embeddings": False,
-          "use_sliding_window": False}
+QWEN7B = {
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "max_position_embeddings": 32768,
+    "tie_word_embeddings": False,
+    "use_sliding_window": False,
+}
 
 # Measured with the product's defaults (clipping on, the gradients in the resident copy), 2026-11-25
 # (BENCHMARKS.md): (layers, batch, seq, extra overrides) -> the last block the run chose, the PSS of all its
 # processes after the last step (GiB), the GPU's peak allocation (GiB), and the GPU memory free after the
 # CUDA context (GiB): one H200 (139.3) and one H100 (78.66).
 H200, H100 = 139.3, 78.66
-MEASURED = [((28, 16, 4096, []), 13, 101.94, 125.8, H200), ((28, 16, 4096, []), 6, 101.99, 68.11, H100),
-            ((8, 16, 4096, []), 8, 41.20, 122.98, H200), ((8, 4, 4096, []), 8, 41.09, 51.65, H200),
-            ((8, 158, 1024, []), 8, 41.23, 103.4, H200)]
+MEASURED = [
+    ((28, 16, 4096, []), 13, 101.94, 125.8, H200),
+    ((28, 16, 4096, []), 6, 101.99, 68.11, H100),
+    ((8, 16, 4096, []), 8, 41.20, 122.98, H200),
+    ((8, 4, 4096, []), 8, 41.09, 51.65, H200),
+    ((8, 158, 1024, []), 8, 41.23, 103.4, H200),
+]
 # Earlier, without clipping, on an H200 (2026-11-23/24): K 2 and every activation checkpoint offloaded then
 # (the settings are given here); the 34-layer run had no room for the resident copy.
 NO_CLIP = "optim.max_grad_norm=0"
 PLAIN = "engine.lean_layers=0"  # measured before lean layers existed
 THEN = ["engine.checkpoint_interval=2", "engine.offload_checkpoints=true"]
-MEASURED += [((28, 16, 4096, [PLAIN, NO_CLIP, *THEN, "engine.chunk_sequences=2", "engine.last_block_layers=28"]),
-              28, 105.46, 106.7, H200),
-             ((34, 16, 4096, [PLAIN, NO_CLIP, *THEN, "ipc.staging=slabs"]), 7, 115.27, 124.2, H200)]
+MEASURED += [
+    (
+        (28, 16, 4096, [PLAIN, NO_CLIP, *THEN, "engine.chunk_sequences=2", "engine.last_block_layers=28"]),
+        28,
+        105.46,
+        106.7,
+        H200,
+    ),
+    ((34, 16, 4096, [PLAIN, NO_CLIP, *THEN, "ipc.staging=slabs"]), 7, 115.27, 124.2, H200),
+]
 
 
 def qwen_cfg(layers: int, batch: int, seq: int, extra: list[str], *more: str):
     hf = json.dumps({**QWEN7B, "num_hidden_layers": layers})
-    return load_config(None, ["model.family=qwen2", f"model.hf={hf}", f"data.seq_len={seq}",
-                              f"data.batch_size={batch}", "ipc.staging=resident", *extra, *more])
+    return load_config(
+        None,
+        [
+            "model.family=qwen2",
+            f"model.hf={hf}",
+            f"data.seq_len={seq}",
+            f"data.batch_size={batch}",
+            "ipc.staging=resident",
+            *extra,
+            *more,
+        ],
+    )
 
 
 @pytest.mark.parametrize("shape,last,host_gib,gpu_gib,free", MEASURED, ids=lambda v: str(v))
@@ -61,8 +89,10 @@ def test_a_plan_that_does_not_fit_says_so_and_what_needs_less(monkeypatch, capsy
     monkeypatch.setattr(memplan, "shm_free_bytes", lambda _: 64 * GIB)
     monkeypatch.delenv("RAY_memory_usage_threshold", raising=False)
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"model: {{family: qwen2, hf: {json.dumps({**QWEN7B, 'num_hidden_layers': 8})}}}\n"
-                   "data: {seq_len: 4096, batch_size: 16}\n")
+    cfg.write_text(
+        f"model: {{family: qwen2, hf: {json.dumps({**QWEN7B, 'num_hidden_layers': 8})}}}\n"
+        "data: {seq_len: 4096, batch_size: 16}\n"
+    )
     assert main(["plan", str(cfg), "--gpu-gib", "139.3"]) == 1
     out = capsys.readouterr().out
     # every layer in the last block (2 of them lean): no activation checkpoints; clipping with the gradients

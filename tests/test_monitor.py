@@ -11,15 +11,15 @@ import sys
 from megatrain.ipc.protocol import Store
 from megatrain.ipc.protocol.monitor import find_stall
 from megatrain.ipc.protocol.store import BEAT, CALLS, PROGRESS
-
 from tests.shm_fixtures import make_spec, owned
 
 
 def test_a_stopped_worker_is_named_even_when_no_call_is_in_flight(rid: str, model_spec) -> None:
     with owned(Store.create(make_spec(rid, model_spec))) as store:
         roles = store.spec.roles()
-        gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                              text=True, check=True).stdout.strip()
+        gone = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True
+        ).stdout.strip()
         now = 1000.0
         for slot, _ in enumerate(roles[:3]):
             store.pids[slot] = os.getpid()  # alive

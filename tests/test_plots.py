@@ -7,11 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from megatrain.launch.cli import main
 from megatrain.launch.config import load_config
 from megatrain.launch.driver import Trainer
 from megatrain.launch.plots import run_flops, save, throughput_figure, timeline_figure
-
 from tests.helpers import TINY
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -21,9 +21,20 @@ def test_plot_writes_the_runs_pictures(tmp_path, rid: str, capsys) -> None:
     pytest.importorskip("matplotlib")
     hf = json.dumps({**TINY, "num_hidden_layers": 2})
     out = tmp_path / "run"
-    cfg = load_config(None, [f"model.hf={hf}", "data.seq_len=32", "data.batch_size=2", "train.steps=4",
-                             "train.eval_every=2", "train.timeline_step=3", f"train.run_id={rid}",
-                             f"train.output_dir={out}", "launch.runner=inprocess"])
+    cfg = load_config(
+        None,
+        [
+            f"model.hf={hf}",
+            "data.seq_len=32",
+            "data.batch_size=2",
+            "train.steps=4",
+            "train.eval_every=2",
+            "train.timeline_step=3",
+            f"train.run_id={rid}",
+            f"train.output_dir={out}",
+            "launch.runner=inprocess",
+        ],
+    )
     summary = Trainer(cfg).run()
     assert main(["plot", str(out)]) == 0
     for name in ("loss.png", "throughput.png", "timeline.png"):
@@ -50,8 +61,12 @@ def test_plot_writes_the_runs_pictures(tmp_path, rid: str, capsys) -> None:
 
     timeline = json.loads((out / "timeline.json").read_text())  # a CPU step: no H2D or D2H lane
     assert legend_of(timeline_figure(timeline, "step 3"), tmp_path) == [
-        "compute: forward", "compute: norm, LM head and loss", "compute: backward", "compute: embedding backward",
-        "CPU Adam"]
+        "compute: forward",
+        "compute: norm, LM head and loss",
+        "compute: backward",
+        "compute: embedding backward",
+        "CPU Adam",
+    ]
     (out / "timeline.json").unlink()
     elsewhere = tmp_path / "pictures"
     assert main(["plot", str(out), "--out", str(elsewhere)]) == 0
@@ -72,13 +87,35 @@ def legend_of(fig, where: Path) -> list[str]:
 def test_a_gpu_steps_timeline_names_every_lane_and_kind(tmp_path) -> None:
     """A GPU step's timeline.json (units streamed in and out, recompute before backward)."""
     pytest.importorskip("matplotlib")
-    compute = [("forward", 0.0), ("fwd:0", 0.0), ("fwd:1", 0.1), ("head", 0.2), ("recompute:1", 0.3),
-               ("bwd:1", 0.35), ("bwd:0", 0.45), ("embed-bwd", 0.5), ("end", 0.55)]
-    tl = {"wall0": 10.0, "compute": compute, "h2d": [[0, 0.0, 0.05], [1, 0.05, 0.1]],
-          "d2h": [[1, 0.45, 0.5], [0, 0.5, 0.55]], "adam": [[1, 10.5, 10.6], [0, 10.6, 10.7]], "step": 3}
+    compute = [
+        ("forward", 0.0),
+        ("fwd:0", 0.0),
+        ("fwd:1", 0.1),
+        ("head", 0.2),
+        ("recompute:1", 0.3),
+        ("bwd:1", 0.35),
+        ("bwd:0", 0.45),
+        ("embed-bwd", 0.5),
+        ("end", 0.55),
+    ]
+    tl = {
+        "wall0": 10.0,
+        "compute": compute,
+        "h2d": [[0, 0.0, 0.05], [1, 0.05, 0.1]],
+        "d2h": [[1, 0.45, 0.5], [0, 0.5, 0.55]],
+        "adam": [[1, 10.5, 10.6], [0, 10.6, 10.7]],
+        "step": 3,
+    }
     assert legend_of(timeline_figure(tl, "step 3"), tmp_path) == [
-        "H2D weights", "compute: forward", "compute: norm, LM head and loss", "compute: recompute",
-        "compute: backward", "compute: embedding backward", "D2H grads", "CPU Adam"]
+        "H2D weights",
+        "compute: forward",
+        "compute: norm, LM head and loss",
+        "compute: recompute",
+        "compute: backward",
+        "compute: embedding backward",
+        "D2H grads",
+        "CPU Adam",
+    ]
 
 
 def test_plot_of_a_directory_that_is_no_run_is_a_usage_error(tmp_path, capsys) -> None:
@@ -88,8 +125,9 @@ def test_plot_of_a_directory_that_is_no_run_is_a_usage_error(tmp_path, capsys) -
 
 
 def test_plot_without_matplotlib_says_how_to_get_it(tmp_path, monkeypatch, capsys) -> None:
-    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0, "tokens_per_s": 1.0,
-                                                        "step_time_s": 1.0}) + "\n")
+    (tmp_path / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "loss": 2.0, "tokens_per_s": 1.0, "step_time_s": 1.0}) + "\n"
+    )
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["plot", str(tmp_path)]) == 2
     err = capsys.readouterr().err

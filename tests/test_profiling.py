@@ -18,19 +18,25 @@ def _x(name: str, cat: str, tid: int, ts: float, dur: float = 1.0) -> dict:
 
 
 def test_blocking_calls_counts_only_blocking_calls_inside_the_loop_by_thread() -> None:
-    trace = {"traceEvents": [
-        _x(LOOP, "gpu_user_annotation", 7, 90, 300),  # the GPU-side copy of the range: not the loop
-        _x(LOOP, "user_annotation", 1, 100, 100),
-        _x("cudaLaunchKernel", "cuda_runtime", 1, 110),
-        _x("cudaMemcpyAsync", "cuda_runtime", 1, 120),  # asynchronous: not blocking
-        _x("cudaStreamSynchronize", "cuda_runtime", 1, 150),  # .item() in the loop: a violation
-        _x("cudaEventSynchronize", "cuda_runtime", 2, 160),  # the loader's slab hand-off
-        _x("cudaStreamSynchronize", "cuda_runtime", 1, 250),  # the loss read after the loop
-        _x("cudaDeviceSynchronize", "cuda_runtime", 1, 50),  # before the loop
-        {"ph": "i", "name": "cudaStreamSynchronize", "cat": "cuda_runtime", "tid": 1, "ts": 130},
-    ]}
-    assert blocking_calls(trace) == {"loop_blocking_calls": 1, "loop_blocking_names": ["cudaStreamSynchronize"],
-                                     "helper_thread_blocking_calls": 1, "loop_runtime_calls": 3}
+    trace = {
+        "traceEvents": [
+            _x(LOOP, "gpu_user_annotation", 7, 90, 300),  # the GPU-side copy of the range: not the loop
+            _x(LOOP, "user_annotation", 1, 100, 100),
+            _x("cudaLaunchKernel", "cuda_runtime", 1, 110),
+            _x("cudaMemcpyAsync", "cuda_runtime", 1, 120),  # asynchronous: not blocking
+            _x("cudaStreamSynchronize", "cuda_runtime", 1, 150),  # .item() in the loop: a violation
+            _x("cudaEventSynchronize", "cuda_runtime", 2, 160),  # the loader's slab hand-off
+            _x("cudaStreamSynchronize", "cuda_runtime", 1, 250),  # the loss read after the loop
+            _x("cudaDeviceSynchronize", "cuda_runtime", 1, 50),  # before the loop
+            {"ph": "i", "name": "cudaStreamSynchronize", "cat": "cuda_runtime", "tid": 1, "ts": 130},
+        ]
+    }
+    assert blocking_calls(trace) == {
+        "loop_blocking_calls": 1,
+        "loop_blocking_names": ["cudaStreamSynchronize"],
+        "helper_thread_blocking_calls": 1,
+        "loop_runtime_calls": 3,
+    }
     with pytest.raises(ValueError, match=LOOP):
         blocking_calls({"traceEvents": trace["traceEvents"][:1] + trace["traceEvents"][2:]})
 
@@ -65,14 +71,24 @@ def _profiled_run(tmp_path: Path, rid: str, actor: str, capsys) -> tuple[Path, s
 
     from megatrain.launch.config import load_config
     from megatrain.launch.driver import Trainer
-
     from tests.helpers import TINY
 
     hf = json.dumps({**TINY, "num_hidden_layers": 2})
     out = tmp_path / "out"
-    cfg = load_config(None, [f"model.hf={hf}", "data.seq_len=32", "data.batch_size=2", "train.steps=4",
-                             "train.profile.step=3", f"train.profile.actor={actor}", f"train.run_id={rid}",
-                             f"train.output_dir={out}", "launch.runner=inprocess"])
+    cfg = load_config(
+        None,
+        [
+            f"model.hf={hf}",
+            "data.seq_len=32",
+            "data.batch_size=2",
+            "train.steps=4",
+            "train.profile.step=3",
+            f"train.profile.actor={actor}",
+            f"train.run_id={rid}",
+            f"train.output_dir={out}",
+            "launch.runner=inprocess",
+        ],
+    )
     Trainer(cfg).run()
     return out, capsys.readouterr().out
 
@@ -147,8 +163,12 @@ def _fake_py_spy(tmp_path: Path, script: str, monkeypatch) -> None:
 def test_a_py_spy_that_cannot_attach_is_named_with_its_error(tmp_path: Path, monkeypatch) -> None:
     from megatrain.ipc.sampler import Sampler
 
-    _fake_py_spy(tmp_path, "echo 'Error: Operation not permitted (os error 1)'; echo 'Stack backtrace:'; "
-                           "echo '   0: anyhow::error'; exit 1", monkeypatch)
+    _fake_py_spy(
+        tmp_path,
+        "echo 'Error: Operation not permitted (os error 1)'; echo 'Stack backtrace:'; "
+        "echo '   0: anyhow::error'; exit 1",
+        monkeypatch,
+    )
     sampler = Sampler()
     why = sampler.start(str(tmp_path / "p.json"))
     assert why == "py-spy exited at once: Error: Operation not permitted (os error 1)"
@@ -159,6 +179,7 @@ def test_a_py_spy_that_never_samples_is_ended(tmp_path: Path, monkeypatch) -> No
     import subprocess
 
     import psutil
+
     from megatrain.ipc import sampler as sampling
 
     made: list[subprocess.Popen] = []
@@ -184,10 +205,9 @@ def test_an_actor_the_run_does_not_have_is_named_and_nothing_is_profiled(tmp_pat
 def test_nvtx_ranges_follow_the_engines_phase_marks(monkeypatch) -> None:
     """A real step's marks give one balanced NVTX range per phase, in mark order ('end' closes the last); a
     step that raises leaves no range open once closed."""
-    from megatrain.ipc.protocol import blocks
-
     from megatrain.data import DataConfig, batch
     from megatrain.engine import EngineConfig, StepEngine
+    from megatrain.ipc.protocol import blocks
     from megatrain.profiling import NvtxPhases
     from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
 
@@ -204,10 +224,18 @@ def test_nvtx_ranges_follow_the_engines_phase_marks(monkeypatch) -> None:
         names.append(name)
         phases(name)
 
-    engine = StepEngine(spec, EngineConfig(checkpoint_interval=2, last_block_layers=1, chunk_sequences=1),
-                        torch.device("cpu"), torch.float32)
-    engine.step(*batch(DataConfig(seq_len=16, batch_size=2), 0), DictSource(spec, state, blocks=blocks(4, 2, 1)),
-                DictSink(), mark)
+    engine = StepEngine(
+        spec,
+        EngineConfig(checkpoint_interval=2, last_block_layers=1, chunk_sequences=1),
+        torch.device("cpu"),
+        torch.float32,
+    )
+    engine.step(
+        *batch(DataConfig(seq_len=16, batch_size=2), 0),
+        DictSource(spec, state, blocks=blocks(4, 2, 1)),
+        DictSink(),
+        mark,
+    )
     assert names[0] == "forward" and names[-1] == "end" and "recompute:1" in names and "bwd:1" in names
     want = [c for n in names[:-1] for c in ("-", f"+{n}")][1:] + ["-"]
     assert calls == want and not phases.open
@@ -233,11 +261,10 @@ def test_launch_nsight_without_nsys_is_refused_before_the_executor_starts(monkey
     """Only the gpu-executor runs under nsys; a local node without it gets a config error naming the key."""
     import shutil
 
+    from megatrain.errors import ConfigError
     from megatrain.launch.config import load_config
     from megatrain.launch.placement import Demand
     from megatrain.launch.runners import RayRunner
-
-    from megatrain.errors import ConfigError
 
     monkeypatch.setattr(shutil, "which", lambda name: None)
     runner = RayRunner(load_config(None, ["launch.nsight=default"]).launch)

@@ -11,16 +11,31 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 # Store members that are the protocol's alone: version and saved counters, squared norms, semaphores, slabs.
-LOW_LEVEL = {"versions", "saved", "sqnorms", "sems", "version", "publish_version", "publish_versions", "wait_version",
-             "publish_saved", "wait_saved", "grad_slab", "weight_slab", "_wait_reached", "_waiting"}
+LOW_LEVEL = {
+    "versions",
+    "saved",
+    "sqnorms",
+    "sems",
+    "version",
+    "publish_version",
+    "publish_versions",
+    "wait_version",
+    "publish_saved",
+    "wait_saved",
+    "grad_slab",
+    "weight_slab",
+    "_wait_reached",
+    "_waiting",
+}
 STORE_VERBS = {"wait", "post"}  # a semaphore's, when called on a store
 SEMAPHORE = re.compile(r"\b(grads_ready|[gw]_(full|free)\d*)\b")
 MODULES = {"posix_ipc", "megatrain.ipc.protocol.fence"}
 
 
 def _on_store(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Name) and node.id == "store") or (isinstance(node, ast.Attribute)
-                                                                   and node.attr == "store")
+    return (isinstance(node, ast.Name) and node.id == "store") or (
+        isinstance(node, ast.Attribute) and node.attr == "store"
+    )
 
 
 def leaks(source: str) -> list[str]:
@@ -41,8 +56,9 @@ def leaks(source: str) -> list[str]:
 
 
 def test_actors_call_the_protocol_and_touch_nothing_below_it() -> None:
-    found = [f"{p.relative_to(ROOT)}:{leak}" for p in sorted((ROOT / "actors").glob("*.py"))
-             for leak in leaks(p.read_text())]
+    found = [
+        f"{p.relative_to(ROOT)}:{leak}" for p in sorted((ROOT / "actors").glob("*.py")) for leak in leaks(p.read_text())
+    ]
     assert not found, "actors touching versions, semaphores or slabs (use ipc/protocol/):\n" + "\n".join(found)
 
 
@@ -59,9 +75,19 @@ def f(self, item, store):
     self.done.wait(0.1)  # a threading.Event: not the store's
 """
     found = leaks(source)
-    assert sorted(found) == sorted([
-        "2: imports posix_ipc", "3: imports megatrain.ipc.protocol.fence", "5: .versions", "6: .publish_version",
-        "7: store.wait", "7: semaphore 'g_full'", "8: store.post", "8: semaphore 'grads_ready'", "9: .sqnorms"]), found
+    assert sorted(found) == sorted(
+        [
+            "2: imports posix_ipc",
+            "3: imports megatrain.ipc.protocol.fence",
+            "5: .versions",
+            "6: .publish_version",
+            "7: store.wait",
+            "7: semaphore 'g_full'",
+            "8: store.post",
+            "8: semaphore 'grads_ready'",
+            "9: .sqnorms",
+        ]
+    ), found
 
 
 def asserts(path: Path) -> list[int]:
@@ -69,8 +95,12 @@ def asserts(path: Path) -> list[int]:
 
 
 def test_no_assert_in_library_code() -> None:
-    found = [f"{p.relative_to(ROOT)}:{line}" for folder in ("actors", "ipc", "launch")
-             for p in sorted((ROOT / folder).rglob("*.py")) for line in asserts(p)]
+    found = [
+        f"{p.relative_to(ROOT)}:{line}"
+        for folder in ("actors", "ipc", "launch")
+        for p in sorted((ROOT / folder).rglob("*.py"))
+        for line in asserts(p)
+    ]
     assert not found, "assert in library code (raise an exception; python -O drops asserts):\n" + "\n".join(found)
 
 

@@ -8,11 +8,11 @@ import threading
 import time
 
 import pytest
+
+from megatrain.errors import ProtocolError, WaitTimeout
 from megatrain.ipc.protocol import Store
 from megatrain.ipc.protocol.checkpoints import claim, restore_versions, wait_taken, written
 from megatrain.ipc.protocol.store import WAITS
-
-from megatrain.errors import ProtocolError, WaitTimeout
 from tests.shm_fixtures import ALL_PARTS, make_spec, owned
 
 

@@ -6,19 +6,25 @@ import json
 import sys
 
 import pytest
+
+import megatrain
+from megatrain.errors import ConfigError
 from megatrain.launch.config import load_config
 from megatrain.launch.driver import Trainer
 from megatrain.launch.output import prepare_output
 from megatrain.launch.progress import Eta, Progress, clock
-
-import megatrain
-from megatrain.errors import ConfigError
 from tests.helpers import TINY
 
 
 def row(step: int, seconds: float = 0.5) -> dict:
-    return {"step": step, "step_time_s": seconds, "loss": 2.0 / step, "tokens_per_s": 1000.0, "lr": 1e-3,
-            "grad_norm": 1.5}
+    return {
+        "step": step,
+        "step_time_s": seconds,
+        "loss": 2.0 / step,
+        "tokens_per_s": 1000.0,
+        "lr": 1e-3,
+        "grad_norm": 1.5,
+    }
 
 
 class FakeClock:
@@ -78,8 +84,10 @@ def test_a_run_continued_in_its_directory_says_so(tmp_path, capsys) -> None:
     (out / "config.yaml").write_text("train: {}\n")
     prepare_output(out, overwrite=False, resume_step=5)
     said = capsys.readouterr().out
-    assert f"continuing the run in {out}: metrics.jsonl kept through step 5 (the steps after it are redone); " \
-           "config.yaml from before the stop removed (this run writes its own)" in said
+    assert (
+        f"continuing the run in {out}: metrics.jsonl kept through step 5 (the steps after it are redone); "
+        "config.yaml from before the stop removed (this run writes its own)" in said
+    )
     assert "earlier run" not in said
     assert [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4, 5]
 
@@ -112,9 +120,20 @@ def test_tensorboard_gets_every_step(tmp_path, rid: str) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     hf = json.dumps({**TINY, "num_hidden_layers": 2})
-    cfg = load_config(None, [f"model.hf={hf}", "data.seq_len=32", "data.batch_size=2", "train.steps=3",
-                             "train.eval_every=2", f"train.run_id={rid}", "train.tensorboard=true",
-                             f"train.output_dir={tmp_path / 'out'}", "launch.runner=inprocess"])
+    cfg = load_config(
+        None,
+        [
+            f"model.hf={hf}",
+            "data.seq_len=32",
+            "data.batch_size=2",
+            "train.steps=3",
+            "train.eval_every=2",
+            f"train.run_id={rid}",
+            "train.tensorboard=true",
+            f"train.output_dir={tmp_path / 'out'}",
+            "launch.runner=inprocess",
+        ],
+    )
     Trainer(cfg).run()
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     acc = EventAccumulator(str(tmp_path / "out" / "tb"))
@@ -122,16 +141,28 @@ def test_tensorboard_gets_every_step(tmp_path, rid: str) -> None:
     loss = acc.Scalars("train/loss")
     assert [e.step for e in loss] == [1, 2, 3]
     assert [e.value for e in loss] == pytest.approx([r["loss"] for r in rows])
-    assert {"train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/tflops", "perf/step_time_s",
-            "eval/loss"} <= set(acc.Tags()["scalars"])
+    assert {"train/lr", "train/grad_norm", "perf/tokens_per_s", "perf/tflops", "perf/step_time_s", "eval/loss"} <= set(
+        acc.Tags()["scalars"]
+    )
     assert [e.step for e in acc.Scalars("eval/loss")] == [2, 3]
 
 
 def test_final_eval_false_leaves_out_only_the_closing_evaluation(tmp_path, rid: str, capsys) -> None:
     hf = json.dumps({**TINY, "num_hidden_layers": 2})
-    cfg = load_config(None, [f"model.hf={hf}", "data.seq_len=32", "data.batch_size=2", "train.steps=3",
-                             "train.eval_every=2", "train.final_eval=false", f"train.run_id={rid}",
-                             f"train.output_dir={tmp_path / 'out'}", "launch.runner=inprocess"])
+    cfg = load_config(
+        None,
+        [
+            f"model.hf={hf}",
+            "data.seq_len=32",
+            "data.batch_size=2",
+            "train.steps=3",
+            "train.eval_every=2",
+            "train.final_eval=false",
+            f"train.run_id={rid}",
+            f"train.output_dir={tmp_path / 'out'}",
+            "launch.runner=inprocess",
+        ],
+    )
     Trainer(cfg).run()
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "eval_loss" in r] == [2]
@@ -142,16 +173,22 @@ def test_final_eval_false_leaves_out_only_the_closing_evaluation(tmp_path, rid: 
 
 def test_tensorboard_missing_is_a_usage_error_before_anything_starts(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # import fails as if not installed
-    cfg = load_config(None, ["train.tensorboard=true", f"train.output_dir={tmp_path / 'out'}",
-                             "launch.runner=inprocess"])
+    cfg = load_config(
+        None, ["train.tensorboard=true", f"train.output_dir={tmp_path / 'out'}", "launch.runner=inprocess"]
+    )
     with pytest.raises(ConfigError, match=r"train.tensorboard.*pip install 'megatrain\[tensorboard\]'"):
         Trainer(cfg).run()
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("override,message", [("train.progress=fancy", "train.progress must be 'auto', 'bar' or"),
-                                              ("train.profile.actor=packer", "train.profile.actor: 'packer' is not"),
-                                              ("train.profile.step=-1", "train.profile.step must be >= 0")])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.progress=fancy", "train.progress must be 'auto', 'bar' or"),
+        ("train.profile.actor=packer", "train.profile.actor: 'packer' is not"),
+        ("train.profile.step=-1", "train.profile.step must be >= 0"),
+    ],
+)
 def test_bad_progress_and_profile_keys_are_named(override: str, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])

@@ -17,10 +17,10 @@ import time
 import numpy as np
 import posix_ipc
 import pytest
-from megatrain.ipc import procs, shm
-from megatrain.ipc.shm import HEADER_BYTES, Header, Segment, seg_name, sem_name
 
 from megatrain.errors import LayoutMismatch, ResourceError
+from megatrain.ipc import procs, shm
+from megatrain.ipc.shm import HEADER_BYTES, Header, Segment, seg_name, sem_name
 from tests.shm_fixtures import HASH, SHM, leftovers, owned, remove_all
 
 
@@ -47,8 +47,8 @@ def test_segment_create_names_mode_header_and_attach(rid: str) -> None:
         other = Segment.attach(name, HASH, rid)
         try:
             assert not other.owner and other.header == seg.header
-            seg.mm[HEADER_BYTES:HEADER_BYTES + 5] = b"hello"
-            assert other.mm[HEADER_BYTES:HEADER_BYTES + 5] == b"hello"
+            seg.mm[HEADER_BYTES : HEADER_BYTES + 5] = b"hello"
+            assert other.mm[HEADER_BYTES : HEADER_BYTES + 5] == b"hello"
             other.mm[-3:] = b"end"
             assert seg.mm[-3:] == b"end"
         finally:
@@ -58,12 +58,17 @@ def test_segment_create_names_mode_header_and_attach(rid: str) -> None:
     assert leftovers(rid) == []
 
 
-@pytest.mark.parametrize("owner_run, attach_hash, expect", [
-    ("{rid}", bytes(16), ["layout hash differs"]),
-    ("someoneelse", HASH, ["run id 'someoneelse'", "expected '{rid}'"]),
-], ids=["wrong-layout-hash", "wrong-run-id"])
-def test_attach_with_a_wrong_header_names_the_difference(rid: str, owner_run: str, attach_hash: bytes,
-                                                         expect: list[str]) -> None:
+@pytest.mark.parametrize(
+    "owner_run, attach_hash, expect",
+    [
+        ("{rid}", bytes(16), ["layout hash differs"]),
+        ("someoneelse", HASH, ["run id 'someoneelse'", "expected '{rid}'"]),
+    ],
+    ids=["wrong-layout-hash", "wrong-run-id"],
+)
+def test_attach_with_a_wrong_header_names_the_difference(
+    rid: str, owner_run: str, attach_hash: bytes, expect: list[str]
+) -> None:
     name = seg_name(rid, "ctl")
     with owned(Segment.create(name, 64, Header(HASH, owner_run.format(rid=rid)))):
         with pytest.raises(LayoutMismatch) as info:
@@ -151,8 +156,11 @@ def test_in_a_ray_worker_the_store_must_fit_under_the_memory_monitors_threshold(
     shm.check_space({"params": 9 * 2**30}, SHM)  # no Ray here: RAM alone
     monkeypatch.setenv("RAY_RAYLET_PID", "1")
     monkeypatch.setenv("RAY_memory_usage_threshold", "0.9")
-    with pytest.raises(ResourceError, match=r"10\.00 GiB is available, but Ray's memory monitor kills .* above 90% "
-                                            r".*leaves 8\.00 GiB for the run"):
+    with pytest.raises(
+        ResourceError,
+        match=r"10\.00 GiB is available, but Ray's memory monitor kills .* above 90% "
+        r".*leaves 8\.00 GiB for the run",
+    ):
         shm.check_space({"params": 9 * 2**30}, SHM)
     shm.check_space({"params": 7 * 2**30}, SHM)
     monkeypatch.delenv("RAY_memory_usage_threshold")  # Ray's default, 95 %: 9 GiB left
@@ -179,8 +187,14 @@ LIVE_OWNER = DEAD_OWNER + "import time\nprint('ready', flush=True)\ntime.sleep(1
 def test_sweep_removes_a_run_whose_owner_died(rid: str) -> None:
     cuda_file = None
     try:
-        out = subprocess.run([sys.executable, "-c", DEAD_OWNER, rid], check=True, capture_output=True,
-                             text=True, timeout=60, env=child_env())
+        out = subprocess.run(
+            [sys.executable, "-c", DEAD_OWNER, rid],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=child_env(),
+        )
         pid = int(out.stdout.split()[0])
         expected = {f"megatrain-{rid}-ctl", f"megatrain-{rid}-params", f"sem.megatrain-{rid}-sem-wfree0"}
         assert set(leftovers(rid)) == expected
@@ -258,9 +272,15 @@ def test_sweep_spares_a_young_ctl_without_header_but_not_an_old_one(rid: str) ->
 
 
 def start_reaper(rid: str, pid: int, ticks: int) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "megatrain.ipc.reaper", rid, str(pid), str(ticks)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env=child_env())
+    return subprocess.Popen(
+        [sys.executable, "-m", "megatrain.ipc.reaper", rid, str(pid), str(ticks)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        env=child_env(),
+    )
 
 
 def stop(proc: subprocess.Popen | None) -> None:
@@ -276,8 +296,9 @@ def test_reaper_unlinks_after_the_owner_is_sigkilled(rid: str, reaped: bool) -> 
     a container is no init: a zombie runs no cleanup, ever."""
     owner = reaper = None
     try:
-        owner = subprocess.Popen([sys.executable, "-c", LIVE_OWNER, rid], stdout=subprocess.PIPE, text=True,
-                                 env=child_env())
+        owner = subprocess.Popen(
+            [sys.executable, "-c", LIVE_OWNER, rid], stdout=subprocess.PIPE, text=True, env=child_env()
+        )
         pid = int(owner.stdout.readline())
         assert owner.stdout.readline().strip() == "ready"
         assert len(leftovers(rid)) == 3
@@ -324,8 +345,6 @@ def test_reaper_exits_untouched_when_the_ctl_segment_is_unlinked(rid: str) -> No
         ctl.close()
         params.close()
     assert leftovers(rid) == []
-
-
 
 
 def test_pss_of_this_process_and_of_a_gone_one(rid: str) -> None:
@@ -376,12 +395,13 @@ def test_a_zombie_is_alive_but_not_running_and_maps_nothing() -> None:
 def test_maps_path_and_descendants(rid: str) -> None:
     name = seg_name(rid, "params")
     # a child with a grandchild; both end when their shared stdin closes
-    tree = ("import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()']); "
-            "print(c.pid, flush=True); c.wait()")
+    tree = (
+        "import subprocess, sys; c = subprocess.Popen([sys.executable, '-c', 'import sys; sys.stdin.read()']); "
+        "print(c.pid, flush=True); c.wait()"
+    )
     with owned(Segment.create(name, 4096, Header(HASH, rid))):
         assert procs.maps_path(os.getpid(), name) and not procs.maps_path(os.getpid(), f"megatrain-{rid}-nothing")
-        child = subprocess.Popen([sys.executable, "-c", tree], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                 text=True)
+        child = subprocess.Popen([sys.executable, "-c", tree], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             grandchild = int(child.stdout.readline())
             assert {child.pid, grandchild} <= set(procs.descendants([os.getpid()]))

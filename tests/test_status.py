@@ -9,7 +9,6 @@ import sys
 from megatrain.ipc.protocol import Store
 from megatrain.ipc.protocol.status import read_run
 from megatrain.launch.cli import main
-
 from tests.shm_fixtures import ALL_PARTS, SHM, make_spec, owned, remove_all
 from tests.test_shm import DEAD_OWNER, child_env
 
@@ -52,8 +51,14 @@ def test_status_says_no_runs(tmp_path, capsys) -> None:
 
 def test_a_run_whose_owner_died_is_not_listed_but_named_for_cleanup(rid: str, capsys) -> None:
     try:
-        subprocess.run([sys.executable, "-c", DEAD_OWNER, rid], check=True, capture_output=True, text=True,
-                       timeout=60, env=child_env())
+        subprocess.run(
+            [sys.executable, "-c", DEAD_OWNER, rid],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=child_env(),
+        )
         assert read_run(rid) is None
         assert main(["status"]) == 0
         out = capsys.readouterr().out

@@ -16,13 +16,13 @@ import time
 import numpy as np
 import pytest
 import torch
+
+from megatrain.errors import AbortError, LayoutMismatch, ProtocolError, ResourceError, WaitTimeout
 from megatrain.ipc import shm
 from megatrain.ipc.protocol import PLANES, Store
 from megatrain.ipc.protocol.executor import SyncSink
 from megatrain.ipc.shm import HEADER_BYTES
 from megatrain.launch.placement import ActorsConfig, demands
-
-from megatrain.errors import AbortError, LayoutMismatch, ProtocolError, ResourceError, WaitTimeout
 from megatrain.layout import TILE_ALIGN
 from tests.helpers import spec_for, tiny_hf
 from tests.shm_fixtures import ALL_PARTS, SHM, leftovers, make_spec, owned, remove_all
@@ -60,8 +60,8 @@ def test_store_create_and_attach_share_memory(rid: str, model_spec) -> None:
             u = spec.layout.units[2]
             n = spec.layout.structure_of(2).numel
             seen = store.plane("exp_avg")
-            assert (seen[u.offset:u.offset + n] == 3.5).all()
-            assert not seen[:u.offset].any() and not seen[u.offset + n:].any()
+            assert (seen[u.offset : u.offset + n] == 3.5).all()
+            assert not seen[: u.offset].any() and not seen[u.offset + n :].any()
             other.torch_tile("grads", 0).fill_(-1.0)
             assert (store.tile("grads", 0) == -1.0).all()
             other.weight_slab(1).fill_(2.0)
@@ -136,10 +136,19 @@ def check_partition(order: list[int], grouped: list, items_of, workers: int, sla
 @pytest.mark.parametrize("slabs, workers", [(1, 1), (4, 1), (4, 2), (3, 2), (5, 3), (2, 2), (8, 3)])
 @pytest.mark.parametrize("k", [1, 2, 3])
 @pytest.mark.parametrize("slab_params", [0, 3000])
-def test_weight_and_grad_items_partition_the_orders(model_spec, slabs: int, workers: int, k: int,
-                                                    slab_params: int) -> None:
-    spec = make_spec("partition", model_spec, k=k, packers=workers, accs=workers, weight_slabs=slabs,
-                     grad_slabs=slabs, slab_params=slab_params)
+def test_weight_and_grad_items_partition_the_orders(
+    model_spec, slabs: int, workers: int, k: int, slab_params: int
+) -> None:
+    spec = make_spec(
+        "partition",
+        model_spec,
+        k=k,
+        packers=workers,
+        accs=workers,
+        weight_slabs=slabs,
+        grad_slabs=slabs,
+        slab_params=slab_params,
+    )
     n = spec.layout.num_layers
     assert sorted(set(spec.fetch_order)) == list(range(n + 2))
     check_partition(spec.fetch_order, spec.fetch_items, spec.weight_items, workers, slabs, spec)
@@ -168,8 +177,9 @@ def test_pieces_tile_every_unit_within_one_slab(model_spec) -> None:
 @pytest.mark.parametrize("packers, accs", [(1, 1), (2, 3), (4, 2)])
 def test_every_worker_role_has_its_own_pid_slot(model_spec, packers: int, accs: int) -> None:
     spec = make_spec("slots", model_spec, packers=packers, accs=accs, weight_slabs=4, grad_slabs=4)
-    roles = [r for r in demands(ActorsConfig(num_packers=packers, num_accumulators=accs), cuda=False)
-             if r != "store-owner"]
+    roles = [
+        r for r in demands(ActorsConfig(num_packers=packers, num_accumulators=accs), cuda=False) if r != "store-owner"
+    ]
     slots = [spec.pid_slot(r) for r in roles]
     assert len(set(slots)) == len(roles)
     assert all(0 <= s < shm.MAX_PIDS for s in slots)

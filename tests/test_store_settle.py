@@ -11,13 +11,13 @@ import os
 
 import pytest
 import torch
+
 from megatrain.actors.store_owner import RUN_RESERVE, StoreOwner, StoreRequest
+from megatrain.engine import EngineConfig, fixed_sizes
+from megatrain.errors import ResourceError
 from megatrain.ipc import shm
 from megatrain.ipc.protocol import IpcConfig, Store, checkpoint_host_bytes, plan_store
 from megatrain.ipc.shm import HEADER_BYTES
-
-from megatrain.engine import EngineConfig, fixed_sizes
-from megatrain.errors import ResourceError
 from megatrain.model import ModelConfig, build_spec
 from tests.helpers import TINY
 from tests.shm_fixtures import leftovers
@@ -25,8 +25,9 @@ from tests.shm_fixtures import leftovers
 MODEL = ModelConfig(family="llama", hf={**TINY, "num_hidden_layers": 4, "vocab_size": 4096})
 BATCH = (4, 256)  # one pinned checkpoint: 4 x 256 tokens x 32 hidden x 2 bytes
 AUTO = EngineConfig(device="cuda", compute_dtype="bf16")  # K, last block, chunks still `auto`
-CHOSEN = dataclasses.replace(AUTO, checkpoint_interval=1, last_block_layers=1, chunk_sequences=0,
-                             loss_chunk_tokens=2048)  # 3 checkpoints where the fixed sizes keep 1
+CHOSEN = dataclasses.replace(
+    AUTO, checkpoint_interval=1, last_block_layers=1, chunk_sequences=0, loss_chunk_tokens=2048
+)  # 3 checkpoints where the fixed sizes keep 1
 
 
 def create(owner: StoreOwner, rid: str, ipc: IpcConfig, clip: bool = True) -> None:
@@ -38,8 +39,13 @@ def need(mode: str, engine: EngineConfig, clip: bool = True) -> int:
     counts it."""
     spec = plan_store("x", build_spec(MODEL), "bf16", 2, 1, 1, IpcConfig(staging=mode), cuda=True, clip=clip)
     parts = spec.part_bytes()
-    return (sum(parts.values()) + len(parts) * HEADER_BYTES + checkpoint_host_bytes(spec.model, engine, *BATCH)
-            + RUN_RESERVE + spec.page_table_bytes())
+    return (
+        sum(parts.values())
+        + len(parts) * HEADER_BYTES
+        + checkpoint_host_bytes(spec.model, engine, *BATCH)
+        + RUN_RESERVE
+        + spec.page_table_bytes()
+    )
 
 
 def test_chosen_sizes_reorder_the_walk_and_keep_the_store(rid: str) -> None:
@@ -74,7 +80,12 @@ def test_a_decision_the_chosen_sizes_overturn_makes_the_store_again(rid: str, mo
         assert spec.staging_mode == "slabs" and owner.store.spec is spec
         assert "making the store again" in capsys.readouterr().out
         assert sorted(n.split("-")[-1] for n in leftovers(rid) if not n.startswith("sem.")) == [
-            "ctl", "exp_avg", "exp_avg_sq", "params", "staging"]  # no resident segment any more
+            "ctl",
+            "exp_avg",
+            "exp_avg_sq",
+            "params",
+            "staging",
+        ]  # no resident segment any more
         assert owner.store.torch_tile("params", 1).abs().sum() > 0  # drawn again
         Store.attach(spec, ("staging",)).close()
     finally:
@@ -110,8 +121,14 @@ def test_the_zero_planes_are_paged_in_behind_the_fill_and_keep_their_bytes(rid: 
         create(owner, rid, IpcConfig())
         owner.paging.join(timeout=60)
         store = owner.store
-        inside = lambda: sum(shm.pss_split(os.getpid(), f"megatrain-{rid}-{p}")[0]  # noqa: E731
-                             - shm.pss_split(os.getpid(), f"megatrain-{rid}-{p}")[1] for p in ("exp_avg", "exp_avg_sq"))
+
+        def inside() -> int:
+            return sum(
+                shm.pss_split(os.getpid(), f"megatrain-{rid}-{p}")[0]
+                - shm.pss_split(os.getpid(), f"megatrain-{rid}-{p}")[1]
+                for p in ("exp_avg", "exp_avg_sq")
+            )
+
         assert inside() >= 0.9 * 2 * store.plane("exp_avg").nbytes  # resident without a byte written
         assert not store.plane("exp_avg").any() and not store.plane("exp_avg_sq").any()
         assert shm.populate(store.plane("params")[:1000])

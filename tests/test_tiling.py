@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatrain.ipc.protocol import blocks
 
 from megatrain.data import DataConfig, batch
 from megatrain.engine import EngineConfig, StepEngine
 from megatrain.errors import ConfigError
+from megatrain.ipc.protocol import blocks
 from megatrain.tiling import tiled_layer
 from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
 from tests.test_equivalence import check, compare, tiny_config
@@ -21,8 +21,11 @@ def _layer_run(family: str, tile: int, lean: bool) -> tuple[torch.Tensor, list[t
     layer = model.model.layers[0]
     x = torch.randn(3, 13, model.config.hidden_size, requires_grad=True)
     pos_ids = torch.arange(13).unsqueeze(0)
-    kwargs = {"position_embeddings": model.model.rotary_emb(x, pos_ids), "position_ids": pos_ids,
-              "attention_mask": None}
+    kwargs = {
+        "position_embeddings": model.model.rotary_emb(x, pos_ids),
+        "position_ids": pos_ids,
+        "attention_mask": None,
+    }
     params = dict(layer.named_parameters())
     if tile:
         from megatrain.lean import lean_call
@@ -55,8 +58,11 @@ def test_a_tiled_layer_keeps_only_its_input_for_the_mlp_half() -> None:
     layer, hf = model.model.layers[0], model.config
     x = torch.randn(1, 64, hf.hidden_size, requires_grad=True)
     pos_ids = torch.arange(64).unsqueeze(0)
-    kwargs = {"position_embeddings": model.model.rotary_emb(x, pos_ids), "position_ids": pos_ids,
-              "attention_mask": None}
+    kwargs = {
+        "position_embeddings": model.model.rotary_emb(x, pos_ids),
+        "position_ids": pos_ids,
+        "attention_mask": None,
+    }
     params = dict(layer.named_parameters())
 
     def activations(call) -> set[int]:
@@ -74,11 +80,18 @@ def _step(family: str, tile: int, last: int, lean: int, chunk: int):
     spec = spec_for(model, family)
     ids, labels = batch(DataConfig(seq_len=24, batch_size=3), 0)
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    cfg = EngineConfig(checkpoint_interval=2, last_block_layers=last, lean_layers=lean, loss_chunk_tokens=10,
-                       chunk_sequences=chunk, token_tile=tile)
+    cfg = EngineConfig(
+        checkpoint_interval=2,
+        last_block_layers=last,
+        lean_layers=lean,
+        loss_chunk_tokens=10,
+        chunk_sequences=chunk,
+        token_tile=tile,
+    )
     sink = DictSink()
     res = StepEngine(spec, cfg, torch.device("cpu"), torch.float32).step(
-        ids, labels, DictSource(spec, state, blocks=blocks(4, 2, last)), sink)
+        ids, labels, DictSource(spec, state, blocks=blocks(4, 2, last)), sink
+    )
     return res.loss, sink.grads
 
 

@@ -8,6 +8,7 @@ import inspect
 import threading
 
 import pytest
+
 from megatrain.actors.base import Role
 from megatrain.launch.handles import Handle, Runner
 from megatrain.launch.placement import Demand

@@ -23,9 +23,24 @@ def test_wake_bench_reports_both_kinds_and_cleans_up(tmp_path: Path) -> None:
     before = set(os.listdir(SHM))
     try:
         # Short delays keep the test at the bench's start-up cost (two interpreters importing torch).
-        proc = subprocess.run([sys.executable, str(ROOT / "bench" / "wake.py"), "--rounds", str(ROUNDS),
-                               "--max-delay-ms", "5", "--run-id", run_id, "--out", str(out)],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "bench" / "wake.py"),
+                "--rounds",
+                str(ROUNDS),
+                "--max-delay-ms",
+                "5",
+                "--run-id",
+                run_id,
+                "--out",
+                str(out),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         new = sorted(n for n in set(os.listdir(SHM)) - before if run_id in n)
     finally:
         remove_all(run_id)

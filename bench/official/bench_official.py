@@ -26,6 +26,7 @@ No file of theirs is edited. Glue applied from here, all outside their algorithm
 TFLOPS printed per step:  theirs = 6*N*B*S / t      (their train.py formula, S = max_seq_len)
                           ours   = (6*N*D + 12*L*H*S*D) / t,  D = B*S tokens, L layers, H hidden.
 """
+
 import argparse
 import importlib.util
 import json
@@ -46,20 +47,31 @@ from checkout import MissingCheckout, commit_of, official_src  # beside this scr
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model-dir", required=True, help="HF model directory (make_model.py writes one)")
-    p.add_argument("--src", default=None, help="their checkout (default: $MEGATRAIN_OFFICIAL_SRC, else "
-                                               "../shared/peers/official/src beside the repository root)")
+    p.add_argument(
+        "--src",
+        default=None,
+        help="their checkout (default: $MEGATRAIN_OFFICIAL_SRC, else "
+        "../shared/peers/official/src beside the repository root)",
+    )
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq", type=int, default=4096, help="max_seq_len; every sample is exactly this long")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1, help="first steps left out of our mean/median")
-    p.add_argument("--attn", default="auto", choices=["auto", "flash_attention_2", "sdpa"],
-                   help="auto: flash_attention_2 (their default) if flash-attn is importable, else sdpa + G3")
+    p.add_argument(
+        "--attn",
+        default="auto",
+        choices=["auto", "flash_attention_2", "sdpa"],
+        help="auto: flash_attention_2 (their default) if flash-attn is importable, else sdpa + G3",
+    )
     p.add_argument("--num-workers", type=int, default=None, help="DataLoader workers (default: their YAML's)")
     p.add_argument("--base-config", default=None, help="default: their examples/sft/configs/qwen_7b_1gpu.yaml")
     p.add_argument("--json-out", default=None)
     p.add_argument("--seed", type=int, default=1234, help="seed of the synthetic token stream")
-    p.add_argument("--allow-torch-adamw", action="store_true",
-                   help="run even if DeepSpeedCPUAdam is not importable (their fallback: torch AdamW)")
+    p.add_argument(
+        "--allow-torch-adamw",
+        action="store_true",
+        help="run even if DeepSpeedCPUAdam is not importable (their fallback: torch AdamW)",
+    )
     return p.parse_args()
 
 
@@ -67,6 +79,7 @@ class SyntheticTokens(torch.utils.data.Dataset):
     """G2: stands in for their ChatDataset (same constructor call, same sample dict). Random ids in [0, vocab),
     exactly max_seq_len long (no padding), attention_mask all ones, labels = input_ids (their loss shifts the
     labels itself). Deterministic per index. vocab/n_samples/seed are set on the class by main()."""
+
     vocab, n_samples, seed = None, 0, 0
 
     def __init__(self, tokenizer, max_seq_len, **kwargs):
@@ -97,6 +110,7 @@ def install_sdpa_mask_glue(cls):
             else:
                 kw["attention_mask"] = cls._prepare_4d_causal_mask(m, self.config.dtype, m.shape[1])
         return kw
+
     cls._build_layer_kwargs = _build_layer_kwargs
     return orig
 
@@ -106,6 +120,7 @@ def flash_attn_usable():
         return False
     try:
         from transformers.utils import is_flash_attn_2_available
+
         return bool(is_flash_attn_2_available())
     except Exception:
         return False
@@ -113,6 +128,7 @@ def flash_attn_usable():
 
 def write_config(a, attn, vocab):
     import yaml
+
     with open(a.base_config) as f:
         cfg = yaml.safe_load(f)
     cfg["model"]["name"] = os.path.abspath(a.model_dir)
@@ -140,6 +156,7 @@ def main():
     sys.path[:0] = [str(src), str(src / "examples" / "sft")]
 
     from transformers import AutoConfig
+
     hf_cfg = AutoConfig.from_pretrained(a.model_dir)
     vocab = hf_cfg.vocab_size
     attn = a.attn if a.attn != "auto" else ("flash_attention_2" if flash_attn_usable() else "sdpa")
@@ -151,14 +168,17 @@ def main():
     from infinity.model.cpu_master import FLASH_CE_AVAILABLE, CPUMasterModel
 
     if not official.CPU_ADAM_AVAILABLE and not a.allow_torch_adamw:
-        sys.exit("[bench] DeepSpeedCPUAdam is not importable (is deepspeed on PYTHONPATH?); "
-                 "their trainer would silently fall back to torch AdamW. Pass --allow-torch-adamw to accept that.")
+        sys.exit(
+            "[bench] DeepSpeedCPUAdam is not importable (is deepspeed on PYTHONPATH?); "
+            "their trainer would silently fall back to torch AdamW. Pass --allow-torch-adamw to accept that."
+        )
 
     # ---- G1: tokenizer stub -------------------------------------------------------------------
     class _NoTokenizer:
         @classmethod
         def from_pretrained(cls, *args, **kwargs):
             return types.SimpleNamespace(pad_token="<|endoftext|>", eos_token="<|endoftext|>")
+
     official.AutoTokenizer = _NoTokenizer
 
     # ---- G2: synthetic data in their sample format ----------------------------------------------
@@ -176,6 +196,7 @@ def main():
     def _init(self, *args, **kwargs):
         _orig_init(self, *args, **kwargs)
         state["model"] = self
+
     CPUMasterModel.__init__ = _init
 
     class _Clock(types.ModuleType):
@@ -190,6 +211,7 @@ def main():
 
         def __getattr__(self, name):
             return getattr(time, name)
+
     clock = _Clock()
     official.time = clock
 
@@ -229,19 +251,26 @@ def main():
             N, L, H = state["N"], state["L"], state["H"]
             st = clock.stamps
             t = st[-1] - st[-2]
-            cur.update(t=t, tflops_theirs=6 * N * B * S / t / 1e12,
-                       tflops_ours=(6 * N * D + 12 * L * H * S * D) / t / 1e12)
+            cur.update(
+                t=t, tflops_theirs=6 * N * B * S / t / 1e12, tflops_ours=(6 * N * D + 12 * L * H * S * D) / t / 1e12
+            )
             state["steps"].append(dict(cur))
-            print(f"[bench] step {cur.get('step')}: wall {t:.4f} s | TFLOPS theirs 6NBS/t {cur['tflops_theirs']:.1f}"
-                  f" | ours (6ND+12LHSD)/t {cur['tflops_ours']:.1f} | loss {cur.get('loss')}", flush=True)
+            print(
+                f"[bench] step {cur.get('step')}: wall {t:.4f} s | TFLOPS theirs 6NBS/t {cur['tflops_theirs']:.1f}"
+                f" | ours (6ND+12LHSD)/t {cur['tflops_ours']:.1f} | loss {cur.get('loss')}",
+                flush=True,
+            )
             state["cur"] = {}
         return True
 
     official.logger.addFilter(on_log)
 
-    print(f"[bench] official trainer, attn={attn} (flash-attn CE {'on' if FLASH_CE_AVAILABLE else 'off: torch CE'}), "
-          f"DeepSpeedCPUAdam={'yes' if official.CPU_ADAM_AVAILABLE else 'NO (torch AdamW)'}, "
-          f"B={B} S={S} steps={a.steps} config={cfg_path}", flush=True)
+    print(
+        f"[bench] official trainer, attn={attn} (flash-attn CE {'on' if FLASH_CE_AVAILABLE else 'off: torch CE'}), "
+        f"DeepSpeedCPUAdam={'yes' if official.CPU_ADAM_AVAILABLE else 'NO (torch AdamW)'}, "
+        f"B={B} S={S} steps={a.steps} config={cfg_path}",
+        flush=True,
+    )
     print("[bench] config: " + json.dumps(cfg), flush=True)
 
     sys.argv = ["train.py", "--config", cfg_path]
@@ -251,40 +280,59 @@ def main():
         official.main()
     except BaseException as e:  # report what ran, then fail
         import traceback
+
         traceback.print_exc()
         err = f"{type(e).__name__}: {e}"
         print(f"[bench] official main() raised {err}", flush=True)
 
     steps = state["steps"]
-    kept = steps[a.warmup:] if len(steps) > a.warmup else []
+    kept = steps[a.warmup :] if len(steps) > a.warmup else []
     summ = dict(
-        system=f"official MegaTrain (DLYuanGod/MegaTrain {commit_of(src)})", src=str(src),
-        model_dir=os.path.abspath(a.model_dir), attn=attn, flash_ce=FLASH_CE_AVAILABLE,
-        cpu_adam=official.CPU_ADAM_AVAILABLE, batch=B, seq=S, tokens_per_step=D, steps_run=len(steps),
-        warmup_excluded=a.warmup, N=state["N"], L=state["L"], H=state["H"],
+        system=f"official MegaTrain (DLYuanGod/MegaTrain {commit_of(src)})",
+        src=str(src),
+        model_dir=os.path.abspath(a.model_dir),
+        attn=attn,
+        flash_ce=FLASH_CE_AVAILABLE,
+        cpu_adam=official.CPU_ADAM_AVAILABLE,
+        batch=B,
+        seq=S,
+        tokens_per_step=D,
+        steps_run=len(steps),
+        warmup_excluded=a.warmup,
+        N=state["N"],
+        L=state["L"],
+        H=state["H"],
         gpu=(torch.cuda.get_device_name(0) if torch.cuda.is_available() else None),
         checkpoint_interval=cfg.get("memory", {}).get("checkpoint_interval"),
-        num_grad_slabs=cfg.get("memory", {}).get("num_grad_slabs"), wall_total_s=time.time() - t_start,
-        error=err, per_step=steps,
+        num_grad_slabs=cfg.get("memory", {}).get("num_grad_slabs"),
+        wall_total_s=time.time() - t_start,
+        error=err,
+        per_step=steps,
     )
     if kept:
         ts = [s["t"] for s in kept]
         summ.update(
-            mean_step_s=statistics.mean(ts), median_step_s=statistics.median(ts), min_step_s=min(ts),
+            mean_step_s=statistics.mean(ts),
+            median_step_s=statistics.median(ts),
+            min_step_s=min(ts),
             tflops_theirs_mean=statistics.mean(s["tflops_theirs"] for s in kept),
             tflops_ours_mean=statistics.mean(s["tflops_ours"] for s in kept),
             tflops_theirs_at_median=6 * state["N"] * B * S / statistics.median(ts) / 1e12,
             tflops_ours_at_median=(6 * state["N"] * D + 12 * state["L"] * state["H"] * S * D)
-            / statistics.median(ts) / 1e12,
+            / statistics.median(ts)
+            / 1e12,
             tflops_theirs_mean_all_steps=statistics.mean(s["tflops_theirs"] for s in steps),  # = their "Avg Throughput"
             peak_gpu_gb=max(s.get("gpu_peak_gb", 0) for s in steps),
             peak_cpu_rss_gb=max(s.get("cpu_rss_gb", 0) for s in steps),
         )
-        print(f"[bench] SUMMARY over steps {a.warmup + 1}..{len(steps)}: median {summ['median_step_s']:.3f} s/step, "
-              f"TFLOPS theirs {summ['tflops_theirs_at_median']:.1f}, ours {summ['tflops_ours_at_median']:.1f} "
-              f"(N={state['N']:,}, L={state['L']}, H={state['H']}, D={D}); peak GPU {summ['peak_gpu_gb']:.1f} GB, "
-              f"CPU RSS {summ['peak_cpu_rss_gb']:.1f} GB; first-step loss {steps[0].get('loss')} "
-              f"(random init: expect ~ln(V) = {math.log(vocab):.2f})", flush=True)
+        print(
+            f"[bench] SUMMARY over steps {a.warmup + 1}..{len(steps)}: median {summ['median_step_s']:.3f} s/step, "
+            f"TFLOPS theirs {summ['tflops_theirs_at_median']:.1f}, ours {summ['tflops_ours_at_median']:.1f} "
+            f"(N={state['N']:,}, L={state['L']}, H={state['H']}, D={D}); peak GPU {summ['peak_gpu_gb']:.1f} GB, "
+            f"CPU RSS {summ['peak_cpu_rss_gb']:.1f} GB; first-step loss {steps[0].get('loss')} "
+            f"(random init: expect ~ln(V) = {math.log(vocab):.2f})",
+            flush=True,
+        )
     print("[bench] JSON " + json.dumps(summ), flush=True)
     if a.json_out:
         os.makedirs(os.path.dirname(os.path.abspath(a.json_out)), exist_ok=True)

@@ -34,8 +34,9 @@ def official_src(given: str | None = None, flag: str | None = "--official-src") 
         return _checked(Path(os.environ[ENV]).expanduser(), f"{ENV}={os.environ[ENV]}", how)
     if DEFAULT.is_dir():
         return _checked(DEFAULT, f"the default {DEFAULT}", how)
-    raise MissingCheckout(f"the official MegaTrain code is not in this repository and its default place {DEFAULT} "
-                          f"does not exist: {how}")
+    raise MissingCheckout(
+        f"the official MegaTrain code is not in this repository and its default place {DEFAULT} does not exist: {how}"
+    )
 
 
 def _checked(path: Path, named: str, how: str) -> Path:
@@ -56,8 +57,9 @@ def commit_of(src: Path) -> str:
         if len(words) > 1:
             return words[1][:7]
     try:
-        out = subprocess.run(["git", "-C", str(src), "rev-parse", "--short=7", "HEAD"], capture_output=True,
-                             text=True, timeout=30)
+        out = subprocess.run(
+            ["git", "-C", str(src), "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired):
         return "unknown commit"
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown commit"

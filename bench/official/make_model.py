@@ -10,6 +10,7 @@ Usage: python3 make_model.py OUTDIR [--layers 8] [--hidden 3584 --intermediate 1
                                      --kv-heads 4 --vocab 152064] [--seed 0]
 A directory already completed by this script with the same arguments (make_model.json) is kept as it is.
 """
+
 import argparse
 import json
 import os
@@ -24,12 +25,23 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 def build_config(a):
     kw = dict(
-        hidden_size=a.hidden, intermediate_size=a.intermediate, num_attention_heads=a.heads,
-        num_key_value_heads=a.kv_heads, num_hidden_layers=a.layers, vocab_size=a.vocab,
-        max_position_embeddings=131072, max_window_layers=a.layers, rms_norm_eps=1e-6,
-        hidden_act="silu", initializer_range=0.02, tie_word_embeddings=False,
-        use_cache=False, use_sliding_window=False, sliding_window=None,
-        bos_token_id=151643 if a.vocab > 151643 else None, eos_token_id=151643 if a.vocab > 151643 else None,
+        hidden_size=a.hidden,
+        intermediate_size=a.intermediate,
+        num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads,
+        num_hidden_layers=a.layers,
+        vocab_size=a.vocab,
+        max_position_embeddings=131072,
+        max_window_layers=a.layers,
+        rms_norm_eps=1e-6,
+        hidden_act="silu",
+        initializer_range=0.02,
+        tie_word_embeddings=False,
+        use_cache=False,
+        use_sliding_window=False,
+        sliding_window=None,
+        bos_token_id=151643 if a.vocab > 151643 else None,
+        eos_token_id=151643 if a.vocab > 151643 else None,
     )
     try:  # transformers 5.x
         cfg = Qwen2Config(rope_parameters={"rope_type": "default", "rope_theta": a.rope_theta}, **kw)
@@ -69,7 +81,7 @@ def make_tensor(name, shape, seed, std, pool):
 
     def draw(block):
         gen = torch.Generator().manual_seed(seed * 65_537 + block)
-        rows[block * step:(block + 1) * step].normal_(0.0, std, generator=gen)
+        rows[block * step : (block + 1) * step].normal_(0.0, std, generator=gen)
 
     list(pool.map(draw, range(-(-shape[0] // step))))
     return t
@@ -120,8 +132,10 @@ def main():
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
         for i, key in enumerate(order):
             fname = f"model-{i + 1:05d}-of-{nfile:05d}.safetensors"
-            tensors = {n: make_tensor(n, shape, a.seed * 1_000_003 + index[n], cfg.initializer_range, pool)
-                       for n, shape in groups[key]}
+            tensors = {
+                n: make_tensor(n, shape, a.seed * 1_000_003 + index[n], cfg.initializer_range, pool)
+                for n, shape in groups[key]
+            }
             for n, t in tensors.items():
                 weight_map[n] = fname
                 total += t.numel() * t.element_size()
@@ -134,8 +148,10 @@ def main():
     cfg.save_pretrained(a.outdir)
     with open(stamp_path, "w") as f:  # written last: marks the directory complete
         json.dump(stamp, f)
-    print(f"[make_model] wrote {a.outdir}: {a.layers} layers, {n_params:,} params, "
-          f"{total / 2**30:.2f} GiB in {nfile} shards, {time.time() - t0:.1f}s")
+    print(
+        f"[make_model] wrote {a.outdir}: {a.layers} layers, {n_params:,} params, "
+        f"{total / 2**30:.2f} GiB in {nfile} shards, {time.time() - t0:.1f}s"
+    )
 
 
 if __name__ == "__main__":

@@ -64,5 +64,17 @@ from megatrain.ipc.protocol.plan import (
 )
 from megatrain.ipc.protocol.store import Store
 
-__all__ = ["PLANES", "STAGING", "IpcConfig", "Item", "Store", "StoreSpec", "blocks", "checkpoint_host_bytes",
-           "fetch_order", "forward_order", "grad_order", "plan_store"]
+__all__ = [
+    "PLANES",
+    "STAGING",
+    "IpcConfig",
+    "Item",
+    "Store",
+    "StoreSpec",
+    "blocks",
+    "checkpoint_host_bytes",
+    "fetch_order",
+    "forward_order",
+    "grad_order",
+    "plan_store",
+]

@@ -21,14 +21,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from megatrain.ipc.protocol.checkpoints import wait_taken
-from megatrain.ipc.protocol.plan import Item
-from megatrain.ipc.protocol.store import Store
-from megatrain.ipc.protocol.workers import free_grad, take_grad, wait_all_grads
 
 from megatrain.adamw import clip_scale
 from megatrain.errors import NonFiniteGradient
 from megatrain.hostops import sqnorm
+from megatrain.ipc.protocol.checkpoints import wait_taken
+from megatrain.ipc.protocol.plan import Item
+from megatrain.ipc.protocol.store import Store
+from megatrain.ipc.protocol.workers import free_grad, take_grad, wait_all_grads
 
 # The AdamW update of one piece: (item, its gradient, elements [item.lo, item.hi) of the unit, the clip scale).
 PieceUpdate = Callable[[Item, np.ndarray, float], None]
@@ -59,7 +59,7 @@ def update_clipped(store: Store, step: int, saving: bool, max_grad_norm: float, 
         if saving:
             wait_taken(store, item, step)
         if finite:  # else the step is skipped whole: no piece has been touched
-            update(item, grads[item.lo:item.hi], out.clip_scale)
+            update(item, grads[item.lo : item.hi], out.clip_scale)
         elif store.spec.grads_in_resident:  # the tile holds the gradient: the weights back, unchanged
             store.refresh_resident(item.unit, item.lo, item.hi)
         store.publish_version(item.piece, step + 1)
@@ -67,8 +67,7 @@ def update_clipped(store: Store, step: int, saving: bool, max_grad_norm: float, 
     return out
 
 
-def update_unclipped(store: Store, events: list[Any] | None, step: int, saving: bool,
-                     update: PieceUpdate) -> Applied:
+def update_unclipped(store: Store, events: list[Any] | None, step: int, saving: bool, update: PieceUpdate) -> Applied:
     """Step `step` without clipping: each piece as its gradient arrives. A step cannot be skipped whole: an inf
     or NaN piece stops the run (the pieces before it are already updated; no version is published for it, so
     nothing reads the half-applied step)."""
@@ -95,14 +94,21 @@ def _arrived(store: Store, item: Item, step: int) -> np.ndarray:
     """The next piece in the resident copy: pieces arrive (grads_ready) in the order they are updated without
     clipping, the gradient order, so the k-th post is the k-th piece."""
     store.wait("grads_ready", f"the gradient of unit {item.unit} (step {step})")
-    return store.grad_tile(item.unit)[item.lo:item.hi]
+    return store.grad_tile(item.unit)[item.lo : item.hi]
 
 
 def _non_finite(store: Store, step: int, unit: int) -> str:
     layout = store.spec.layout
-    what = ("the embedding" if unit == 0 else "the final norm and LM head" if unit == layout.num_layers + 1
-            else f"layer {unit - 1}")
-    return (f"non-finite gradient (inf or NaN) at step {step + 1} in unit {unit} ({what}). Without clipping "
-            f"(optim.max_grad_norm: 0) Adam updates each unit as its gradient arrives, so the units whose "
-            f"gradients came first (the head and the layers above) were already updated and the step cannot be "
-            f"skipped whole: the run stops. Set optim.max_grad_norm > 0 to skip such steps whole instead")
+    what = (
+        "the embedding"
+        if unit == 0
+        else "the final norm and LM head"
+        if unit == layout.num_layers + 1
+        else f"layer {unit - 1}"
+    )
+    return (
+        f"non-finite gradient (inf or NaN) at step {step + 1} in unit {unit} ({what}). Without clipping "
+        f"(optim.max_grad_norm: 0) Adam updates each unit as its gradient arrives, so the units whose "
+        f"gradients came first (the head and the layers above) were already updated and the step cannot be "
+        f"skipped whole: the run stops. Set optim.max_grad_norm > 0 to skip such steps whole instead"
+    )

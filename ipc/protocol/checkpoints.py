@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import time
 
+from megatrain.errors import ProtocolError
 from megatrain.ipc.protocol.plan import Item
 from megatrain.ipc.protocol.store import Store
-
-from megatrain.errors import ProtocolError
 
 
 def claim(store: Store, item: Item, step: int) -> float:
     """Writer: wait until the piece holds Adam's update of `step` (and no later one); the seconds waited."""
     t0 = time.perf_counter()
-    store.wait_version(item.unit, step, f"Adam's update of unit {item.unit} (step {step}) to checkpoint it",
-                       item.piece)
+    store.wait_version(item.unit, step, f"Adam's update of unit {item.unit} (step {step}) to checkpoint it", item.piece)
     waited = time.perf_counter() - t0
     _check_version(store, item, step)
     return waited
@@ -39,8 +37,9 @@ def written(store: Store, item: Item, step: int) -> None:
 def wait_taken(store: Store, item: Item, step: int) -> None:
     """Adam, while the checkpoint of the state after `step` is written: before updating the piece again, wait
     for the writer to have it."""
-    store.wait_saved(item.piece, step, f"the checkpoint writer to take unit {item.unit} (piece {item.piece}) "
-                                       f"after step {step}")
+    store.wait_saved(
+        item.piece, step, f"the checkpoint writer to take unit {item.unit} (piece {item.piece}) after step {step}"
+    )
 
 
 def restore_versions(store: Store, step: int) -> None:
@@ -52,5 +51,7 @@ def restore_versions(store: Store, step: int) -> None:
 def _check_version(store: Store, item: Item, step: int) -> None:
     have = store.version(item.piece)
     if have != step:
-        raise ProtocolError(f"checkpoint of step {step}: unit {item.unit} (piece {item.piece}) is at version "
-                            f"{have}; Adam must hold its next update until the writer has it")
+        raise ProtocolError(
+            f"checkpoint of step {step}: unit {item.unit} (piece {item.piece}) is at version "
+            f"{have}; Adam must hold its next update until the writer has it"
+        )

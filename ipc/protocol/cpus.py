@@ -45,8 +45,14 @@ def node_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def cpu_plan(cores: int, cuda: bool, num_packers: int, num_accumulators: int,
-             request: ThreadRequest | None = None, numba_max: int = 0) -> dict[str, Threads]:
+def cpu_plan(
+    cores: int,
+    cuda: bool,
+    num_packers: int,
+    num_accumulators: int,
+    request: ThreadRequest | None = None,
+    numba_max: int = 0,
+) -> dict[str, Threads]:
     """Per role name (the names of StoreSpec.roles() and the store owner), its thread counts. `numba_max`:
     Numba's pool size (NUMBA_NUM_THREADS, fixed when Numba loads); no role may ask for more."""
     c, request = max(cores, 1), request or ThreadRequest()
@@ -54,8 +60,12 @@ def cpu_plan(cores: int, cuda: bool, num_packers: int, num_accumulators: int,
     adam = request.adam or c
     packer = request.packer or max(1, c // 2 // max(num_packers, 1))
     accumulator = request.accumulator or max(1, c // max(num_accumulators, 1))
-    plan = {"store-owner": Threads(c, c), "gpu-executor": Threads(executor, 1 if cuda else executor),
-            "adam-updater": Threads(adam, adam), "checkpoint-writer": Threads(1, 1)}
+    plan = {
+        "store-owner": Threads(c, c),
+        "gpu-executor": Threads(executor, 1 if cuda else executor),
+        "adam-updater": Threads(adam, adam),
+        "checkpoint-writer": Threads(1, 1),
+    }
     plan.update({f"packer-{i}": Threads(packer, 1) for i in range(num_packers)})
     plan.update({f"grad-accumulator-{i}": Threads(1, accumulator) for i in range(num_accumulators)})
     if numba_max:
@@ -66,4 +76,5 @@ def cpu_plan(cores: int, cuda: bool, num_packers: int, num_accumulators: int,
 def describe(plan: dict[str, Threads], cores: int, roles: list[str]) -> str:
     """One line for the log: the roles this run has, in order, with torch/Numba threads."""
     return f"CPU plan ({cores} cores on the store's node; torch/Numba threads): " + ", ".join(
-        f"{r} {plan[r].torch}/{plan[r].numba}" for r in roles if r in plan)
+        f"{r} {plan[r].torch}/{plan[r].numba}" for r in roles if r in plan
+    )

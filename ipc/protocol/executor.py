@@ -19,10 +19,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from megatrain.ipc.protocol.plan import STAGING, Item
-from megatrain.ipc.protocol.store import Store
 
 from megatrain.errors import AbortError, ProtocolError, WaitTimeout
+from megatrain.ipc.protocol.plan import STAGING, Item
+from megatrain.ipc.protocol.store import Store
 from megatrain.profiling import NvtxPhases
 
 _STOP = object()
@@ -38,8 +38,10 @@ class _Walk:
     def next(self, unit: int) -> list[Item]:
         if self.i >= len(self.order) or unit != self.order[self.i]:
             expected = self.order[self.i] if self.i < len(self.order) else "nothing more"
-            raise ProtocolError(f"the engine {self.what} unit {unit} at position {self.i} of the walk; the plan "
-                                f"says {expected} (the store would have served another unit's tile)")
+            raise ProtocolError(
+                f"the engine {self.what} unit {unit} at position {self.i} of the walk; the plan "
+                f"says {expected} (the store would have served another unit's tile)"
+            )
         self.i += 1
         return self.items[self.i - 1]
 
@@ -67,7 +69,7 @@ class SyncSource:
         store, unit = self.store, item.unit
         if store.spec.resident:
             store.wait_version(unit, self.step, f"Adam's update of unit {unit} before step {self.step}", item.piece)
-            return store.resident_tile(unit)[item.lo:item.hi], None
+            return store.resident_tile(unit)[item.lo : item.hi], None
         store.wait(f"w_full{item.slab}", f"weights of unit {unit} in slab {item.slab}")
         return store.weight_slab(item.slab)[: item.hi - item.lo], lambda: store.post(f"w_free{item.slab}")
 
@@ -82,7 +84,7 @@ class SyncSource:
             t0 = time.perf_counter()
             host, release = self.acquire(item)
             self.wait_s += time.perf_counter() - t0
-            out[item.lo:item.hi].copy_(host)
+            out[item.lo : item.hi].copy_(host)
             if release is not None:
                 release()
         return out
@@ -112,9 +114,11 @@ class SyncSink:
         spec = self.store.spec
         taken = self.fetched() if self.fetched is not None else len(spec.fetch_order)
         if spec.last_fetch[unit] >= taken:
-            raise ProtocolError(f"the gradient of unit {unit} arrived at fetch {taken} of the step, but its weights "
-                                f"are fetched again at position {spec.last_fetch[unit]}: it would overwrite them "
-                                "in the resident copy")
+            raise ProtocolError(
+                f"the gradient of unit {unit} arrived at fetch {taken} of the step, but its weights "
+                f"are fetched again at position {spec.last_fetch[unit]}: it would overwrite them "
+                "in the resident copy"
+            )
         items = self.walk.next(unit)
         return grad.detach().to(STAGING[spec.staging_dtype][0]), items
 
@@ -123,9 +127,9 @@ class SyncSink:
             grad, items = self.in_resident(unit, grad)
             tile = self.store.resident_tile(unit)
             for item in items:
-                piece = grad[item.lo:item.hi]
+                piece = grad[item.lo : item.hi]
                 self.store.sqnorms[item.piece] = float(piece.double().square().sum())
-                tile[item.lo:item.hi].copy_(piece)
+                tile[item.lo : item.hi].copy_(piece)
                 self.store.post("grads_ready")
             self.bytes += grad.numel() * grad.element_size()
             return
@@ -133,7 +137,7 @@ class SyncSink:
             t0 = time.perf_counter()
             self.store.wait(f"g_free{item.slab}", f"a free gradient slab for unit {unit}")
             self.wait_s += time.perf_counter() - t0
-            self.store.grad_slab(item.slab)[: item.hi - item.lo].copy_(grad.detach()[item.lo:item.hi])
+            self.store.grad_slab(item.slab)[: item.hi - item.lo].copy_(grad.detach()[item.lo : item.hi])
             self.store.post(f"g_full{item.slab}")
         self.bytes += grad.numel() * 4
 
@@ -241,7 +245,7 @@ class StreamedSource(SyncSource):
             start, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(self.h2d):
                 start.record(self.h2d)
-                out[item.lo:item.hi].copy_(host, non_blocking=True)
+                out[item.lo : item.hi].copy_(host, non_blocking=True)
                 done.record(self.h2d)
             self.timeline.append((unit, start, done))
             if item is items[-1]:
@@ -265,8 +269,7 @@ class StreamedSource(SyncSource):
 
 
 class StreamedSink(SyncSink):
-    def __init__(self, store: Store, device: torch.device, ipc_events: list,
-                 fetched: Callable[[], int] | None = None):
+    def __init__(self, store: Store, device: torch.device, ipc_events: list, fetched: Callable[[], int] | None = None):
         super().__init__(store, fetched)
         self.device, self.ipc_events = device, ipc_events
         self.d2h = torch.cuda.Stream(device)
@@ -276,8 +279,11 @@ class StreamedSink(SyncSink):
         self.timeline: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
         # grads_in_resident: the pieces' squared norms land here (pinned once: pinning per step would
         # synchronize the device) before they go to ctl
-        self.norms = (torch.zeros(store.spec.num_pieces, dtype=torch.float64, pin_memory=True)
-                      if store.spec.grads_in_resident else None)
+        self.norms = (
+            torch.zeros(store.spec.num_pieces, dtype=torch.float64, pin_memory=True)
+            if store.spec.grads_in_resident
+            else None
+        )
 
     def begin(self) -> None:
         super().begin()
@@ -295,8 +301,11 @@ class StreamedSink(SyncSink):
         if self.store.spec.grads_in_resident:
             grad, items = self.in_resident(unit, grad)  # the drain thread walks the same items
             # each piece's norm of the values Adam will read, in fp32 on the device, squared in fp64
-            norms = torch.stack([torch.linalg.vector_norm(grad[it.lo:it.hi], dtype=torch.float32)
-                                 for it in items]).double().square()
+            norms = (
+                torch.stack([torch.linalg.vector_norm(grad[it.lo : it.hi], dtype=torch.float32) for it in items])
+                .double()
+                .square()
+            )
         else:
             self.walk.next(unit)  # the drain thread walks the same items
             grad = grad.detach().float()
@@ -329,7 +338,7 @@ class StreamedSink(SyncSink):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.d2h):
             start.record(self.d2h)
-            tile[items[0].lo:items[-1].hi].copy_(grad[items[0].lo:items[-1].hi], non_blocking=True)
+            tile[items[0].lo : items[-1].hi].copy_(grad[items[0].lo : items[-1].hi], non_blocking=True)
             self.norms[span].copy_(norms, non_blocking=True)
             end.record(self.d2h)
         self.timeline.append((unit, start, end))
@@ -346,7 +355,7 @@ class StreamedSink(SyncSink):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(self.d2h):
                 start.record(self.d2h)
-                self.store.grad_slab(item.slab)[: item.hi - item.lo].copy_(grad[item.lo:item.hi], non_blocking=True)
+                self.store.grad_slab(item.slab)[: item.hi - item.lo].copy_(grad[item.lo : item.hi], non_blocking=True)
                 end.record(self.d2h)
                 self.ipc_events[item.slab].record(self.d2h)
             self.timeline.append((unit, start, end))

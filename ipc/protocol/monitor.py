@@ -34,8 +34,9 @@ STALE_BEATS = 5  # heartbeats missed before a process counts as stopped
 def find_stall(store: Store, timeout: float, now: float | None = None) -> str | None:
     """The verdict if the run is stalled, else None."""
     now = time.monotonic() if now is None else now
-    rows = [(role, slot, store.role_words[slot]) for slot, role in enumerate(store.spec.roles())
-            if store.pids[slot] > 0]
+    rows = [
+        (role, slot, store.role_words[slot]) for slot, role in enumerate(store.spec.roles()) if store.pids[slot] > 0
+    ]
     if not rows:
         return None
     if not any(row[CALLS] > 0 for _, _, row in rows):  # a frozen worker only: see the module's docstring
@@ -44,8 +45,10 @@ def find_stall(store: Store, timeout: float, now: float | None = None) -> str | 
     gone = [(role, slot) for role, slot, _ in rows if not running(int(store.pids[slot]))]
     if gone:  # at once: a worker that is idle when it dies fails no call the driver waits on
         role, slot = gone[0]
-        return (f"actor '{role}' (pid {int(store.pids[slot])}) died: its process is gone (killed, or crashed in "
-                f"native code) while the run was in a step")
+        return (
+            f"actor '{role}' (pid {int(store.pids[slot])}) died: its process is gone (killed, or crashed in "
+            f"native code) while the run was in a step"
+        )
     idle = now - max(row[PROGRESS] for _, _, row in rows)
     if idle < timeout:
         return None
@@ -61,21 +64,28 @@ def find_stall(store: Store, timeout: float, now: float | None = None) -> str | 
     working = [(role, slot, row) for role, slot, row in rows if row[CALLS] > 0 and row[WAITS] == 0]
     if working:
         role, slot, row = min(working, key=lambda r: r[2][PROGRESS])
-        return (f"stalled: {who(role, slot)} made no progress for {now - row[PROGRESS]:.0f}s while working (not "
-                f"waiting on any peer){waiting}; if one unit legitimately takes this long, raise "
-                f"ipc.stall_timeout_s")
+        return (
+            f"stalled: {who(role, slot)} made no progress for {now - row[PROGRESS]:.0f}s while working (not "
+            f"waiting on any peer){waiting}; if one unit legitimately takes this long, raise "
+            f"ipc.stall_timeout_s"
+        )
     return f"stalled: no progress anywhere for {idle:.0f}s, every actor in a call is waiting{waiting}"
 
 
 def _stopped(store: Store, rows: list, now: float, limit: float) -> str | None:
     """The worker whose process exists but has not beaten for longest, beyond `limit` seconds; None if none."""
-    quiet = [(role, slot, now - row[BEAT]) for role, slot, row in rows
-             if now - row[BEAT] > limit and running(int(store.pids[slot]))]
+    quiet = [
+        (role, slot, now - row[BEAT])
+        for role, slot, row in rows
+        if now - row[BEAT] > limit and running(int(store.pids[slot]))
+    ]
     if not quiet:
         return None
     role, slot, age = max(quiet, key=lambda r: r[2])
-    return (f"stalled: actor '{role}' (pid {int(store.pids[slot])}) stopped running (no heartbeat for {age:.0f}s: "
-            "stopped, frozen, or stuck in native code)")
+    return (
+        f"stalled: actor '{role}' (pid {int(store.pids[slot])}) stopped running (no heartbeat for {age:.0f}s: "
+        "stopped, frozen, or stuck in native code)"
+    )
 
 
 class Monitor:

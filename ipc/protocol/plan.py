@@ -1,7 +1,6 @@
 """The plan of a run's store: what lives where, the fetch and gradient orders as data, and who
 handles which slab. Built once by the store owner; every process attaches with the same StoreSpec."""
 
-
 from __future__ import annotations
 
 import hashlib
@@ -10,12 +9,12 @@ from functools import cached_property
 from typing import NamedTuple
 
 import torch
-from megatrain.ipc.protocol.cpus import Threads
-from megatrain.ipc.shm import CTL_PIDS_OFFSET, MAX_PIDS, check_space, sem_name
 
 from megatrain.configbase import opt
 from megatrain.engine import EngineConfig, blocks, fixed_sizes, resolve_dtype
 from megatrain.errors import ProtocolError, ResourceError
+from megatrain.ipc.protocol.cpus import Threads
+from megatrain.ipc.shm import CTL_PIDS_OFFSET, MAX_PIDS, check_space, sem_name
 from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
 from megatrain.model import ModelSpec
 
@@ -33,23 +32,38 @@ CTL_FIXED = ABOUT_OFFSET + ABOUT_BYTES
 @dataclass
 class IpcConfig:
     weight_slabs: int = opt(4, "S: weight staging slabs (compute dtype, ipc.slab_params elements each).")
-    grad_slabs: int = opt(4, "G: gradient staging slabs (fp32); back-pressure when all are in flight. With clipping "
-                             "and a resident copy there are none: gradients go straight into the resident copy, "
-                             "and G bounds the gradients queued on the GPU.")
-    slab_params: int = opt(0, "Elements per staging slab; a larger unit streams in slab-sized pieces (weights "
-                              "and gradients alike). 0 = the largest decoder layer, so only the embedding "
-                              "and LM head are split. Smaller slabs take less pinned memory and more copies.")
-    wait_timeout_s: float = opt(600.0, "Longest any data-plane wait may block before the run fails (the last "
-                                       "resort: a stalled actor is found by ipc.stall_timeout_s first).")
-    stall_timeout_s: float = opt(15.0, "Fail the run when no actor has made data-plane progress for this long while "
-                                       "a step is in flight, naming the actor that stopped (no heartbeat, or working "
-                                       "without progress) rather than the ones waiting on it; 0 = off. Raise it if "
-                                       "one layer legitimately computes longer (a large model on the CPU device).")
+    grad_slabs: int = opt(
+        4,
+        "G: gradient staging slabs (fp32); back-pressure when all are in flight. With clipping "
+        "and a resident copy there are none: gradients go straight into the resident copy, "
+        "and G bounds the gradients queued on the GPU.",
+    )
+    slab_params: int = opt(
+        0,
+        "Elements per staging slab; a larger unit streams in slab-sized pieces (weights "
+        "and gradients alike). 0 = the largest decoder layer, so only the embedding "
+        "and LM head are split. Smaller slabs take less pinned memory and more copies.",
+    )
+    wait_timeout_s: float = opt(
+        600.0,
+        "Longest any data-plane wait may block before the run fails (the last "
+        "resort: a stalled actor is found by ipc.stall_timeout_s first).",
+    )
+    stall_timeout_s: float = opt(
+        15.0,
+        "Fail the run when no actor has made data-plane progress for this long while "
+        "a step is in flight, naming the actor that stopped (no heartbeat, or working "
+        "without progress) rather than the ones waiting on it; 0 = off. Raise it if "
+        "one layer legitimately computes longer (a large model on the CPU device).",
+    )
     poll_s: float = opt(0.05, "How often a blocked wait re-checks the abort flag.")
-    staging: str = opt("auto", "How weights reach the DMA: 'resident' (a pinned compute-dtype copy of the whole "
-                               "model, rewritten by Adam; no packing on the critical path), 'slabs' (S slabs "
-                               "filled just in time by the packers; O(layer) pinned memory), or 'auto' "
-                               "(resident on cuda when it fits in memory, else slabs).")
+    staging: str = opt(
+        "auto",
+        "How weights reach the DMA: 'resident' (a pinned compute-dtype copy of the whole "
+        "model, rewritten by Adam; no packing on the critical path), 'slabs' (S slabs "
+        "filled just in time by the packers; O(layer) pinned memory), or 'auto' "
+        "(resident on cuda when it fits in memory, else slabs).",
+    )
     shm_dir: str = opt("/dev/shm", "Where POSIX shared memory lives (checked for free space before creating).")
 
     def __post_init__(self) -> None:
@@ -245,8 +259,9 @@ class StoreSpec:
     def grad_items(self, acc: int | None) -> list[Item]:
         """The items accumulator `acc` drains, in order; None: all of them (without clipping the Adam
         updater drains every slab itself)."""
-        return [it for items in self.emit_items for it in items
-                if acc is None or it.slab % self.num_accumulators == acc]
+        return [
+            it for items in self.emit_items for it in items if acc is None or it.slab % self.num_accumulators == acc
+        ]
 
     def part_bytes(self) -> dict[str, int]:
         plane = self.layout.total * 4
@@ -265,21 +280,28 @@ class StoreSpec:
     def layout_hash(self) -> bytes:
         """What the segments' bytes mean. Not the checkpoint plan (K, the last block): it orders the walk,
         not the memory, and is settled after the store is made (actors/store_owner.py)."""
-        extra = (f"{self.clip}:{self.staging_mode}:"
-                 f"{self.staging_dtype}:{self.slab_elems}:{self.num_weight_slabs}:{self.num_grad_slabs}")
+        extra = (
+            f"{self.clip}:{self.staging_mode}:"
+            f"{self.staging_dtype}:{self.slab_elems}:{self.num_weight_slabs}:{self.num_grad_slabs}"
+        )
         return hashlib.sha256(self.layout.digest() + extra.encode()).digest()[:16]
 
     def roles(self) -> list[str]:
         """Worker role names; a role's index is its pid slot in ctl."""
-        return (["gpu-executor", "adam-updater"] + [f"packer-{i}" for i in range(self.num_packers)]
-                + [f"grad-accumulator-{i}" for i in range(self.num_accumulators)] + ["checkpoint-writer"])
+        return (
+            ["gpu-executor", "adam-updater"]
+            + [f"packer-{i}" for i in range(self.num_packers)]
+            + [f"grad-accumulator-{i}" for i in range(self.num_accumulators)]
+            + ["checkpoint-writer"]
+        )
 
     def pid_slot(self, role: str) -> int:
         """Where a worker records its pid in ctl, so cleanup can find what the CUDA driver left for it."""
         roles = self.roles()
         if role not in roles or roles.index(role) >= MAX_PIDS:
-            raise ProtocolError(f"role '{role}' has no slot in the control segment (roles: {', '.join(roles)}; "
-                                f"at most {MAX_PIDS})")
+            raise ProtocolError(
+                f"role '{role}' has no slot in the control segment (roles: {', '.join(roles)}; at most {MAX_PIDS})"
+            )
         return roles.index(role)
 
     def sem_names(self) -> dict[str, tuple[str, int]]:
@@ -292,16 +314,37 @@ class StoreSpec:
         return out
 
 
-def plan_store(run_id: str, model: ModelSpec, staging_dtype: str, checkpoint_interval: int, num_packers: int,
-               num_accumulators: int, ipc: IpcConfig, cuda: bool, clip: bool = True,
-               ram_only: dict[str, int] | None = None, last_block_layers: int = 0,
-               space: tuple[int, int] | None = None) -> StoreSpec:
+def plan_store(
+    run_id: str,
+    model: ModelSpec,
+    staging_dtype: str,
+    checkpoint_interval: int,
+    num_packers: int,
+    num_accumulators: int,
+    ipc: IpcConfig,
+    cuda: bool,
+    clip: bool = True,
+    ram_only: dict[str, int] | None = None,
+    last_block_layers: int = 0,
+    space: tuple[int, int] | None = None,
+) -> StoreSpec:
     """Resolve ipc.staging: as asked, or for 'auto' on cuda: resident with clipping (its copy also holds the
     gradients, so it is the smallest store there is: slabs would need a gradient plane); without clipping
     resident when it fits in memory (`space`, as check_space takes it; None: now), else slabs."""
+
     def make(mode: str) -> StoreSpec:
-        return StoreSpec(run_id, model, staging_dtype, checkpoint_interval, num_packers, num_accumulators, ipc, mode,
-                         clip, last_block_layers)
+        return StoreSpec(
+            run_id,
+            model,
+            staging_dtype,
+            checkpoint_interval,
+            num_packers,
+            num_accumulators,
+            ipc,
+            mode,
+            clip,
+            last_block_layers,
+        )
 
     if ipc.staging != "auto":
         return make(ipc.staging)

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from megatrain.ipc.procs import pid_alive, running
 from megatrain.ipc.protocol.plan import ABOUT_BYTES, ABOUT_OFFSET, CTL_FIXED, ROLE_BYTES, ROLE_TABLE_OFFSET
 from megatrain.ipc.protocol.store import BEAT, CALLS, PROGRESS, WAIT_SINCE, WAITS, WHAT_BYTES, WHAT_OFFSET
@@ -90,16 +91,15 @@ def read_run(run_id: str, shm_dir: str = "/dev/shm") -> RunStatus | None:
     about = _about(data)
     pieces = int(about.get("pieces", 0))
     versions = np.frombuffer(data, np.int64, pieces, CTL_FIXED) if pieces else np.zeros(1, np.int64)
-    reason = data[CTL_PIDS_OFFSET + 8 * MAX_PIDS: ROLE_TABLE_OFFSET].rstrip(b"\0").decode(errors="replace")
+    reason = data[CTL_PIDS_OFFSET + 8 * MAX_PIDS : ROLE_TABLE_OFFSET].rstrip(b"\0").decode(errors="replace")
     flags = np.frombuffer(data, np.int64, 1, 0)
-    status = RunStatus(run_id, hdr.owner_pid, about, int(versions.min()), 0,
-                       aborted=reason if flags[0] else "")
+    status = RunStatus(run_id, hdr.owner_pid, about, int(versions.min()), 0, aborted=reason if flags[0] else "")
     status.actors = _actors(data, about.get("roles", []), seg_name(run_id, ""))
     return status
 
 
 def _about(data: bytes) -> dict:
-    blob = data[ABOUT_OFFSET: ABOUT_OFFSET + ABOUT_BYTES].rstrip(b"\0")
+    blob = data[ABOUT_OFFSET : ABOUT_OFFSET + ABOUT_BYTES].rstrip(b"\0")
     try:
         return json.loads(blob) if blob else {}
     except ValueError:
@@ -114,15 +114,25 @@ def _actors(data: bytes, roles: list[str], prefix: str) -> list[Actor]:
             continue  # never attached (a packer of a resident run, the writer of a run that saves nothing)
         off = ROLE_TABLE_OFFSET + slot * ROLE_BYTES
         words = np.frombuffer(data, np.float64, 5, off)
-        what = data[off + WHAT_OFFSET: off + WHAT_OFFSET + WHAT_BYTES].rstrip(b"\0").decode(errors="replace")
+        what = data[off + WHAT_OFFSET : off + WHAT_OFFSET + WHAT_BYTES].rstrip(b"\0").decode(errors="replace")
         if words[WAITS] > 0:
             state, since = "waiting", now - words[WAIT_SINCE]
         elif words[CALLS] > 0:
             state, since = "working", now - words[PROGRESS]
         else:
             state, since = "idle", now - words[PROGRESS]
-        out.append(Actor(role, pids[slot], running(pids[slot]), now - words[BEAT], state,
-                         what if state == "waiting" else "", since, pss_split(pids[slot], prefix)[1]))
+        out.append(
+            Actor(
+                role,
+                pids[slot],
+                running(pids[slot]),
+                now - words[BEAT],
+                state,
+                what if state == "waiting" else "",
+                since,
+                pss_split(pids[slot], prefix)[1],
+            )
+        )
     return out
 
 

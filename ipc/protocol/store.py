@@ -12,6 +12,8 @@ import weakref
 import numpy as np
 import posix_ipc
 import torch
+
+from megatrain.errors import AbortError, ProtocolError, ResourceError, WaitTimeout
 from megatrain.ipc.protocol.fence import load, publish, publish_all, reached
 from megatrain.ipc.protocol.plan import (
     ABOUT_BYTES,
@@ -24,8 +26,6 @@ from megatrain.ipc.protocol.plan import (
     StoreSpec,
 )
 from megatrain.ipc.shm import CTL_PIDS_OFFSET, HEADER_BYTES, MAX_PIDS, Header, Segment, check_space, seg_name
-
-from megatrain.errors import AbortError, ProtocolError, ResourceError, WaitTimeout
 
 # Role table row (float64/int64 words, then bytes): what the stall monitor reads.
 BEAT, PROGRESS, CALLS, WAITS, WAIT_SINCE = range(5)  # words 0-4
@@ -82,9 +82,11 @@ class Store:
             for seg in segments.values():
                 seg.unlink()
             if isinstance(exc, posix_ipc.ExistentialError):
-                raise ResourceError(f"shared memory of run '{spec.run_id}' already exists in {spec.ipc.shm_dir}: "
-                                    f"train.run_id '{spec.run_id}' is in use by a live run; choose another (or none, "
-                                    "for a random one)") from None
+                raise ResourceError(
+                    f"shared memory of run '{spec.run_id}' already exists in {spec.ipc.shm_dir}: "
+                    f"train.run_id '{spec.run_id}' is in use by a live run; choose another (or none, "
+                    "for a random one)"
+                ) from None
             raise
         return cls(spec, segments, sems)
 
@@ -108,9 +110,17 @@ class Store:
         """Owner only: describe the run in ctl (role names by slot, pieces, model, and what the driver adds:
         output directory, steps), so `megatrain-launch status` can read it without the StoreSpec."""
         spec = self.spec
-        about = {"roles": spec.roles(), "pieces": spec.num_pieces, "family": spec.model.family,
-                 "layers": spec.layout.num_layers, "params": spec.layout.num_params, "staging": spec.staging_mode,
-                 "clip": spec.clip, "created": time.time(), **(extra or {})}
+        about = {
+            "roles": spec.roles(),
+            "pieces": spec.num_pieces,
+            "family": spec.model.family,
+            "layers": spec.layout.num_layers,
+            "params": spec.layout.num_params,
+            "staging": spec.staging_mode,
+            "clip": spec.clip,
+            "created": time.time(),
+            **(extra or {}),
+        }
         raw = json.dumps(about).encode()
         for key in [k for k in (extra or {}) if len(raw) >= ABOUT_BYTES]:  # a very long path: drop, not fail
             about.pop(key)
@@ -157,8 +167,12 @@ class Store:
         """The unit's compute-dtype copy (resident mode)."""
         u = self.spec.layout.units[unit]
         n = self.spec.layout.structure_of(unit).numel
-        return torch.frombuffer(self.segments["resident"].mm, dtype=STAGING[self.spec.staging_dtype][0], count=n,
-                                offset=HEADER_BYTES + u.offset * self.spec.staging_bytes)
+        return torch.frombuffer(
+            self.segments["resident"].mm,
+            dtype=STAGING[self.spec.staging_dtype][0],
+            count=n,
+            offset=HEADER_BYTES + u.offset * self.spec.staging_bytes,
+        )
 
     def grad_tile(self, unit: int) -> np.ndarray:
         """The unit's gradient as Adam reads it with clipping: its tile of the fp32 grads plane or, with
@@ -177,16 +191,18 @@ class Store:
     def weight_slab(self, i: int) -> torch.Tensor:
         dtype, size = STAGING[self.spec.staging_dtype]
         if i >= self.spec.num_weight_slabs:
-            raise ProtocolError(f"weight slab {i} does not exist ({self.spec.num_weight_slabs} in "
-                                f"{self.spec.staging_mode} mode)")
+            raise ProtocolError(
+                f"weight slab {i} does not exist ({self.spec.num_weight_slabs} in {self.spec.staging_mode} mode)"
+            )
         off = HEADER_BYTES + i * self.spec.slab_elems * size
         return torch.frombuffer(self.segments["staging"].mm, dtype=dtype, count=self.spec.slab_elems, offset=off)
 
     def grad_slab(self, i: int) -> torch.Tensor:
         w = self.spec.num_weight_slabs * self.spec.slab_elems * self.spec.staging_bytes
         off = HEADER_BYTES + w + i * self.spec.slab_elems * 4
-        return torch.frombuffer(self.segments["staging"].mm, dtype=torch.float32, count=self.spec.slab_elems,
-                                offset=off)
+        return torch.frombuffer(
+            self.segments["staging"].mm, dtype=torch.float32, count=self.spec.slab_elems, offset=off
+        )
 
     def region(self, part: str) -> torch.Tensor:
         """A segment's whole data area as bytes (what the executor pins)."""
@@ -239,14 +255,15 @@ class Store:
             if delta > 0:
                 row[WAIT_SINCE] = time.monotonic()
                 raw = what.encode()[: WHAT_BYTES - 1]
-                self.role_bytes[self.slot, WHAT_OFFSET: WHAT_OFFSET + WHAT_BYTES] = 0
-                self.role_bytes[self.slot, WHAT_OFFSET: WHAT_OFFSET + len(raw)] = np.frombuffer(raw, np.uint8)
+                self.role_bytes[self.slot, WHAT_OFFSET : WHAT_OFFSET + WHAT_BYTES] = 0
+                self.role_bytes[self.slot, WHAT_OFFSET : WHAT_OFFSET + len(raw)] = np.frombuffer(raw, np.uint8)
             else:
                 row[PROGRESS] = time.monotonic()
 
     def waiting_on(self, slot: int) -> str:
-        return bytes(self.role_bytes[slot, WHAT_OFFSET: WHAT_OFFSET + WHAT_BYTES]).rstrip(b"\0").decode(
-            errors="replace")
+        return (
+            bytes(self.role_bytes[slot, WHAT_OFFSET : WHAT_OFFSET + WHAT_BYTES]).rstrip(b"\0").decode(errors="replace")
+        )
 
     # ---- waits and hand-offs -----------------------------------------------------------------
     def wait(self, key: str, what: str) -> None:

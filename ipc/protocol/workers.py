@@ -7,10 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from megatrain.ipc.protocol.plan import Item
-from megatrain.ipc.protocol.store import Store
 
 from megatrain.hostops import copy_sqnorm
+from megatrain.ipc.protocol.plan import Item
+from megatrain.ipc.protocol.store import Store
 
 
 def pack(store: Store, item: Item, step: int) -> None:
@@ -39,7 +39,7 @@ def drain(store: Store, events: list[Any] | None, item: Item, step: int) -> None
     """Accumulator: the piece's gradient into the fp32 grads plane and its squared norm into ctl (both
     handed to Adam through grads_ready, a semaphore: memory-synchronizing)."""
     grad = take_grad(store, events, item, step)
-    store.sqnorms[item.piece] = copy_sqnorm(grad, store.tile("grads", item.unit)[item.lo:item.hi])
+    store.sqnorms[item.piece] = copy_sqnorm(grad, store.tile("grads", item.unit)[item.lo : item.hi])
     free_grad(store, item)
     store.post("grads_ready")
 

@@ -86,12 +86,16 @@ class Data:
 
     def describe(self) -> str:
         if self.order is None:
-            return (f"data: generated arithmetic ({self.cfg.ops} up to {self.cfg.max_operand}), "
-                    f"{len(self.problems)} held-out problems for exact-match accuracy")
+            return (
+                f"data: generated arithmetic ({self.cfg.ops} up to {self.cfg.max_operand}), "
+                f"{len(self.problems)} held-out problems for exact-match accuracy"
+            )
         unit = "examples" if self.cfg.padded else f"windows of {self.cfg.seq_len} tokens"
         ev = f", {len(self.eval)} held out for evaluation" if self.eval is not None else ", no evaluation set"
-        return (f"data: {self.cfg.kind}, {len(self.train)} {unit}{ev}; {self.order.per_epoch} batches of "
-                f"{self.cfg.batch_size} per epoch, {'shuffled' if self.cfg.shuffle else 'in file order'}")
+        return (
+            f"data: {self.cfg.kind}, {len(self.train)} {unit}{ev}; {self.order.per_epoch} batches of "
+            f"{self.cfg.batch_size} per epoch, {'shuffled' if self.cfg.shuffle else 'in file order'}"
+        )
 
 
 def open_data(cfg: DataConfig, hf_config: Any, pretrained: str | None) -> Data:
@@ -99,8 +103,10 @@ def open_data(cfg: DataConfig, hf_config: Any, pretrained: str | None) -> Data:
     vocab = int(hf_config.vocab_size)
     if cfg.kind == "arithmetic":
         if vocab < ByteTokenizer.vocab_size:
-            raise DataError(f"model.hf.vocab_size {vocab} is below the byte tokenizer's {ByteTokenizer.vocab_size}"
-                            " (data.kind arithmetic)")
+            raise DataError(
+                f"model.hf.vocab_size {vocab} is below the byte tokenizer's {ByteTokenizer.vocab_size}"
+                " (data.kind arithmetic)"
+            )
         return Data(cfg, None, None)
     tokenizer = None
     if cfg.kind == "tokens":
@@ -109,12 +115,16 @@ def open_data(cfg: DataConfig, hf_config: Any, pretrained: str | None) -> Data:
     else:
         tok_dir, key = (cfg.tokenizer, "data.tokenizer") if cfg.tokenizer else (pretrained, "model.pretrained")
         if not tok_dir:
-            raise DataError(f"data.kind {cfg.kind} needs a tokenizer: set data.tokenizer (a local tokenizer "
-                            "directory) or model.pretrained")
+            raise DataError(
+                f"data.kind {cfg.kind} needs a tokenizer: set data.tokenizer (a local tokenizer "
+                "directory) or model.pretrained"
+            )
         tokenizer = load_tokenizer(tok_dir, key)
         if len(tokenizer) > vocab:
-            raise DataError(f"{key}: the tokenizer in '{tok_dir}' has {len(tokenizer)} tokens, more than the model's "
-                            f"vocab_size {vocab}")
+            raise DataError(
+                f"{key}: the tokenizer in '{tok_dir}' has {len(tokenizer)} tokens, more than the model's "
+                f"vocab_size {vocab}"
+            )
         builder = Builder(cfg, tokenizer, tok_dir, key)
         try:
             train_files = [builder.get(p, "data.path") for p in _expand(cfg.path, "data.path")]
@@ -124,8 +134,10 @@ def open_data(cfg: DataConfig, hf_config: Any, pretrained: str | None) -> Data:
     train, evaluation = _sources(cfg, train_files, eval_files, _pad_id(hf_config, tokenizer))
     _check_enough(cfg, train)
     if evaluation is not None and len(evaluation) == 0:
-        raise DataError(f"data.eval_path: the evaluation data holds no {'example' if cfg.padded else 'window'} "
-                        f"(a window is data.seq_len {cfg.seq_len} tokens)")
+        raise DataError(
+            f"data.eval_path: the evaluation data holds no {'example' if cfg.padded else 'window'} "
+            f"(a window is data.seq_len {cfg.seq_len} tokens)"
+        )
     if isinstance(train, Padded) or (isinstance(train, Subset) and isinstance(train.source, Padded)):
         _report_truncation(train.source if isinstance(train, Subset) else train, cfg.seq_len)
     data = Data(cfg, train, evaluation, tokenizer)
@@ -167,12 +179,13 @@ def _token_file(path: str, cfg: DataConfig, vocab: int) -> TokenFile:
         raise DataError(f"{path}: no tokens (the file is empty)")
     step = 1 << 26
     for lo in range(0, ids.size, step):
-        part = np.asarray(ids[lo: lo + step])
+        part = np.asarray(ids[lo : lo + step])
         bad = np.nonzero((part >= vocab) | (part < 0))[0]
         if bad.size:
             i = lo + int(bad[0])
-            raise DataError(f"{path}: token id {int(ids[i])} at index {i} is outside the model's vocabulary "
-                            f"(vocab_size {vocab})")
+            raise DataError(
+                f"{path}: token id {int(ids[i])} at index {i} is outside the model's vocabulary (vocab_size {vocab})"
+            )
     return TokenFile(path, ids, None, None)
 
 
@@ -180,22 +193,28 @@ def _check_whole_tokens(path: str, dtype: str) -> None:
     """A raw token file holds whole tokens of data.token_dtype: its size is a multiple of the token's."""
     size, width = Path(path).stat().st_size, np.dtype(dtype).itemsize
     if size % width:
-        raise DataError(f"{path}: {size} bytes is not a whole number of data.token_dtype {dtype} tokens ({width} "
-                        f"bytes each): {size // width} tokens and {size % width} byte(s) left over; is "
-                        f"data.token_dtype the dtype the file was written with?")
+        raise DataError(
+            f"{path}: {size} bytes is not a whole number of data.token_dtype {dtype} tokens ({width} "
+            f"bytes each): {size // width} tokens and {size % width} byte(s) left over; is "
+            f"data.token_dtype the dtype the file was written with?"
+        )
 
 
 def _pad_id(hf_config: Any, tokenizer: Any) -> int:
     """Padding input: the model's pad token, else the tokenizer's, else EOS (its label is IGNORE anyway)."""
-    for pid in (getattr(hf_config, "pad_token_id", None), getattr(tokenizer, "pad_token_id", None),
-                getattr(tokenizer, "eos_token_id", None)):
+    for pid in (
+        getattr(hf_config, "pad_token_id", None),
+        getattr(tokenizer, "pad_token_id", None),
+        getattr(tokenizer, "eos_token_id", None),
+    ):
         if pid is not None:
             return int(pid)
     return 0
 
 
-def _sources(cfg: DataConfig, train_files: list[TokenFile], eval_files: list[TokenFile],
-             pad_id: int) -> tuple[Source, Source | None]:
+def _sources(
+    cfg: DataConfig, train_files: list[TokenFile], eval_files: list[TokenFile], pad_id: int
+) -> tuple[Source, Source | None]:
     def make(files: list[TokenFile]) -> Packed | Padded:
         return Padded(files, cfg.seq_len, pad_id) if cfg.padded else Packed(files, cfg.seq_len)
 
@@ -214,12 +233,15 @@ def _check_enough(cfg: DataConfig, train: Source) -> None:
         return
     what = "examples" if cfg.padded else f"windows of data.seq_len {cfg.seq_len} tokens"
     held = " after the held-out part (data.eval_fraction)" if isinstance(train, Subset) else ""
-    raise DataError(f"data.path: the data holds {len(train)} {what}{held}; one batch needs data.batch_size "
-                    f"{cfg.batch_size}")
+    raise DataError(
+        f"data.path: the data holds {len(train)} {what}{held}; one batch needs data.batch_size {cfg.batch_size}"
+    )
 
 
 def _report_truncation(source: Padded, seq_len: int) -> None:
     cut, lost = source.truncation()
     if cut:
-        log(f"data: {cut} of {len(source)} examples are longer than seq_len {seq_len} and were cut"
-            + (f"; {lost} of them kept no label token (they add nothing to the loss)" if lost else ""))
+        log(
+            f"data: {cut} of {len(source)} examples are longer than seq_len {seq_len} and were cut"
+            + (f"; {lost} of them kept no label token (they add nothing to the loss)" if lost else "")
+        )

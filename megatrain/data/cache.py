@@ -89,17 +89,24 @@ def tokenizer_digest(directory: str) -> str:
 
 def entry_key(source_digest: str, tok_digest: str, cfg: DataConfig) -> str:
     opts = {"format": FORMAT, "kind": cfg.kind, "tokenizer": tok_digest, "source": source_digest}
-    opts.update({"text": cfg.text_field} if cfg.kind == "text" else
-                {"messages": cfg.messages_field} if cfg.kind == "chat" else
-                {"prompt": cfg.prompt_field, "completion": cfg.completion_field})
+    opts.update(
+        {"text": cfg.text_field}
+        if cfg.kind == "text"
+        else {"messages": cfg.messages_field}
+        if cfg.kind == "chat"
+        else {"prompt": cfg.prompt_field, "completion": cfg.completion_field}
+    )
     return hashlib.blake2b(json.dumps(opts, sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
 def load_entry(directory: Path, source: str) -> TokenFile:
     mask = directory / "mask.npy"
-    return TokenFile(source, np.load(directory / "ids.npy", mmap_mode="r"),
-                     np.load(mask, mmap_mode="r") if mask.exists() else None,
-                     np.load(directory / "offsets.npy", mmap_mode="r"))
+    return TokenFile(
+        source,
+        np.load(directory / "ids.npy", mmap_mode="r"),
+        np.load(mask, mmap_mode="r") if mask.exists() else None,
+        np.load(directory / "offsets.npy", mmap_mode="r"),
+    )
 
 
 # ---- encoding (runs in the tokenizer processes, or in this one for small inputs) ---------------
@@ -137,8 +144,9 @@ def _encode(encoder: Encoder, records: Iterable[tuple[int, dict | None]], out: s
     except RecordError as exc:
         return {"error": (exc.args[1], exc.args[0])}
     cat = np.concatenate(ids) if ids else np.zeros(0, dtype)
-    np.savez(out, ids=cat, mask=np.concatenate(masks) if masks else np.zeros(0, np.uint8),
-             lens=np.asarray(lens, np.int64))
+    np.savez(
+        out, ids=cat, mask=np.concatenate(masks) if masks else np.zeros(0, np.uint8), lens=np.asarray(lens, np.int64)
+    )
     return {"tokens": int(cat.size), "records": len(lens)}
 
 
@@ -161,8 +169,10 @@ class Builder:
         """The entry of one data file (or save_to_disk directory) named by config key `key`."""
         p = Path(source)
         if p.is_dir() and not any((p / m).is_file() for m in _DATASET_MARKERS):
-            raise DataError(f"{key}: '{source}' is a directory, neither a JSONL file nor a directory written by "
-                            "datasets.save_to_disk (one split)")
+            raise DataError(
+                f"{key}: '{source}' is a directory, neither a JSONL file nor a directory written by "
+                "datasets.save_to_disk (one split)"
+            )
         digest = _dataset_digest(p) if p.is_dir() else file_digest(p)
         entry = cache_root(self.cfg) / entry_key(digest, self.tok_digest, self.cfg)
         if (entry / "meta.json").exists():
@@ -182,8 +192,10 @@ class Builder:
             dt = time.perf_counter() - t0
             meta.update(source=str(p.resolve()), kind=self.cfg.kind, seconds=dt, tokens_per_s=meta["tokens"] / dt)
             (tmp / "meta.json").write_text(json.dumps(meta))
-            log(f"tokenized {source}: {meta['records']} records, {meta['tokens']} tokens in {dt:.1f}s "
-                f"({meta['tokens'] / dt:,.0f} tokens/s); cached in {entry}")
+            log(
+                f"tokenized {source}: {meta['records']} records, {meta['tokens']} tokens in {dt:.1f}s "
+                f"({meta['tokens'] / dt:,.0f} tokens/s); cached in {entry}"
+            )
             try:
                 tmp.rename(entry)
             except OSError:  # another run built the same entry meanwhile: keep theirs
@@ -234,8 +246,10 @@ class Builder:
             done += res["tokens"]
             if time.perf_counter() - shown > 5:
                 shown = time.perf_counter()
-                log(f"tokenizing {path}: {task[2] / path.stat().st_size:.0%}, {done:,} tokens, "
-                    f"{done / (shown - t0):,.0f} tokens/s")
+                log(
+                    f"tokenizing {path}: {task[2] / path.stat().st_size:.0%}, {done:,} tokens, "
+                    f"{done / (shown - t0):,.0f} tokens/s"
+                )
         return parts
 
     def _parts_of_dataset(self, path: Path, tmp: Path, key: str) -> list[Path]:
@@ -243,15 +257,16 @@ class Builder:
         try:
             import datasets
         except ImportError:
-            raise DataError(f"{key} '{path}' is a directory: reading a datasets.save_to_disk directory needs "
-                            "the 'datasets' package (pip install datasets)") from None
+            raise DataError(
+                f"{key} '{path}' is a directory: reading a datasets.save_to_disk directory needs "
+                "the 'datasets' package (pip install datasets)"
+            ) from None
         try:
             ds = datasets.load_from_disk(str(path))
         except (FileNotFoundError, ValueError) as exc:
             raise DataError(f"{key} '{path}': not a datasets.save_to_disk directory: {exc}") from None
         if isinstance(ds, datasets.DatasetDict):
-            raise DataError(f"{key} '{path}' holds several splits ({', '.join(ds)}); point at one split's "
-                            "directory")
+            raise DataError(f"{key} '{path}' holds several splits ({', '.join(ds)}); point at one split's directory")
         rows, parts = enumerate(ds), []
         for i in range(0, max(len(ds), 1), DATASET_ROWS):  # one part at a time in memory, as for JSONL
             parts.append(tmp / f"part-{i // DATASET_ROWS:06d}.npz")
@@ -322,10 +337,10 @@ def _assemble(parts: list[Path], tmp: Path, dtype: str, masked: bool) -> dict:
     t = r = 0
     for p, (nt, nr) in zip(parts, sizes):
         with np.load(p) as z:
-            ids[t: t + nt] = z["ids"]
+            ids[t : t + nt] = z["ids"]
             if mask is not None:
-                mask[t: t + nt] = z["mask"]
-            offsets[r + 1: r + 1 + nr] = t + np.cumsum(z["lens"])
+                mask[t : t + nt] = z["mask"]
+            offsets[r + 1 : r + 1 + nr] = t + np.cumsum(z["lens"])
         p.unlink()
         t, r = t + nt, r + nr
     for arr in (ids, mask, offsets):

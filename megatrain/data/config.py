@@ -13,39 +13,66 @@ TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
 
 @dataclass
 class DataConfig:
-    kind: str = opt("arithmetic", "Dataset: 'arithmetic' (generated problems like '37+45=82', byte tokens), "
-                                  "'text' (JSONL, continued pre-training, packed), 'chat' (JSONL messages, loss on "
-                                  "assistant turns), 'prompt_completion' (JSONL, loss on the completion) or "
-                                  "'tokens' (a pretokenized flat .npy/.bin token file, packed).")
-    path: Any = opt(None, "Training data: one file, a glob, or a list of them (relative paths from the working "
-                          "directory); a directory written by datasets.save_to_disk for text/chat/"
-                          "prompt_completion. Unused for arithmetic.")
-    tokenizer: str | None = opt(None, "Local tokenizer directory (AutoTokenizer); default: model.pretrained. "
-                                      "Never a hub name.")
+    kind: str = opt(
+        "arithmetic",
+        "Dataset: 'arithmetic' (generated problems like '37+45=82', byte tokens), "
+        "'text' (JSONL, continued pre-training, packed), 'chat' (JSONL messages, loss on "
+        "assistant turns), 'prompt_completion' (JSONL, loss on the completion) or "
+        "'tokens' (a pretokenized flat .npy/.bin token file, packed).",
+    )
+    path: Any = opt(
+        None,
+        "Training data: one file, a glob, or a list of them (relative paths from the working "
+        "directory); a directory written by datasets.save_to_disk for text/chat/"
+        "prompt_completion. Unused for arithmetic.",
+    )
+    tokenizer: str | None = opt(
+        None, "Local tokenizer directory (AutoTokenizer); default: model.pretrained. Never a hub name."
+    )
     text_field: str = opt("text", "JSONL field holding a document (kind text).")
     messages_field: str = opt("messages", "JSONL field holding the list of {role, content} (kind chat).")
     prompt_field: str = opt("prompt", "JSONL field of the prompt (kind prompt_completion).")
     completion_field: str = opt("completion", "JSONL field of the completion (kind prompt_completion).")
-    token_dtype: str = opt("uint16", "Element type of a raw .bin token file (kind tokens): uint16, uint32, int32 "
-                                     "or int64 (.npy files carry their own).")
-    packing: bool = opt(False, "chat/prompt_completion: concatenate the examples into one stream cut into windows "
-                               "of seq_len (like text) instead of one right-padded example per row.")
+    token_dtype: str = opt(
+        "uint16",
+        "Element type of a raw .bin token file (kind tokens): uint16, uint32, int32 "
+        "or int64 (.npy files carry their own).",
+    )
+    packing: bool = opt(
+        False,
+        "chat/prompt_completion: concatenate the examples into one stream cut into windows "
+        "of seq_len (like text) instead of one right-padded example per row.",
+    )
     seq_len: int = opt(128, "Tokens per sequence.")
     batch_size: int = opt(8, "Sequences per optimizer step.")
     seed: int = opt(0, "Seed of the data order; batch t depends only on (data files, seed, t).")
     shuffle: bool = opt(True, "A seeded permutation of the windows/examples per epoch; false: file order.")
-    epochs: int = opt(0, "Train for this many passes over the data (overrides train.steps); 0: train.steps "
-                         "steps, starting a new epoch whenever the data runs out.")
+    epochs: int = opt(
+        0,
+        "Train for this many passes over the data (overrides train.steps); 0: train.steps "
+        "steps, starting a new epoch whenever the data runs out.",
+    )
     eval_path: Any = opt(None, "Evaluation data (same kind and rules as path); none: see eval_fraction.")
-    eval_fraction: float = opt(0.0, "Without eval_path: hold out this fraction of the training windows/examples "
-                                    "(the last ones in file order) for evaluation.")
-    eval_problems: int = opt(100, "Arithmetic: held-out problems whose answers are generated greedily at each "
-                                  "evaluation (exact-match accuracy).")
-    cache_dir: str = opt("", "Token cache (one tokenized copy per data file, tokenizer and format); empty: "
-                             "$MEGATRAIN_CACHE, else ~/.cache/megatrain/tokens.")
-    num_workers: int = opt(0, "Tokenizer processes for building the cache; 0: for chat and prompt_completion "
-                              "files of 32 MB and more one per usable CPU core (smaller ones in the driver), "
-                              "for text none (the Rust tokenizer's own threads, in the driver: faster).")
+    eval_fraction: float = opt(
+        0.0,
+        "Without eval_path: hold out this fraction of the training windows/examples "
+        "(the last ones in file order) for evaluation.",
+    )
+    eval_problems: int = opt(
+        100,
+        "Arithmetic: held-out problems whose answers are generated greedily at each evaluation (exact-match accuracy).",
+    )
+    cache_dir: str = opt(
+        "",
+        "Token cache (one tokenized copy per data file, tokenizer and format); empty: "
+        "$MEGATRAIN_CACHE, else ~/.cache/megatrain/tokens.",
+    )
+    num_workers: int = opt(
+        0,
+        "Tokenizer processes for building the cache; 0: for chat and prompt_completion "
+        "files of 32 MB and more one per usable CPU core (smaller ones in the driver), "
+        "for text none (the Rust tokenizer's own threads, in the driver: faster).",
+    )
     prefetch: int = opt(2, "Batches prepared ahead of the step in a background thread.")
     max_operand: int = opt(99, "Arithmetic: largest operand of a generated problem.")
     ops: str = opt("+-*", "Arithmetic: operators to draw from.")
@@ -73,8 +100,11 @@ class DataConfig:
                 raise ValueError(f"data.{key} must be >= 0")
         for key in ("path", "eval_path"):
             value = getattr(self, key)
-            ok = value is None or isinstance(value, str) or (
-                isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value))
+            ok = (
+                value is None
+                or isinstance(value, str)
+                or (isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value))
+            )
             if not ok:
                 raise ValueError(f"data.{key} must be a path, a glob or a list of them, not {value!r}")
         if self.kind != "arithmetic" and not self.path:

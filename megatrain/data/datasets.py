@@ -45,9 +45,9 @@ class Packed:
         while lo < hi:
             tf, base = self.files[f], int(self.starts[f])
             end = min(hi, int(self.starts[f + 1]))
-            part = np.asarray(tf.ids[lo - base: end - base], dtype=np.int64)
+            part = np.asarray(tf.ids[lo - base : end - base], dtype=np.int64)
             ids.append(part)
-            labels.append(part if tf.mask is None else _labels(part, tf.mask[lo - base: end - base]))
+            labels.append(part if tf.mask is None else _labels(part, tf.mask[lo - base : end - base]))
             lo, f = end, f + 1
         return np.concatenate(ids), np.concatenate(labels)
 
@@ -86,7 +86,7 @@ class Padded:
             cut += int(long.size)
             for r in long:
                 lo = int(tf.offsets[r])
-                lost += not np.asarray(tf.mask[lo + 1: lo + self.seq_len]).any()
+                lost += not np.asarray(tf.mask[lo + 1 : lo + self.seq_len]).any()
         return cut, lost
 
 
@@ -126,12 +126,15 @@ class Order:
 
     def permutation(self, epoch: int) -> np.ndarray:
         if self._perm is None or self._perm[0] != epoch:
-            perm = (np.random.default_rng([self.seed, epoch]).permutation(self.items) if self.shuffle
-                    else np.arange(self.items))
+            perm = (
+                np.random.default_rng([self.seed, epoch]).permutation(self.items)
+                if self.shuffle
+                else np.arange(self.items)
+            )
             self._perm = (epoch, perm)
         return self._perm[1]
 
     def batch(self, t: int) -> tuple[int, np.ndarray]:
         """(epoch, item indices) of batch t."""
         epoch, k = divmod(t, self.per_epoch)
-        return epoch, self.permutation(epoch)[k * self.batch_size: (k + 1) * self.batch_size]
+        return epoch, self.permutation(epoch)[k * self.batch_size : (k + 1) * self.batch_size]

@@ -49,8 +49,9 @@ class Prefetcher:
         if item is _END:
             raise self.error if self.error else RuntimeError(f"batch {t} asked for past the end ({self.stop})")
         if got != t:  # the queue holds batches in order, from the start get() was made for
-            raise RuntimeError(f"batch {t} asked for, but batch {got} is the next one prefetched: batches must be "
-                               "asked for in order")
+            raise RuntimeError(
+                f"batch {t} asked for, but batch {got} is the next one prefetched: batches must be asked for in order"
+            )
         return item
 
     def close(self) -> None:

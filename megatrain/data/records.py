@@ -72,8 +72,9 @@ class Encoder:
         if self.kind in ("text", "prompt_completion") and self.eos is None:
             raise DataError(f"data.kind {self.kind}: the tokenizer has no eos_token, which ends every document")
         if self.kind == "chat" and not getattr(tokenizer, "chat_template", None):
-            raise DataError("data.kind chat: the tokenizer has no chat_template (tokenizer_config.json or "
-                            "chat_template.jinja)")
+            raise DataError(
+                "data.kind chat: the tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja)"
+            )
         if self.kind == "chat" and not getattr(tokenizer, "is_fast", False):
             raise DataError("data.kind chat needs a fast tokenizer (tokenizer.json) to map turns to tokens")
 
@@ -147,8 +148,10 @@ class Encoder:
             text = m["content"].strip()
             at = full.find(text, cursor)
             if at < 0:
-                raise RecordError(f"message {i} (role '{m['role']}') does not appear in the chat template's "
-                                  "rendering: the template does not know this role (or rewrites the content)")
+                raise RecordError(
+                    f"message {i} (role '{m['role']}') does not appear in the chat template's "
+                    "rendering: the template does not know this role (or rewrites the content)"
+                )
             out.append(at)
             cursor = at + len(text)
         return out
@@ -171,7 +174,7 @@ class Encoder:
             lo = hi = pos[i]
             hi += len(text)
             cut = upto.rfind(text) if text else -1
-            tail = upto[cut + len(text):] if cut >= 0 else ""
+            tail = upto[cut + len(text) :] if cut >= 0 else ""
             if tail and full.startswith(tail, hi):
                 hi += len(tail)
             spans.append((lo, hi))
