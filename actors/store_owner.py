@@ -189,6 +189,10 @@ class StoreOwner(Role):
         parts = [p for p in ("exp_avg", "exp_avg_sq", "grads") if p in store.spec.planes]
         planes = [store.plane(part) for part in parts]
         pieces = [piece for a in planes for piece in np.array_split(a, max(a.nbytes // PAGE_IN_BYTES, 1))]
+        # The threads start far apart, each walking its own stretch: a segment's shards are separate files,
+        # and the kernel pages one file in at a time (ipc/mapping.py).
+        stretch = -(-len(pieces) // PAGE_IN_THREADS)
+        pieces = [p for k in range(stretch) for p in pieces[k::stretch]]
         t0 = time.perf_counter()
         with ThreadPoolExecutor(PAGE_IN_THREADS, thread_name_prefix="page-in") as pool:
             done = list(pool.map(lambda a: not stop.is_set() and populate(a), pieces))

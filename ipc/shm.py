@@ -1,6 +1,7 @@
 """POSIX shared-memory segments with a checked header, free-space checks, and the sweeper.
 
-Every segment of a run is named /megatrain-<run_id>-<part> (semaphores /megatrain-<run_id>-sem-...),
+Every segment of a run is named /megatrain-<run_id>-<part> (its shards after the first: <part>.1, ...;
+ipc/mapping.py; semaphores /megatrain-<run_id>-sem-...),
 created with mode 0600 by the one owner, and starts with a 4 KiB header (magic, layout version,
 layout hash, run id, owner pid and start time) that every attacher checks. Only the owner unlinks;
 attachers never register anything with Python's resource tracker (posix_ipc does not).
@@ -21,6 +22,7 @@ import posix_ipc
 import psutil
 
 from megatrain.errors import ConfigError, LayoutMismatch, ResourceError
+from megatrain.ipc.mapping import map_shards, shard_names, shard_sizes, split
 from megatrain.ipc.procs import live, start_ticks
 
 MAGIC = b"MEGATRN\x01"
@@ -86,10 +88,12 @@ class Header:
 
 
 class Segment:
-    """One mapped segment; `mm` covers header + data, data starts at HEADER_BYTES."""
+    """One mapped segment over its shards (ipc/mapping.py); `mm` (a char array) covers header + data,
+    data starts at HEADER_BYTES."""
 
-    def __init__(self, name: str, mm: mmap.mmap, header: Header, owner: bool):
+    def __init__(self, name: str, mm: ctypes.Array, header: Header, owner: bool, shards: int):
         self.name, self.mm, self.header, self.owner = name, mm, header, owner
+        self.shards = shard_names(name, shards)
 
     @property
     def data_bytes(self) -> int:
@@ -98,26 +102,31 @@ class Segment:
     @classmethod
     def create(cls, name: str, data_bytes: int, header: Header) -> Segment:
         hdr = Header(header.layout_hash, header.run_id, os.getpid(), start_ticks(os.getpid()), data_bytes)
-        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=HEADER_BYTES + data_bytes)
+        sizes = shard_sizes(HEADER_BYTES + data_bytes)
+        made: list[posix_ipc.SharedMemory] = []
         try:
-            mm = mmap.mmap(shm.fd, HEADER_BYTES + data_bytes)
+            for shard, size in zip(shard_names(name, len(sizes)), sizes):
+                made.append(posix_ipc.SharedMemory(shard, posix_ipc.O_CREX, mode=0o600, size=size))
+            mm = map_shards([m.fd for m in made], sizes)
+        except BaseException:
+            for m in made:
+                m.unlink()
+            raise
         finally:
-            shm.close_fd()
+            for m in made:
+                m.close_fd()
         mm[: _HEADER.size] = hdr.pack()
-        return cls(name, mm, hdr, owner=True)
+        return cls(name, mm, hdr, owner=True, shards=len(sizes))
 
     @classmethod
     def attach(cls, name: str, layout_hash: bytes, run_id: str) -> Segment:
-        try:
-            shm = posix_ipc.SharedMemory(name)
-        except posix_ipc.ExistentialError:
-            raise LayoutMismatch(f"shared-memory segment {name} does not exist (owner gone?)") from None
-        try:
-            size = shm.size
-            mm = mmap.mmap(shm.fd, size)
-        finally:
-            shm.close_fd()
-        magic, version, hdr = Header.unpack(mm[: _HEADER.size])
+        read = _read_shard(name, _HEADER.size)
+        if read is None:
+            raise LayoutMismatch(f"shared-memory segment {name} does not exist (owner gone?)")
+        raw, first = read
+        if len(raw) < _HEADER.size:
+            raise LayoutMismatch(f"cannot attach {name}: {first} bytes, shorter than its header")
+        magic, version, hdr = Header.unpack(raw)
         problem = (
             "bad magic"
             if magic != MAGIC
@@ -127,14 +136,12 @@ class Segment:
             if hdr.run_id != run_id
             else "layout hash differs (the model or store plan changed)"
             if hdr.layout_hash != layout_hash
-            else f"size {size} < header + {hdr.data_bytes}"
-            if size < HEADER_BYTES + hdr.data_bytes
             else None
         )
         if problem:
-            mm.close()
             raise LayoutMismatch(f"cannot attach {name}: {problem}")
-        return cls(name, mm, hdr, owner=False)
+        sizes = split(HEADER_BYTES + hdr.data_bytes, first)
+        return cls(name, _map_existing(name, sizes), hdr, owner=False, shards=len(sizes))
 
     def unlink(self) -> None:
         if not self.owner:  # an attacher unlinking would pull the store from under a live run
@@ -142,16 +149,48 @@ class Segment:
                 f"segment {self.name}: only its owner (pid {self.header.owner_pid}) unlinks it; "
                 f"this process (pid {os.getpid()}) attached to it"
             )
-        try:
-            posix_ipc.unlink_shared_memory(self.name)
-        except posix_ipc.ExistentialError:
-            pass
+        for shard in self.shards:
+            try:
+                posix_ipc.unlink_shared_memory(shard)
+            except posix_ipc.ExistentialError:
+                pass
 
     def close(self) -> None:
-        try:
-            self.mm.close()
-        except BufferError:
-            pass  # tensors still view it; the mapping goes with the process
+        """Let go of the mapping: it is unmapped now, or once the last array viewing it is gone."""
+        self.mm = None
+
+
+def _read_shard(name: str, size: int) -> tuple[bytes, int] | None:
+    """(the first `size` bytes, the file's size) of shared-memory file `name`, read-only; None if it does
+    not exist."""
+    try:
+        shm = posix_ipc.SharedMemory(name)
+    except posix_ipc.ExistentialError:
+        return None
+    try:
+        if shm.size < size:
+            return b"", shm.size
+        with mmap.mmap(shm.fd, size, prot=mmap.PROT_READ) as mm:
+            return mm[:size], shm.size
+    finally:
+        shm.close_fd()
+
+
+def _map_existing(name: str, sizes: list[int]) -> ctypes.Array:
+    """Map the shards of an existing segment; a missing or short shard is a LayoutMismatch."""
+    opened: list[posix_ipc.SharedMemory] = []
+    try:
+        for shard, size in zip(shard_names(name, len(sizes)), sizes):
+            try:
+                opened.append(posix_ipc.SharedMemory(shard))
+            except posix_ipc.ExistentialError:
+                raise LayoutMismatch(f"cannot attach {name}: its shard {shard} does not exist") from None
+            if opened[-1].size < size:
+                raise LayoutMismatch(f"cannot attach {name}: shard {shard} holds {opened[-1].size} < {size} bytes")
+        return map_shards([s.fd for s in opened], sizes)
+    finally:
+        for s in opened:
+            s.close_fd()
 
 
 def shm_free_bytes(shm_dir: str = "/dev/shm") -> int:

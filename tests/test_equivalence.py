@@ -113,6 +113,20 @@ def test_actor_system_matches_plain_pytorch(tmp_path, family: str, tied: bool, k
     check(compare(tiny_config(family, tied, k, tmp_path), tmp_path), tied)
 
 
+def test_planes_across_many_shards_match_plain_pytorch(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every segment over 64 KiB shards (ipc/mapping.py): units, slabs and the resident copy straddle the
+    files' boundaries, with clipping and with the fp32 gradient plane."""
+    from megatrain.ipc import mapping
+
+    monkeypatch.setattr(mapping, "SHARD_BYTES", 1 << 16)
+    monkeypatch.setattr(mapping, "ALIGN", 1 << 12)
+    for variant in ("resident", "2packers-2accumulators-3slabs"):
+        check(
+            compare(tiny_config("llama", False, 2, tmp_path / variant, extra=VARIANTS[variant]), tmp_path / variant),
+            False,
+        )
+
+
 RAY_CASES = [("llama", False, 2, "2packers-2accumulators-3slabs"), ("qwen2", True, 1, "pieces-no-clip-resident")]
 
 

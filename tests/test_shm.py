@@ -19,7 +19,7 @@ import posix_ipc
 import pytest
 
 from megatrain.errors import LayoutMismatch, ResourceError
-from megatrain.ipc import procs, shm
+from megatrain.ipc import mapping, procs, shm
 from megatrain.ipc.shm import HEADER_BYTES, Header, Segment, seg_name, sem_name
 from tests.shm_fixtures import HASH, SHM, leftovers, owned, remove_all
 
@@ -55,6 +55,55 @@ def test_segment_create_names_mode_header_and_attach(rid: str) -> None:
             other.close()
         with pytest.raises(posix_ipc.ExistentialError):  # the one owner creates, exclusively
             Segment.create(name, 10, Header(HASH, rid))
+    assert leftovers(rid) == []
+
+
+def test_a_large_segment_is_sharded_into_files_mapped_as_one(rid: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A segment over 1 MiB shards: one array across all of them, the same bytes seen by an attacher whose
+    own shard constant differs (it reads the layout off the first shard), every shard unlinked by the
+    owner, and the sweeper removing every shard of a dead run."""
+    monkeypatch.setattr(mapping, "SHARD_BYTES", 1 << 20)
+    monkeypatch.setattr(mapping, "ALIGN", 1 << 16)
+    name, n = seg_name(rid, "params"), (5 << 20) // 4 + 7
+    with owned(Segment.create(name, 4 * n, Header(HASH, rid))) as seg:
+        assert len(seg.shards) == 6 and leftovers(rid) == sorted(s[1:] for s in seg.shards)
+        a = np.frombuffer(seg.mm, np.float32, n, HEADER_BYTES)
+        a[:] = np.arange(n, dtype=np.float32)
+        monkeypatch.setattr(mapping, "SHARD_BYTES", 1 << 30)
+        other = Segment.attach(name, HASH, rid)
+        try:
+            b = np.frombuffer(other.mm, np.float32, n, HEADER_BYTES)
+            assert np.array_equal(a, b) and other.shards == seg.shards
+            b[-1] = -1.0
+            assert a[-1] == -1.0
+            del b
+        finally:
+            other.close()
+        del a
+    assert leftovers(rid) == []
+    dead = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"from megatrain.ipc import mapping, shm; mapping.SHARD_BYTES, mapping.ALIGN = 1 << 20, 1 << 16; "
+            f"shm.Segment.create(shm.seg_name('{rid}', 'ctl'), 64, shm.Header({HASH!r}, '{rid}')); "
+            f"shm.Segment.create(shm.seg_name('{rid}', 'params'), 3 << 20, shm.Header({HASH!r}, '{rid}'))",
+        ],
+        env=child_env(),
+    )
+    assert dead.returncode == 0 and len(leftovers(rid)) == 5
+    shm.sweep(rid)
+    assert leftovers(rid) == []
+
+
+def test_a_missing_shard_is_a_layout_mismatch(rid: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mapping, "SHARD_BYTES", 1 << 20)
+    monkeypatch.setattr(mapping, "ALIGN", 1 << 16)
+    name = seg_name(rid, "params")
+    with owned(Segment.create(name, 3 << 20, Header(HASH, rid))) as seg:
+        posix_ipc.unlink_shared_memory(seg.shards[2])
+        with pytest.raises(LayoutMismatch, match=r"shard .*params\.2 does not exist"):
+            Segment.attach(name, HASH, rid)
     assert leftovers(rid) == []
 
 
