@@ -253,8 +253,11 @@ class StoreOwner(Role):
         model = meta_model(spec.family, spec.hf_config)
         units = range(len(spec.layout.units))
         before = torch.random.get_rng_state()
+        # Largest first (the embedding and the head are a few layers' worth each): no thread is left with a
+        # big unit at the end. The draws do not depend on the order (each unit has its own generator).
+        largest = sorted(units, key=lambda u: -spec.layout.structure_of(u).numel)
         with ThreadPoolExecutor(self.store.spec.threads["store-owner"].torch, thread_name_prefix="init") as pool:
-            for _ in pool.map(lambda u: self._draw_unit(model, u, seed), units):
+            for _ in pool.map(lambda u: self._draw_unit(model, u, seed), largest):
                 pass
         if not torch.equal(before, torch.random.get_rng_state()):
             print(
