@@ -100,17 +100,25 @@ class GpuExecutor(Role):
 
     @guarded
     def step(
-        self, step: int, ids: torch.Tensor, labels: torch.Tensor, timeline: bool = False, profile: str = ""
+        self,
+        step: int,
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+        timeline: bool = False,
+        profile: str = "",
+        positions: torch.Tensor | None = None,
     ) -> dict:
         """One step; `timeline` records the per-unit lanes, `profile` (a path) runs the step under
-        torch.profiler and checks that the layer loop never blocks the host."""
+        torch.profiler and checks that the layer loop never blocks the host; `positions`: the tokens'
+        offsets in their documents (data.pack_documents), None for one causal sequence per row."""
         run = functools.partial(self._profiled, profile) if profile else self._step
-        return self._on_compute(run, step, ids, labels, timeline)
+        return self._on_compute(run, step, ids, labels, timeline, positions)
 
     @guarded
-    def evaluate(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> EvalSums:
+    def evaluate(self, step: int, batches: list[tuple[torch.Tensor, ...]]) -> EvalSums:
         """Forward-only passes (one weight walk per batch) with the weights after step-1's update: the
-        summed token loss and the labelled tokens over all batches."""
+        summed token loss and the labelled tokens over all batches. A batch is (ids, labels), or (ids,
+        labels, positions) with data.pack_documents."""
         return self._on_compute(self._evaluate, step, batches)
 
     @guarded
@@ -137,10 +145,15 @@ class GpuExecutor(Role):
             self.source.end()
         return out
 
-    def _evaluate(self, step: int, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> EvalSums:
+    def _evaluate(self, step: int, batches: list[tuple[torch.Tensor, ...]]) -> EvalSums:
         t0 = time.perf_counter()
         it = iter(batches)
-        res = self._walks(step, len(batches), lambda: self.engine.evaluate(*next(it), self.source))
+
+        def one() -> tuple[torch.Tensor, torch.Tensor]:
+            ids, labels, *positions = next(it)
+            return self.engine.evaluate(ids, labels, self.source, positions[0] if positions else None)
+
+        res = self._walks(step, len(batches), one)
         loss = sum(float(r[0]) for r in res)
         return EvalSums(loss, sum(int(r[1]) for r in res), time.perf_counter() - t0)
 
@@ -155,17 +168,31 @@ class GpuExecutor(Role):
             ids[rows, pos.clamp(max=ids.shape[1] - 1)] = nxt
         return out
 
-    def _profiled(self, path: str, step: int, ids: torch.Tensor, labels: torch.Tensor, timeline: bool) -> dict:
+    def _profiled(
+        self,
+        path: str,
+        step: int,
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+        timeline: bool,
+        positions: torch.Tensor | None,
+    ) -> dict:
         # Started on the compute thread: torch.profiler records the CPU ops of the thread that starts it.
         with StepProfile(path, self.cuda) as prof:
-            out = self._step(step, ids, labels, timeline, prof)
+            out = self._step(step, ids, labels, timeline, positions, prof)
         try:
             return {**out, **prof.result()}
         except (OSError, ValueError) as exc:  # a failed diagnostic does not stop the training run
             return {**out, "profile_trace": path, "profile_error": f"{type(exc).__name__}: {exc}"}
 
     def _step(
-        self, step: int, ids: torch.Tensor, labels: torch.Tensor, timeline: bool, prof: StepProfile | None = None
+        self,
+        step: int,
+        ids: torch.Tensor,
+        labels: torch.Tensor,
+        timeline: bool,
+        positions: torch.Tensor | None = None,
+        prof: StepProfile | None = None,
     ) -> dict:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -178,7 +205,7 @@ class GpuExecutor(Role):
         self.sink.begin()
         try:
             with prof.loop() if prof else contextlib.nullcontext():
-                res = self.engine.step(ids, labels, self.source, self.sink, marks)
+                res = self.engine.step(ids, labels, self.source, self.sink, marks, positions)
         finally:
             marks.close()
         loss, tokens = float(res.loss), int(res.tokens)  # the one host sync of the step

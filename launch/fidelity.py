@@ -40,8 +40,8 @@ def weight_diffs(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) ->
     }
 
 
-def _ids_labels(b: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    return b.ids, b.labels
+def _ids_labels(b: Batch) -> tuple[torch.Tensor, ...]:
+    return (b.ids, b.labels) if b.positions is None else (b.ids, b.labels, b.positions)
 
 
 def compare(cfg: Config, workdir: Path, batches: Batches | None = None) -> dict:

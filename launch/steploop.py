@@ -148,7 +148,7 @@ class StepLoop:
     def _launch(self, t: int, loader: Prefetcher, saving: bool = False) -> tuple[dict[str, Pending], dict]:
         cfg, crew = self.cfg, self.crew
         b = loader.get(t)
-        ids, labels = b.ids, b.labels
+        ids, labels, positions = b.ids, b.labels, b.positions
         lr = lr_at(cfg.optim, t, self.run.steps)
         row = {"step": t + 1, "epoch": b.epoch, "lr": lr, "t0": time.perf_counter(), "batch_tokens": ids.numel()}
         timeline = t + 1 == cfg.train.timeline_step
@@ -159,7 +159,7 @@ class StepLoop:
             else ""
         )
         calls: dict[str, Pending] = {
-            "gpu-executor": crew.call("gpu-executor", GpuExecutor.step, t, ids, labels, timeline, profile),
+            "gpu-executor": crew.call("gpu-executor", GpuExecutor.step, t, ids, labels, timeline, profile, positions),
             "adam-updater": crew.call("adam-updater", AdamUpdater.step, t, lr, saving),
         }
         for name in crew.named(("packer", "grad-accumulator")):

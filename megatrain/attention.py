@@ -8,6 +8,12 @@ every model's `_attn_implementation` (megatrain/model.py): a layer with `sliding
 the sequence attends in query tiles of W tokens, each to the keys of its window only (HF's rule: key j
 is seen by query i when i - W < j <= i), through SDPA with that tile's mask; every other layer takes
 HF's SDPA function unchanged. Memory is O(sequence · W) for the masks' tiles, never sequence².
+
+Packed documents (data.pack_documents; megatrain/documents.py): the layer kwarg `documents` gives each
+row's document lengths, and attention runs per document, each causal (or windowed, where the layer's
+window is shorter than the document), so no token attends across a document boundary and memory stays
+O(document). It costs one attention call per document per layer (and per row): cheap for a few long
+documents, launch-bound for many short ones, where a varlen flash kernel would take a row in one call.
 """
 
 from __future__ import annotations
@@ -39,6 +45,50 @@ def windowed_attention(
     return torch.cat(out, dim=2).transpose(1, 2).contiguous()
 
 
+def _one_sequence(
+    module: torch.nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scaling: float | None,
+    dropout: float,
+    sliding_window: int | None,
+    kwargs: dict,
+) -> torch.Tensor:
+    """Causal attention over q, k, v [batch, heads, seq, dim] (no mask), windowed where the window is
+    shorter than the sequence; returns [batch, seq, heads, dim]."""
+    if sliding_window and q.shape[2] > sliding_window:
+        if dropout:
+            raise ValueError("attention dropout is not supported")
+        return windowed_attention(q, k, v, sliding_window, scaling)
+    return sdpa_attention_forward(
+        module, q, k, v, None, dropout=dropout, scaling=scaling, sliding_window=sliding_window, **kwargs
+    )[0]
+
+
+def document_attention(
+    module: torch.nn.Module,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    documents: list[list[int]],
+    scaling: float | None,
+    dropout: float,
+    sliding_window: int | None,
+    kwargs: dict,
+) -> torch.Tensor:
+    """Attention within each document of each row (`documents`: per row, its documents' lengths in order),
+    for [batch, heads, seq, dim] inputs; returns [batch, seq, heads, dim]."""
+    rows = []
+    for b, lengths in enumerate(documents):
+        parts = [
+            _one_sequence(module, qd, kd, vd, scaling, dropout, sliding_window, kwargs)
+            for qd, kd, vd in zip(*(t[b : b + 1].split(lengths, dim=2) for t in (q, k, v)))
+        ]
+        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+    return torch.cat(rows, dim=0)
+
+
 def attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -48,23 +98,24 @@ def attention(
     scaling: float | None = None,
     dropout: float = 0.0,
     sliding_window: int | None = None,
+    documents: list[list[int]] | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    if sliding_window and attention_mask is None and query.shape[2] > sliding_window:
-        if dropout:
-            raise ValueError("attention dropout is not supported")
-        return windowed_attention(query, key, value, sliding_window, scaling), None
-    return sdpa_attention_forward(
-        module,
-        query,
-        key,
-        value,
-        attention_mask,
-        dropout=dropout,
-        scaling=scaling,
-        sliding_window=sliding_window,
-        **kwargs,
-    )
+    if attention_mask is not None:  # a mask HF built (its own forward): HF's function, unchanged
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
+    if documents is not None and any(len(row) > 1 for row in documents):
+        return document_attention(module, query, key, value, documents, scaling, dropout, sliding_window, kwargs), None
+    return _one_sequence(module, query, key, value, scaling, dropout, sliding_window, kwargs), None
 
 
 AttentionInterface.register(NAME, attention)

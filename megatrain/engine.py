@@ -22,6 +22,7 @@ from torch.func import functional_call
 
 from megatrain.activations import Checkpoints
 from megatrain.configbase import opt
+from megatrain.documents import LayerContext, documents_of, layer_context
 from megatrain.errors import ConfigError
 from megatrain.lean import lean_call
 from megatrain.model import ModelSpec, meta_model
@@ -175,28 +176,29 @@ def resolve_dtype(cfg: EngineConfig, device: torch.device) -> torch.dtype:
 
 
 class _BatchUpload:
-    """ids and labels onto the device without blocking the host. A copy from pageable memory would
-    synchronize the stream, and pinning a fresh buffer each step goes through cudaFree: the profiler's
-    check found both at the loop's start. So one pinned buffer, reused once the last copy is done."""
+    """ids and labels (and positions) onto the device without blocking the host. A copy from pageable
+    memory would synchronize the stream, and pinning a fresh buffer each step goes through cudaFree: the
+    profiler's check found both at the loop's start. So one pinned buffer, reused once the last copy is done."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.host: torch.Tensor | None = None
         self.done: torch.cuda.Event | None = None
 
-    def __call__(self, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, *rows: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Int64 tensors of one shape, in one copy."""
         if self.device.type != "cuda":
-            return ids.to(self.device), labels.to(self.device)
-        if self.host is None or self.host.shape[1:] != ids.shape:
-            self.host = torch.empty((2, *ids.shape), dtype=torch.long, pin_memory=True)
+            return tuple(r.to(self.device) for r in rows)
+        if self.host is None or self.host.shape != (len(rows), *rows[0].shape):
+            self.host = torch.empty((len(rows), *rows[0].shape), dtype=torch.long, pin_memory=True)
         elif self.done is not None and not self.done.query():
             self.done.synchronize()  # only if a caller never waited for the previous step
-        self.host[0].copy_(ids)
-        self.host[1].copy_(labels)
-        both = self.host.to(self.device, non_blocking=True)
+        for dst, r in zip(self.host, rows):
+            dst.copy_(r)
+        out = self.host.to(self.device, non_blocking=True)
         self.done = torch.cuda.Event()
         self.done.record(torch.cuda.current_stream(self.device))
-        return both[0], both[1]
+        return tuple(out)
 
 
 class WeightSource(Protocol):
@@ -264,15 +266,15 @@ class Templates:
         return sizes, slots, pos
 
     def layer(
-        self, unit: int, flat: torch.Tensor, x: torch.Tensor, pos: tuple, pos_ids: torch.Tensor, lean: bool = False
+        self, unit: int, flat: torch.Tensor, x: torch.Tensor, ctx: LayerContext, lean: bool = False
     ) -> torch.Tensor:
-        kwargs = {"position_embeddings": pos, "position_ids": pos_ids, "attention_mask": None}
+        kwargs = ctx.kwargs()
         if self.tile and x.shape[0] * x.shape[1] > self.tile:  # the MLP half in tiles; lean covers attention
             return tiled_layer(
                 self.layers[unit], self.views(unit, flat), x, self.tile, kwargs, lean_call if lean else None
             )
         if lean:
-            return lean_call(self.layer, unit, flat, x, pos, pos_ids)
+            return lean_call(self.layer, unit, flat, x, ctx)
         out = functional_call(self.layers[unit], self.views(unit, flat), (x,), kwargs)
         return out[0] if isinstance(out, tuple) else out
 
@@ -349,9 +351,11 @@ class StepEngine:
         src: WeightSource,
         sink: GradSink,
         mark: Callable[[str], None] = lambda name: None,
+        positions: torch.Tensor | None = None,
     ) -> StepResult:
         """One step's forward and backward. `mark(name)` is called at phase and layer boundaries
-        (the executor records CUDA events there for the time split and the timeline).
+        (the executor records CUDA events there for the time split and the timeline). `positions`: see
+        megatrain/documents.py (data.pack_documents; [B, S] int64 on the host).
 
         Every layer processes the batch in chunks of `chunk_sequences` sequences; the last block runs
         forward, head and backward chunk by chunk, earlier blocks are recomputed chunk by chunk from
@@ -360,15 +364,13 @@ class StepEngine:
         self.mark = mark
         self.blocks = src.blocks  # the plan's, whatever engine.checkpoint_interval says
         mark("forward")
-        ids, labels = self.upload(ids, labels)
+        documents = documents_of(ids, positions)  # on the host, before the upload
+        ids, labels, *uploaded = self.upload(ids, labels, *([] if positions is None else [positions]))
         chunks = self._chunks(ids.shape[0])
         emb_flat = src.fetch(0)
         with torch.no_grad():
             h = F.embedding(ids, self.t.embed_weight(emb_flat), self.t.pad_id)
-        pos_ids = torch.arange(ids.shape[1], device=self.device).unsqueeze(0)
-        with torch.no_grad():
-            pos = self.t.rotary(h, pos_ids)
-        ctx = (pos, pos_ids)
+        ctx = layer_context(self.t.rotary, h, uploaded[0] if uploaded else None, documents)
         h = self._forward(h, ctx, src, chunks)
         if not self.spec.layout.tied:
             emb_flat = None  # the untied embedding's backward needs only the token ids
@@ -384,12 +386,14 @@ class StepEngine:
         return StepResult(loss, tokens)
 
     @torch.no_grad()
-    def evaluate(self, ids: torch.Tensor, labels: torch.Tensor, src: WeightSource) -> tuple[torch.Tensor, torch.Tensor]:
+    def evaluate(
+        self, ids: torch.Tensor, labels: torch.Tensor, src: WeightSource, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward only, over forward_order: (sum of the token losses, tokens with a label), on the device.
 
         No graph, no recompute and no gradients; the head runs in loss_chunk_tokens chunks as in a step."""
         ids, labels = ids.to(self.device), labels.to(self.device)
-        h, emb_flat = self._plain_forward(ids, src)
+        h, emb_flat = self._plain_forward(ids, src, positions)
         head_flat = src.fetch(self.n + 1)
         x = h.reshape(-1, h.shape[-1])
         tgt = F.pad(labels[:, 1:], (0, 1), value=IGNORE).reshape(-1)
@@ -409,24 +413,26 @@ class StepEngine:
         last = h[torch.arange(h.shape[0], device=self.device), pos]
         return self.t.head(src.fetch(self.n + 1), emb_flat, last).float().argmax(-1)
 
-    def _plain_forward(self, ids: torch.Tensor, src: WeightSource) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _plain_forward(
+        self, ids: torch.Tensor, src: WeightSource, positions: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Embedding and every layer once (under the caller's no_grad); the embedding's weights are kept
         only when the head needs them (tied)."""
+        documents = documents_of(ids, positions)
         emb_flat = src.fetch(0)
         h = F.embedding(ids, self.t.embed_weight(emb_flat), self.t.pad_id)
-        pos_ids = torch.arange(ids.shape[1], device=self.device).unsqueeze(0)
-        pos = self.t.rotary(h, pos_ids)
+        ctx = layer_context(self.t.rotary, h, positions, documents)
         chunks = self._chunks(ids.shape[0])  # the training step's sequence chunks bound memory here too
         for u in range(1, self.n + 1):
             w = src.fetch(u)
-            h = _per_chunk(h, chunks, lambda c, _, u=u, w=w, x=h: self.t.layer(u, w, x[c], pos, pos_ids))
+            h = _per_chunk(h, chunks, lambda c, _, u=u, w=w, x=h: self.t.layer(u, w, x[c], ctx.rows(c)))
         return h, (emb_flat if self.spec.layout.tied else None)
 
     def _chunks(self, batch: int) -> list[slice]:
         size = self.cfg.chunk_sequences or batch
         return [slice(s, min(s + size, batch)) for s in range(0, batch, size)]
 
-    def _forward(self, h: torch.Tensor, ctx: tuple, src: WeightSource, chunks: list[slice]) -> torch.Tensor:
+    def _forward(self, h: torch.Tensor, ctx: LayerContext, src: WeightSource, chunks: list[slice]) -> torch.Tensor:
         """No-grad forward through every block but the last, checkpointing each block's input."""
         for b, blk in enumerate(self.blocks[:-1]):
             self.checkpoints.put(b, h)
@@ -434,17 +440,19 @@ class StepEngine:
                 for u in blk:
                     w = src.fetch(u)
                     self.mark(f"fwd:{u}")
-                    h = _per_chunk(h, chunks, lambda c, _, u=u, w=w, x=h: self.t.layer(u, w, x[c], *ctx))
+                    h = _per_chunk(h, chunks, lambda c, _, u=u, w=w, x=h: self.t.layer(u, w, x[c], ctx.rows(c)))
         return h
 
-    def _with_grad(self, blk: _Block, h: torch.Tensor, ctx: tuple, phase: str, lean: int = 0) -> list[_Act]:
-        """The block's layers with grad; the first `lean` of them keep only what lean.py saves."""
-        acts = []
+    def _with_grad(
+        self, blk: _Block, h: torch.Tensor, ctx: LayerContext, c: slice, phase: str, lean: int = 0
+    ) -> list[_Act]:
+        """The block's layers with grad on chunk `c` of h's rows; the first `lean` keep only what lean.py saves."""
+        acts, h, ctx = [], h[c], ctx.rows(c)
         for i, u in enumerate(blk.units):
             flat = blk.weights(u)
             self.mark(f"{phase}:{u}")
             x = h.detach().requires_grad_(True)
-            h = self.t.layer(u, flat, x, *ctx, lean=i < lean)
+            h = self.t.layer(u, flat, x, ctx, lean=i < lean)
             acts.append(_Act(u, x, h))
         return acts
 
@@ -458,16 +466,16 @@ class StepEngine:
         return g
 
     def _recompute_backward(
-        self, blk: _Block, h: torch.Tensor, g: torch.Tensor, ctx: tuple, chunks: list[slice]
+        self, blk: _Block, h: torch.Tensor, g: torch.Tensor, ctx: LayerContext, chunks: list[slice]
     ) -> torch.Tensor:
         return _per_chunk(
-            g, chunks, lambda c, final: self._backward(blk, self._with_grad(blk, h[c], ctx, "recompute"), g[c], final)
+            g, chunks, lambda c, final: self._backward(blk, self._with_grad(blk, h, ctx, c, "recompute"), g[c], final)
         )
 
     def _last_block_and_head(
         self,
         h: torch.Tensor,
-        ctx: tuple,
+        ctx: LayerContext,
         labels: torch.Tensor,
         emb_flat: torch.Tensor | None,
         src: WeightSource,
@@ -481,7 +489,7 @@ class StepEngine:
         head = _Head(self, emb_flat, tokens.clamp(min=1).float())
 
         def one(c: slice, final: bool) -> torch.Tensor:
-            acts = self._with_grad(blk, h[c], ctx, "fwd", self.cfg.lean_layers)
+            acts = self._with_grad(blk, h, ctx, c, "fwd", self.cfg.lean_layers)
             if head.flat is None:
                 head.flat = src.fetch(self.n + 1).requires_grad_(True)
             self.mark("head")

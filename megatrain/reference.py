@@ -1,6 +1,8 @@
 """The plain reference: the same HF model held whole in one process, torch.optim.AdamW, same batches.
 
 Tests compare MegaTrain against it step by step; the GPU fidelity check runs it with bf16 autocast.
+A batch with positions (data.pack_documents) passes them as HF's position_ids: with no attention mask,
+HF's own masks then keep attention inside each packed document (transformers' packed-sequence detection).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import torch
 
 from megatrain.adamw import OptimConfig, lr_at
 
-Batches = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+Batches = Callable[[int], tuple[torch.Tensor, ...]]  # (ids, labels) or (ids, labels, positions)
 
 
 @dataclass
@@ -37,17 +39,16 @@ def train_reference(
     steps: int,
     device: str = "cpu",
     autocast_bf16: bool = False,
-    eval_batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    eval_batches: list[tuple[torch.Tensor, ...]] | None = None,
 ) -> ReferenceResult:
-    """`batches(t)` gives step t's (ids, labels), the batches MegaTrain trained on; the final weights'
-    loss over `eval_batches` is the mean over all their labelled tokens."""
+    """`batches(t)` gives step t's (ids, labels[, positions]), the batches MegaTrain trained on; the final
+    weights' loss over `eval_batches` is the mean over all their labelled tokens."""
     model = model.to(device).float().train()
     opt = make_optimizer(model, optim)
     losses, norms = [], []
     for t in range(steps):
-        ids, labels = (x.to(device) for x in batches(t))
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=autocast_bf16):
-            loss = model(input_ids=ids, labels=labels).loss
+            loss = model(**_inputs(batches(t), device)).loss
         loss.backward()
         max_norm = optim.max_grad_norm if optim.max_grad_norm > 0 else float("inf")
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
@@ -65,9 +66,22 @@ def _eval_loss(model: torch.nn.Module, batches: list | None, device: str, autoca
     if not batches:
         return None
     total, tokens = 0.0, 0
-    for ids, labels in batches:
-        n = int((labels[:, 1:] != -100).sum())
+    for batch in batches:
+        n = int((batch[1][:, 1:] != -100).sum())
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=autocast_bf16):
-            loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
+            loss = model(**_inputs(batch, device)).loss
         total, tokens = total + float(loss) * n, tokens + n
     return total / max(tokens, 1)
+
+
+def _inputs(batch: tuple[torch.Tensor, ...], device: str) -> dict[str, torch.Tensor]:
+    if len(batch) > 2:
+        try:  # without it HF would attend across the packed documents: a silently different reference
+            from transformers.masking_utils import find_packed_sequence_indices  # noqa: F401
+        except ImportError:
+            raise RuntimeError(
+                "the plain reference of data.pack_documents needs a transformers with packed-sequence masks "
+                "(transformers.masking_utils.find_packed_sequence_indices)"
+            ) from None
+    names = ("input_ids", "labels", "position_ids")
+    return {name: x.to(device) for name, x in zip(names, batch)}

@@ -32,6 +32,7 @@ class Batch:
     ids: torch.Tensor  # [batch_size, seq_len] int64
     labels: torch.Tensor  # same shape; IGNORE where no label
     epoch: float | None  # fractional epoch at the end of this batch (None for generated data)
+    positions: torch.Tensor | None = None  # data.pack_documents: [batch_size, seq_len] int64 offsets in documents
 
 
 class Data:
@@ -58,8 +59,8 @@ class Data:
             ids, labels = batch(self.cfg, t)
             return Batch(ids, labels, None)
         _, index = self.order.batch(t)
-        ids, labels = stack(self.train, index)
-        return Batch(ids, labels, round((t + 1) / self.order.per_epoch, 4))
+        ids, labels, *positions = stack(self.train, index)
+        return Batch(ids, labels, round((t + 1) / self.order.per_epoch, 4), positions[0] if positions else None)
 
     # ---- evaluation ---------------------------------------------------------------------------
     @property
@@ -74,14 +75,15 @@ class Data:
         n = -(-len(self.eval) // self.cfg.batch_size)
         return min(limit, n) if limit else n
 
-    def eval_batch(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Evaluation batch i, in file order (built when needed: the set may be large)."""
+    def eval_batch(self, i: int) -> tuple[torch.Tensor, ...]:
+        """Evaluation batch i, in file order (built when needed: the set may be large): (ids, labels), and
+        the positions with data.pack_documents."""
         if self.eval is None:
             return arithmetic.eval_batch(self.cfg, i)
         B, n = self.cfg.batch_size, len(self.eval)
         return stack(self.eval, range(i * B, min((i + 1) * B, n)))
 
-    def eval_batches(self, limit: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def eval_batches(self, limit: int) -> list[tuple[torch.Tensor, ...]]:
         return [self.eval_batch(i) for i in range(self.eval_count(limit))]
 
     def describe(self) -> str:
@@ -91,6 +93,8 @@ class Data:
                 f"{len(self.problems)} held-out problems for exact-match accuracy"
             )
         unit = "examples" if self.cfg.padded else f"windows of {self.cfg.seq_len} tokens"
+        if self.cfg.pack_documents:
+            unit += " (documents kept apart)"
         ev = f", {len(self.eval)} held out for evaluation" if self.eval is not None else ", no evaluation set"
         return (
             f"data: {self.cfg.kind}, {len(self.train)} {unit}{ev}; {self.order.per_epoch} batches of "
@@ -108,10 +112,11 @@ def open_data(cfg: DataConfig, hf_config: Any, pretrained: str | None) -> Data:
                 " (data.kind arithmetic)"
             )
         return Data(cfg, None, None)
-    tokenizer = None
+    tokenizer, eos = None, None
     if cfg.kind == "tokens":
         train_files = [_token_file(p, cfg, vocab) for p in _expand(cfg.path, "data.path")]
         eval_files = [_token_file(p, cfg, vocab) for p in _expand(cfg.eval_path, "data.eval_path")]
+        eos = _eos_ids(cfg, hf_config, pretrained) if cfg.pack_documents else None
     else:
         tok_dir, key = (cfg.tokenizer, "data.tokenizer") if cfg.tokenizer else (pretrained, "model.pretrained")
         if not tok_dir:
@@ -131,7 +136,7 @@ def open_data(cfg: DataConfig, hf_config: Any, pretrained: str | None) -> Data:
             eval_files = [builder.get(p, "data.eval_path") for p in _expand(cfg.eval_path, "data.eval_path")]
         finally:
             stop_workers()
-    train, evaluation = _sources(cfg, train_files, eval_files, _pad_id(hf_config, tokenizer))
+    train, evaluation = _sources(cfg, train_files, eval_files, _pad_id(hf_config, tokenizer), eos)
     _check_enough(cfg, train)
     if evaluation is not None and len(evaluation) == 0:
         raise DataError(
@@ -212,11 +217,36 @@ def _pad_id(hf_config: Any, tokenizer: Any) -> int:
     return 0
 
 
+def _eos_ids(cfg: DataConfig, hf_config: Any, pretrained: str | None) -> list[int]:
+    """The ids that end a document in a token file (data.pack_documents): the tokenizer's EOS
+    (data.tokenizer, else model.pretrained's if it holds one), else the model's eos_token_id (an id or a
+    list of them)."""
+    eos = None
+    if cfg.tokenizer:
+        eos = load_tokenizer(cfg.tokenizer, "data.tokenizer").eos_token_id
+    elif pretrained:
+        try:
+            eos = load_tokenizer(pretrained, "model.pretrained").eos_token_id
+        except DataError:  # a checkpoint without tokenizer files: its config may still name EOS
+            eos = None
+    if eos is None:
+        eos = getattr(hf_config, "eos_token_id", None)
+    ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+    if not ids:
+        raise DataError(
+            "data.pack_documents: data.kind tokens needs the EOS id that ends each document: set "
+            "data.tokenizer (a tokenizer with an eos_token) or model.hf.eos_token_id"
+        )
+    return ids
+
+
 def _sources(
-    cfg: DataConfig, train_files: list[TokenFile], eval_files: list[TokenFile], pad_id: int
+    cfg: DataConfig, train_files: list[TokenFile], eval_files: list[TokenFile], pad_id: int, eos: list[int] | None
 ) -> tuple[Source, Source | None]:
     def make(files: list[TokenFile]) -> Packed | Padded:
-        return Padded(files, cfg.seq_len, pad_id) if cfg.padded else Packed(files, cfg.seq_len)
+        if cfg.padded:
+            return Padded(files, cfg.seq_len, pad_id)
+        return Packed(files, cfg.seq_len, cfg.pack_documents, eos)
 
     train = make(train_files)
     if eval_files:

@@ -43,6 +43,14 @@ class DataConfig:
         "chat/prompt_completion: concatenate the examples into one stream cut into windows "
         "of seq_len (like text) instead of one right-padded example per row.",
     )
+    pack_documents: bool = opt(
+        False,
+        "Packed data (text, tokens, chat/prompt_completion with packing): keep the documents in a window "
+        "apart: position ids restart at each document and attention does not cross documents (one "
+        "attention call per document per layer), and no document's last token predicts the next one's "
+        "first. A document is a JSONL record, or in a token file the tokens up to and including an EOS "
+        "(the tokenizer's, else model.hf.eos_token_id).",
+    )
     seq_len: int = opt(128, "Tokens per sequence.")
     batch_size: int = opt(8, "Sequences per optimizer step.")
     seed: int = opt(0, "Seed of the data order; batch t depends only on (data files, seed, t).")
@@ -107,6 +115,12 @@ class DataConfig:
             )
             if not ok:
                 raise ValueError(f"data.{key} must be a path, a glob or a list of them, not {value!r}")
+        if self.pack_documents and (self.kind == "arithmetic" or self.padded):
+            what = "the generated arithmetic" if self.kind == "arithmetic" else f"padded {self.kind} examples"
+            raise ValueError(
+                f"data.pack_documents needs packed data (data.kind text or tokens, or chat/prompt_completion "
+                f"with data.packing: true), not {what}"
+            )
         if self.kind != "arithmetic" and not self.path:
             raise ValueError(f"data.kind '{self.kind}' needs data.path (the data file(s))")
 

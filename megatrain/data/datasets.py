@@ -8,6 +8,7 @@ Order contract (README "Train on your own data"):
   [t*B, (t+1)*B) of a permutation seeded by (data.seed, epoch). An epoch is floor(items / B) batches
   (the last, incomplete batch's items are left out of that epoch). So batch t depends only on the data
   files, the seed and t.
+With data.pack_documents a packed item is (ids, labels, positions): megatrain/data/documents.py.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from megatrain.data import documents
 from megatrain.data.cache import TokenFile
+from megatrain.data.documents import IGNORE
 
-IGNORE = -100
+Item = tuple[np.ndarray, ...]  # (ids, labels), or (ids, labels, positions) with packed documents
 
 
 def _labels(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -28,10 +31,13 @@ def _labels(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 
 class Packed:
-    """Windows of `seq_len` tokens over the files' joined token stream."""
+    """Windows of `seq_len` tokens over the files' joined token stream. With `documents` on, each window
+    also gives its tokens' positions inside their documents, and no label crosses a document boundary;
+    `eos` (the ids that end a document) marks the boundaries in files without records (token files)."""
 
-    def __init__(self, files: list[TokenFile], seq_len: int):
-        self.files, self.seq_len = files, seq_len
+    def __init__(self, files: list[TokenFile], seq_len: int, documents: bool = False, eos: list[int] | None = None):
+        self.files, self.seq_len, self.documents = files, seq_len, documents
+        self.eos = np.asarray(eos or [], dtype=np.int64)
         sizes = [int(f.ids.size) for f in files]
         self.starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.tokens = int(self.starts[-1])
@@ -39,8 +45,8 @@ class Packed:
     def __len__(self) -> int:
         return self.tokens // self.seq_len
 
-    def _span(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
-        ids, labels = [], []
+    def _span(self, lo: int, hi: int) -> Item:
+        ids, labels, starts = [], [], []
         f = int(np.searchsorted(self.starts, lo, side="right")) - 1
         while lo < hi:
             tf, base = self.files[f], int(self.starts[f])
@@ -48,10 +54,23 @@ class Packed:
             part = np.asarray(tf.ids[lo - base : end - base], dtype=np.int64)
             ids.append(part)
             labels.append(part if tf.mask is None else _labels(part, tf.mask[lo - base : end - base]))
+            if self.documents:
+                starts.append(self._starts(tf, part, lo - base, end - base))
             lo, f = end, f + 1
-        return np.concatenate(ids), np.concatenate(labels)
+        out = (np.concatenate(ids), np.concatenate(labels))
+        if not self.documents:
+            return out
+        pos = documents.positions(np.concatenate(starts))
+        return out[0], documents.cut_labels(out[1], pos), pos
 
-    def item(self, w: int) -> tuple[np.ndarray, np.ndarray]:
+    def _starts(self, tf: TokenFile, part: np.ndarray, lo: int, hi: int) -> np.ndarray:
+        """Document starts among a file's tokens [lo, hi) (`part`): its records' first tokens, or for a
+        token file the tokens after an EOS (a file's first token starts a document either way)."""
+        if tf.offsets is not None:
+            return documents.record_starts(np.asarray(tf.offsets), lo, hi)
+        return documents.eos_starts(part, self.eos, int(tf.ids[lo - 1]) if lo else None)
+
+    def item(self, w: int) -> Item:
         return self._span(w * self.seq_len, (w + 1) * self.seq_len)
 
 
@@ -65,7 +84,7 @@ class Padded:
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def item(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+    def item(self, i: int) -> Item:
         f = int(np.searchsorted(self.starts, i, side="right")) - 1
         tf, r = self.files[f], i - int(self.starts[f])
         lo, hi = int(tf.offsets[r]), int(tf.offsets[r + 1])
@@ -99,16 +118,17 @@ class Subset:
     def __len__(self) -> int:
         return self.hi - self.lo
 
-    def item(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+    def item(self, i: int) -> Item:
         return self.source.item(self.lo + i)
 
 
 Source = Packed | Padded | Subset
 
 
-def stack(source: Source, index: np.ndarray | range) -> tuple[torch.Tensor, torch.Tensor]:
+def stack(source: Source, index: np.ndarray | range) -> tuple[torch.Tensor, ...]:
+    """The items' arrays stacked into [items, seq_len] tensors: (ids, labels[, positions])."""
     rows = [source.item(int(i)) for i in index]
-    return torch.from_numpy(np.stack([r[0] for r in rows])), torch.from_numpy(np.stack([r[1] for r in rows]))
+    return tuple(torch.from_numpy(np.stack(column)) for column in zip(*rows))
 
 
 @dataclass
