@@ -25,6 +25,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # dense Qwen3: q/k norms in attention, sliding windows as qwen2
 }
 
 
@@ -36,7 +37,9 @@ def family_classes(family: str) -> tuple[type, type]:
 
 @dataclass
 class ModelConfig:
-    family: str = opt("llama", "Model family: llama, qwen2 or mistral (taken from config.json with `pretrained`).")
+    family: str = opt(
+        "llama", "Model family: llama, qwen2, qwen3 (dense) or mistral (taken from config.json with `pretrained`)."
+    )
     pretrained: str | None = opt(
         None, "Local directory written by save_pretrained (config.json + safetensors) to start from; never a hub name."
     )

@@ -67,7 +67,7 @@ def test_resume_is_bit_identical(tmp_path: Path, family: str, extra: list[str]) 
     assert sorted(lb) == [6, 7, 8, 9, 10] and all(la[s] == lb[s] for s in lb)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3"])
 def test_resume_on_shuffled_jsonl_is_bit_identical(tmp_path: Path, family: str) -> None:
     """Shuffled chat examples, 7 batches an epoch: the resumed half starts mid-epoch and crosses into the
     next epoch's permutation; losses, evaluation losses and the final planes equal the run's in one go."""

@@ -14,7 +14,7 @@ from megatrain.weights import flat_unit
 from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3"])
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("k, last", [(1, 0), (2, 0), (3, 0), (1, 2), (2, 1)])
 @pytest.mark.parametrize("chunk", [0, 1, 2])
@@ -45,7 +45,7 @@ def test_engine_matches_hf_autograd(family: str, tied: bool, k: int, last: int, 
         assert torch.linalg.norm(got - want) <= 1e-5 * torch.linalg.norm(want), unit
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3"])
 @pytest.mark.parametrize("tied", [True, False])
 @pytest.mark.parametrize("chunk", [0, 2])
 def test_evaluate_and_predict_match_the_hf_forward(family: str, tied: bool, chunk: int) -> None:

@@ -85,6 +85,8 @@ VARIANT_CASES = [
     ("llama", True, 2, "resident"),
     ("qwen2", False, 1, "resident"),
     ("mistral", False, 3, "resident"),
+    ("qwen3", True, 2, "resident"),
+    ("qwen3", False, 1, "no-clip"),
     ("llama", False, 1, "2packers-2accumulators-3slabs"),
     ("qwen2", True, 2, "no-adam-overlap"),
     ("llama", False, 2, "no-clip"),

@@ -33,7 +33,8 @@ def checkpoint_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    "family, dtype, shard_gb", [("llama", "fp32", 5.0), ("qwen2", "bf16", 0.00005), ("mistral", "fp32", 0.00005)]
+    "family, dtype, shard_gb",
+    [("llama", "fp32", 5.0), ("qwen2", "bf16", 0.00005), ("mistral", "fp32", 0.00005), ("qwen3", "bf16", 0.00005)],
 )
 def test_export_loads_with_from_pretrained_and_matches(
     tmp_path: Path, family: str, dtype: str, shard_gb: float, capsys

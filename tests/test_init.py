@@ -48,7 +48,7 @@ def owner_with_store(rid: str, spec, threads: int, resident: bool) -> StoreOwner
     return owner
 
 
-@pytest.mark.parametrize("family,tied", [("llama", True), ("qwen2", False), ("mistral", False)])
+@pytest.mark.parametrize("family,tied", [("llama", True), ("qwen2", False), ("mistral", False), ("qwen3", True)])
 def test_parallel_draw_is_the_sequential_init(rid: str, family: str, tied: bool) -> None:
     spec = spec_for(tiny_hf(family, tied=tied, layers=4), family)
     owner = owner_with_store(rid, spec, threads=4, resident=True)

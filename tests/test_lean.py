@@ -28,7 +28,7 @@ def _step(family: str, tied: bool, last: int, lean: int, chunk: int):
     return res.loss, sink.grads
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3"])
 @pytest.mark.parametrize("last, lean, chunk", [(3, 2, 0), (4, 4, 0), (2, 9, 2), (3, 1, 1)])
 def test_lean_layers_give_the_plain_step_bit_for_bit(family: str, last: int, lean: int, chunk: int) -> None:
     """Some, all, more than all (capped) of the last block lean, with and without sequence chunks: the loss
@@ -57,7 +57,7 @@ class _SavedBytes(TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3"])
 def test_the_memory_model_counts_what_a_lean_layer_keeps(family: str) -> None:
     """lean_layer_bytes = the cached GEMM and attention outputs + the layer's input + its weights, for each
     family's layer (qwen2's q/k/v carry biases: addmm, not mm); and a lean call no longer keeps the layer's
