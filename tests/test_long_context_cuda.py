@@ -12,7 +12,9 @@ from megatrain.data import DataConfig, batch
 from megatrain.engine import EngineConfig, StepEngine
 from megatrain.ipc.protocol import blocks
 from megatrain.model import family_classes
-from tests.helpers import NEEDS_CUDA, DictSink, DictSource, spec_for
+from megatrain.weights import flat_unit
+from tests.helpers import NEEDS_CUDA, DictSink, DictSource, spec_for, tiny_hf
+from tests.test_documents import _hf_one_by_one, _packed_batch
 
 pytestmark = NEEDS_CUDA
 
@@ -96,3 +98,23 @@ def test_windowed_attention_on_the_gpu_is_masked_attention(window: int) -> None:
     for a, b in zip(grads, want_grads):
         rel = torch.linalg.norm(a.float() - b.float()) / torch.linalg.norm(b.float())
         assert rel <= 2e-2, float(rel)
+
+
+@pytest.mark.parametrize("tile", [0, 7])
+def test_packed_documents_on_the_gpu_are_the_documents_one_by_one(tile: int) -> None:
+    """bf16 on the GPU (ids, labels and positions uploaded together; attention per document in the GPU's
+    kernels) against the fp32 HF model run on each document alone, untiled and in token tiles."""
+    model = tiny_hf("llama", tied=False)
+    spec = spec_for(model, "llama")
+    ids, labels, pos = _packed_batch()
+    ref, ref_grads = _hf_one_by_one(model, ids, labels)
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    cfg = EngineConfig(checkpoint_interval=2, last_block_layers=1, loss_chunk_tokens=10, token_tile=tile)
+    sink = DictSink()
+    engine = StepEngine(spec, cfg, torch.device("cuda"), torch.bfloat16)
+    res = engine.step(ids, labels, CudaSource(spec, state, blocks=blocks(3, 2, 1)), sink, positions=pos)
+    assert abs(float(res.loss) - float(ref)) <= 1e-2 * abs(float(ref))
+    for unit in range(spec.layout.num_layers + 2):
+        want = flat_unit(spec, unit, ref_grads)
+        got = sink.grads[unit][: want.numel()].float().cpu()
+        assert torch.linalg.norm(got - want) <= 5e-2 * torch.linalg.norm(want), unit
