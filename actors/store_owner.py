@@ -24,12 +24,13 @@ from megatrain.actors.base import Role, guarded
 from megatrain.engine import EngineConfig, fixed_sizes
 from megatrain.errors import AbortError, ConfigError, ProtocolError
 from megatrain.export import export
+from megatrain.hostmem import PIECE_BYTES, populate, spread
 from megatrain.ipc.procs import maps_path, pid_alive, running, spawn_detached, start_ticks
 from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, checkpoint_host_bytes, plan_store
 from megatrain.ipc.protocol.checkpoints import restore_versions
 from megatrain.ipc.protocol.cpus import ThreadRequest, cpu_plan, node_cores
 from megatrain.ipc.protocol.monitor import Monitor
-from megatrain.ipc.shm import check_space, populate, pss_split, remove_cuda_ipc_files, seg_name, space_now, sweep
+from megatrain.ipc.shm import check_space, pss_split, remove_cuda_ipc_files, seg_name, space_now, sweep
 from megatrain.model import ModelConfig, build_spec, init_unit, meta_model, unit_seed
 from megatrain.weights import checkpoint_index, copy_slots, fill_tile, read_unit, slot_views
 
@@ -39,8 +40,7 @@ from megatrain.weights import checkpoint_index, copy_slots, fill_tile, read_unit
 RUN_RESERVE = 2 << 30
 STRAGGLER_S = 1.0  # how long workers get to exit after the driver's kill before they are ended by pid
 LOADERS = 2  # units read from a pretrained checkpoint at once: one is read while the other is converted
-PAGE_IN_BYTES = 1 << 28  # one madvise call of the page-in (a stop waits for at most one per thread)
-PAGE_IN_THREADS = 8  # page faults are the kernel's work: half the cores leave the attach and step 1 theirs
+PAGE_IN_THREADS = 6  # page faults are the kernel's work; the init's draw has a thread per core beside them
 
 
 @dataclass(frozen=True)
@@ -166,6 +166,11 @@ class StoreOwner(Role):
             self._start_reaper(spec.run_id)
         self.mark("segments")
         self.store.write_about(self.request.about)
+        self.paging_stop = threading.Event()  # beside the fill: done before the attach and its pinning
+        self.paging = threading.Thread(
+            target=self._page_in, args=(self.store, self.paging_stop), name="page-in", daemon=True
+        )
+        self.paging.start()
         model_cfg, resume = self.request.model, self.request.resume
         t0 = time.perf_counter()
         if resume:
@@ -175,24 +180,17 @@ class StoreOwner(Role):
         self.filled = FillReport(source, nbytes, time.perf_counter() - t0)
         self.mark("filled")
         self.monitor = Monitor(self.store).start()
-        self.paging_stop = threading.Event()
-        self.paging = threading.Thread(
-            target=self._page_in, args=(self.store, self.paging_stop), name="page-in", daemon=True
-        )
-        self.paging.start()
 
     def _page_in(self, store: Store, stop: threading.Event) -> None:
-        """Page in the planes nothing has written yet (Adam's moments after a fresh init, the gradient plane),
-        in the background, from the store's creation into the first step: their first writes otherwise
-        fault in every 4 KiB page inside the first update (the first two steps took about twice as long
-        as the rest). It leaves the bytes alone (shm.populate), so the steps may already write them."""
+        """Page in the planes the init does not write (Adam's moments, the gradient plane), in the background,
+        from the store's creation, beside the fill: their first writes otherwise fault in every 4 KiB page
+        inside the first update (the first two steps took about twice as long as the rest), and paged in
+        during the attach they slowed the executor's pinning from 1.3 to 9 s (7.6B, H200 host). It leaves
+        the bytes alone (hostmem.populate), so a resume's restore and the steps may already write them."""
         parts = [p for p in ("exp_avg", "exp_avg_sq", "grads") if p in store.spec.planes]
         planes = [store.plane(part) for part in parts]
-        pieces = [piece for a in planes for piece in np.array_split(a, max(a.nbytes // PAGE_IN_BYTES, 1))]
-        # The threads start far apart, each walking its own stretch: a segment's shards are separate files,
-        # and the kernel pages one file in at a time (ipc/mapping.py).
-        stretch = -(-len(pieces) // PAGE_IN_THREADS)
-        pieces = [p for k in range(stretch) for p in pieces[k::stretch]]
+        pieces = [piece for a in planes for piece in np.array_split(a, max(a.nbytes // PIECE_BYTES, 1))]
+        pieces = spread(pieces, PAGE_IN_THREADS)  # each thread in its own shard (ipc/mapping.py)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(PAGE_IN_THREADS, thread_name_prefix="page-in") as pool:
             done = list(pool.map(lambda a: not stop.is_set() and populate(a), pieces))

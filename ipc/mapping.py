@@ -15,24 +15,14 @@ import ctypes
 import mmap
 import weakref
 
+from megatrain.hostmem import libc
+
 SHARD_BYTES = 1 << 30  # a segment gets one shard per GiB, up to MAX_SHARDS
 MAX_SHARDS = 16  # the first-touch rate stopped growing at about one file per core
 ALIGN = 1 << 21  # shard boundaries on 2 MiB: page-aligned for MAP_FIXED on any page size in use
 
 _MAP_FIXED, _MAP_NORESERVE, _PROT_NONE = 0x10, 0x4000, 0  # Linux; not all in every mmap module
 _MAP_FAILED = ctypes.c_void_p(-1).value
-_LIBC: ctypes.CDLL | None = None
-
-
-def _libc() -> ctypes.CDLL:
-    global _LIBC
-    if _LIBC is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        _LIBC = libc
-    return _LIBC
 
 
 def shard_sizes(total: int, shard_bytes: int | None = None) -> list[int]:
@@ -64,21 +54,21 @@ def map_shards(fds: list[int], sizes: list[int]) -> ctypes.Array:
     """Map the files (each from its offset 0, `sizes` bytes) back to back, read-write and shared, into one
     address range; returns a char array over all of it (a buffer numpy and torch view without copying).
     The range is unmapped once nothing refers to the array any more (a view of it keeps it)."""
-    libc, total = _libc(), sum(sizes)
+    lib, total = libc(), sum(sizes)
     prot = mmap.PROT_READ | mmap.PROT_WRITE
-    base = libc.mmap(None, total, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
+    base = lib.mmap(None, total, _PROT_NONE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)
     if base in (None, _MAP_FAILED):
         raise OSError(ctypes.get_errno(), f"cannot reserve {total} bytes of address space")
     try:
         at = base
         for fd, size in zip(fds, sizes):
-            got = libc.mmap(at, size, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
+            got = lib.mmap(at, size, prot, mmap.MAP_SHARED | _MAP_FIXED, fd, 0)
             if got != at:
                 raise OSError(ctypes.get_errno(), f"cannot map a shard of {size} bytes")
             at += size
     except BaseException:
-        libc.munmap(base, total)
+        lib.munmap(base, total)
         raise
     buf = (ctypes.c_char * total).from_address(base)
-    weakref.finalize(buf, libc.munmap, base, total)
+    weakref.finalize(buf, lib.munmap, base, total)
     return buf

@@ -17,7 +17,6 @@ import struct
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import posix_ipc
 import psutil
 
@@ -246,22 +245,6 @@ def pss_split(pid: int, prefix: str) -> tuple[int, int]:
 
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
-
-
-MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable without touching their bytes
-_LIBC: ctypes.CDLL | None = None
-
-
-def populate(array: np.ndarray) -> bool:
-    """Page in the mapping under `array` (a view of a segment), as a write would, leaving its bytes alone;
-    runs without the GIL. False where the kernel cannot (older than 5.14, or a sandbox's): nothing done."""
-    global _LIBC
-    if _LIBC is None:
-        _LIBC = ctypes.CDLL(None, use_errno=True)
-        _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    start = array.ctypes.data
-    lo = start - start % mmap.PAGESIZE
-    return _LIBC.madvise(lo, start + array.nbytes - lo, MADV_POPULATE_WRITE) == 0
 
 
 def space_now(shm_dir: str = "/dev/shm") -> tuple[int, int]:

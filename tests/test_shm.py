@@ -18,6 +18,7 @@ import numpy as np
 import posix_ipc
 import pytest
 
+from megatrain import hostmem
 from megatrain.errors import LayoutMismatch, ResourceError
 from megatrain.ipc import mapping, procs, shm
 from megatrain.ipc.shm import HEADER_BYTES, Header, Segment, seg_name, sem_name
@@ -459,3 +460,13 @@ def test_maps_path_and_descendants(rid: str) -> None:
         finally:
             child.communicate("")
         assert not procs.maps_path(child.pid, name)  # gone
+
+
+def test_fault_in_leaves_the_bytes_and_spreads_its_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pieces start one stretch apart (a thread per stretch); the bytes under them do not change."""
+    assert hostmem.spread(list(range(10)), 3) == [0, 4, 8, 1, 5, 9, 2, 6, 3, 7]
+    assert hostmem.spread([1, 2], 8) == [1, 2]
+    monkeypatch.setattr(hostmem, "PIECE_BYTES", 1 << 16)
+    a = np.arange(1 << 20, dtype=np.float32)
+    ok = hostmem.fault_in(a.ctypes.data, a.nbytes, 4)
+    assert ok in (True, False) and np.array_equal(a, np.arange(1 << 20, dtype=np.float32))

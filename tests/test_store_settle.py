@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from megatrain import hostmem
 from megatrain.actors.store_owner import RUN_RESERVE, StoreOwner, StoreRequest
 from megatrain.engine import EngineConfig, fixed_sizes
 from megatrain.errors import ResourceError
@@ -131,7 +132,7 @@ def test_the_zero_planes_are_paged_in_behind_the_fill_and_keep_their_bytes(rid: 
 
         assert inside() >= 0.9 * 2 * store.plane("exp_avg").nbytes  # resident without a byte written
         assert not store.plane("exp_avg").any() and not store.plane("exp_avg_sq").any()
-        assert shm.populate(store.plane("params")[:1000])
+        assert hostmem.populate(store.plane("params")[:1000])
     finally:
         owner.shutdown()
     assert owner.paging is None and not leftovers(rid)
