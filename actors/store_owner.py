@@ -40,7 +40,7 @@ from megatrain.weights import checkpoint_index, copy_slots, fill_tile, read_unit
 RUN_RESERVE = 2 << 30
 STRAGGLER_S = 1.0  # how long workers get to exit after the driver's kill before they are ended by pid
 LOADERS = 2  # units read from a pretrained checkpoint at once: one is read while the other is converted
-PAGE_IN_THREADS = 6  # page faults are the kernel's work; the init's draw has a thread per core beside them
+PAGE_IN_THREADS = 8  # page faults are the kernel's work: half the cores leave step 1 theirs
 
 
 @dataclass(frozen=True)
@@ -166,11 +166,6 @@ class StoreOwner(Role):
             self._start_reaper(spec.run_id)
         self.mark("segments")
         self.store.write_about(self.request.about)
-        self.paging_stop = threading.Event()  # beside the fill: done before the attach and its pinning
-        self.paging = threading.Thread(
-            target=self._page_in, args=(self.store, self.paging_stop), name="page-in", daemon=True
-        )
-        self.paging.start()
         model_cfg, resume = self.request.model, self.request.resume
         t0 = time.perf_counter()
         if resume:
@@ -181,12 +176,23 @@ class StoreOwner(Role):
         self.mark("filled")
         self.monitor = Monitor(self.store).start()
 
+    def page_in(self) -> None:
+        """Start paging in the planes the fill did not write (Adam's moments after a fresh init, the gradient
+        plane), in the background, into the first step: their first writes otherwise fault in every 4 KiB
+        page inside the first update (the first two steps took about twice as long as the rest). The driver
+        calls it once the workers are attached: a host near its memory's end first-touches pages at about
+        5 GiB/s in all, so beside the fill the page-in made the draw 46 % slower, and during the attach
+        it slowed the executor's pinning from 1.3 to 7-9 s (7.6B, H200 host)."""
+        if self.store is None or self.paging is not None:
+            return
+        self.paging_stop = threading.Event()
+        self.paging = threading.Thread(
+            target=self._page_in, args=(self.store, self.paging_stop), name="page-in", daemon=True
+        )
+        self.paging.start()
+
     def _page_in(self, store: Store, stop: threading.Event) -> None:
-        """Page in the planes the init does not write (Adam's moments, the gradient plane), in the background,
-        from the store's creation, beside the fill: their first writes otherwise fault in every 4 KiB page
-        inside the first update (the first two steps took about twice as long as the rest), and paged in
-        during the attach they slowed the executor's pinning from 1.3 to 9 s (7.6B, H200 host). It leaves
-        the bytes alone (hostmem.populate), so a resume's restore and the steps may already write them."""
+        """page_in()'s thread. It leaves the bytes alone (hostmem.populate): the steps may already write them."""
         parts = [p for p in ("exp_avg", "exp_avg_sq", "grads") if p in store.spec.planes]
         planes = [store.plane(part) for part in parts]
         pieces = [piece for a in planes for piece in np.array_split(a, max(a.nbytes // PIECE_BYTES, 1))]

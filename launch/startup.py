@@ -141,6 +141,7 @@ def attach_workers(
     crew.pids = {n: i.pid for n, i in infos.items()}
     crew.marks = {n: i.marks for n, i in infos.items()}
     crew.runner.pids = crew.pids
+    crew.call_one(OWNER, StoreOwner.page_in)  # now, not beside the fill or the pinning (it slows both)
     handles = crew.call_one("gpu-executor", GpuExecutor.event_handles)
     if handles is not None:
         drainers = crew.named("grad-accumulator") if spec.clip else ["adam-updater"]
