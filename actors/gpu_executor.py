@@ -22,8 +22,9 @@ from megatrain.cudahost import use_expandable_segments
 from megatrain.engine import EngineConfig, StepEngine, resolve_device, resolve_dtype
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.executor import Marks, StreamedSink, StreamedSource, SyncSink, SyncSource, copy_intervals
-from megatrain.model import family_classes
+from megatrain.model import ModelSpec, family_classes
 from megatrain.profiling import StepProfile
+from megatrain.warmup import warm_up
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,33 @@ class GpuExecutor(Role):
             self.mark("cuda")
         if family:
             family_classes(family)  # imports the family's modeling module
+        # Every step runs on this one thread, whichever of the actor's threads takes the call: cuBLAS and
+        # cuDNN handles (and cuBLAS workspaces) are per thread, and creating them inside a step put
+        # cudaFree calls in the layer loop (found by the profiled step). The warm-up runs on it too.
+        # The initializer must not hold self: the pool's thread would keep the executor (its pinned and
+        # GPU memory) alive after the actor is dropped in the in-process runner.
+        init = functools.partial(torch.cuda.set_device, self.device) if self.cuda else None  # per thread
+        self.compute = ThreadPoolExecutor(1, "compute", initializer=init)
         self.mark("ready")
+
+    def warm_up(self, model: ModelSpec, cfg: EngineConfig, batch: int, seq: int) -> None:
+        """Start the warm-up (megatrain/warmup.py) on the compute thread with the chosen engine sizes, while
+        the store is filled; returns at once. The first step queues behind it on that thread."""
+        if self.cuda:
+            self.compute.submit(self._warm_up, model, cfg, batch, seq)
+
+    def _warm_up(self, model: ModelSpec, cfg: EngineConfig, batch: int, seq: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            warm_up(
+                StepEngine(model, cfg, self.device, resolve_dtype(cfg, self.device)), cfg.chunk_sequences or batch, seq
+            )
+            self.mark("warm")
+        except Exception as exc:  # out of memory included: a diagnostic only, the step says what fails
+            print(
+                f"[{self.name}] warm-up skipped after {time.perf_counter() - t0:.1f} s: {type(exc).__name__}: {exc}",
+                flush=True,
+            )
 
     def gpu_free_bytes(self) -> int:
         """Free GPU memory now, after this process's CUDA context: what autosize.py may plan with."""
@@ -79,13 +106,6 @@ class GpuExecutor(Role):
         else:
             self.source = SyncSource(self.store, self.device, dtype)
             self.sink = SyncSink(self.store, self._fetched)
-        # Every step runs on this one thread, whichever of the actor's threads takes the call: cuBLAS and
-        # cuDNN handles (and cuBLAS workspaces) are per thread, and creating them inside a step put
-        # cudaFree calls in the layer loop (found by the profiled step).
-        # The initializer must not hold self: the pool's thread would keep the executor (its pinned and
-        # GPU memory) alive after the actor is dropped in the in-process runner.
-        init = functools.partial(torch.cuda.set_device, self.device) if self.cuda else None  # per thread
-        self.compute = ThreadPoolExecutor(1, "compute", initializer=init)
         self.mark("attached")
 
     def _fetched(self) -> int:

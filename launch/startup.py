@@ -75,8 +75,9 @@ def spawn_workers(
 def choose_sizes(crew: Crew, cfg: Config, engine: EngineConfig) -> EngineConfig:
     """Resolve the engine's `auto` sizes from the GPU memory the executor finds free (autosize.py)."""
     free = crew.call_one("gpu-executor", GpuExecutor.gpu_free_bytes) if engine.device == "cuda" else None
+    model = build_spec(cfg.model, cfg.optim.no_decay_1d)
     sizes, why = autosize.choose(
-        build_spec(cfg.model, cfg.optim.no_decay_1d),
+        model,
         engine,
         cfg.data.batch_size,
         cfg.data.seq_len,
@@ -85,6 +86,7 @@ def choose_sizes(crew: Crew, cfg: Config, engine: EngineConfig) -> EngineConfig:
     )
     engine = autosize.apply(engine, sizes)
     log(f"engine sizes: {sizes} ({why}; the rule for 'auto': megatrain/autosize.py)")
+    crew.call_one("gpu-executor", GpuExecutor.warm_up, model, engine, cfg.data.batch_size, cfg.data.seq_len)
     return engine
 
 
