@@ -24,7 +24,7 @@ from megatrain.data import Data, open_data
 from megatrain.engine import resolve_engine
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes
 from megatrain.ipc.shm import check_run_id, check_run_id_free
-from megatrain.launch import startup
+from megatrain.launch import memplan, startup
 from megatrain.launch.checkpointing import Checkpointer
 from megatrain.launch.config import Config
 from megatrain.launch.crew import OWNER, Crew
@@ -59,6 +59,7 @@ class Trainer:
         self._closed = False
         self.lock: OutputLock | None = None  # the output directory's, for the run's life
         self.phases = startup.Phases()
+        self.host_room: int | None = None  # host RAM for pinned checkpoints beside the store (a local store)
 
     # ---- public -----------------------------------------------------------------------------
     def run(self) -> dict:
@@ -182,6 +183,9 @@ class Trainer:
         self.phases.close("Ray")
         cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and self.crew.runner.has_gpu())
         self.engine_cfg = resolve_engine(cfg.engine, cuda)
+        # Where the store will be on this machine: the RAM its pinned checkpoints may take, measured before it.
+        local = cuda and not (cfg.launch.address or os.environ.get("RAY_ADDRESS"))
+        self.host_room = memplan.host_room(cfg, cuda, memplan.this_host(cfg)) if local else None
         self._write_config()
         changed = differences(self._resolved(), Config())
         log(f"run {self.run_id}; output directory {self.out}")
@@ -205,7 +209,7 @@ class Trainer:
             crew, cfg, self.engine_cfg, dem, expect_packers(cfg.ipc.staging, cuda), self.checkpointer.enabled
         )
         creating = self._create_store()
-        self.engine_cfg = startup.choose_sizes(crew, cfg, self.engine_cfg)
+        self.engine_cfg = startup.choose_sizes(crew, cfg, self.engine_cfg, self.host_room)
         if self.engine_cfg.device == "cuda":
             phases.close("executor started (imports, CUDA context; the store is made meanwhile)")
         self.spec, self.store_fill = startup.settle_store(crew, creating, self.engine_cfg, cfg.train.setup_timeout_s)

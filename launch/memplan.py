@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 
 from megatrain import autosize
-from megatrain.engine import resolve_engine
+from megatrain.engine import EngineConfig, fixed_sizes, resolve_engine
 from megatrain.errors import ConfigError, ResourceError
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, plan_store
 from megatrain.ipc.shm import (
@@ -34,7 +34,7 @@ from megatrain.ipc.shm import (
 from megatrain.launch.config import Config, load_config
 from megatrain.launch.placement import demands, describe_need
 from megatrain.launch.runners import PRIVATE_THRESHOLD
-from megatrain.model import build_spec
+from megatrain.model import ModelSpec, build_spec
 
 GIB = 2**30
 PROCESS_BYTES = {
@@ -113,19 +113,19 @@ def this_host(cfg: Config, host_gib: float | None = None) -> Host:
     return Host(mem_available_bytes(), mem_total_bytes(), shm_free_bytes(cfg.ipc.shm_dir), threshold)
 
 
-def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Host | None = None) -> MemPlan:
-    engine = resolve_engine(cfg.engine, cuda)
-    spec = build_spec(cfg.model, cfg.optim.no_decay_1d)
-    d = cfg.data
-    gpu_error = ""
-    try:
-        sizes, why = autosize.choose(spec, engine, d.batch_size, d.seq_len, gpu_free if cuda else None, cfg.optim.clips)
-    except ResourceError as exc:
-        gpu_error, why = str(exc), ""
-        sizes = autosize.Sizes(1, 1, 1, 512, 1)  # the least the engine can do, to show the rest of the plan
-    engine = autosize.apply(engine, sizes)
-    machine = machine or this_host(cfg)
-    pinned = checkpoint_host_bytes(spec, engine, d.batch_size, d.seq_len)
+def host_room(cfg: Config, cuda: bool, machine: Host) -> int:
+    """Host RAM left for the executor's pinned activation checkpoints on `machine`: its limit less the store
+    (as planned without them), the processes and the node's share (autosize.choose places the rest on the
+    GPU)."""
+    engine = fixed_sizes(resolve_engine(cfg.engine, cuda))
+    _, host = _host_terms(cfg, build_spec(cfg.model, cfg.optim.no_decay_1d), engine, cuda, machine, 0)
+    return machine.limit - sum(host.values())
+
+
+def _host_terms(
+    cfg: Config, spec: ModelSpec, engine: EngineConfig, cuda: bool, machine: Host, pinned: int
+) -> tuple[StoreSpec, dict[str, int]]:
+    """The store the run would make on `machine` and the host memory of the run, term by term."""
     store = plan_store(
         "plan",
         spec,
@@ -144,6 +144,26 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Host | Non
     host["executor: pinned activation checkpoints"] = pinned
     host.update(_processes(store, cfg, cuda))
     host["node: page tables of the store's mappings"] = store.page_table_bytes()
+    return store, host
+
+
+def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Host | None = None) -> MemPlan:
+    engine = resolve_engine(cfg.engine, cuda)
+    spec = build_spec(cfg.model, cfg.optim.no_decay_1d)
+    d = cfg.data
+    gpu_error = ""
+    machine = machine or this_host(cfg)
+    room = host_room(cfg, cuda, machine) if cuda else None
+    try:
+        sizes, why = autosize.choose(
+            spec, engine, d.batch_size, d.seq_len, gpu_free if cuda else None, cfg.optim.clips, room
+        )
+    except ResourceError as exc:
+        gpu_error, why = str(exc), ""
+        sizes = autosize.Sizes(1, 1, 1, 512, 1)  # the least the engine can do, to show the rest of the plan
+    engine = autosize.apply(engine, sizes)
+    pinned = checkpoint_host_bytes(spec, engine, d.batch_size, d.seq_len)
+    store, host = _host_terms(cfg, spec, engine, cuda, machine, pinned)
     plan = MemPlan(
         f"{spec.family}, {spec.layout.num_layers} layers, {spec.layout.num_params / 1e6:.2f}M params, "
         f"{d.batch_size}x{d.seq_len} tokens per step, engine on {engine.device} ({engine.compute_dtype}), "

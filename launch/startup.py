@@ -72,8 +72,10 @@ def spawn_workers(
         crew.spawn(name, cls, args, dem[name])
 
 
-def choose_sizes(crew: Crew, cfg: Config, engine: EngineConfig) -> EngineConfig:
-    """Resolve the engine's `auto` sizes from the GPU memory the executor finds free (autosize.py)."""
+def choose_sizes(crew: Crew, cfg: Config, engine: EngineConfig, host_room: int | None) -> EngineConfig:
+    """Resolve the engine's `auto` sizes from the GPU memory the executor finds free (autosize.py) and the host
+    RAM left beside the store for pinned activation checkpoints (None where the store's node is not this
+    machine: the owner checks the host then)."""
     free = crew.call_one("gpu-executor", GpuExecutor.gpu_free_bytes) if engine.device == "cuda" else None
     model = build_spec(cfg.model, cfg.optim.no_decay_1d)
     sizes, why = autosize.choose(
@@ -83,6 +85,7 @@ def choose_sizes(crew: Crew, cfg: Config, engine: EngineConfig) -> EngineConfig:
         cfg.data.seq_len,
         free,
         cfg.optim.clips,
+        host_room,
     )
     engine = autosize.apply(engine, sizes)
     log(f"engine sizes: {sizes} ({why}; the rule for 'auto': megatrain/autosize.py)")

@@ -35,10 +35,12 @@ class _Registered:
 class Checkpoints:
     """Block b's input activation: `put` in the forward, `prefetch`/`get` in the backward."""
 
-    def __init__(self, device: torch.device, offload: bool):
+    def __init__(self, device: torch.device, host_blocks: int):
+        """`host_blocks`: the first blocks whose checkpoints go to pinned host memory (the rest stay on the
+        GPU; on the CPU device every one stays where it is)."""
         self.device = device
-        self.offload = offload and device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.offload else None
+        self.host_blocks = host_blocks if device.type == "cuda" else 0
+        self.stream = torch.cuda.Stream(device) if self.host_blocks else None
         self.host: dict[int, _Registered] = {}  # pinned buffers, reused across steps
         self.kept: dict[int, torch.Tensor] = {}  # on the device: not offloaded, or fetched back
         self.ready: dict[int, torch.cuda.Event] = {}
@@ -47,7 +49,7 @@ class Checkpoints:
         return sum(r.t.numel() * r.t.element_size() for r in self.host.values())
 
     def put(self, b: int, h: torch.Tensor) -> None:
-        if not self.offload:
+        if b >= self.host_blocks:
             self.kept[b] = h
             return
         reg = self.host.get(b)
@@ -63,7 +65,7 @@ class Checkpoints:
 
     def prefetch(self, b: int) -> None:
         """Start bringing block b's checkpoint back (no-op if it is on the device already)."""
-        if not self.offload or b in self.kept or b < 0:
+        if b >= self.host_blocks or b in self.kept or b < 0:
             return
         # The stream is FIFO, so this copy runs after this block's D2H copy in the forward.
         with torch.cuda.stream(self.stream):

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatrain.engine import FIXED_SIZES, EngineConfig, blocks
+from megatrain.engine import FIXED_SIZES, EngineConfig, blocks, host_checkpoints
 from megatrain.errors import ResourceError
 from megatrain.lean import lean_layer_bytes
 from megatrain.model import ModelSpec
@@ -68,7 +68,7 @@ class Sizes:
     chunk_sequences: int
     loss_chunk_tokens: int
     lean_layers: int
-    offload_checkpoints: bool = True
+    offload_checkpoints: bool | int = True  # all, none, or the first N blocks' in pinned host RAM
     token_tile: int = 0
 
     def __str__(self) -> str:  # the line the driver logs and `megatrain-launch plan` prints
@@ -119,10 +119,19 @@ def _layer_numel(spec: ModelSpec) -> int:
 
 
 def choose(
-    spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, gpu_free: int | None, clip: bool
+    spec: ModelSpec,
+    cfg: EngineConfig,
+    batch: int,
+    seq: int,
+    gpu_free: int | None,
+    clip: bool,
+    host_room: int | None = None,
 ) -> tuple[Sizes, str]:
     """The sizes for the `auto` fields of `cfg` (explicit values are kept), and why, in one line. `clip`:
-    whether the run clips the global gradient norm (no update starts before the last gradient)."""
+    whether the run clips the global gradient norm (no update starts before the last gradient).
+    `host_room`: the host RAM the executor's pinned checkpoints may take beside the store and the processes
+    (None: not known here; then they all go to host memory when they leave the GPU, and the store owner
+    checks the host)."""
     if gpu_free is None:
         return _keep(cfg, Sizes(**FIXED_SIZES)), "the CPU device: fixed defaults"
     dtype_bytes = 2 if cfg.compute_dtype == "bf16" else 4
@@ -139,20 +148,44 @@ def choose(
         tile = token_tile(spec, seq)
         shape = _Shape(spec, cfg, batch, seq, dtype_bytes, clip, gpu_free, tile)
         plan = _explicit(cfg, shape.blocks(budget))
-        plan = (*plan[:-1], plan[-1] + f"; the MLP half in tiles of {tile} tokens")
     offload = cfg.offload_checkpoints
     each = checkpoint_bytes(spec, batch * seq, dtype_bytes)
     if offload == "auto":  # on the GPU where they take at most an eighth of the room (see the docstring)
         kept = shape.with_checkpoints(budget, each, limit=budget // 8)
         offload = kept is None and _saved(spec, plan) > 0
         plan = plan if kept is None else kept
-    elif not offload:
+        if offload and host_room is not None and _saved(spec, plan) * each > host_room:
+            plan, offload = _split(shape, plan, budget, each, max(host_room, 0) // each)
+    elif offload is False:
         plan = shape.with_checkpoints(budget, each, limit=budget) or plan
+    elif offload is not True:  # a count in host memory: the rest on the GPU
+        plan = shape.with_checkpoints(budget, each, limit=budget, on_host=offload) or plan
     k, last, chunk, lean, why = plan
     saved = _saved(spec, plan)
-    where = "none" if not saved else f"{saved} in pinned host RAM" if offload else f"{saved} on the GPU"
+    on_host = host_checkpoints(offload, saved)
+    where = (
+        "none"
+        if not saved
+        else f"{saved} on the GPU"
+        if not on_host
+        else f"{saved} in pinned host RAM"
+        if on_host == saved
+        else f"{on_host} in pinned host RAM (as many as the host holds), {saved - on_host} on the GPU"
+    )
+    if tile and cfg.token_tile == "auto":
+        why += f"; the MLP half in tiles of {tile} tokens"
     why += f"; activation checkpoints: {where}"
-    return _keep(cfg, Sizes(k, last, chunk, loss, lean, bool(offload), tile)), why
+    return _keep(cfg, Sizes(k, last, chunk, loss, lean, offload, tile)), why
+
+
+def _split(shape: _Shape, plan: tuple, budget: int, each: int, on_host: int) -> tuple[tuple, bool | int]:
+    """Where the checkpoints do not all fit the host: `on_host` of them there (the first blocks'), the rest on
+    the GPU, with a plan whose budget holds those; where none does, all in host memory (the store owner
+    then refuses the run, saying by how much the host is short)."""
+    split = shape.with_checkpoints(budget, each, limit=budget, on_host=on_host)
+    if split is None:
+        return plan, True
+    return split, (on_host if on_host else False)
 
 
 class _Shape:
@@ -221,14 +254,20 @@ class _Shape:
         rest = self.spec.layout.num_layers - (last or least)
         return max(least, min(budget // whole, rest))
 
-    def with_checkpoints(self, budget: int, each: int, limit: int) -> tuple[int, int, int, int, str] | None:
+    def with_checkpoints(
+        self, budget: int, each: int, limit: int, on_host: int = 0
+    ) -> tuple[int, int, int, int, str] | None:
         """The blocks for a budget that also holds their activation checkpoints on the GPU (`each` bytes per
-        checkpoint), or None where those take more than `limit` bytes. Fewer layers in the last block mean more
-        checkpoints, so the reservation grows until it covers what the blocks keep."""
+        checkpoint; all but `on_host` of them), or None where those take more than `limit` bytes. Fewer layers
+        in the last block mean more checkpoints, so the reservation grows until it covers what the blocks
+        keep."""
         reserve = 0
         for _ in range(8):
-            plan = _explicit(self.cfg, self.blocks(budget - reserve))
-            need = _saved(self.spec, plan) * each
+            try:
+                plan = _explicit(self.cfg, self.blocks(budget - reserve))
+            except ResourceError:  # the reservation leaves too little for a layer: not this way
+                return None
+            need = max(_saved(self.spec, plan) - on_host, 0) * each
             if need > limit:
                 return None
             if need <= reserve:
@@ -327,7 +366,7 @@ def gpu_terms(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, sizes: S
     chunked = 0 < sizes.chunk_sequences < batch
     largest = spec.layout.max_unit_numel
     saved = len(blocks(spec.layout.num_layers, sizes.checkpoint_interval, sizes.last_block_layers)) - 1
-    on_gpu = 0 if sizes.offload_checkpoints else saved
+    on_gpu = saved - host_checkpoints(sizes.offload_checkpoints, saved)
     return {
         f"weight buffers ({cfg.prefetch + 1} layers, compute dtype)": buffer_bytes(spec, cfg.prefetch, dtype_bytes),
         f"loss chunk logits ({sizes.loss_chunk_tokens} tokens x vocab, 12 B each)": sizes.loss_chunk_tokens

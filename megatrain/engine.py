@@ -93,13 +93,15 @@ class EngineConfig:
         "for long context). 0 = untiled. auto: untiled where a layer's "
         "activations fit, else the largest tile that does (megatrain/autosize.py).",
     )
-    offload_checkpoints: bool | str = opt(
+    offload_checkpoints: bool | int | str = opt(
         "auto",
         "CUDA: keep the activation checkpoints (one per recompute block, "
         "tokens·hidden·2 bytes each) in pinned host memory (out in the "
         "forward, back one block ahead in the backward) instead of GPU "
-        "memory. auto: on the GPU where they take at most an eighth of "
-        "the room left for activations, else offloaded.",
+        "memory; N: the first N blocks' in pinned host memory, the rest on "
+        "the GPU. auto: on the GPU where they take at most an eighth of "
+        "the room left for activations, else in host memory, as many as "
+        "the host holds beside the store and the rest on the GPU.",
     )
 
     def __post_init__(self) -> None:
@@ -118,9 +120,11 @@ class EngineConfig:
             value = getattr(self, key)
             if value != "auto" and (isinstance(value, str) or value < least):
                 raise ValueError(f"engine.{key} must be 'auto' or an integer {what}, not {value!r}")
-        if self.offload_checkpoints not in (True, False, "auto"):
+        off = self.offload_checkpoints
+        if off != "auto" and not isinstance(off, bool) and not (isinstance(off, int) and off >= 0):
             raise ValueError(
-                f"engine.offload_checkpoints must be auto, true or false, not {self.offload_checkpoints!r}"
+                f"engine.offload_checkpoints must be auto, true, false or a count >= 0 of checkpoints in host "
+                f"memory, not {off!r}"
             )
         if self.prefetch < 0:
             raise ValueError("engine.prefetch must be >= 0")
@@ -136,6 +140,14 @@ FIXED_SIZES = {
     "offload_checkpoints": True,
     "token_tile": 0,
 }
+
+
+def host_checkpoints(offload: bool | int, saved: int) -> int:
+    """How many of a step's `saved` activation checkpoints engine.offload_checkpoints (resolved) puts in
+    pinned host memory: all (true), none (false), or the first N blocks' (N)."""
+    if isinstance(offload, bool):
+        return saved if offload else 0
+    return min(offload, saved)
 
 
 def blocks(num_layers: int, k: int, last: int = 0) -> list[list[int]]:
@@ -340,7 +352,7 @@ class StepEngine:
         self.t.use_tiles(cfg.token_tile)
         self.n = spec.layout.num_layers
         self.blocks: list[list[int]] = []
-        self.checkpoints = Checkpoints(device, cfg.offload_checkpoints)
+        self.checkpoints = Checkpoints(device, host_checkpoints(cfg.offload_checkpoints, self.n))
         self.upload = _BatchUpload(device)
         self.mark: Callable[[str], None] = lambda name: None
 

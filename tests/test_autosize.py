@@ -9,6 +9,7 @@ import pytest
 
 from megatrain import autosize
 from megatrain.engine import EngineConfig, resolve_engine
+from megatrain.ipc.protocol import checkpoint_host_bytes
 from megatrain.launch.config import load_config
 from megatrain.model import ModelConfig, build_spec
 
@@ -166,6 +167,33 @@ def test_recompute_blocks_take_the_room_the_last_block_leaves_and_keep_their_che
     assert pinned.offload_checkpoints and pinned.last_block_layers >= sizes.last_block_layers
     kept, _ = autosize.choose(deep, cuda_cfg(offload_checkpoints=False), 16, 4096, free, clip=True)
     assert not kept.offload_checkpoints
+
+
+def test_checkpoints_the_host_cannot_hold_stay_on_the_gpu() -> None:
+    """7.6B at 512K tokens (a checkpoint is 3.5 GiB, 13 of them): with room for 12 on the host the 13th stays
+    on the GPU, whose budget makes room for it; with room for all, all go to the host; with room for none
+    and a GPU that cannot hold them, all go to the host (the store owner then refuses, with the numbers);
+    an explicit count is kept."""
+    spec = build_spec(ModelConfig(family="qwen2", hf={**QWEN7B, "num_hidden_layers": 28}))
+    each, free, seq = 524288 * 3584 * 2, int(139.3 * GIB), 524288
+    sizes, why = autosize.choose(spec, cuda_cfg(), 1, seq, free, clip=False, host_room=12 * each + 100)
+    assert sizes.offload_checkpoints == 12 and "12 in pinned host RAM (as many as the host holds), 1 on" in why, why
+    engine = autosize.apply(cuda_cfg(), sizes)
+    terms = autosize.gpu_terms(spec, engine, 1, seq, sizes)
+    assert terms["activation checkpoints on the GPU (1)"] == each
+    terms.pop("largest unit's weights and fp32 gradient")
+    assert sum(terms.values()) <= free * autosize.MARGIN
+    assert checkpoint_host_bytes(spec, engine, 1, seq) == 12 * each
+    everything, why = autosize.choose(spec, cuda_cfg(), 1, seq, free, clip=False, host_room=13 * each)
+    assert everything.offload_checkpoints is True and "13 in pinned host RAM" in why
+    unknown, _ = autosize.choose(spec, cuda_cfg(), 1, seq, free, clip=False)
+    assert unknown.offload_checkpoints is True
+    none, _ = autosize.choose(spec, cuda_cfg(), 1, seq, free, clip=False, host_room=0)
+    assert none.offload_checkpoints is True  # 13 on the GPU do not fit beside two layers of 29 GiB
+    explicit, why = autosize.choose(spec, cuda_cfg(offload_checkpoints=3), 1, seq, int(400 * GIB), clip=False)
+    assert explicit.offload_checkpoints == 3 and "3 in pinned host RAM" in why, why
+    with pytest.raises(Exception, match="engine.offload_checkpoints must be auto, true, false or a count"):
+        load_config(None, ["engine.offload_checkpoints=-1"])
 
 
 def test_a_layer_too_large_for_the_gpu_gets_its_mlp_in_tiles(spec8) -> None:

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 
 from megatrain.configbase import opt
-from megatrain.engine import EngineConfig, blocks, fixed_sizes, resolve_dtype
+from megatrain.engine import EngineConfig, blocks, fixed_sizes, host_checkpoints, resolve_dtype
 from megatrain.errors import ProtocolError, ResourceError
 from megatrain.ipc.protocol.cpus import Threads
 from megatrain.ipc.shm import CTL_PIDS_OFFSET, MAX_PIDS, check_space, sem_name
@@ -388,4 +388,5 @@ def checkpoint_host_bytes(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: i
         return 0
     cfg = fixed_sizes(cfg)
     saved = len(blocks(spec.layout.num_layers, cfg.checkpoint_interval, cfg.last_block_layers)) - 1
-    return saved * batch * seq * spec.hf_config.hidden_size * resolve_dtype(cfg, torch.device("cuda")).itemsize
+    each = batch * seq * spec.hf_config.hidden_size * resolve_dtype(cfg, torch.device("cuda")).itemsize
+    return host_checkpoints(cfg.offload_checkpoints, saved) * each
