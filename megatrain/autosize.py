@@ -49,7 +49,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from megatrain.engine import FIXED_SIZES, EngineConfig, blocks, host_checkpoints
+from megatrain.activations import host_checkpoints
+from megatrain.engine import FIXED_SIZES, EngineConfig, blocks
 from megatrain.errors import ResourceError
 from megatrain.lean import lean_layer_bytes
 from megatrain.model import ModelSpec

@@ -20,15 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from megatrain.activations import Checkpoints
+from megatrain.activations import Checkpoints, host_checkpoints
 from megatrain.configbase import opt
 from megatrain.documents import LayerContext, documents_of, layer_context
 from megatrain.errors import ConfigError
+from megatrain.head import IGNORE, ChunkedHead
 from megatrain.lean import lean_call
 from megatrain.model import ModelSpec, meta_model
 from megatrain.tiling import tileable, tiled_layer
-
-IGNORE = -100
 
 
 @dataclass
@@ -140,14 +139,6 @@ FIXED_SIZES = {
     "offload_checkpoints": True,
     "token_tile": 0,
 }
-
-
-def host_checkpoints(offload: bool | int, saved: int) -> int:
-    """How many of a step's `saved` activation checkpoints engine.offload_checkpoints (resolved) puts in
-    pinned host memory: all (true), none (false), or the first N blocks' (N)."""
-    if isinstance(offload, bool):
-        return saved if offload else 0
-    return min(offload, saved)
 
 
 def blocks(num_layers: int, k: int, last: int = 0) -> list[list[int]]:
@@ -498,7 +489,7 @@ class StepEngine:
         blk = _Block(self.blocks[-1], src, sink, len(chunks))
         tgt = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
         tokens = (tgt != IGNORE).sum()
-        head = _Head(self, emb_flat, tokens.clamp(min=1).float())
+        head = ChunkedHead(self, emb_flat, tokens.clamp(min=1).float())
 
         def one(c: slice, final: bool) -> torch.Tensor:
             acts = self._with_grad(blk, h, ctx, c, "fwd", self.cfg.lean_layers)
@@ -533,36 +524,3 @@ def _per_chunk(x: torch.Tensor, chunks: list[slice], fn: Callable[[slice, bool],
     for c in chunks:
         out[c] = fn(c, c is chunks[-1])
     return out
-
-
-class _Head:
-    """Norm + LM head + loss in token chunks, backward per chunk: [tokens, vocab] never exists.
-
-    Its weight gradients (and the tied embedding's) are summed in fp32 over all chunks of the step."""
-
-    def __init__(self, engine: StepEngine, emb_flat: torch.Tensor | None, denom: torch.Tensor):
-        self.e, self.emb_flat, self.denom = engine, emb_flat, denom
-        self.flat: torch.Tensor | None = None
-        self.sums: list[torch.Tensor] = []
-        self.loss = torch.zeros((), dtype=torch.float32, device=engine.device)
-
-    def chunk(self, h: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        """Loss of one sequence chunk's tokens (added to the step's); returns d loss / d h."""
-        leaves = [self.flat] + ([self.emb_flat.requires_grad_(True)] if self.emb_flat is not None else [])
-        if not self.sums:
-            self.sums = [torch.zeros(t.numel(), dtype=torch.float32, device=self.e.device) for t in leaves]
-        x_all = h.detach().reshape(-1, h.shape[-1])
-        tgt = tgt.reshape(-1)
-        grad_x = torch.empty_like(x_all)
-        step = self.e.cfg.loss_chunk_tokens
-        for c in range(0, x_all.shape[0], step):
-            xc = x_all[c : c + step].detach().requires_grad_(True)
-            logits = self.e.t.head(self.flat, self.emb_flat, xc)
-            lc = F.cross_entropy(logits.float(), tgt[c : c + step], ignore_index=IGNORE, reduction="sum") / self.denom
-            lc.backward()
-            grad_x[c : c + step] = xc.grad
-            for acc, leaf in zip(self.sums, leaves):
-                acc += leaf.grad  # fp32 sum over chunks, whatever the compute dtype
-                leaf.grad = None
-            self.loss += lc.detach()
-        return grad_x.view(h.shape)

@@ -10,8 +10,9 @@ from typing import NamedTuple
 
 import torch
 
+from megatrain.activations import host_checkpoints
 from megatrain.configbase import opt
-from megatrain.engine import EngineConfig, blocks, fixed_sizes, host_checkpoints, resolve_dtype
+from megatrain.engine import EngineConfig, blocks, fixed_sizes, resolve_dtype
 from megatrain.errors import ProtocolError, ResourceError
 from megatrain.ipc.protocol.cpus import Threads
 from megatrain.ipc.shm import CTL_PIDS_OFFSET, MAX_PIDS, check_space, sem_name
