@@ -22,7 +22,7 @@ from megatrain.checkpoint import step_dir as ckpt_step_dir
 from megatrain.configbase import differences, dump_yaml
 from megatrain.data import Data, open_data
 from megatrain.engine import resolve_engine
-from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes
+from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, resolve_stall
 from megatrain.ipc.shm import check_run_id, check_run_id_free
 from megatrain.launch import memplan, startup
 from megatrain.launch.checkpointing import Checkpointer
@@ -36,7 +36,7 @@ from megatrain.launch.runners import Pending, make_runner
 from megatrain.launch.steploop import PreparedRun, StepLoop
 from megatrain.launch.stopping import StopRequest, sigint_deferred
 from megatrain.launch.tensorboard import summary_writer
-from megatrain.model import resolve_hf_config
+from megatrain.model import build_spec, resolve_hf_config
 
 
 class Trainer:
@@ -183,6 +183,10 @@ class Trainer:
         self.phases.close("Ray")
         cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and self.crew.runner.has_gpu())
         self.engine_cfg = resolve_engine(cfg.engine, cuda)
+        spec = build_spec(cfg.model, cfg.optim.no_decay_1d)
+        self.cfg = cfg = dataclasses.replace(
+            cfg, ipc=resolve_stall(cfg.ipc, spec, cfg.data.batch_size, cfg.data.seq_len)
+        )  # the monitor's timeout for this model's layers, in the config.yaml written next
         # Where the store will be on this machine: the RAM its pinned checkpoints may take, measured before it.
         local = cuda and not (cfg.launch.address or os.environ.get("RAY_ADDRESS"))
         self.host_room = memplan.host_room(cfg, cuda, memplan.this_host(cfg)) if local else None

@@ -335,7 +335,26 @@ def test_reference_documents_every_key() -> None:
 def test_a_stalled_actor_is_named_within_30s_with_the_defaults() -> None:
     """The monitor fails a stalled run after ipc.stall_timeout_s plus one beat; the driver then waits at
     most 5 s for the others' answers (launch/driver.py _root_cause)."""
+    from megatrain.ipc.protocol import resolve_stall
     from megatrain.ipc.protocol.store import BEAT_S
+    from megatrain.model import build_spec
 
     cfg = load_config(DEFAULT_YAML)
-    assert cfg.ipc.stall_timeout_s + BEAT_S + 5 < 30
+    ipc = resolve_stall(cfg.ipc, build_spec(cfg.model), cfg.data.batch_size, cfg.data.seq_len)
+    assert ipc.stall_timeout_s + BEAT_S + 5 < 30
+
+
+def test_the_stall_timeout_covers_a_long_layer() -> None:
+    """auto: the 15 s floor at 16x4096 tokens of a 7B; at 512K tokens 4x a layer's work at 100 TFLOPS
+    (several minutes); an explicit value is kept."""
+    from megatrain.ipc.protocol import IpcConfig, resolve_stall
+    from megatrain.model import ModelConfig, build_spec
+    from tests.test_autosize import QWEN7B
+
+    spec = build_spec(ModelConfig(family="qwen2", hf={**QWEN7B, "num_hidden_layers": 28}))
+    assert resolve_stall(IpcConfig(), spec, 16, 4096).stall_timeout_s == 15.0
+    long = resolve_stall(IpcConfig(), spec, 1, 524288).stall_timeout_s
+    per_layer = (6 * spec.layout.num_params * 524288 + 12 * 28 * 3584 * 524288**2) * 4 / 3 / 28 / 100e12
+    assert long == round(4 * per_layer, 1) and 300 < long < 1200
+    assert resolve_stall(IpcConfig(stall_timeout_s=7), spec, 1, 524288).stall_timeout_s == 7
+    assert IpcConfig().stall_seconds() == 15.0

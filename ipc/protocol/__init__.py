@@ -61,6 +61,7 @@ from megatrain.ipc.protocol.plan import (
     forward_order,
     grad_order,
     plan_store,
+    resolve_stall,
 )
 from megatrain.ipc.protocol.store import Store
 
@@ -77,4 +78,5 @@ __all__ = [
     "forward_order",
     "grad_order",
     "plan_store",
+    "resolve_stall",
 ]

@@ -98,7 +98,7 @@ class Monitor:
         self.thread = threading.Thread(target=self._run, name="stall-monitor", daemon=True)
 
     def start(self) -> Monitor:
-        if self.store.spec.ipc.stall_timeout_s > 0:
+        if self.store.spec.ipc.stall_seconds() > 0:
             self.thread.start()
         return self
 
@@ -106,7 +106,7 @@ class Monitor:
         while not self.stop.wait(BEAT_S):
             if self.store.aborted:
                 continue
-            verdict = find_stall(self.store, self.store.spec.ipc.stall_timeout_s)
+            verdict = find_stall(self.store, self.store.spec.ipc.stall_seconds())
             if verdict:
                 print(f"[store-owner] {verdict}", flush=True)
                 self.store.abort(verdict)

@@ -3,6 +3,7 @@ handles which slab. Built once by the store owner; every process attaches with t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -14,6 +15,7 @@ from megatrain.activations import host_checkpoints
 from megatrain.configbase import opt
 from megatrain.engine import EngineConfig, blocks, fixed_sizes, resolve_dtype
 from megatrain.errors import ProtocolError, ResourceError
+from megatrain.flops import model_step_flops
 from megatrain.ipc.protocol.cpus import Threads
 from megatrain.ipc.shm import CTL_PIDS_OFFSET, MAX_PIDS, check_space, sem_name
 from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
@@ -50,12 +52,14 @@ class IpcConfig:
         "Longest any data-plane wait may block before the run fails (the last "
         "resort: a stalled actor is found by ipc.stall_timeout_s first).",
     )
-    stall_timeout_s: float = opt(
-        15.0,
+    stall_timeout_s: float | str = opt(
+        "auto",
         "Fail the run when no actor has made data-plane progress for this long while "
         "a step is in flight, naming the actor that stopped (no heartbeat, or working "
-        "without progress) rather than the ones waiting on it; 0 = off. Raise it if "
-        "one layer legitimately computes longer (a large model on the CPU device).",
+        "without progress) rather than the ones waiting on it; 0 = off. auto: 15 s, "
+        "or 4x a layer's compute at 100 TFLOPS where that is longer (long context: "
+        "one layer of a 7B at 512K tokens computes for minutes). Raise it if one layer "
+        "legitimately computes longer still (a large model on the CPU device).",
     )
     poll_s: float = opt(0.05, "How often a blocked wait re-checks the abort flag.")
     staging: str = opt(
@@ -76,8 +80,27 @@ class IpcConfig:
             raise ValueError(f"ipc.staging must be auto, resident or slabs, not '{self.staging}'")
         if self.wait_timeout_s <= 0 or self.poll_s <= 0:
             raise ValueError("ipc.wait_timeout_s and ipc.poll_s must be > 0")
-        if self.stall_timeout_s < 0:
-            raise ValueError("ipc.stall_timeout_s must be >= 0 (0 = off)")
+        if self.stall_timeout_s != "auto" and (isinstance(self.stall_timeout_s, str) or self.stall_timeout_s < 0):
+            raise ValueError(f"ipc.stall_timeout_s must be auto or >= 0 (0 = off), not {self.stall_timeout_s!r}")
+
+    def stall_seconds(self) -> float:
+        """The stall timeout in seconds (an unresolved auto: the floor)."""
+        return STALL_FLOOR_S if self.stall_timeout_s == "auto" else float(self.stall_timeout_s)
+
+
+STALL_FLOOR_S = 15.0  # a step in flight makes data-plane progress within a fraction of a second
+STALL_FLOPS = 100e12  # a rate any GPU the engine runs on exceeds on a layer's work: the estimate is an upper bound
+STALL_FACTOR = 4
+
+
+def resolve_stall(ipc: IpcConfig, spec: ModelSpec, batch: int, seq: int) -> IpcConfig:
+    """ipc with an `auto` stall timeout resolved for the model and the tokens per step: a layer makes no
+    data-plane progress while it computes (its recompute and backward, a tile at a time at long context),
+    so the timeout covers STALL_FACTOR times its estimated work (the paper's formula, with its recompute)."""
+    if ipc.stall_timeout_s != "auto":
+        return ipc
+    layer_s = model_step_flops(spec, batch, seq) * 4 / 3 / max(spec.layout.num_layers, 1) / STALL_FLOPS
+    return dataclasses.replace(ipc, stall_timeout_s=round(max(STALL_FLOOR_S, STALL_FACTOR * layer_s), 1))
 
 
 class Item(NamedTuple):
