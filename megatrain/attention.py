@@ -3,7 +3,7 @@
 The engine calls HF decoder layers without an attention mask (the causal pattern goes to SDPA as
 `is_causal`, which lets it pick the flash / memory-efficient kernels). HF builds sliding-window masks in
 the model's forward, which the engine does not run, so its SDPA function would silently attend to the
-whole causal past. This function is registered with HF's attention interface under NAME and set as
+whole causal past. This function is registered with HF's attention interface under model.ATTENTION and set as
 every model's `_attn_implementation` (megatrain/model.py): a layer with `sliding_window` W shorter than
 the sequence attends in query tiles of W tokens, each to the keys of its window only (HF's rule: key j
 is seen by query i when i - W < j <= i), through SDPA with that tile's mask; every other layer takes
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-NAME = "megatrain_sdpa"
+from megatrain.model import ATTENTION
 
 
 def windowed_attention(
@@ -118,4 +118,4 @@ def attention(
     return _one_sequence(module, query, key, value, scaling, dropout, sliding_window, kwargs), None
 
 
-AttentionInterface.register(NAME, attention)
+AttentionInterface.register(ATTENTION, attention)

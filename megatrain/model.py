@@ -13,7 +13,6 @@ import torch
 import transformers
 from transformers import PretrainedConfig
 
-from megatrain.attention import NAME as ATTENTION
 from megatrain.configbase import opt
 from megatrain.errors import ConfigError
 from megatrain.layout import StoreLayout, build_layout
@@ -29,8 +28,15 @@ FAMILIES: dict[str, tuple[str, str]] = {
 }
 
 
+ATTENTION = "megatrain_sdpa"  # the attention function every model of ours runs (megatrain/attention.py)
+
+
 def family_classes(family: str) -> tuple[type, type]:
-    """(config class, causal-LM class) of a family."""
+    """(config class, causal-LM class) of a family. Registers ATTENTION with HF first: it is imported here,
+    where a model may be built, and not by the processes that never build one (the packers, accumulators,
+    writer and Adam updater), whose start it would slow by the transformers modeling code it pulls in."""
+    import megatrain.attention  # noqa: F401
+
     conf, model = FAMILIES[family]
     return getattr(transformers, conf), getattr(transformers, model)
 
