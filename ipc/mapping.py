@@ -70,5 +70,6 @@ def map_shards(fds: list[int], sizes: list[int]) -> ctypes.Array:
         lib.munmap(base, total)
         raise
     buf = (ctypes.c_char * total).from_address(base)
-    weakref.finalize(buf, lib.munmap, base, total)
+    # Not at interpreter exit: the exit unmaps it anyway, and an exit handler may still read the store.
+    weakref.finalize(buf, lib.munmap, base, total).atexit = False
     return buf
