@@ -30,10 +30,15 @@ class Guard:
         self.stopping = False
 
     def follow(self) -> None:
-        """Track new processes of the instance (workers start on demand) until the driver is gone."""
+        """Track new processes of the instance (workers start on demand) until the driver is gone. Not one
+        that leads a session of its own: that one was detached on purpose to outlive the instance (the
+        store owner's reaper, which unlinks the run's shared memory after the owner's death). Caught in
+        the moment between its start and its re-parenting to init, it was ended with the instance, and
+        the run's shared memory stayed behind."""
         while not self.stopping and pid_alive(self.driver, self.ticks):
             for pid in descendants(list(self.tracked)):
-                self.tracked.setdefault(pid, start_ticks(pid))
+                if pid not in self.tracked and not _detached(pid):
+                    self.tracked[pid] = start_ticks(pid)
             time.sleep(POLL_S)
 
     def end_all(self) -> list[int]:
@@ -46,6 +51,14 @@ class Guard:
                 except ProcessLookupError:
                     pass
         return killed
+
+
+def _detached(pid: int) -> bool:
+    """Whether the process leads its own session (started with setsid: spawn_detached's processes do)."""
+    try:
+        return os.getsid(pid) == pid
+    except OSError:  # gone
+        return False
 
 
 def main() -> None:

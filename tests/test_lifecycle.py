@@ -116,8 +116,9 @@ class Cli:
             if not alive and not run_leftovers(self.run_id):
                 break
             time.sleep(0.2)
-        assert run_leftovers(self.run_id) == [], f"shared memory left: {run_leftovers(self.run_id)}"
         names = {p: " ".join(psutil.Process(p).cmdline()[:3]) for p in alive if psutil.pid_exists(p)}
+        left = run_leftovers(self.run_id)
+        assert left == [], f"shared memory left: {left}; processes of the run alive: {names}\n{self.text()}"
         assert not names, f"processes left running: {names}"
 
 
@@ -369,3 +370,45 @@ def test_cleanup_command_runs(tmp_path: Path) -> None:
         timeout=60,
     )
     assert proc.returncode == 0 and "removed" in proc.stdout
+
+
+def test_the_guard_leaves_a_detached_watchdog_alone() -> None:
+    """A process of the instance starts a watchdog in a session of its own (as spawn_detached does for the
+    store owner's reaper), here kept as its child, so that every look of the guard finds it in the instance's
+    tree: the guard tracks the process, never the watchdog, and ends what it tracks once the driver is gone."""
+    from megatrain.launch.guard import Guard
+
+    code = (
+        "import subprocess, sys, time; "
+        "w = subprocess.Popen([sys.executable, '-m', 'timeit', '-n', '1', 'import time; time.sleep(60)'], "
+        "start_new_session=True); print(w.pid, flush=True); time.sleep(60)"
+    )
+    driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    root = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    watchdog = 0
+    try:
+        guard = Guard(driver.pid, _ticks(driver.pid), [root.pid])
+        following = threading.Thread(target=guard.follow)
+        following.start()
+        watchdog = int(root.stdout.readline())
+        time.sleep(1.5)  # a few of the guard's looks, with the watchdog started
+        driver.kill()
+        driver.wait()
+        following.join(10)
+        assert root.pid in guard.tracked and watchdog not in guard.tracked, (watchdog, guard.tracked)
+        assert root.pid in guard.end_all()
+        assert psutil.pid_exists(watchdog) and psutil.Process(watchdog).status() != "zombie"
+    finally:
+        for p in (driver, root):
+            with contextlib.suppress(ProcessLookupError):
+                p.kill()
+            p.wait(10)
+        if watchdog:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(watchdog, signal.SIGKILL)
+
+
+def _ticks(pid: int) -> int:
+    from megatrain.ipc.procs import start_ticks
+
+    return start_ticks(pid)
