@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from megatrain import checkpoint as ckpt
@@ -24,7 +23,7 @@ from megatrain.actors.base import Role, guarded
 from megatrain.engine import EngineConfig, fixed_sizes
 from megatrain.errors import AbortError, ConfigError, ProtocolError
 from megatrain.export import export
-from megatrain.hostmem import PIECE_BYTES, populate, spread
+from megatrain.hostmem import fault_in
 from megatrain.ipc.procs import maps_path, pid_alive, running, spawn_detached, start_ticks
 from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, checkpoint_host_bytes, plan_store
 from megatrain.ipc.protocol.checkpoints import restore_versions
@@ -195,18 +194,15 @@ class StoreOwner(Role):
         """page_in()'s thread. It leaves the bytes alone (hostmem.populate): the steps may already write them."""
         parts = [p for p in ("exp_avg", "exp_avg_sq", "grads") if p in store.spec.planes]
         planes = [store.plane(part) for part in parts]
-        pieces = [piece for a in planes for piece in np.array_split(a, max(a.nbytes // PIECE_BYTES, 1))]
-        pieces = spread(pieces, PAGE_IN_THREADS)  # each thread in its own shard (ipc/mapping.py)
         t0 = time.perf_counter()
-        with ThreadPoolExecutor(PAGE_IN_THREADS, thread_name_prefix="page-in") as pool:
-            done = list(pool.map(lambda a: not stop.is_set() and populate(a), pieces))
-        if all(done) and pieces:
+        done, pieces = fault_in([(a.ctypes.data, a.nbytes) for a in planes], PAGE_IN_THREADS, stop)
+        if pieces and done == pieces:
             print(
-                f"[{self.name}] paged in {', '.join(parts)} ({sum(a.nbytes for a in pieces) / 2**30:.1f} GiB) "
+                f"[{self.name}] paged in {', '.join(parts)} ({sum(a.nbytes for a in planes) / 2**30:.1f} GiB) "
                 f"in {time.perf_counter() - t0:.1f} s",
                 flush=True,
             )
-        elif pieces and not any(done) and not stop.is_set():
+        elif pieces and not done and not stop.is_set():
             print(
                 f"[{self.name}] this kernel cannot page in ahead (madvise MADV_POPULATE_WRITE): the first "
                 f"update faults {', '.join(parts)} in",

@@ -36,7 +36,7 @@ from megatrain.launch.runners import Pending, make_runner
 from megatrain.launch.steploop import PreparedRun, StepLoop
 from megatrain.launch.stopping import StopRequest, sigint_deferred
 from megatrain.launch.tensorboard import summary_writer
-from megatrain.model import build_spec, resolve_hf_config
+from megatrain.model import ModelSpec, build_spec, resolve_hf_config
 
 
 class Trainer:
@@ -60,6 +60,7 @@ class Trainer:
         self.lock: OutputLock | None = None  # the output directory's, for the run's life
         self.phases = startup.Phases()
         self.host_room: int | None = None  # host RAM for pinned checkpoints beside the store (a local store)
+        self.model: ModelSpec | None = None  # the model's layout and config (build_spec), once
 
     # ---- public -----------------------------------------------------------------------------
     def run(self) -> dict:
@@ -183,13 +184,13 @@ class Trainer:
         self.phases.close("Ray")
         cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and self.crew.runner.has_gpu())
         self.engine_cfg = resolve_engine(cfg.engine, cuda)
-        spec = build_spec(cfg.model, cfg.optim.no_decay_1d)
+        self.model = spec = build_spec(cfg.model, cfg.optim.no_decay_1d)
         self.cfg = cfg = dataclasses.replace(
             cfg, ipc=resolve_stall(cfg.ipc, spec, cfg.data.batch_size, cfg.data.seq_len)
         )  # the monitor's timeout for this model's layers, in the config.yaml written next
         # Where the store will be on this machine: the RAM its pinned checkpoints may take, measured before it.
         local = cuda and not (cfg.launch.address or os.environ.get("RAY_ADDRESS"))
-        self.host_room = memplan.host_room(cfg, cuda, memplan.this_host(cfg)) if local else None
+        self.host_room = memplan.host_room(cfg, spec, cuda, memplan.this_host(cfg)) if local else None
         self._write_config()
         changed = differences(self._resolved(), Config())
         log(f"run {self.run_id}; output directory {self.out}")
@@ -213,7 +214,7 @@ class Trainer:
             crew, cfg, self.engine_cfg, dem, expect_packers(cfg.ipc.staging, cuda), self.checkpointer.enabled
         )
         creating = self._create_store()
-        self.engine_cfg = startup.choose_sizes(crew, cfg, self.engine_cfg, self.host_room)
+        self.engine_cfg = startup.choose_sizes(crew, cfg, self.model, self.engine_cfg, self.host_room)
         if self.engine_cfg.device == "cuda":
             phases.close("executor started (imports, CUDA context; the store is made meanwhile)")
         self.spec, self.store_fill = startup.settle_store(crew, creating, self.engine_cfg, cfg.train.setup_timeout_s)

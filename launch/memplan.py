@@ -113,12 +113,12 @@ def this_host(cfg: Config, host_gib: float | None = None) -> Host:
     return Host(mem_available_bytes(), mem_total_bytes(), shm_free_bytes(cfg.ipc.shm_dir), threshold)
 
 
-def host_room(cfg: Config, cuda: bool, machine: Host) -> int:
+def host_room(cfg: Config, spec: ModelSpec, cuda: bool, machine: Host) -> int:
     """Host RAM left for the executor's pinned activation checkpoints on `machine`: its limit less the store
     (as planned without them), the processes and the node's share (autosize.choose places the rest on the
     GPU)."""
     engine = fixed_sizes(resolve_engine(cfg.engine, cuda))
-    _, host = _host_terms(cfg, build_spec(cfg.model, cfg.optim.no_decay_1d), engine, cuda, machine, 0)
+    _, host = _host_terms(cfg, spec, engine, cuda, machine, 0)
     return machine.limit - sum(host.values())
 
 
@@ -153,7 +153,7 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Host | Non
     d = cfg.data
     gpu_error = ""
     machine = machine or this_host(cfg)
-    room = host_room(cfg, cuda, machine) if cuda else None
+    room = host_room(cfg, spec, cuda, machine) if cuda else None
     try:
         sizes, why = autosize.choose(
             spec, engine, d.batch_size, d.seq_len, gpu_free if cuda else None, cfg.optim.clips, room

@@ -21,7 +21,7 @@ from megatrain.launch.crew import OWNER, Crew
 from megatrain.launch.output import describe_run
 from megatrain.launch.placement import Demand
 from megatrain.launch.runners import Pending
-from megatrain.model import build_spec, resolve_hf_config
+from megatrain.model import ModelSpec, resolve_hf_config
 
 
 class Phases:
@@ -72,12 +72,13 @@ def spawn_workers(
         crew.spawn(name, cls, args, dem[name])
 
 
-def choose_sizes(crew: Crew, cfg: Config, engine: EngineConfig, host_room: int | None) -> EngineConfig:
+def choose_sizes(
+    crew: Crew, cfg: Config, model: ModelSpec, engine: EngineConfig, host_room: int | None
+) -> EngineConfig:
     """Resolve the engine's `auto` sizes from the GPU memory the executor finds free (autosize.py) and the host
     RAM left beside the store for pinned activation checkpoints (None where the store's node is not this
     machine: the owner checks the host then)."""
     free = crew.call_one("gpu-executor", GpuExecutor.gpu_free_bytes) if engine.device == "cuda" else None
-    model = build_spec(cfg.model, cfg.optim.no_decay_1d)
     sizes, why = autosize.choose(
         model,
         engine,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -44,14 +45,19 @@ def populate(array: np.ndarray) -> bool:
     return populate_range(array.ctypes.data, array.nbytes)
 
 
-def fault_in(start: int, nbytes: int, threads: int) -> bool:
-    """populate_range in PIECE_BYTES pieces on up to `threads` threads, each starting in its own stretch of
-    the range (a sharded segment's files are paged in one at a time each: ipc/mapping.py)."""
-    pieces = [(s, min(PIECE_BYTES, start + nbytes - s)) for s in range(start, start + nbytes, PIECE_BYTES)]
+def fault_in(ranges: list[tuple[int, int]], threads: int, stop: threading.Event | None = None) -> tuple[int, int]:
+    """populate_range over (start, bytes) ranges in PIECE_BYTES pieces on up to `threads` threads, each
+    starting in its own stretch (a sharded segment's files are paged in one at a time each: ipc/mapping.py);
+    a set `stop` skips the pieces not begun. Returns (pieces done, pieces)."""
+    pieces = [(s, min(PIECE_BYTES, lo + n - s)) for lo, n in ranges for s in range(lo, lo + n, PIECE_BYTES)]
+
+    def one(piece: tuple[int, int]) -> bool:
+        return not (stop is not None and stop.is_set()) and populate_range(*piece)
+
     if len(pieces) <= 1 or threads <= 1:
-        return all([populate_range(s, n) for s, n in pieces])
+        return sum(map(one, pieces)), len(pieces)
     with ThreadPoolExecutor(min(threads, len(pieces)), thread_name_prefix="fault-in") as pool:
-        return all(pool.map(lambda p: populate_range(*p), spread(pieces, threads)))
+        return sum(pool.map(one, spread(pieces, threads))), len(pieces)
 
 
 def spread(items: list, threads: int) -> list:

@@ -25,6 +25,7 @@ from megatrain.launch.fidelity import compare
 from megatrain.weights import flat_unit
 from tests.data_fixtures import MODEL_VOCAB, chat_records, make_tokenizer, text_records, write_jsonl
 from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
+from tests.test_data_files import cfg as data_cfg
 from tests.test_data_training import check_match, overrides
 from tests.test_sliding_window import _windowed_hf
 
@@ -88,17 +89,8 @@ def test_jsonl_documents_are_the_records(tmp_path, tok_dir, kind: str) -> None:
     the end of a conversation, and the positions restart at each record all the same."""
     recs = text_records(40) if kind == "text" else chat_records(30)
     path = write_jsonl(tmp_path / "d.jsonl", recs)
-    cfg = DataConfig(
-        kind=kind,
-        path=str(path),
-        tokenizer=str(tok_dir),
-        cache_dir=str(tmp_path / "cache"),
-        seq_len=32,
-        batch_size=2,
-        shuffle=False,
-        num_workers=1,
-        packing=kind == "chat",
-        pack_documents=True,
+    cfg = data_cfg(
+        tmp_path, tok_dir, kind=kind, path=str(path), seq_len=32, packing=kind == "chat", pack_documents=True
     )
     hf = SimpleNamespace(vocab_size=MODEL_VOCAB, pad_token_id=None)
     data = open_data(cfg, hf, None)

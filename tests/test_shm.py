@@ -12,6 +12,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -468,5 +469,8 @@ def test_fault_in_leaves_the_bytes_and_spreads_its_threads(monkeypatch: pytest.M
     assert hostmem.spread([1, 2], 8) == [1, 2]
     monkeypatch.setattr(hostmem, "PIECE_BYTES", 1 << 16)
     a = np.arange(1 << 20, dtype=np.float32)
-    ok = hostmem.fault_in(a.ctypes.data, a.nbytes, 4)
-    assert ok in (True, False) and np.array_equal(a, np.arange(1 << 20, dtype=np.float32))
+    done, pieces = hostmem.fault_in([(a.ctypes.data, a.nbytes)], 4)
+    assert pieces == 64 and done in (0, 64) and np.array_equal(a, np.arange(1 << 20, dtype=np.float32))
+    stop = threading.Event()
+    stop.set()
+    assert hostmem.fault_in([(a.ctypes.data, a.nbytes)], 4, stop) == (0, 64)  # a stop skips what is not begun
