@@ -241,6 +241,9 @@ class GpuExecutor(Role):
             "d2h_bytes": self.sink.bytes,
             **self._phases(marks),
         }
+        if res.routers is not None:  # mixture of experts (megatrain/moe.py)
+            out["aux_loss"] = float(res.routers.aux_loss())
+            out["expert_load"] = res.routers.load()
         if self.cuda:
             out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
         if timeline:

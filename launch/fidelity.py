@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from megatrain import hfformat
 from megatrain.data import Batch, open_data
 from megatrain.errors import ConfigError, DataError, MegatrainError
 from megatrain.launch.config import Config, load_config
@@ -40,6 +41,19 @@ def weight_diffs(ours: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) ->
     }
 
 
+def _as_parameters(
+    family: str, disk: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The exported tensors under the model's parameter names (experts stored per expert on disk are
+    stacked again: megatrain/hfformat.py); a parameter the export does not hold (a tied lm_head) is left out."""
+    out = {}
+    for name, ref in params.items():
+        got = hfformat.read(family, name, tuple(ref.shape), disk, disk.__getitem__)
+        if got is not None:
+            out[name] = got
+    return out
+
+
 def _ids_labels(b: Batch) -> tuple[torch.Tensor, ...]:
     return (b.ids, b.labels) if b.positions is None else (b.ids, b.labels, b.positions)
 
@@ -59,10 +73,10 @@ def compare(cfg: Config, workdir: Path, batches: Batches | None = None) -> dict:
         train=dataclasses.replace(cfg.train, save_final=True, output_dir=str(workdir / "run")),
     )
     summary = Trainer(cfg).run()
-    ours = load_file(Path(summary["output_dir"]) / "final" / "model.safetensors")
+    disk = load_file(Path(summary["output_dir"]) / "final" / "model.safetensors")
     family, _ = resolve_hf_config(cfg.model)
     model = family_classes(family)[1].from_pretrained(init, torch_dtype=torch.float32)
-    model.config._attn_implementation = "sdpa"
+    model.config._attn_implementation = "sdpa" if model._supports_sdpa else "eager"
     cuda = summary["metrics"] and "gpu_peak_bytes" in summary["metrics"][0]
     data = open_data(cfg.data, model.config, cfg.model.pretrained)
     steps = len(summary["metrics"])
@@ -76,6 +90,7 @@ def compare(cfg: Config, workdir: Path, batches: Batches | None = None) -> dict:
         autocast_bf16=bf16,
         eval_batches=data.eval_batches(cfg.train.eval_batches) if data.has_eval else None,
     )
+    ours = _as_parameters(family, disk, ref.state)
     losses = [m["loss"] for m in summary["metrics"]]
     rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref.losses)]
     return {
@@ -83,6 +98,8 @@ def compare(cfg: Config, workdir: Path, batches: Batches | None = None) -> dict:
         "ref_losses": ref.losses,
         "loss_rel": rel,
         "max_loss_rel": max(rel, default=0.0),
+        "aux_losses": [m["aux_loss"] for m in summary["metrics"] if "aux_loss" in m],
+        "ref_aux_losses": ref.aux_losses,
         "grad_norms": [m["grad_norm"] for m in summary["metrics"]],
         "ref_grad_norms": ref.grad_norms,
         "weights": weight_diffs(ours, ref.state),

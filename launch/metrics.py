@@ -13,6 +13,9 @@ METRICS: dict[str, str] = {
     "step": "optimizer step, from 1",
     "epoch": "the data epoch the step's batch comes from, from 0",
     "loss": "mean token loss of the step's batch, before its update",
+    "aux_loss": "mixture of experts: the step's load-balancing loss, as HF's `aux_loss` (before "
+    "router_aux_loss_coef; part of the objective only with model.hf.output_router_logits)",
+    "expert_load": "mixture of experts: per MoE layer, the tokens routed to each expert (top-k assignments)",
     "lr": "learning rate of the step's update",
     "tokens": "tokens of the batch that carry a label",
     "step_time_s": "wall time of the step as the driver sees it (with train.overlap_adam, Adam's tail overlaps "

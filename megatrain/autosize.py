@@ -54,6 +54,7 @@ from megatrain.engine import FIXED_SIZES, EngineConfig, blocks
 from megatrain.errors import ResourceError
 from megatrain.lean import lean_layer_bytes
 from megatrain.model import ModelSpec
+from megatrain.moe import mlp_width
 
 GIB = 2**30
 LOSS_BYTES = 12  # per logit element: bf16 logits, fp32 upcast, fp32 gradient of the upcast
@@ -82,7 +83,7 @@ def layer_activation_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, tile:
     log-sum-exp) and the MLP half's input, plus one tile's worth of an untiled layer: the tile in flight."""
     hf = spec.hf_config
     if not tile or tile >= tokens:
-        return tokens * (8 * hf.hidden_size + 11 * hf.intermediate_size) * dtype_bytes // 2
+        return int(tokens * (8 * hf.hidden_size + 11 * mlp_width(hf)) * dtype_bytes // 2)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     q, kv = head_dim * hf.num_attention_heads, head_dim * getattr(hf, "num_key_value_heads", hf.num_attention_heads)
     kept = tokens * ((5 * hf.hidden_size + 2 * q + 2 * kv) * dtype_bytes + 4 * hf.num_attention_heads)
@@ -94,7 +95,7 @@ def token_tile(spec: ModelSpec, tokens: int) -> int:
     or fewer where the layer is so wide that one tile would take more than a layer of attention half."""
     tile = TILE_TOKENS
     hf = spec.hf_config
-    while tile > 1024 and tile * (8 * hf.hidden_size + 11 * hf.intermediate_size) > tokens * 8 * hf.hidden_size:
+    while tile > 1024 and tile * (8 * hf.hidden_size + 11 * mlp_width(hf)) > tokens * 8 * hf.hidden_size:
         tile //= 2
     return min(tile, tokens)
 

@@ -11,23 +11,20 @@ executor actor plugs in the shared-memory source and sink; tests plug in plain t
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call
 
 from megatrain.activations import Checkpoints, host_checkpoints
 from megatrain.configbase import opt
 from megatrain.documents import LayerContext, documents_of, layer_context
-from megatrain.errors import ConfigError
 from megatrain.head import IGNORE, ChunkedHead
-from megatrain.lean import lean_call
-from megatrain.model import ModelSpec, meta_model
-from megatrain.tiling import tileable, tiled_layer
+from megatrain.model import ModelSpec
+from megatrain.moe import RouterStats
+from megatrain.templates import Templates
 
 
 @dataclass
@@ -220,76 +217,6 @@ class GradSink(Protocol):
         """Take the unit's complete flat gradient (on the device); may copy it out asynchronously."""
 
 
-class Templates:
-    """Stateless HF modules on the meta device; weights are bound per call as views of a flat vector."""
-
-    def __init__(self, spec: ModelSpec, device: torch.device):
-        model = meta_model(spec.family, spec.hf_config)
-        self.spec, self.layout = spec, spec.layout
-        types = getattr(spec.hf_config, "layer_types", None)
-        cache: dict[tuple, torch.nn.Module] = {}
-        self.layers: dict[int, torch.nn.Module] = {}
-        for i, layer in enumerate(model.model.layers):
-            u = self.layout.units[i + 1]
-            key = (u.structure, types[i] if types else None)
-            self.layers[u.index] = cache.setdefault(key, layer)
-        self.norm = model.model.norm
-        with torch.device(device):  # transformers versions differ on whether __init__ takes device=
-            self.rotary = type(model.model.rotary_emb)(config=spec.hf_config)
-        self.pad_id = getattr(spec.hf_config, "pad_token_id", None)
-        self.tile = 0  # tokens per tile of a layer's MLP half (megatrain/tiling.py); 0 = untiled
-
-    def use_tiles(self, tile: int) -> None:
-        if tile and not all(tileable(layer) for layer in self.layers.values()):
-            raise ConfigError(
-                f"engine.token_tile: {self.spec.family} layers do not have the pre-norm residual "
-                f"shape a tiled layer reproduces (megatrain/tiling.py); set engine.token_tile: 0"
-            )
-        self.tile = tile
-
-    def views(self, unit: int, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The unit's tensors as views of its flat vector, made by one split: its backward writes the
-        flat gradient in one concatenation, where per-tensor slices would each add a full-size one."""
-        sizes, slots, used = self._splits(self.layout.units[unit].structure)
-        if flat.numel() > used:  # a padded tile
-            sizes = [*sizes, flat.numel() - used]
-        return {s.name: part.view(s.shape) for s, part in zip(slots, flat.split(sizes)) if s is not None}
-
-    @functools.cache  # noqa: B019 - one entry per structure, for the templates' lifetime
-    def _splits(self, structure: str) -> tuple[list[int], list, int]:
-        """Split sizes of a structure's flat vector, alignment gaps included (their slot is None)."""
-        sizes, slots, pos = [], [], 0
-        for s in self.layout.structures[structure].slots:
-            if s.offset > pos:
-                sizes.append(s.offset - pos)
-                slots.append(None)
-            sizes.append(s.numel)
-            slots.append(s)
-            pos = s.offset + s.numel
-        return sizes, slots, pos
-
-    def layer(
-        self, unit: int, flat: torch.Tensor, x: torch.Tensor, ctx: LayerContext, lean: bool = False
-    ) -> torch.Tensor:
-        kwargs = ctx.kwargs()
-        if self.tile and x.shape[0] * x.shape[1] > self.tile:  # the MLP half in tiles; lean covers attention
-            return tiled_layer(
-                self.layers[unit], self.views(unit, flat), x, self.tile, kwargs, lean_call if lean else None
-            )
-        if lean:
-            return lean_call(self.layer, unit, flat, x, ctx)
-        out = functional_call(self.layers[unit], self.views(unit, flat), (x,), kwargs)
-        return out[0] if isinstance(out, tuple) else out
-
-    def embed_weight(self, flat: torch.Tensor) -> torch.Tensor:
-        return self.views(0, flat)["weight"]
-
-    def head(self, head_flat: torch.Tensor, emb_flat: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
-        v = self.views(self.layout.num_layers + 1, head_flat)
-        normed = functional_call(self.norm, {k[len("norm.") :]: t for k, t in v.items() if k.startswith("norm.")}, (x,))
-        return F.linear(normed, self.embed_weight(emb_flat) if self.layout.tied else v["lm_head.weight"])
-
-
 @dataclass
 class _Act:
     unit: int
@@ -299,8 +226,9 @@ class _Act:
 
 @dataclass
 class StepResult:
-    loss: torch.Tensor  # mean token loss of the step (device scalar)
+    loss: torch.Tensor  # mean token loss of the step (device scalar): the language-model loss
     tokens: torch.Tensor  # tokens that carried a label (device scalar)
+    routers: RouterStats | None = None  # MoE: the step's expert load and load-balancing loss (megatrain/moe.py)
 
 
 class _Block:
@@ -367,6 +295,10 @@ class StepEngine:
         self.mark = mark
         self.blocks = src.blocks  # the plan's, whatever engine.checkpoint_interval says
         mark("forward")
+        moe = self.t.moe
+        if moe is not None:
+            moe.reset()
+            moe.counting = True
         documents = documents_of(ids, positions)  # on the host, before the upload
         ids, labels, *uploaded = self.upload(ids, labels, *([] if positions is None else [positions]))
         chunks = self._chunks(ids.shape[0])
@@ -386,7 +318,7 @@ class StepEngine:
         mark("embed-bwd")
         self._embed_backward(ids, g, tied_grad, sink)
         mark("end")
-        return StepResult(loss, tokens)
+        return StepResult(loss, tokens, moe)
 
     @torch.no_grad()
     def evaluate(
@@ -490,9 +422,17 @@ class StepEngine:
         tgt = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
         tokens = (tgt != IGNORE).sum()
         head = ChunkedHead(self, emb_flat, tokens.clamp(min=1).float())
+        moe = self.t.moe
+        counted = moe is not None and moe.inject and len(chunks) > 1
+        if counted:  # the first chunk's backward needs every chunk's routing (megatrain/moe.py)
+            self._count_routing(blk, h, ctx, chunks)
 
         def one(c: slice, final: bool) -> torch.Tensor:
+            if moe is not None:
+                moe.counting = not counted
             acts = self._with_grad(blk, h, ctx, c, "fwd", self.cfg.lean_layers)
+            if moe is not None:
+                moe.counting = False  # the backward's recomputes (lean, tiles) route the same tokens again
             if head.flat is None:
                 head.flat = src.fetch(self.n + 1).requires_grad_(True)
             self.mark("head")
@@ -503,6 +443,15 @@ class StepEngine:
 
         g = _per_chunk(h, chunks, one)
         return head.loss, tokens, g, (head.sums[1] if len(head.sums) > 1 else None)
+
+    @torch.no_grad()
+    def _count_routing(self, blk: _Block, h: torch.Tensor, ctx: LayerContext, chunks: list[slice]) -> None:
+        """A forward of the last block over every chunk that only counts the routers' statistics."""
+        for c in chunks:
+            x = h[c]
+            for u in blk.units:
+                x = self.t.layer(u, blk.weights(u), x, ctx.rows(c))
+        self.t.moe.counting = False
 
     def _embed_backward(self, ids: torch.Tensor, g: torch.Tensor, tied: torch.Tensor | None, sink: GradSink) -> None:
         vocab, hidden = self.spec.layout.structure_of(0).slots[0].shape

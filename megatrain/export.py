@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from megatrain import hfformat
+from megatrain.hfformat import Piece
 from megatrain.model import ModelSpec
 
 DTYPES = {"fp32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16")}
@@ -30,17 +32,20 @@ TOKENIZER_FILES = (
 )
 
 
-def _tensors(spec: ModelSpec) -> list[tuple[int, str, str, tuple[int, ...]]]:
-    """(unit, slot name, HF name, shape) of every tensor, in unit order."""
+def _tensors(spec: ModelSpec) -> list[tuple[int, str, Piece, tuple[int, ...]]]:
+    """(unit, slot name, the piece on disk, its shape) of every tensor, in unit order: a parameter HF keeps
+    per expert on disk is written per expert (megatrain/hfformat.py)."""
     layout = spec.layout
-    return [
-        (u.index, s.name, layout.hf_name(u.index, s.name), s.shape)
-        for u in layout.units
-        for s in layout.structure_of(u.index).slots
-    ]
+    out = []
+    for u in layout.units:
+        for s in layout.structure_of(u.index).slots:
+            probe = torch.empty(s.shape, device="meta")
+            for p in hfformat.pieces(spec.family, layout.hf_name(u.index, s.name), s.shape):
+                out.append((u.index, s.name, p, tuple(hfformat.piece_of(probe, p).shape)))
+    return out
 
 
-def _plan(spec: ModelSpec, itemsize: int, shard_bytes: int) -> list[list[tuple[int, str, str, tuple[int, ...]]]]:
+def _plan(spec: ModelSpec, itemsize: int, shard_bytes: int) -> list[list[tuple[int, str, Piece, tuple[int, ...]]]]:
     """Tensors grouped into shards of at most shard_bytes (a larger tensor gets a shard of its own)."""
     shards: list[list] = [[]]
     size = 0
@@ -74,7 +79,7 @@ def export(
     cache: dict[int, torch.Tensor] = {}
     for name, shard in zip(names, shards):
         total += _write_shard(root / name, shard, lambda u: _unit(cache, tile, u), torch_dtype, tag, spec)
-        weight_map.update({hf: name for _, _, hf, _ in shard})
+        weight_map.update({p.name: name for _, _, p, _ in shard})
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
@@ -107,18 +112,18 @@ def _write_shard(
     path: Path, shard: list, tile: Callable[[int], torch.Tensor], dtype: torch.dtype, tag: str, spec: ModelSpec
 ) -> int:
     header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for _, _, hf, shape in shard:
+    for _, _, p, shape in shard:
         n = dtype.itemsize * int(torch.Size(shape).numel())
-        header[hf] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + n]}
+        header[p.name] = {"dtype": tag, "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     st = spec.layout
     with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little") + raw)
-        for unit, slot, _, _ in shard:
+        for unit, slot, p, _ in shard:
             s = next(x for x in st.structure_of(unit).slots if x.name == slot)
-            t = tile(unit)[s.offset : s.offset + s.numel].to(dtype).contiguous()
+            t = hfformat.piece_of(tile(unit)[s.offset : s.offset + s.numel].view(s.shape), p).to(dtype).contiguous()
             f.write(memoryview(t.view(torch.uint8).numpy()))
     return offset
 

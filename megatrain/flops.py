@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 from megatrain.model import ModelSpec
+from megatrain.moe import active_fraction, is_expert_slot
 
 
 def step_flops(num_params: int, layers: int, hidden: int, seq: int, tokens: int) -> float:
-    """6·N·D + 12·L·H·S·D for N parameters and D tokens per step (recompute is not useful work)."""
+    """6·N·D + 12·L·H·S·D for N (active) parameters and D tokens per step (recompute is not useful work)."""
     return 6 * num_params * tokens + 12 * layers * hidden * seq * tokens
 
 
+def active_params(spec: ModelSpec) -> int:
+    """Parameters a token computes with: all of a dense model; of a mixture of experts, every routed
+    expert tensor counts top-k / experts of its size (megatrain/moe.py)."""
+    share = active_fraction(spec.hf_config)
+    total = 0.0
+    for u in spec.layout.units:
+        for s in spec.layout.structure_of(u.index).slots:
+            total += s.numel * (share if is_expert_slot(s.name) else 1.0)
+    return int(total)
+
+
 def model_step_flops(spec: ModelSpec, batch: int, seq: int) -> float:
-    """step_flops of a model for a batch of `batch` sequences of `seq` tokens."""
-    return step_flops(spec.layout.num_params, spec.layout.num_layers, spec.hf_config.hidden_size, seq, batch * seq)
+    """step_flops of a model for a batch of `batch` sequences of `seq` tokens, by its active parameters."""
+    return step_flops(active_params(spec), spec.layout.num_layers, spec.hf_config.hidden_size, seq, batch * seq)

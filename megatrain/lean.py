@@ -25,6 +25,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from megatrain.model import ModelSpec
+from megatrain.moe import mlp_width
 
 _aten = torch.ops.aten
 # The GEMMs (F.linear lowers to mm, or addmm with a bias) and every fused attention kernel SDPA may pick;
@@ -40,23 +41,30 @@ _SAVED_NAMES = (
     "_scaled_dot_product_flash_attention_for_cpu",
     "_flash_attention_forward",
     "_efficient_attention_forward",
+    "_grouped_mm",  # the experts of a mixture-of-experts layer, grouped (megatrain/moe.py)
 )
 SAVED_OPS = frozenset(getattr(_aten, n).default for n in _SAVED_NAMES if hasattr(_aten, n))
 
 
-def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def _policy(saved: frozenset, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-_CONTEXT = functools.partial(create_selective_checkpoint_contexts, _policy)
+# Experts with biases (GPT-OSS) get them added in place into the grouped GEMM's output (HF's grouped
+# experts path), which a saved output cannot take: for those the grouped GEMM runs again in the backward.
+_GROUPED = frozenset(op for op in SAVED_OPS if op.name().endswith("_grouped_mm"))
+_CONTEXTS = {
+    True: functools.partial(create_selective_checkpoint_contexts, functools.partial(_policy, SAVED_OPS)),
+    False: functools.partial(create_selective_checkpoint_contexts, functools.partial(_policy, SAVED_OPS - _GROUPED)),
+}
 
 
-def lean_call(fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+def lean_call(fn: Callable[..., torch.Tensor], *args, save_grouped: bool = True) -> torch.Tensor:
     """fn(*args) keeping only SAVED_OPS' outputs for the backward (with grad enabled; else a plain call)."""
     if not torch.is_grad_enabled():
         return fn(*args)
     # preserve_rng_state: no layer draws random numbers, and stashing the CUDA generator per layer costs
-    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, context_fn=_CONTEXT)
+    return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, context_fn=_CONTEXTS[save_grouped])
 
 
 def lean_layer_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, layer_numel: int) -> int:
@@ -70,5 +78,5 @@ def lean_layer_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, layer_numel
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     kv = head_dim * getattr(hf, "num_key_value_heads", hf.num_attention_heads)
     q = head_dim * hf.num_attention_heads
-    per_token = (3 * hf.hidden_size + 2 * q + 2 * kv + 2 * hf.intermediate_size) * dtype_bytes
+    per_token = int((3 * hf.hidden_size + 2 * q + 2 * kv + 2 * mlp_width(hf)) * dtype_bytes)
     return tokens * (per_token + 4 * hf.num_attention_heads) + layer_numel * dtype_bytes

@@ -25,10 +25,18 @@ FAMILIES: dict[str, tuple[str, str]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # dense Qwen3: q/k norms in attention, sliding windows as qwen2
+    # Mixture of experts (megatrain/moe.py): routed experts stored as HF's 3D tensors, one per projection.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),  # a shared expert with its sigmoid gate
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),  # attention sinks, alternating sliding windows, biases
 }
 
 
-ATTENTION = "megatrain_sdpa"  # the attention function every model of ours runs (megatrain/attention.py)
+# The attention function every model of ours runs (megatrain/attention.py). Not named "...sdpa...": HF would
+# then refuse the families it has no SDPA path for (GPT-OSS, whose sinks SDPA alone cannot take).
+ATTENTION = "megatrain_attention"
 
 
 def family_classes(family: str) -> tuple[type, type]:
@@ -44,7 +52,9 @@ def family_classes(family: str) -> tuple[type, type]:
 @dataclass
 class ModelConfig:
     family: str = opt(
-        "llama", "Model family: llama, qwen2, qwen3 (dense) or mistral (taken from config.json with `pretrained`)."
+        "llama",
+        "Model family: llama, qwen2, qwen3, mistral (dense); mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss "
+        "(mixture of experts). Taken from config.json with `pretrained`.",
     )
     pretrained: str | None = opt(
         None, "Local directory written by save_pretrained (config.json + safetensors) to start from; never a hub name."

@@ -8,7 +8,7 @@ HF's own masks then keep attention inside each packed document (transformers' pa
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,7 @@ class ReferenceResult:
     grad_norms: list[float]
     state: dict[str, torch.Tensor]
     eval_loss: float | None = None  # of the final weights, over the evaluation batches, token-weighted
+    aux_losses: list[float] = field(default_factory=list)  # MoE with output_router_logits: HF's aux_loss
 
 
 def make_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
@@ -45,20 +46,25 @@ def train_reference(
     weights' loss over `eval_batches` is the mean over all their labelled tokens."""
     model = model.to(device).float().train()
     opt = make_optimizer(model, optim)
-    losses, norms = [], []
+    losses, norms, auxes = [], [], []
     for t in range(steps):
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=autocast_bf16):
-            loss = model(**_inputs(batches(t), device)).loss
+            out = model(**_inputs(batches(t), device))
+        loss = out.loss
         loss.backward()
+        lm = float(loss.detach())
+        if getattr(out, "aux_loss", None) is not None:  # HF's loss adds coef·aux; MegaTrain logs the two apart
+            auxes.append(float(out.aux_loss.detach()))
+            lm -= model.config.router_aux_loss_coef * auxes[-1]
         max_norm = optim.max_grad_norm if optim.max_grad_norm > 0 else float("inf")
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
         for g in opt.param_groups:
             g["lr"] = lr_at(optim, t, steps)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
+        losses.append(lm)
     state = {k: v.detach().float().cpu().clone() for k, v in model.state_dict().items()}
-    return ReferenceResult(losses, norms, state, _eval_loss(model, eval_batches, device, autocast_bf16))
+    return ReferenceResult(losses, norms, state, _eval_loss(model, eval_batches, device, autocast_bf16), auxes)
 
 
 @torch.no_grad()

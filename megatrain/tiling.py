@@ -90,9 +90,10 @@ def tiled_layer(
     norm, mlp = layer.post_attention_layernorm, layer.mlp
 
     def mlp_half(p: dict[str, torch.Tensor], xs: torch.Tensor) -> torch.Tensor:
-        return functional_call(
-            mlp, _sub(p, "mlp."), (functional_call(norm, _sub(p, "post_attention_layernorm."), (xs,)),)
-        )
+        # As [1, tile, hidden]: the MoE blocks take [batch, seq, hidden]; GPT-OSS's also returns its router scores.
+        normed = functional_call(norm, _sub(p, "post_attention_layernorm."), (xs,))
+        out = functional_call(mlp, _sub(p, "mlp."), (normed.unsqueeze(0),))
+        return (out[0] if isinstance(out, tuple) else out).squeeze(0)
 
     def attn_half(x: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         v = dict(zip(attn_names, tensors))

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from megatrain import hfformat
 from megatrain.errors import ConfigError
 from megatrain.model import ModelSpec
 
@@ -107,15 +108,29 @@ def _header(path: Path) -> dict[str, dict]:
 
 
 def read_unit(spec: ModelSpec, unit: int, where: dict[str, Path]) -> dict[str, torch.Tensor]:
-    """Read one unit's tensors from a checkpoint; reads only those tensors."""
+    """Read one unit's tensors from a checkpoint, in whichever layout it holds them (megatrain/hfformat.py:
+    per-expert tensors, MXFP4 experts); reads only those tensors."""
+    files: dict[Path, object] = {}
+
+    def get(name: str) -> torch.Tensor:
+        try:
+            if where[name] not in files:
+                files[where[name]] = safe_open(where[name], "pt")
+            return files[where[name]].get_tensor(name)
+        except Exception as exc:  # safetensors raises its own types; name the file either way
+            raise ConfigError(f"model.pretrained: cannot read tensor '{name}' from {where[name]}: {exc}") from None
+
     out = {}
     for s in spec.layout.structure_of(unit).slots:
         name = spec.layout.hf_name(unit, s.name)
-        if name not in where:
-            raise ConfigError(f"model.pretrained: tensor '{name}' is missing from the checkpoint")
         try:
-            with safe_open(where[name], "pt") as f:
-                out[s.name] = f.get_tensor(name).float()
-        except Exception as exc:  # safetensors raises its own types; name the file either way
-            raise ConfigError(f"model.pretrained: cannot read tensor '{name}' from {where[name]}: {exc}") from None
+            tensor = hfformat.read(spec.family, name, s.shape, where, get)
+        except ValueError as exc:  # a quantized pair that does not decode
+            if isinstance(exc, ConfigError):
+                raise
+            raise ConfigError(f"model.pretrained: tensor '{name}': {exc}") from None
+        if tensor is None:
+            lacks = hfformat.missing(spec.family, name, s.shape, where)
+            raise ConfigError(f"model.pretrained: tensor '{lacks}' is missing from the checkpoint")
+        out[s.name] = tensor
     return out

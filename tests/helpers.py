@@ -27,11 +27,36 @@ TINY = dict(
 )
 
 
+# Mixture-of-experts families at test size: 4 experts, top-2, the load-balancing loss on with a coefficient
+# large enough to move the weights; Qwen2-MoE with a shared expert and one dense layer, GPT-OSS with a
+# sliding window shorter than the tests' sequences and sinks.
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"]
+_MOE = {"num_experts_per_tok": 2, "output_router_logits": True, "router_aux_loss_coef": 0.05}
+MOE_TINY = {
+    "mixtral": {**_MOE, "num_local_experts": 4, "intermediate_size": 24, "sliding_window": None},
+    "qwen2_moe": {
+        **_MOE,
+        "num_experts": 4,
+        "moe_intermediate_size": 24,
+        "shared_expert_intermediate_size": 40,
+        "mlp_only_layers": [1],
+    },
+    "qwen3_moe": {**_MOE, "num_experts": 4, "moe_intermediate_size": 24},
+    "olmoe": {**_MOE, "num_experts": 4, "intermediate_size": 24, "pad_token_id": 0},
+    "gpt_oss": {**_MOE, "num_local_experts": 4, "intermediate_size": 24, "head_dim": 8, "sliding_window": 8},
+}
+
+
+def tiny_config_dict(family: str, tied: bool, layers: int = 3) -> dict:
+    """model.hf for a tiny model of the family."""
+    extra = {"sliding_window": None} if family == "mistral" else MOE_TINY.get(family, {})
+    return {**TINY, "num_hidden_layers": layers, "tie_word_embeddings": tied, **extra}
+
+
 def tiny_hf(family: str, tied: bool, layers: int = 3, seed: int = 0) -> torch.nn.Module:
     conf_cls, model_cls = family_classes(family)
-    extra = {"sliding_window": None} if family == "mistral" else {}
-    conf = conf_cls(**{**TINY, "num_hidden_layers": layers, "tie_word_embeddings": tied, **extra})
-    conf._attn_implementation = "sdpa"
+    conf = conf_cls(**tiny_config_dict(family, tied, layers))
+    conf._attn_implementation = "eager" if family == "gpt_oss" else "sdpa"  # GPT-OSS has no SDPA path in HF
     torch.manual_seed(seed)
     return model_cls(conf).float()
 

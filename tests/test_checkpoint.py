@@ -14,13 +14,11 @@ from megatrain.errors import ConfigError
 from megatrain.launch.config import load_config
 from megatrain.launch.driver import Trainer
 from tests.data_fixtures import MODEL_VOCAB, chat_records, make_tokenizer, write_jsonl
-from tests.helpers import TINY
+from tests.helpers import TINY, tiny_config_dict
 
 
 def run(out: Path, family: str, *extra: str, steps: int = 10) -> dict:
-    hf = {**TINY, "num_hidden_layers": 3, "tie_word_embeddings": family == "qwen2"}
-    if family == "mistral":
-        hf["sliding_window"] = None
+    hf = tiny_config_dict(family, tied=family == "qwen2")
     cfg = load_config(
         None,
         [

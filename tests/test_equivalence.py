@@ -16,7 +16,7 @@ from megatrain.ipc.protocol.cpus import node_cores
 from megatrain.launch.config import load_config
 from megatrain.launch.fidelity import compare
 from tests.conftest import run_leftovers
-from tests.helpers import TINY
+from tests.helpers import tiny_config_dict
 
 LAYERS = 3
 # q.(k + b) moves every score of a query by the same q.b, which softmax ignores: the exact gradient of
@@ -35,9 +35,7 @@ def tiny_config(
     extra: list[str] | None = None,
     runner: str = "inprocess",
 ):
-    hf = {**TINY, "num_hidden_layers": LAYERS, "tie_word_embeddings": tied}
-    if family == "mistral":
-        hf["sliding_window"] = None
+    hf = tiny_config_dict(family, tied, LAYERS)
     overrides = [
         f"model.family={family}",
         f"model.hf={json.dumps(hf)}",
