@@ -76,7 +76,7 @@ def _model(hf, device: str) -> torch.nn.Module:
     """The model in fp32 on `device`. A CPU model is drawn on the GPU when it fits there and then moved:
     torch's CPU normal draws run on one thread (about 30 s for 3B parameters), which is set-up, not step."""
     t0 = time.perf_counter()
-    cls = family_classes("qwen2")[1]
+    cls = family_classes(hf.model_type)[1]
     model = None
     if device == "cpu" and torch.cuda.is_available():
         try:

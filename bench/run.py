@@ -1,10 +1,13 @@
-"""MegaTrain throughput benchmark on the Qwen2.5-7B layer shape, with peers in the same run.
+"""MegaTrain throughput benchmark on a model shape (--model: Qwen2.5-7B's by default, OLMoE-1B-7B's,
+GPT-OSS-20B's) with --layers layers, with peers in the same run.
 
   python bench/run.py --layers 8 --batch 16 --seq 4096 --steps 5 --peers plain --out OUT
+  python bench/run.py --model olmoe-1b-7b --layers 16 --batch 16 --seq 4096 --peers deepspeed --out OUT
 
 Writes OUT/results.json, OUT/results.md (the table, with the command and commit) and OUT/timeline-VARIANT.png.
 TFLOPS use the paper's formula: (6*N*D + 12*L*H*S*D) / step time, N parameters, D tokens per step,
-L layers, H hidden size, S sequence length (recompute is not counted as useful work).
+L layers, H hidden size, S sequence length (recompute is not counted as useful work); N counts a mixture
+of experts' active parameters (the routed experts' top-k share).
 
 A failure is one line on stderr, as megatrain-launch reports it: exit 2 for the input (a config key or
 override, --peers official without the official code), 1 for a run that failed (the traceback in the failed
@@ -49,6 +52,56 @@ QWEN7B = {
     "rms_norm_eps": 1e-6,
     "tie_word_embeddings": False,
     "use_sliding_window": False,
+}
+# allenai/OLMoE-1B-7B-0924's shape (16 layers of 64 experts, top-8: 6.9B parameters, 1.3B active), with the
+# load-balancing loss on as in its training recipe (HF's output_router_logits).
+OLMOE_1B_7B = {
+    "hidden_size": 2048,
+    "intermediate_size": 1024,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "num_experts": 64,
+    "num_experts_per_tok": 8,
+    "vocab_size": 50304,
+    "max_position_embeddings": 4096,
+    "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "router_aux_loss_coef": 0.01,
+    "output_router_logits": True,
+}
+# openai/gpt-oss-20b's shape (24 layers of 32 experts, top-4, alternating 128-token sliding and full
+# attention with sinks: 21B parameters, 3.6B active); its layer types follow from the layer count.
+GPT_OSS_20B = {
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "head_dim": 64,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "sliding_window": 128,
+    "vocab_size": 201088,
+    "max_position_embeddings": 131072,
+    "rope_theta": 150000.0,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "router_aux_loss_coef": 0.9,
+    "output_router_logits": True,
+}
+# --model NAME -> (family, shape, its name in the tables)
+MODELS = {
+    "qwen2.5-7b": ("qwen2", QWEN7B, "Qwen2.5-7B shape"),
+    "olmoe-1b-7b": ("olmoe", OLMOE_1B_7B, "OLMoE-1B-7B shape"),
+    "gpt-oss-20b": ("gpt_oss", GPT_OSS_20B, "GPT-OSS-20B shape"),
 }
 ABLATIONS = {
     "no-double-buffering": ["engine.prefetch=0"],
@@ -105,21 +158,22 @@ class Failed(Exception):
         return cls(f"{what}: {message}" if what else message, code)
 
 
-def bench_model(layers: int, extra: list[str]) -> tuple[dict, list[str]]:
-    """The model every row measures (MegaTrain's variants and the peers alike): Qwen2.5-7B's layer shape with
-    `layers` layers and the model.hf.KEY=VALUE items of --extra applied; and the rest of --extra (overrides of
-    the default variant only)."""
+def bench_model(model: str, layers: int, extra: list[str]) -> tuple[dict, list[str]]:
+    """The model every row measures (MegaTrain's variants and the peers alike): the --model preset's layer
+    shape with `layers` layers and the model.hf.KEY=VALUE items of --extra applied; and the rest of --extra
+    (overrides of the default variant only)."""
+    shape = MODELS[model][1]
     mine = [item for item in extra if parse_override(item)[0][:2] == ["model", "hf"]]
     for item in mine:
         keys = parse_override(item)[0]
         if len(keys) < 3:
             raise ConfigError(
-                f"--extra {item}: the bench's model is Qwen2.5-7B's layer shape; change it key by "
+                f"--extra {item}: the bench's model is --model's layer shape; change it key by "
                 "key with model.hf.KEY=VALUE"
             )
         if keys[2] == "num_hidden_layers":
             raise ConfigError(f"--extra {item}: the layer count is --layers")
-    hf = merge_overrides({"model": {"hf": {**QWEN7B, "num_hidden_layers": layers}}}, mine)["model"]["hf"]
+    hf = merge_overrides({"model": {"hf": {**shape, "num_hidden_layers": layers}}}, mine)["model"]["hf"]
     return hf, [item for item in extra if item not in mine]
 
 
@@ -130,7 +184,7 @@ def overrides(args: argparse.Namespace, out: Path, extra: list[str]) -> list[str
     hf = args.hf
     knobs = [f"{key}={getattr(args, flag)}" for flag, key in KNOBS.items() if getattr(args, flag) is not None]
     return [
-        "model.family=qwen2",
+        f"model.family={MODELS[args.model][0]}",
         f"model.hf={json.dumps(hf)}",
         f"data.seq_len={args.seq}",
         f"data.batch_size={args.batch}",
@@ -173,6 +227,7 @@ def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str]) -> 
         "cpu_plan": summary["cpu_plan"],
         "store_fill_s": summary["store_fill"].get("seconds"),
         "num_params": summary["num_params"],
+        "active_params": summary["active_params"],
         "host_bytes_per_param": (summary["store_bytes"] + summary["executor_host_bytes"]) / summary["num_params"],
         "process_pss_bytes_per_param": summary["process_pss_bytes"] / summary["num_params"],
         "pss_own_by_role": summary["pss_own_by_role"],
@@ -186,6 +241,8 @@ def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str]) -> 
         "d2h_GBps_avg": pick("d2h_bytes") / med / 1e9,
         "losses": [r["loss"] for r in summary["metrics"]],
     }
+    if "expert_load" in summary["metrics"][-1]:  # a mixture of experts: the last step's routing
+        res.update(expert_load=summary["metrics"][-1]["expert_load"], aux_losses=[r["aux_loss"] for r in rows])
     timeline = out / "timeline.json"
     if timeline.is_file():
         plot_timeline(
@@ -223,7 +280,8 @@ def table(results: list[dict], args: argparse.Namespace, hf) -> str:
         "| weight wait s | Adam s (updating; Gparam/s) | H2D GB/s (busy) | D2H GB/s (busy) |",
         "|" + "---|" * 14,
     ]
-    n = next((r["num_params"] for r in results if "num_params" in r), None)
+    n = next((r["active_params"] for r in results if "active_params" in r), None)
+    total = next((r["num_params"] for r in results if "num_params" in r), None)
     ours = None
     for r in results:
         if r.get("status") != "ok":
@@ -243,14 +301,29 @@ def table(results: list[dict], args: argparse.Namespace, hf) -> str:
             f"| {r.get('host_bytes_per_param', float('nan')):.2f} / "
             f"{r.get('process_pss_bytes_per_param', float('nan')):.2f} | {split} "
             f"| {r.get('weight_wait_s', 0):.3f} "
-            f"| {adam_cell(r, n)} | {r.get('h2d_GBps_busy', float('nan')):.1f} "
+            f"| {adam_cell(r, total)} | {r.get('h2d_GBps_busy', float('nan')):.1f} "
             f"| {r.get('d2h_GBps_busy', float('nan')):.1f} |"
         )
     return "\n".join(lines)
 
 
+def routing(load: list[list[float]]) -> str:
+    """The routing of one step in a line: per MoE layer, the busiest and the idlest expert's tokens against an
+    even share (1.00 = even; a collapsed router shows a large max and a min of 0)."""
+    hi, lo = [], []
+    for layer in load:
+        even = sum(layer) / len(layer)
+        hi.append(max(layer) / even)
+        lo.append(min(layer) / even)
+    return (
+        f"tokens per expert against an even share over {len(load)} MoE layers: busiest expert "
+        f"{statistics.median(hi):.2f}× (median; {min(hi):.2f}–{max(hi):.2f}), idlest {statistics.median(lo):.2f}× "
+        f"(median; {min(lo):.2f}–{max(lo):.2f})"
+    )
+
+
 def adam_cell(r: dict, n: int | None) -> str:
-    """Adam's time in the step, and, where measured, its time updating and its rate."""
+    """Adam's time in the step, and, where measured, its time updating and its rate over all n parameters."""
     if "adam_update_s" not in r or not n:
         return f"{r.get('adam_s', 0):.3f}"
     upd = r["adam_update_s"]
@@ -303,11 +376,12 @@ def run_suite(args: argparse.Namespace) -> int:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        description="MegaTrain throughput on the Qwen2.5-7B layer shape, peers in the same "
+        description="MegaTrain throughput on a model's layer shape, peers in the same "
         "run. Model knobs left out keep the product's defaults."
     )
     p.add_argument("--suite", choices=["headline"], help="run the headline suite (each entry in its own process)")
     p.add_argument("--only", default="", help="with --suite: a comma list of entries: " + ", ".join(SUITE))
+    p.add_argument("--model", choices=list(MODELS), default="qwen2.5-7b", help="the layer shape measured")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=4096)
@@ -358,8 +432,10 @@ def run(args: argparse.Namespace) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.suite:
         return run_suite(args)
-    args.hf, args.extra = bench_model(args.layers, args.extra)
+    args.hf, args.extra = bench_model(args.model, args.layers, args.extra)
     peers = [p for p in args.peers.split(",") if p]
+    if "official" in peers and MODELS[args.model][0] != "qwen2":
+        raise Failed(f"--peers official: the official code trains the qwen2 family only, not --model {args.model}", 2)
     # before anything is measured: a missing checkout is the user's to fix, not a row's error 20 minutes in
     src = official_src(args.official_src) if "official" in peers else None
     _, hf = resolve_hf_config(load_config(None, overrides(args, Path(args.out), args.extra)).model)
@@ -368,18 +444,23 @@ def run(args: argparse.Namespace) -> int:
     from megatrain.data import DataConfig
 
     data = DataConfig(seq_len=args.seq, batch_size=args.batch)
-    for peer in peers:
-        results.append(PEERS[peer](hf, data, args.steps, **({"src": src} if peer == "official" else {})))
-        print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
+    for peer in [None, *peers]:
+        if peer is not None:
+            results.append(PEERS[peer](hf, data, args.steps, **({"src": src} if peer == "official" else {})))
+        # row by row: a peer the kernel's OOM killer ends takes the bench's process, not the rows measured
+        (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
+        print(json.dumps({k: v for k, v in results[-1].items() if k not in ("losses", "expert_load")}), flush=True)
     md = table(results, args, hf)
     when = datetime.date.today().isoformat()
     given = ", ".join(f"{KNOBS[f]}={getattr(args, f)}" for f in KNOBS if getattr(args, f) is not None)
     head = (
-        f"\n### {args.layers} layers (Qwen2.5-7B shape), {args.batch}x{args.seq} tokens/step"
+        f"\n### {args.layers} layers ({MODELS[args.model][2]}), {args.batch}x{args.seq} tokens/step"
         f"{f' ({given})' if given else ', product defaults'} — {args.machine}, {when}, commit {commit()}\n\n"
         f"`python bench/run.py {shlex.join(sys.argv[1:])}`\n\n"
         f"Steps {args.steps}, warm-up {args.warmup}; CPU plan: {results[0].get('cpu_plan', '?')}\n\n"
     )
+    if "expert_load" in results[0]:
+        head += f"Last step's routing (MegaTrain): {routing(results[0]['expert_load'])}\n\n"
     (Path(args.out) / "results.md").write_text(head + md + "\n")
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
     print(head + md)

@@ -22,6 +22,7 @@ from megatrain.checkpoint import step_dir as ckpt_step_dir
 from megatrain.configbase import differences, dump_yaml
 from megatrain.data import Data, open_data
 from megatrain.engine import resolve_engine
+from megatrain.flops import active_params
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, resolve_stall
 from megatrain.ipc.shm import check_run_id, check_run_id_free
 from megatrain.launch import memplan, startup
@@ -126,6 +127,7 @@ class Trainer:
             "threads_observed": observed,
             "pids": dict(self.crew.pids),
             "num_params": spec.layout.num_params,
+            "active_params": active_params(spec.model),
             "store_bytes": sum(spec.part_bytes().values()),
             "staging": spec.staging_mode,
             "executor_host_bytes": checkpoint_host_bytes(

@@ -36,7 +36,7 @@ def test_model_hf_extras_change_the_model_of_every_row(tmp_path: Path) -> None:
             "train.log_every=2",
         ]
     )
-    args.hf, extra = bench_run.bench_model(args.layers, args.extra)
+    args.hf, extra = bench_run.bench_model(args.model, args.layers, args.extra)
     assert extra == ["train.log_every=2"]
     default = load_config(None, bench_run.overrides(args, tmp_path, extra))
     ablation = load_config(None, bench_run.overrides(args, tmp_path, bench_run.ABLATIONS["no-clip"]))
@@ -46,9 +46,40 @@ def test_model_hf_extras_change_the_model_of_every_row(tmp_path: Path) -> None:
         assert cfg.model.hf["rope_theta"] == 5e5
     assert default.train.log_every == 2 and ablation.train.log_every == 1
     with pytest.raises(ConfigError, match="the layer count is --layers"):
-        bench_run.bench_model(2, ["model.hf.num_hidden_layers=4"])
+        bench_run.bench_model("qwen2.5-7b", 2, ["model.hf.num_hidden_layers=4"])
     with pytest.raises(ConfigError, match="model.hf.KEY=VALUE"):
-        bench_run.bench_model(2, ['model.hf={"vocab_size": 8}'])
+        bench_run.bench_model("qwen2.5-7b", 2, ['model.hf={"vocab_size": 8}'])
+
+
+@pytest.mark.parametrize(
+    ("model", "family", "total", "active"),
+    # GPT-OSS-20B's card gives 3.6B active without the input embedding (a lookup, 0.58B); 6·N·D counts it,
+    # for a dense model as for this one
+    [("olmoe-1b-7b", "olmoe", 6.92e9, 1.28e9), ("gpt-oss-20b", "gpt_oss", 20.9e9, 3.6e9 + 201088 * 2880)],
+)
+def test_the_moe_presets_are_the_published_models(
+    tmp_path: Path, model: str, family: str, total: float, active: float
+) -> None:
+    """--model's presets build the published models' shapes (the parameter counts their model cards give, to
+    1 %) as the family the product trains; their rows' TFLOPS count the active parameters."""
+    from megatrain.flops import active_params
+    from megatrain.launch.config import load_config
+    from megatrain.model import build_spec
+
+    layers = {"olmoe": 16, "gpt_oss": 24}[family]
+    args = bench_run.parse(["--out", str(tmp_path), "--model", model, "--layers", str(layers)])
+    args.hf, extra = bench_run.bench_model(args.model, args.layers, args.extra)
+    cfg = load_config(None, bench_run.overrides(args, tmp_path, extra))
+    assert cfg.model.family == family
+    spec = build_spec(cfg.model)
+    assert spec.layout.num_params == pytest.approx(total, rel=0.01)
+    assert active_params(spec) == pytest.approx(active, rel=0.01)
+
+
+def test_the_official_peer_is_refused_for_a_family_it_cannot_train(tmp_path: Path) -> None:
+    proc = _bench(tmp_path, "--model", "olmoe-1b-7b", "--layers", "1", "--peers", "official")
+    assert proc.returncode == 2, proc.stderr
+    assert "qwen2 family only" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def _bench(tmp_path: Path, *argv: str, env: dict | None = None) -> subprocess.CompletedProcess:

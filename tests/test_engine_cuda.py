@@ -1,4 +1,5 @@
-"""The step engine on a GPU (skipped without one): checkpoint offload, chunks and lean layers equal HF autograd.
+"""The step engine on a GPU (skipped without one): checkpoint offload, chunks and lean layers equal HF autograd,
+for dense models and mixtures of experts.
 
 On the CPU device checkpoint offload is a no-op, so the copy-stream path is only exercised here."""
 
@@ -8,10 +9,11 @@ import pytest
 import torch
 
 from megatrain.data import DataConfig, batch
-from megatrain.engine import EngineConfig, StepEngine
+from megatrain.engine import EngineConfig, StepEngine, fixed_sizes
 from megatrain.ipc.protocol import blocks
 from megatrain.weights import flat_unit
-from tests.helpers import NEEDS_CUDA, DictSink, DictSource, spec_for, tiny_hf
+from tests.helpers import MOE_FAMILIES, NEEDS_CUDA, DictSink, DictSource, spec_for, tiny_hf
+from tests.test_moe import ENGINE_CASES
 
 pytestmark = NEEDS_CUDA
 
@@ -57,6 +59,35 @@ def test_cuda_engine_matches_hf_autograd(offload: bool | int, k: int, last: int,
         assert len(engine.checkpoints.host) == min(1, len(blocks(n, k, last)) - 1)
     assert abs(float(res.loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     del engine  # its pinned checkpoint buffers are unregistered and freed here, not in a later test
+    for unit in range(n + 2):
+        want = flat_unit(spec, unit, ref_grads)
+        got = sink.grads[unit][: want.numel()].cpu()
+        err = float(torch.linalg.norm(got - want) / torch.linalg.norm(want))
+        assert err <= 1e-4, (unit, err)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("case", ["k2-last1-chunks2", "tiles", "lean"])
+def test_cuda_moe_engine_matches_hf_autograd(family: str, case: str) -> None:
+    """The experts' routing, the load counts and the aux loss's injected gradient on the GPU's tensors."""
+    model = tiny_hf(family, tied=False)
+    spec = spec_for(model, family)
+    ids, labels = batch(DataConfig(seq_len=24, batch_size=3), 0)
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    ref_lm = float(out.loss) - model.config.router_aux_loss_coef * float(out.aux_loss)
+    ref_grads = {k_: p.grad for k_, p in model.named_parameters()}
+    state = {k_: v.detach() for k_, v in model.state_dict().items()}
+    cfg = fixed_sizes(EngineConfig(device="cuda", compute_dtype="fp32", loss_chunk_tokens=10, **ENGINE_CASES[case]))
+    n, k, last = spec.layout.num_layers, cfg.checkpoint_interval, cfg.last_block_layers
+    engine = StepEngine(spec, cfg, torch.device("cuda"), torch.float32)
+    sink = DictSink()
+    res = engine.step(ids, labels, CudaSource(spec, state, blocks=blocks(n, k, last)), sink)
+    torch.cuda.synchronize()
+    assert abs(float(res.loss) - ref_lm) <= 1e-5 * abs(ref_lm)
+    assert abs(float(res.routers.aux_loss()) - float(out.aux_loss)) <= 1e-5 * abs(float(out.aux_loss))
+    assert all(sum(row) == ids.numel() * 2 for row in res.routers.load())
+    del engine
     for unit in range(n + 2):
         want = flat_unit(spec, unit, ref_grads)
         got = sink.grads[unit][: want.numel()].cpu()
