@@ -4,6 +4,9 @@
   throughput.png  tokens/s and TFLOPS per step, one panel each (TFLOPS from the run's config.yaml)
   timeline.png    the recorded step (train.timeline_step): lanes for H2D, compute, D2H and CPU Adam, per
                   unit, as in the paper's Figure 3, with a legend for the colours
+  experts.png     mixture of experts only (rows with expert_load): a heat map of each expert's share of its
+                  layer's tokens (uniform is 1/E), per step each MoE layer's busiest expert over 1/E (routing
+                  collapse) and the aux_loss; drawn by plots_moe.py
 
 matplotlib is installed with megatrain; where it is missing anyway the command says how to get it.
 """
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megatrain.errors import ConfigError
+from megatrain.launch.plots_moe import experts_figure, routing
 
 # The compute lane's colours, by the kind of span (the mark's name before ':'), with their legend names.
 COMPUTE_KINDS = {
@@ -170,6 +174,7 @@ def main(argv: list[str]) -> int:
     rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     if not rows:
         raise ConfigError(f"plot: {metrics} has no steps yet")
+    moe = routing(rows, metrics)  # None for a dense run; checked before any picture is written
     out.mkdir(parents=True, exist_ok=True)
     written = [out / "loss.png", out / "throughput.png"]
     save(loss_figure(rows), written[0])
@@ -178,5 +183,8 @@ def main(argv: list[str]) -> int:
         tl = json.loads((run / "timeline.json").read_text())
         written.append(out / "timeline.png")
         save(timeline_figure(tl, f"{run.name}: step {tl.get('step', '?')}"), written[-1])
+    if moe is not None:
+        written.append(out / "experts.png")
+        save(experts_figure(moe, run.name), written[-1])
     print("megatrain-launch plot: wrote " + ", ".join(str(w) for w in written))
     return 0

@@ -102,8 +102,13 @@ def read(
 
 
 def missing(family: str, name: str, shape: tuple[int, ...], names: set[str] | dict) -> str:
-    """The tensor a checkpoint lacks for this parameter, to name in an error."""
-    for p in pieces(family, name, shape):
-        if p.name not in names:
-            return p.name
-    return name
+    """What a checkpoint lacks for this parameter, to name in an error: the tensor (quoted), the other half
+    of an MXFP4 pair that is there in part, and for GPT-OSS's experts the MXFP4 pair that would do instead."""
+    blocks, scales = mxfp4.packed_names(name)
+    if (blocks in names) != (scales in names):
+        there, lacks = (blocks, scales) if blocks in names else (scales, blocks)
+        return f"'{lacks}' (the MXFP4 pair of '{there}')"
+    lacks = next((p.name for p in pieces(family, name, shape) if p.name not in names), name)
+    if lacks == name and family == "gpt_oss" and _split(name)[1] in (_GATE_UP, _DOWN):
+        return f"'{name}' (nor its MXFP4 pair '{blocks}', '{scales}')"
+    return f"'{lacks}'"

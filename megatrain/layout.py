@@ -80,7 +80,8 @@ class StoreLayout:
 
     @property
     def num_params(self) -> int:
-        return sum(self.structures[u.structure].numel for u in self.units)
+        """The model's parameters: every slot's elements, not the alignment gaps between slots."""
+        return sum(s.numel for u in self.units for s in self.structures[u.structure].slots)
 
     @property
     def max_unit_numel(self) -> int:

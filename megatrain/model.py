@@ -125,11 +125,28 @@ def pretrained_config(cfg: ModelConfig) -> tuple[str, dict]:
     return family, base
 
 
+def _drop_mxfp4(merged: dict) -> None:
+    """Take a checkpoint's MXFP4 `quantization_config` (GPT-OSS as published) out of the config: its experts
+    are dequantized on import into the fp32 masters (megatrain/hfformat.py), so the model trained, checkpointed
+    and exported is not quantized, and a config that said it was would send from_pretrained looking for
+    packed tensors the export does not write. Other quantizations are not read here: refused by name."""
+    quant = merged.pop("quantization_config", None)
+    if quant is None:
+        return
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if str(getattr(method, "value", method)).lower() != "mxfp4":
+        raise ConfigError(
+            f"model.pretrained: quantization_config with quant_method '{method}' is not supported; "
+            "only MXFP4 experts (GPT-OSS) are read, dequantized into the fp32 weights"
+        )
+
+
 def resolve_hf_config(cfg: ModelConfig) -> tuple[str, PretrainedConfig]:
     family, base = pretrained_config(cfg)
     conf_cls = family_classes(family)[0]
     merged = {**base, **cfg.hf}
     merged.pop("architectures", None)
+    _drop_mxfp4(merged)
     try:
         hf = conf_cls(**merged)
     except (TypeError, ValueError) as exc:

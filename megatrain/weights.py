@@ -131,6 +131,6 @@ def read_unit(spec: ModelSpec, unit: int, where: dict[str, Path]) -> dict[str, t
             raise ConfigError(f"model.pretrained: tensor '{name}': {exc}") from None
         if tensor is None:
             lacks = hfformat.missing(spec.family, name, s.shape, where)
-            raise ConfigError(f"model.pretrained: tensor '{lacks}' is missing from the checkpoint")
+            raise ConfigError(f"model.pretrained: tensor {lacks} is missing from the checkpoint")
         out[s.name] = tensor
     return out

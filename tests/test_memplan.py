@@ -11,10 +11,13 @@ import torch
 from megatrain import autosize
 from megatrain.engine import EngineConfig, resolve_engine
 from megatrain.errors import ResourceError
+from megatrain.flops import active_params
 from megatrain.launch import memplan
 from megatrain.launch.cli import main
 from megatrain.launch.config import load_config
 from megatrain.model import build_spec
+from megatrain.moe import is_expert_slot
+from tests.helpers import MOE_FAMILIES, TINY, tiny_config_dict, tiny_hf
 
 GIB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,3 +138,76 @@ def test_plan_on_the_cpu_device_has_no_gpu_part(capsys) -> None:
     if not torch.cuda.is_available():
         assert main(["plan", cfg, "engine.device=cuda"]) == 2
         assert "give --gpu-gib N" in capsys.readouterr().err
+
+
+def _moe_cfg(family: str, hf: dict):
+    return load_config(None, [f"model.family={family}", f"model.hf={json.dumps(hf)}", "engine.device=cpu"])
+
+
+def _m(n: float) -> str:
+    return f"{n / 1e6:.2f}M"
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_plan_of_a_mixture_of_experts_counts_total_active_and_expert_parameters(family: str) -> None:
+    """Against HF's own model of the same config, counted by module: the routed experts are each MoE
+    layer's `mlp.experts`; everything else (attention, routers, Qwen2-MoE's shared expert and its gate, the
+    dense layer) every token runs, and a token runs top-k of E of each routed expert tensor."""
+    hf = tiny_config_dict(family, tied=False)
+    model = tiny_hf(family, tied=False)
+    total = sum(p.numel() for p in model.parameters())
+    moe_mlps = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+    routed = sum(p.numel() for mlp in moe_mlps for p in mlp.experts.parameters())
+    k, e = hf["num_experts_per_tok"], hf.get("num_local_experts") or hf["num_experts"]
+    active = int(total - routed + routed * k / e)
+    assert 0 < routed < total and active < total
+
+    plan = memplan.make_plan(_moe_cfg(family, hf), None, cuda=False)
+    assert (plan.num_params, plan.active_params, plan.expert_params) == (total, active, routed)
+    shared = ", plus a shared expert" if family == "qwen2_moe" else ""
+    assert plan.title.startswith(
+        f"{family}, 3 layers, {_m(total)} params ({_m(active)} active per token; "
+        f"experts {_m(routed)}: {e} per layer, top-{k}{shared}), "
+    ), plan.title
+
+
+def test_a_shared_expert_is_always_active() -> None:
+    """Qwen2-MoE's shared expert (and its gate) run for every token: counted whole in the active
+    parameters, not among the experts; its routed experts count top-k of E."""
+    model = tiny_hf("qwen2_moe", tied=False)
+    mlp = model.model.layers[0].mlp
+    shared = sum(p.numel() for p in mlp.shared_expert.parameters()) + mlp.shared_expert_gate.weight.numel()
+    assert shared > 0
+    names = [n for n, _ in model.model.layers[0].named_parameters()]
+    assert [n for n in names if is_expert_slot(n)] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+    assert not any(is_expert_slot(n) for n in names if "shared_expert" in n)
+    spec = build_spec(_moe_cfg("qwen2_moe", tiny_config_dict("qwen2_moe", tied=False)).model)
+    routed = memplan.expert_params(spec)
+    rest = spec.layout.num_params - routed
+    assert active_params(spec) == int(rest + routed * 2 / 4)  # the shared expert is in `rest`, whole
+    # had it been counted as routed, the active count would be less by its share of the unused experts
+    assert active_params(spec) - int(rest - shared + (routed + shared) * 2 / 4) == shared // 2
+
+
+def test_plan_of_olmoe_at_full_size() -> None:
+    """OLMoE-1B-7B's shape: 6.92B parameters, 1.28B of them active per token."""
+    hf = {
+        "hidden_size": 2048,
+        "intermediate_size": 1024,
+        "vocab_size": 50304,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "max_position_embeddings": 4096,
+    }
+    plan = memplan.make_plan(_moe_cfg("olmoe", hf), None, cuda=False)
+    assert plan.title.startswith(
+        "olmoe, 16 layers, 6.92B params (1.28B active per token; experts 6.44B: 64 per layer, top-8), "
+    ), plan.title
+
+
+def test_plan_of_a_dense_model_keeps_its_line() -> None:
+    cfg = load_config(None, [f"model.hf={json.dumps({**TINY, 'num_hidden_layers': 2})}", "engine.device=cpu"])
+    plan = memplan.make_plan(cfg, None, cuda=False)
+    spec = build_spec(cfg.model)
+    assert plan.title.startswith(f"llama, 2 layers, {_m(spec.layout.num_params)} params, ")
+    assert plan.active_params == plan.num_params == spec.layout.num_params and plan.expert_params == 0

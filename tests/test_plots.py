@@ -1,4 +1,5 @@
-"""`megatrain-launch plot RUN_DIR`: loss, throughput and the recorded step's timeline, from a real run."""
+"""`megatrain-launch plot RUN_DIR`: loss, throughput and the recorded step's timeline, from a real run; a
+mixture-of-experts run's expert routing, from metrics rows shaped as the executor writes them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from megatrain.launch.cli import main
 from megatrain.launch.config import load_config
 from megatrain.launch.driver import Trainer
 from megatrain.launch.plots import run_flops, save, throughput_figure, timeline_figure
+from megatrain.launch.plots_moe import experts_figure, routing
 from tests.helpers import TINY
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -41,6 +43,7 @@ def test_plot_writes_the_runs_pictures(tmp_path, rid: str, capsys) -> None:
         data = (out / name).read_bytes()
         assert data.startswith(PNG) and len(data) > 10_000, name
     assert "timeline.png" in capsys.readouterr().out
+    assert not (out / "experts.png").exists()  # a dense run: no expert_load, no routing picture
     tokens = 2 * 32  # TFLOPS from the run's config.yaml: (6ND + 12LHSD) per step
     flops = run_flops(out)
     assert flops == 6 * summary["num_params"] * tokens + 12 * 2 * TINY["hidden_size"] * 32 * tokens
@@ -116,6 +119,114 @@ def test_a_gpu_steps_timeline_names_every_lane_and_kind(tmp_path) -> None:
         "D2H grads",
         "CPU Adam",
     ]
+
+
+E, K, TOKENS = 4, 2, 64  # experts, top-k, tokens per step: each MoE layer makes K * TOKENS assignments
+
+
+def moe_rows(steps: int = 6) -> list[dict]:
+    """Metrics rows of an MoE run as the executor writes them (expert_load: RouterStats.load(), tokens per
+    expert per MoE layer): layer 0 routes evenly, layer 1 collapses onto expert 2 until every token sends it
+    one of its K choices (TOKENS of K * TOKENS assignments: a share of 1/K, E/K times the uniform 1/E)."""
+    rows = []
+    for step in range(1, steps + 1):
+        even = [33, 31, 32, 32] if step % 2 else [32, 32, 32, 32]
+        hot = min(TOKENS, 32 + 8 * (step - 1))
+        rest, extra = divmod(K * TOKENS - hot, E - 1)
+        collapsing = [rest + extra, rest, hot, rest]
+        rows.append(
+            {"step": step, "loss": 4.0 - 0.1 * step, "tokens_per_s": 900.0, "step_time_s": 0.07}
+            | {"aux_loss": 2.0 + 0.05 * step, "expert_load": [even, collapsing]}
+        )
+    return rows
+
+
+def write_run(where: Path, rows: list[dict]) -> Path:
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return where
+
+
+def axes_by_ylabel(fig, start: str):
+    (ax,) = [a for a in fig.axes if a.get_ylabel().startswith(start)]
+    return ax
+
+
+def test_plot_of_a_moe_run_draws_its_expert_routing(tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    rows = moe_rows()
+    run = write_run(tmp_path / "moe", rows)
+    assert main(["plot", str(run)]) == 0
+    data = (run / "experts.png").read_bytes()
+    assert data.startswith(PNG) and len(data) > 10_000
+    assert "experts.png" in capsys.readouterr().out
+
+    # The heat map: each expert's share of its layer's assignments, pooled over the steps (6 of them, fewer
+    # than HEAT_STEPS), so even routing reads 1/E and the collapsed expert its pooled share.
+    fig = experts_figure(routing(rows, run / "metrics.jsonl"), "moe")
+    (heat,) = axes_by_ylabel(fig, "MoE layer").get_images()
+    pooled = [[sum(r["expert_load"][layer][e] for r in rows) for e in range(E)] for layer in range(2)]
+    want = [c / (K * TOKENS * len(rows)) for layer in pooled for c in layer]
+    assert heat.get_array().shape == (2, E) and heat.get_array().ravel().tolist() == pytest.approx(want)
+    assert heat.get_array()[0].tolist() == pytest.approx([1 / E] * E, abs=0.01)
+    assert heat.norm.vcenter == 1 / E  # the diverging scale's white is uniform routing
+
+    # Per step and layer, the busiest expert's share over 1/E: ~1 for the even layer, up to E/K collapsed.
+    collapse = axes_by_ylabel(fig, "busiest expert")
+    lines = {line.get_label(): line for line in collapse.get_lines()}
+    assert list(lines["layer 1"].get_xdata()) == [r["step"] for r in rows]
+    assert list(lines["layer 1"].get_ydata()) == pytest.approx([1.0, 1.25, 1.5, 1.75, 2.0, 2.0])
+    assert max(lines["layer 0"].get_ydata()) == pytest.approx(33 / (K * TOKENS) * E)
+    assert list(lines["uniform"].get_ydata()) == [1.0, 1.0]
+    (aux,) = axes_by_ylabel(fig, "aux_loss").get_lines()
+    assert list(aux.get_ydata()) == [r["aux_loss"] for r in rows]
+    save(fig, tmp_path / "experts.png")
+
+
+def test_many_moe_layers_get_a_colour_bar_by_layer_and_no_aux_panel_without_aux_loss(tmp_path) -> None:
+    """A deep model (48 MoE layers x 64 experts): the layers' colours on a bar, not a legend of 48 entries;
+    rows without aux_loss: no aux panel."""
+    pytest.importorskip("matplotlib")
+    rows = [{"step": s, "expert_load": [[K * TOKENS // 64] * 64] * 48} for s in range(1, 4)]
+    fig = experts_figure(routing(rows, tmp_path / "metrics.jsonl"), "deep")
+    collapse = axes_by_ylabel(fig, "busiest expert")
+    assert collapse.get_legend() is None and collapse.get_xlabel() == "step"
+    assert [a.get_ylabel() for a in fig.axes if "aux" in a.get_ylabel()] == []
+    assert [a.get_ylabel() for a in fig.axes].count("MoE layer") == 2  # the heat map's and the layers' bar
+    save(fig, tmp_path / "experts.png")
+
+
+def test_a_dense_run_gets_no_expert_picture(tmp_path, capsys) -> None:
+    pytest.importorskip("matplotlib")
+    rows = [{k: v for k, v in r.items() if k not in ("expert_load", "aux_loss")} for r in moe_rows()]
+    run = write_run(tmp_path / "dense", rows)
+    assert routing(rows, run / "metrics.jsonl") is None
+    assert main(["plot", str(run)]) == 0
+    assert sorted(p.name for p in run.glob("*.png")) == ["loss.png", "throughput.png"]
+    assert "experts.png" not in capsys.readouterr().out
+
+
+MALFORMED = {
+    "ragged": ([[1, 2, 3, 4], [1, 2, 3]], "layers of 4, 3 experts"),
+    "not a list": (128, "got int"),
+    "flat": ([32, 32, 32, 32], "got list"),
+    "not counts": ([["a", 2], [3, 4]], "not all non-negative numbers"),
+    "negative": ([[-1, 2], [3, 4]], "not all non-negative numbers"),
+    "other run's shape": ([[64, 64]], "is 1 layers x 2 experts, step 1's 2 x 4"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED, ids=list(MALFORMED))
+def test_a_malformed_expert_load_is_one_line_naming_the_step(tmp_path, capsys, case: str) -> None:
+    load, says = MALFORMED[case]
+    rows = moe_rows(3)
+    rows[1]["expert_load"] = load
+    run = write_run(tmp_path / "bad", rows)
+    assert main(["plot", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "step 2" in err and "expert_load" in err and says in err, err
+    assert str(run / "metrics.jsonl") in err
+    assert not list(run.glob("*.png"))  # checked before any picture is written
 
 
 def test_plot_of_a_directory_that_is_no_run_is_a_usage_error(tmp_path, capsys) -> None:
