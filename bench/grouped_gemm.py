@@ -7,8 +7,10 @@ projection over the token-expert rows sorted by expert), in bf16, with the rows 
 experts (tokens × top-k rows): the fused gate/up projection [E, 2I, H] and the down projection [E, H, I],
 forward and backward (input and weight gradients: 3 GEMMs' work per projection). Prints TFLOPS counted as
 2 · rows · (2I·H + H·I) per forward, three times that per forward + backward, and a plain GEMM of the
-same rows and sizes (torch.mm, one expert's weights for all rows) for comparison: bench/run.py's TFLOPS of
-a mixture of experts is read against these.
+same rows and sizes (torch.mm, one expert's weights for all rows) for comparison; and one whole decoder
+layer of the preset as HF builds it (router, experts, attention; random weights, so routed as a random
+init routes), forward and forward + backward, in TFLOPS by 6·N_active·D + 12·H·S·D per layer: what the
+layer itself can do. bench/run.py's TFLOPS of a mixture of experts is read against these.
 """
 
 from __future__ import annotations
@@ -85,10 +87,52 @@ def measure(hidden: int, inter: int, experts: int, top_k: int, tokens: int, iter
     }
 
 
+def hf_layer(model: str, batch: int, seq: int, iters: int) -> dict:
+    """One HF decoder layer of the preset in bf16 on the GPU: seconds forward (no grad) and forward + backward."""
+    import transformers
+
+    from bench.run import bench_model
+    from megatrain.model import family_classes
+
+    family = MODELS[model][0]
+    hf_dict, _ = bench_model(model, 1, [])
+    config = family_classes(family)[0](**{**hf_dict, "output_router_logits": False})
+    with torch.device("cuda"):
+        lm = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    layer = lm.model.layers[0]
+    x = torch.randn(batch, seq, config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    pos = torch.arange(seq, device="cuda")[None].expand(batch, seq)
+    emb = lm.model.rotary_emb(x, pos)
+    grad = torch.randn_like(x)
+
+    def forward() -> torch.Tensor:
+        out = layer(x, position_embeddings=emb, attention_mask=None, position_ids=pos)
+        return out[0] if isinstance(out, tuple) else out
+
+    def forward_backward() -> None:
+        forward().backward(grad)
+        x.grad = None
+        layer.zero_grad(set_to_none=True)
+
+    with torch.no_grad():
+        fwd = timed(forward, iters)
+    both = timed(forward_backward, iters)
+    share = config.num_experts_per_tok / (getattr(config, "num_experts", None) or config.num_local_experts)
+    active = sum(p.numel() * (share if ".experts." in n else 1.0) for n, p in layer.named_parameters())
+    tokens = batch * seq
+    flops = 6 * active * tokens + 12 * config.hidden_size * seq * tokens  # forward + backward, as 6ND counts
+    return {
+        "layer_forward_s": fwd,
+        "layer_forward_backward_s": both,
+        "layer_tflops": flops / both / 1e12,
+        "layer_tflops_with_recompute": flops / (both + fwd) / 1e12,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=[m for m, (family, *_) in MODELS.items() if family != "qwen2"], required=True)
-    p.add_argument("--tokens", type=int, default=65536, help="tokens per layer call (batch × sequence)")
+    p.add_argument("--tokens", type=int, default=65536, help="tokens per layer call (a multiple of 4096: batch × 4096)")
     p.add_argument("--iters", type=int, default=20)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -99,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     res = measure(
         hf["hidden_size"], hf["intermediate_size"], experts, hf["num_experts_per_tok"], args.tokens, args.iters
     )
+    res.update(hf_layer(args.model, args.tokens // 4096, 4096, max(args.iters // 4, 3)))
     res.update(model=args.model, tokens=args.tokens, gpu=torch.cuda.get_device_name())
     print(json.dumps(res))
     return 0
