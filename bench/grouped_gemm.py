@@ -92,11 +92,12 @@ def hf_layer(model: str, batch: int, seq: int, iters: int) -> dict:
     import transformers
 
     from bench.run import bench_model
-    from megatrain.model import family_classes
+    from megatrain.model import ATTENTION, family_classes
 
     family = MODELS[model][0]
     hf_dict, _ = bench_model(model, 1, [])
     config = family_classes(family)[0](**{**hf_dict, "output_router_logits": False})
+    config._attn_implementation = ATTENTION  # the product's (SDPA; GPT-OSS's sinks too): HF's eager is O(S²)
     with torch.device("cuda"):
         lm = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
     layer = lm.model.layers[0]
