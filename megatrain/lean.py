@@ -24,8 +24,9 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from megatrain.layout import StoreLayout
 from megatrain.model import ModelSpec
-from megatrain.moe import mlp_width
+from megatrain.moe import mlp_width, num_experts
 
 _aten = torch.ops.aten
 # The GEMMs (F.linear lowers to mm, or addmm with a bias) and every fused attention kernel SDPA may pick;
@@ -71,12 +72,33 @@ def lean_layer_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, layer_numel
     """GPU bytes a lean decoder layer holds from its forward to its backward, for `tokens` tokens.
 
     Per token: the layer's input and the outputs of o and down (hidden each), of q and attention (heads x
-    head_dim each), of k and v (kv heads x head_dim each), of gate and up (intermediate each), and the
-    attention's fp32 log-sum-exp (one per head); plus the layer's weights in compute dtype, which the last
-    block keeps until its backward."""
+    head_dim each), of k and v (kv heads x head_dim each), of gate and up (intermediate each; a mixture of
+    experts' routed width, megatrain/moe.py mlp_width), and the attention's fp32 log-sum-exp (one per head);
+    plus the layer's weights in compute dtype, which the last block keeps until its backward."""
     hf = spec.hf_config
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     kv = head_dim * getattr(hf, "num_key_value_heads", hf.num_attention_heads)
     q = head_dim * hf.num_attention_heads
-    per_token = int((3 * hf.hidden_size + 2 * q + 2 * kv + 2 * mlp_width(hf)) * dtype_bytes)
+    attention = q
+    if has_sinks(spec.layout):  # the sinks' virtual key pads the attention's head dim (megatrain/attention.py)
+        attention = hf.num_attention_heads * -(-(head_dim + 1) // 8) * 8
+    if experts_rerun(spec.layout):
+        # the experts' grouped GEMMs run again in the backward: of the MLP half only the router's logits
+        # (and a shared expert's GEMM outputs) are kept, not the routed rows
+        shared = getattr(hf, "shared_expert_intermediate_size", 0) or 0
+        mlp = 2 * hf.hidden_size + num_experts(hf) + (hf.hidden_size + 2 * shared if shared else 0)
+    else:
+        mlp = 3 * hf.hidden_size + 2 * mlp_width(hf)
+    per_token = int((mlp + q + attention + 2 * kv) * dtype_bytes)
     return tokens * (per_token + 4 * hf.num_attention_heads) + layer_numel * dtype_bytes
+
+
+def experts_rerun(layout: StoreLayout) -> bool:
+    """Whether a lean layer runs its experts' grouped GEMMs again in the backward: where the experts carry
+    biases (GPT-OSS), which HF adds in place into the GEMM's output, so that output cannot be kept."""
+    return any(s.name.endswith("experts.gate_up_proj_bias") for st in layout.structures.values() for s in st.slots)
+
+
+def has_sinks(layout: StoreLayout) -> bool:
+    """Whether attention has sinks (GPT-OSS)."""
+    return any(s.name.endswith("self_attn.sinks") for st in layout.structures.values() for s in st.slots)

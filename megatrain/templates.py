@@ -15,7 +15,7 @@ from torch.func import functional_call
 
 from megatrain.documents import LayerContext
 from megatrain.errors import ConfigError
-from megatrain.lean import lean_call
+from megatrain.lean import experts_rerun, lean_call
 from megatrain.model import ModelSpec, meta_model
 from megatrain.moe import RouterStats, moe_info
 from megatrain.tiling import tileable, tiled_layer
@@ -40,10 +40,7 @@ class Templates:
         self.pad_id = getattr(spec.hf_config, "pad_token_id", None)
         self.tile = 0  # tokens per tile of a layer's MLP half (megatrain/tiling.py); 0 = untiled
         self.moe = self._router_stats(model, device)
-        biased = any(
-            s.name.endswith("experts.gate_up_proj_bias") for st in self.layout.structures.values() for s in st.slots
-        )
-        self.lean = functools.partial(lean_call, save_grouped=not biased)  # megatrain/lean.py
+        self.lean = functools.partial(lean_call, save_grouped=not experts_rerun(self.layout))  # megatrain/lean.py
 
     def _router_stats(self, model: torch.nn.Module, device: torch.device) -> RouterStats | None:
         """Router statistics hooked into every router of the layer templates (megatrain/moe.py); None for
