@@ -15,8 +15,8 @@ from megatrain.ipc.protocol import IpcConfig
 from megatrain.launch.driver_config import TrainConfig
 from megatrain.launch.placement import ActorsConfig
 from megatrain.launch.runners import LaunchConfig
-from megatrain.model import ModelConfig, hf_config_fields, pretrained_config, resolve_hf_config
-from megatrain.weights import checkpoint_index
+from megatrain.model import ModelConfig, build_spec, hf_config_fields, pretrained_config, resolve_hf_config
+from megatrain.weights import check_checkpoint, checkpoint_index
 
 
 @dataclass
@@ -68,6 +68,14 @@ def validate(cfg: Config, where: Where | None = None) -> None:
             "backward (checkpoint blocks, lean layers), which would draw other masks than "
             f"the forward did; set model.hf.{key}: 0",
         )
+    jitter = getattr(hf, "router_jitter_noise", 0.0)
+    if jitter:  # Mixtral: a fresh uniform draw scales each MoE layer's input, in the layer's forward, for its routing
+        raise fail(
+            "model.hf.router_jitter_noise",
+            f"{jitter}: router jitter noise is not supported: layers are computed again in their backward "
+            "(checkpoint blocks, lean layers, token tiles), which would draw other noise and route the tokens "
+            "otherwise than the forward did; set model.hf.router_jitter_noise: 0",
+        )
     if cfg.engine.checkpoint_interval != "auto" and cfg.engine.checkpoint_interval > hf.num_hidden_layers:
         raise fail(
             "engine.checkpoint_interval",
@@ -85,6 +93,8 @@ def validate(cfg: Config, where: Where | None = None) -> None:
         raise fail(
             "ipc.grad_slabs", f"{cfg.ipc.grad_slabs} must be >= actors.num_accumulators ({cfg.actors.num_accumulators})"
         )
+    if cfg.model.pretrained:  # every parameter in the files, in a layout the import reads, of its shape
+        check_checkpoint(build_spec(cfg.model, cfg.optim.no_decay_1d), cfg.model.pretrained)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:

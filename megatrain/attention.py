@@ -5,7 +5,8 @@ The engine calls HF decoder layers without an attention mask (the causal pattern
 `is_causal`, which lets it pick the flash / memory-efficient kernels). HF builds sliding-window masks in
 the model's forward, which the engine does not run, so its SDPA function would silently attend to the
 whole causal past. This function is registered with HF's attention interface under model.ATTENTION and set as
-every model's `_attn_implementation` (megatrain/model.py): a layer with `sliding_window` W shorter than
+every model's `_attn_implementation` (megatrain/model.py): a layer with `sliding_window` W (the call's
+argument, else the attention module's attribute, which is all Qwen2-MoE gives) shorter than
 the sequence attends in query tiles of W tokens, each to the keys of its window only (HF's rule: key j
 is seen by query i when i - W < j <= i), through SDPA with that tile's mask; every other layer takes
 HF's SDPA function unchanged. Memory is O(sequence · W) for the masks' tiles, never sequence².
@@ -201,6 +202,10 @@ def attention(
     s_aux: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
+    if sliding_window is None:
+        # Qwen2-MoE's sliding layers record their window on the module and do not pass it (HF's eager and SDPA
+        # paths see it in the mask its forward builds; the engine builds none)
+        sliding_window = getattr(module, "sliding_window", None)
     if attention_mask is not None and s_aux is not None:  # a mask HF built (its own forward), with sinks
         return _masked_with_sinks(module, query, key, value, attention_mask, scaling, dropout, s_aux, kwargs), None
     if attention_mask is not None:  # a mask HF built (its own forward): HF's function, unchanged

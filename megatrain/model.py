@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import json
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,11 @@ from transformers import PretrainedConfig
 from megatrain.configbase import opt
 from megatrain.errors import ConfigError
 from megatrain.layout import StoreLayout, build_layout
+
+try:  # transformers 5 configs are strict dataclasses: a field of the wrong type raises this
+    from huggingface_hub.errors import StrictDataclassError
+except ImportError:  # older huggingface_hub: the configs raise TypeError / ValueError only
+    StrictDataclassError = TypeError
 
 # Class names, resolved on use: the modeling code is imported only by the processes that build a
 # model (store owner, executor), not by the packers, accumulators and Adam updater (~90 MB less RSS
@@ -141,16 +148,31 @@ def _drop_mxfp4(merged: dict) -> None:
         )
 
 
+def _float_fields(conf_cls: type) -> set[str]:
+    """The config fields HF types as float and not int (a strict dataclass refuses an int there)."""
+    if not dataclasses.is_dataclass(conf_cls):
+        return set()
+    fields = set()
+    for f in dataclasses.fields(conf_cls):
+        kinds = set(typing.get_args(f.type)) or {f.type}
+        if float in kinds and int not in kinds:
+            fields.add(f.name)
+    return fields
+
+
 def resolve_hf_config(cfg: ModelConfig) -> tuple[str, PretrainedConfig]:
     family, base = pretrained_config(cfg)
     conf_cls = family_classes(family)[0]
     merged = {**base, **cfg.hf}
     merged.pop("architectures", None)
     _drop_mxfp4(merged)
+    # YAML and JSON write 0 for 0.0 (`router_aux_loss_coef: 0`): a whole number where HF wants a float is one
+    floats = _float_fields(conf_cls)
+    merged = {k: float(v) if k in floats and type(v) is int else v for k, v in merged.items()}
     try:
         hf = conf_cls(**merged)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"model.hf: {exc}") from None
+    except (TypeError, ValueError, StrictDataclassError) as exc:
+        raise ConfigError(f"model.hf: {' '.join(str(exc).split())}") from None  # one line: HF's may be several
     hf._attn_implementation = ATTENTION  # HF's SDPA with sliding windows honoured (megatrain/attention.py)
     hf.use_cache = False
     return family, hf

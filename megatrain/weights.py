@@ -65,6 +65,23 @@ def checkpoint_index(directory: str | Path) -> dict[str, Path]:
     """Map every tensor name of a save_pretrained directory to its safetensors file, after checking that
     every file is whole (its header parses and its size covers every tensor the header lists); no
     tensor data is read."""
+    return {name: path for name, (path, _) in _headers(directory).items()}
+
+
+def check_checkpoint(spec: ModelSpec, directory: str | Path) -> None:
+    """checkpoint_index's checks, and every parameter of the model there, in a layout read_unit reads
+    (megatrain/hfformat.py), of its shape: a ConfigError naming the first tensor missing or misshapen. From
+    the files' headers alone, so a checkpoint that cannot fill the store is refused before anything starts."""
+    tensors = {name: entry for name, (_, entry) in _headers(directory).items()}
+    for u in spec.layout.units:
+        for s in spec.layout.structure_of(u.index).slots:
+            problem = hfformat.check(spec.family, spec.layout.hf_name(u.index, s.name), s.shape, tensors)
+            if problem:
+                raise ConfigError(f"model.pretrained: {problem}")
+
+
+def _headers(directory: str | Path) -> dict[str, tuple[Path, dict]]:
+    """Every tensor of a save_pretrained directory: (its file, its header entry), each file checked whole."""
     root = Path(directory)
     index = root / "model.safetensors.index.json"
     if index.is_file():
@@ -73,17 +90,23 @@ def checkpoint_index(directory: str | Path) -> dict[str, Path]:
         except (ValueError, KeyError, AttributeError) as exc:
             raise ConfigError(f"model.pretrained: {index} is not a safetensors index ({exc})") from None
     elif (root / "model.safetensors").is_file():
-        return dict.fromkeys(_header(root / "model.safetensors"), root / "model.safetensors")  # checked whole
+        path = root / "model.safetensors"
+        return {name: (path, entry) for name, entry in _header(path).items()}  # checked whole
     else:
         raise ConfigError(f"model.pretrained: '{root}' holds no model.safetensors (or sharded index)")
-    for path in sorted(set(where.values())):
+    by_file: dict[Path, list[str]] = {}
+    for name, path in where.items():
+        by_file.setdefault(path, []).append(name)
+    out = {}
+    for path in sorted(by_file):
         names = _header(path)
-        missing = [k for k, p in where.items() if p == path and k not in names]
+        missing = [k for k in by_file[path] if k not in names]
         if missing:
             raise ConfigError(
                 f"model.pretrained: {path} lacks {len(missing)} tensors its index puts there (first: '{missing[0]}')"
             )
-    return where
+        out.update((k, (path, names[k])) for k in by_file[path])
+    return out
 
 
 def _header(path: Path) -> dict[str, dict]:

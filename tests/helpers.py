@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -53,9 +55,10 @@ def tiny_config_dict(family: str, tied: bool, layers: int = 3) -> dict:
     return {**TINY, "num_hidden_layers": layers, "tie_word_embeddings": tied, **extra}
 
 
-def tiny_hf(family: str, tied: bool, layers: int = 3, seed: int = 0) -> torch.nn.Module:
+def tiny_hf(family: str, tied: bool, layers: int = 3, seed: int = 0, hf: dict | None = None) -> torch.nn.Module:
+    """A tiny model of the family; `hf`: config fields set over tiny_config_dict's."""
     conf_cls, model_cls = family_classes(family)
-    conf = conf_cls(**tiny_config_dict(family, tied, layers))
+    conf = conf_cls(**{**tiny_config_dict(family, tied, layers), **(hf or {})})
     conf._attn_implementation = "eager" if family == "gpt_oss" else "sdpa"  # GPT-OSS has no SDPA path in HF
     torch.manual_seed(seed)
     return model_cls(conf).float()
@@ -94,3 +97,18 @@ class DictSink:
         assert unit not in self.grads, f"unit {unit} emitted twice"
         self.order.append(unit)
         self.grads[unit] = grad.detach().float().clone()
+
+
+def import_args(src: Path, out: Path) -> list[str]:
+    """megatrain-launch's arguments for a CPU run, in-process, of the bundled config started from the HF
+    directory `src` (its config.json is the model), writing to `out`."""
+    root = Path(__file__).resolve().parents[1]
+    return [
+        str(root / "examples/default.yaml"),
+        f"model.pretrained={src}",
+        "model.hf={}",
+        "data.seq_len=32",
+        "engine.device=cpu",
+        f"train.output_dir={out}",
+        "launch.runner=inprocess",
+    ]

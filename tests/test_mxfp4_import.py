@@ -20,8 +20,7 @@ from megatrain.errors import ConfigError
 from megatrain.launch import cli
 from megatrain.model import ModelConfig, build_spec, family_classes
 from megatrain.weights import checkpoint_index, read_unit
-from tests.conftest import ROOT
-from tests.helpers import tiny_config_dict
+from tests.helpers import import_args, tiny_config_dict
 from tests.test_checkpoint import run
 
 hf_mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
@@ -113,15 +112,7 @@ def test_a_tensor_missing_in_every_form_is_named(tmp_path: Path, capsys) -> None
     name = "model.layers.1.mlp.experts.gate_up_proj"
     quantized_checkpoint(src, drop=mxfp4.packed_names(name))
     capsys.readouterr()
-    args = [
-        str(ROOT / "examples/default.yaml"),
-        f"model.pretrained={src}",
-        "model.hf={}",
-        "data.seq_len=32",
-        "engine.device=cpu",
-        f"train.output_dir={tmp_path / 'run'}",
-        "launch.runner=inprocess",
-    ]
+    args = import_args(src, tmp_path / "run")
     assert cli.main(args) != 0
     err = capsys.readouterr().err
     assert (
