@@ -16,7 +16,7 @@ from megatrain.launch.driver_config import TrainConfig
 from megatrain.launch.placement import ActorsConfig
 from megatrain.launch.runners import LaunchConfig
 from megatrain.model import ModelConfig, build_spec, hf_config_fields, pretrained_config, resolve_hf_config
-from megatrain.weights import check_checkpoint, checkpoint_index
+from megatrain.weights import check_checkpoint
 
 
 @dataclass
@@ -46,8 +46,6 @@ def check_hf_keys(cfg: ModelConfig, where: Where | None = None) -> None:
 def validate(cfg: Config, where: Where | None = None) -> None:
     """Checks that span sections (each section checks itself when built)."""
     check_hf_keys(cfg.model, where)
-    if cfg.model.pretrained:
-        checkpoint_index(cfg.model.pretrained)  # every safetensors file whole, before anything starts
     _, hf = resolve_hf_config(cfg.model)
 
     def fail(key: str, msg: str) -> ConfigError:
@@ -93,7 +91,7 @@ def validate(cfg: Config, where: Where | None = None) -> None:
         raise fail(
             "ipc.grad_slabs", f"{cfg.ipc.grad_slabs} must be >= actors.num_accumulators ({cfg.actors.num_accumulators})"
         )
-    if cfg.model.pretrained:  # every parameter in the files, in a layout the import reads, of its shape
+    if cfg.model.pretrained:  # every file whole, every parameter there in a layout read_unit reads, of its shape
         check_checkpoint(build_spec(cfg.model, cfg.optim.no_decay_1d), cfg.model.pretrained)
 
 

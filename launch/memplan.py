@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from megatrain import autosize
 from megatrain.engine import EngineConfig, fixed_sizes, resolve_engine
 from megatrain.errors import ConfigError, ResourceError
-from megatrain.flops import active_params
+from megatrain.flops import active_params, expert_params
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, plan_store
 from megatrain.ipc.shm import (
     HEADER_BYTES,
@@ -36,7 +36,7 @@ from megatrain.launch.config import Config, load_config
 from megatrain.launch.placement import demands, describe_need
 from megatrain.launch.runners import PRIVATE_THRESHOLD
 from megatrain.model import ModelSpec, build_spec
-from megatrain.moe import is_expert_slot, is_moe, num_experts
+from megatrain.moe import is_moe, num_experts
 
 GIB = 2**30
 PROCESS_BYTES = {
@@ -168,16 +168,17 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Host | Non
     engine = autosize.apply(engine, sizes)
     pinned = checkpoint_host_bytes(spec, engine, d.batch_size, d.seq_len)
     store, host = _host_terms(cfg, spec, engine, cuda, machine, pinned)
+    active, experts = active_params(spec), expert_params(spec)
     plan = MemPlan(
-        f"{_params(spec)}, "
+        f"{_params(spec, active, experts)}, "
         f"{d.batch_size}x{d.seq_len} tokens per step, engine on {engine.device} ({engine.compute_dtype}), "
         f"staging {store.staging_mode}, clipping {'on' if store.clip else 'off'}",
         host,
         machine,
         sum(v for k, v in host.items() if k.startswith("shm:")),
         spec.layout.num_params,
-        active_params(spec),
-        expert_params(spec),
+        active,
+        experts,
         gpu_error=gpu_error,
         cuda=cuda,
     )
@@ -189,27 +190,21 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Host | Non
     return plan
 
 
-def expert_params(spec: ModelSpec) -> int:
-    """The routed experts' parameters, every expert of every layer (a shared expert is not one of them)."""
-    layout = spec.layout
-    return sum(s.numel for u in layout.units for s in layout.structure_of(u.index).slots if is_expert_slot(s.name))
-
-
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
-def _params(spec: ModelSpec) -> str:
+def _params(spec: ModelSpec, active: int, experts: int) -> str:
     """The title's model part: family, layers, parameters; of a mixture of experts also the active
-    parameters per token and the routed experts' share."""
+    parameters per token and the routed experts' (`active`, `experts`: flops.py's counts)."""
     head = f"{spec.family}, {spec.layout.num_layers} layers"
     hf = spec.hf_config
     if not is_moe(hf):
         return f"{head}, {spec.layout.num_params / 1e6:.2f}M params"
     shared = ", plus a shared expert" if getattr(hf, "shared_expert_intermediate_size", 0) else ""
     return (
-        f"{head}, {_count(spec.layout.num_params)} params ({_count(active_params(spec))} active per token; "
-        f"experts {_count(expert_params(spec))}: {num_experts(hf)} per layer, top-{hf.num_experts_per_tok}{shared})"
+        f"{head}, {_count(spec.layout.num_params)} params ({_count(active)} active per token; "
+        f"experts {_count(experts)}: {num_experts(hf)} per layer, top-{hf.num_experts_per_tok}{shared})"
     )
 
 

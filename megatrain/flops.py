@@ -22,6 +22,12 @@ def active_params(spec: ModelSpec) -> int:
     return int(total)
 
 
+def expert_params(spec: ModelSpec) -> int:
+    """The routed experts' parameters, every expert of every layer (a shared expert is not one of them)."""
+    layout = spec.layout
+    return sum(s.numel for u in layout.units for s in layout.structure_of(u.index).slots if is_expert_slot(s.name))
+
+
 def model_step_flops(spec: ModelSpec, batch: int, seq: int) -> float:
     """step_flops of a model for a batch of `batch` sequences of `seq` tokens, by its active parameters."""
     return step_flops(active_params(spec), spec.layout.num_layers, spec.hf_config.hidden_size, seq, batch * seq)

@@ -96,9 +96,13 @@ def lean_layer_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, layer_numel
 def experts_rerun(layout: StoreLayout) -> bool:
     """Whether a lean layer runs its experts' grouped GEMMs again in the backward: where the experts carry
     biases (GPT-OSS), which HF adds in place into the GEMM's output, so that output cannot be kept."""
-    return any(s.name.endswith("experts.gate_up_proj_bias") for st in layout.structures.values() for s in st.slots)
+    return _has_slot(layout, "experts.gate_up_proj_bias")
 
 
 def has_sinks(layout: StoreLayout) -> bool:
     """Whether attention has sinks (GPT-OSS)."""
-    return any(s.name.endswith("self_attn.sinks") for st in layout.structures.values() for s in st.slots)
+    return _has_slot(layout, "self_attn.sinks")
+
+
+def _has_slot(layout: StoreLayout, suffix: str) -> bool:
+    return any(s.name.endswith(suffix) for st in layout.structures.values() for s in st.slots)

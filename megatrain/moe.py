@@ -33,7 +33,6 @@ from transformers import PretrainedConfig
 @dataclass(frozen=True)
 class MoeInfo:
     num_experts: int
-    top_k: int
     coef: float  # router_aux_loss_coef
     aux: bool  # output_router_logits: the load-balancing loss is part of the objective (HF's semantics)
     router: type  # the module class whose output[0] is a layer's router logits
@@ -47,7 +46,6 @@ def moe_info(model: torch.nn.Module) -> MoeInfo | None:
     hf = model.config
     return MoeInfo(
         num_experts=num_experts(hf),
-        top_k=int(hf.num_experts_per_tok),
         coef=float(getattr(hf, "router_aux_loss_coef", 0.0) or 0.0),
         aux=bool(getattr(hf, "output_router_logits", False)),
         router=recorder.target_class,

@@ -11,7 +11,7 @@ import torch
 from megatrain import autosize
 from megatrain.engine import EngineConfig, resolve_engine
 from megatrain.errors import ResourceError
-from megatrain.flops import active_params
+from megatrain.flops import active_params, expert_params
 from megatrain.launch import memplan
 from megatrain.launch.cli import main
 from megatrain.launch.config import load_config
@@ -182,7 +182,7 @@ def test_a_shared_expert_is_always_active() -> None:
     assert [n for n in names if is_expert_slot(n)] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
     assert not any(is_expert_slot(n) for n in names if "shared_expert" in n)
     spec = build_spec(_moe_cfg("qwen2_moe", tiny_config_dict("qwen2_moe", tied=False)).model)
-    routed = memplan.expert_params(spec)
+    routed = expert_params(spec)
     rest = spec.layout.num_params - routed
     assert active_params(spec) == int(rest + routed * 2 / 4)  # the shared expert is in `rest`, whole
     # had it been counted as routed, the active count would be less by its share of the unused experts
