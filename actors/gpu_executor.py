@@ -18,10 +18,12 @@ from typing import Any
 import torch
 
 from megatrain.actors.base import Role, guarded
+from megatrain.collective import Group, open_rendezvous
 from megatrain.cudahost import use_expandable_segments
 from megatrain.engine import EngineConfig, StepEngine, resolve_device, resolve_dtype
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.executor import Marks, StreamedSink, StreamedSource, SyncSink, SyncSource, copy_intervals
+from megatrain.ipc.protocol.reduce import StreamedReducingSink, SyncReducingSink
 from megatrain.model import ModelSpec, family_classes
 from megatrain.profiling import StepProfile
 from megatrain.warmup import warm_up
@@ -36,15 +38,23 @@ class EvalSums:
     eval_s: float
 
 
+def executor_name(rank: int) -> str:
+    """Executor 0 keeps the one-executor name: the evaluations, the timeline and the profile are its."""
+    return "gpu-executor" if rank == 0 else f"gpu-executor-{rank}"
+
+
 class GpuExecutor(Role):
-    def __init__(self, cfg: EngineConfig, family: str = ""):
+    def __init__(self, cfg: EngineConfig, family: str = "", rank: int = 0):
         """Process-level set-up, done while the store owner makes the store: the CUDA context, and the
-        modeling code of the model's family (the engine's templates come from it)."""
-        super().__init__("gpu-executor")
-        self.cfg = cfg
+        modeling code of the model's family (the engine's templates come from it). `rank`: this executor's
+        place among the run's executors (actors.num_gpus), one GPU each."""
+        super().__init__(executor_name(rank))
+        self.cfg, self.rank = cfg, rank
+        self.group: Group | None = None
+        self.rendezvous = None  # executor 0's, while the group forms
         if cfg.device != "cpu" and torch.cuda.is_available():  # before anything initializes CUDA
             print(f"[{self.name}] {use_expandable_segments()}", flush=True)
-        self.device = resolve_device(cfg)
+        self.device = resolve_device(cfg, rank)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
             torch.cuda.set_device(self.device)
@@ -107,6 +117,28 @@ class GpuExecutor(Role):
             self.source = SyncSource(self.store, self.device, dtype)
             self.sink = SyncSink(self.store, self._fetched)
         self.mark("attached")
+
+    def open_group(self, size: int) -> int:
+        """Executor 0: the rendezvous of the executors' group; returns its port (on this node)."""
+        self.rendezvous = open_rendezvous(size, self.store.spec.ipc.wait_timeout_s)
+        return int(self.rendezvous.port)
+
+    def join_group(self, port: int, size: int) -> str:
+        """Join the executors' group (every executor at once: it returns when all have joined); from now
+        on each gradient is summed over the executors and only executor 0's reaches the store."""
+        from megatrain.collective import HOST
+
+        spec = self.store.spec
+        where = self.rendezvous if self.rank == 0 else (HOST, port)
+        self.group = Group(where, self.rank, size, self.device, spec.ipc.wait_timeout_s, self.store.check_abort)
+        self.engine.group = self.group
+        inner = self.sink if self.rank == 0 else None
+        if self.cuda:
+            self.sink = StreamedReducingSink(self.store, self.group, self.device, inner)
+        else:
+            self.sink = SyncReducingSink(self.store, self.group, inner)
+        self._on_compute(self.group.barrier)
+        return self.group.backend
 
     def _fetched(self) -> int:
         """Fetches the engine has taken so far in this step's weight walk (the sink's safety check)."""

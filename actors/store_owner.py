@@ -62,6 +62,7 @@ class StoreRequest:
     resume: str | None = None
     threads: ThreadRequest = field(default_factory=ThreadRequest)
     about: dict = field(default_factory=dict)
+    executors: int = 1  # actors.num_gpus, resolved
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,7 @@ class StoreOwner(Role):
             ram_only=ram_only,
             last_block_layers=engine.last_block_layers,
             space=self.space,
+            executors=req.executors,
         )
         ram_only["page tables of its mappings"] = spec.page_table_bytes()
         return self._with_cpu_plan(spec, engine.device == "cuda", req.threads), ram_only
@@ -214,7 +216,13 @@ class StoreOwner(Role):
 
         cores = node_cores()
         plan = cpu_plan(
-            cores, cuda, spec.running_packers, spec.running_accumulators, request, numba.config.NUMBA_NUM_THREADS
+            cores,
+            cuda,
+            spec.running_packers,
+            spec.running_accumulators,
+            request,
+            numba.config.NUMBA_NUM_THREADS,
+            spec.num_executors,
         )
         spec = dataclasses.replace(spec, threads=plan, cores=cores)
         self.apply_threads(spec)  # the fill (init, import, resume) runs on this process's threads

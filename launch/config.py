@@ -91,6 +91,18 @@ def validate(cfg: Config, where: Where | None = None) -> None:
         raise fail(
             "ipc.grad_slabs", f"{cfg.ipc.grad_slabs} must be >= actors.num_accumulators ({cfg.actors.num_accumulators})"
         )
+    gpus = cfg.actors.num_gpus
+    if gpus != "auto" and gpus > cfg.data.batch_size:
+        raise fail(
+            "data.batch_size",
+            f"{cfg.data.batch_size} is split by rows over actors.num_gpus {gpus} executors: it must be at least that",
+        )
+    if gpus != "auto" and gpus > 1 and cfg.ipc.staging == "slabs":
+        raise fail(
+            "ipc.staging",
+            f"slabs streams weights to one executor; actors.num_gpus {gpus} needs the resident copy "
+            "(ipc.staging: resident or auto)",
+        )
     if cfg.model.pretrained:  # every file whole, every parameter there in a layout read_unit reads, of its shape
         check_checkpoint(build_spec(cfg.model, cfg.optim.no_decay_1d), cfg.model.pretrained)
 

@@ -22,6 +22,7 @@ from megatrain.checkpoint import step_dir as ckpt_step_dir
 from megatrain.configbase import differences, dump_yaml
 from megatrain.data import Data, open_data
 from megatrain.engine import resolve_engine
+from megatrain.errors import ConfigError
 from megatrain.flops import active_params
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, resolve_stall
 from megatrain.ipc.shm import check_run_id, check_run_id_free
@@ -31,7 +32,15 @@ from megatrain.launch.config import Config
 from megatrain.launch.crew import OWNER, Crew
 from megatrain.launch.evaluation import Evaluator
 from megatrain.launch.output import OutputLock, describe_memory, prepare_output, resolve_output, short
-from megatrain.launch.placement import bundle, demands, describe_need, expect_packers, thread_request
+from megatrain.launch.placement import (
+    bundle,
+    demands,
+    describe_need,
+    expect_packers,
+    per_executor,
+    resolve_executors,
+    thread_request,
+)
 from megatrain.launch.resume import Start, choose_start
 from megatrain.launch.runners import Pending, make_runner
 from megatrain.launch.steploop import PreparedRun, StepLoop
@@ -62,6 +71,7 @@ class Trainer:
         self.phases = startup.Phases()
         self.host_room: int | None = None  # host RAM for pinned checkpoints beside the store (a local store)
         self.model: ModelSpec | None = None  # the model's layout and config (build_spec), once
+        self.executors = 1  # actors.num_gpus, resolved
 
     # ---- public -----------------------------------------------------------------------------
     def run(self) -> dict:
@@ -130,6 +140,7 @@ class Trainer:
             "active_params": active_params(spec.model),
             "store_bytes": sum(spec.part_bytes().values()),
             "staging": spec.staging_mode,
+            "executors": self.executors,
             "executor_host_bytes": checkpoint_host_bytes(
                 spec.model, self.engine_cfg, self.cfg.data.batch_size, self.cfg.data.seq_len
             ),
@@ -185,6 +196,12 @@ class Trainer:
         self.crew.runner.connect(bundle(demands(cfg.actors, cuda=False))["CPU"])
         self.phases.close("Ray")
         cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and self.crew.runner.has_gpu())
+        self.executors = resolve_executors(cfg.actors, cuda, self.crew.runner.gpus() if cuda else 0)
+        if self.executors > cfg.data.batch_size:
+            raise ConfigError(
+                f"data.batch_size {cfg.data.batch_size} is split by rows over actors.num_gpus {self.executors} "
+                "executors: it must be at least that"
+            )
         self.engine_cfg = resolve_engine(cfg.engine, cuda)
         self.model = spec = build_spec(cfg.model, cfg.optim.no_decay_1d)
         self.cfg = cfg = dataclasses.replace(
@@ -208,12 +225,20 @@ class Trainer:
         owner makes and fills the store; they attach to it once it exists. The engine's sizes wait for the
         executor's free GPU memory; the store does not wait for them (the owner settles them after)."""
         cfg, crew, phases = self.cfg, self.crew, self.phases
-        dem = demands(cfg.actors, cuda, clip=cfg.optim.clips, writer=self.checkpointer.enabled, staging=cfg.ipc.staging)
+        n = self.executors
+        dem = demands(
+            cfg.actors,
+            cuda,
+            clip=cfg.optim.clips,
+            writer=self.checkpointer.enabled,
+            staging=cfg.ipc.staging,
+            executors=n,
+        )
         crew.runner.place(bundle(dem), describe_need(dem))
         phases.close("placement")
         crew.spawn(OWNER, StoreOwner, (), dem[OWNER])
         startup.spawn_workers(
-            crew, cfg, self.engine_cfg, dem, expect_packers(cfg.ipc.staging, cuda), self.checkpointer.enabled
+            crew, cfg, self.engine_cfg, dem, expect_packers(cfg.ipc.staging, cuda, n), self.checkpointer.enabled
         )
         creating = self._create_store()
         self.engine_cfg = startup.choose_sizes(crew, cfg, self.model, self.engine_cfg, self.host_room)
@@ -224,6 +249,9 @@ class Trainer:
         self._write_config()  # now with ipc.staging as the store owner resolved it
         startup.attach_workers(crew, cfg, self.spec, dem, self.engine_cfg, self.start)
         phases.close("actors attached (pinning, CUDA IPC events)")
+        if n > 1:
+            startup.form_group(crew, n, cfg.train.setup_timeout_s)
+            phases.close(f"the {n} executors' group formed")
         startup.describe(crew, self.spec, self.engine_cfg, cfg.launch.runner == "inprocess", phases)
 
     def _create_store(self) -> Pending[StoreSpec]:
@@ -239,10 +267,11 @@ class Trainer:
             cfg.actors.num_packers,
             cfg.actors.num_accumulators,
             cfg.ipc,
-            (cfg.data.batch_size, cfg.data.seq_len),
+            (self.executors * per_executor(cfg.data.batch_size, self.executors), cfg.data.seq_len),
             str(self.resume_dir) if self.resume_dir else None,
             thread_request(cfg.actors),
             {"output_dir": str(self.out), "steps": self.steps, "first": self.start},
+            self.executors,
         )
         return self.crew.call(OWNER, StoreOwner.create, request)
 

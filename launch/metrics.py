@@ -21,7 +21,8 @@ METRICS: dict[str, str] = {
     "step_time_s": "wall time of the step as the driver sees it (with train.overlap_adam, Adam's tail overlaps "
     "the next step)",
     "tokens_per_s": "batch tokens (labelled or not) / step_time_s",
-    "compute_s": "the executor's time in the step, streaming included",
+    "compute_s": "the executor's time in the step, streaming included (several executors: the longest)",
+    "executor_compute_s": "several executors (actors.num_gpus): each one's compute_s, executor 0 first",
     "weight_wait_s": "time the executor waited for weights (loader behind compute)",
     "grad_wait_s": "time the executor waited for a free gradient slab (drainers behind)",
     "h2d_bytes": "weight bytes streamed to the device",
@@ -52,6 +53,25 @@ METRICS: dict[str, str] = {
 def metrics_table() -> str:
     lines = ["| field | meaning |", "|---|---|"] + [f"| `{k}` | {v} |" for k, v in METRICS.items()]
     return "\n".join(lines) + "\n"
+
+
+SUMMED = ("loss", "tokens", "h2d_bytes", "d2h_bytes")  # each executor's part of the whole batch's
+
+
+def merge_executors(parts: list[dict]) -> dict:
+    """Several executors' step results as one: the loss (each normalized by the whole batch's tokens) and
+    the tokens and bytes summed, times and the GPU peak the largest (the step waits for the slowest); the
+    rest (the routers' whole-batch statistics, the timeline, a profile) executor 0's."""
+    if len(parts) == 1:
+        return parts[0]
+    out = dict(parts[0])
+    for k in out:
+        if k in SUMMED:
+            out[k] = sum(p[k] for p in parts)
+        elif k.endswith("_s") or k == "gpu_peak_bytes":
+            out[k] = max(p[k] for p in parts)
+    out["executor_compute_s"] = [p["compute_s"] for p in parts]
+    return out
 
 
 def executor_row(row: dict, ex: dict) -> dict:

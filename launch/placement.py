@@ -5,11 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megatrain.configbase import opt
+from megatrain.errors import ConfigError
 from megatrain.ipc.protocol.cpus import ThreadRequest
 
 
 @dataclass
 class ActorsConfig:
+    num_gpus: int | str = opt(
+        1,
+        "GPU executors sharing the one host store, one GPU each (on the CPU device: executor processes): "
+        "each runs its share of every batch (data.batch_size is the whole batch, split by rows), their "
+        "gradients are summed on the GPUs, and one Adam updates the store. auto: the GPUs of the node.",
+    )
     num_packers: int = opt(1, "Pinned-packing worker processes (fp32 master -> compute-dtype slabs).")
     num_accumulators: int = opt(1, "Gradient-accumulation worker processes (gradient slabs -> fp32 plane).")
     # Thread counts: 0 = the node's CPU plan (ipc/protocol/cpus.py; printed at start), which splits the
@@ -37,6 +44,8 @@ class ActorsConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.num_gpus != "auto" and (isinstance(self.num_gpus, str) or self.num_gpus < 1):
+            raise ValueError(f"actors.num_gpus must be auto or >= 1, not {self.num_gpus!r}")
         if self.num_packers < 1 or self.num_accumulators < 1:
             raise ValueError("actors.num_packers and actors.num_accumulators must be >= 1")
         if self.writer_threads < 1:
@@ -63,20 +72,29 @@ class Demand:
 
 
 def demands(
-    cfg: ActorsConfig, cuda: bool, clip: bool = True, writer: bool = False, staging: str = "auto"
+    cfg: ActorsConfig,
+    cuda: bool,
+    clip: bool = True,
+    writer: bool = False,
+    staging: str = "auto",
+    executors: int = 1,
 ) -> dict[str, Demand]:
     """Per role. On CUDA the processes that drain gradient slabs (the accumulators, or the Adam updater
     without clipping) need a sliver of the GPU: Ray hides GPUs from actors that ask for none, and they
-    must open the executor's IPC events on the same device."""
+    must open the executor's IPC events on the same device. Several executors (one GPU each) read the
+    resident copy: no packers or accumulators drain for them."""
     sliver = 0.01 if cuda else 0.0
+    if executors > 1:
+        staging = "resident"
     accumulators = cfg.num_accumulators if expect_accumulators(staging, cuda, clip) else 0
     drainers = accumulators if clip else 1
     out = {
         "store-owner": Demand(0.0, 0.0),
         "gpu-executor": Demand(1.0, round(1.0 - sliver * drainers, 4) if cuda else 0.0),
+        **{f"gpu-executor-{r}": Demand(1.0, 1.0 if cuda else 0.0) for r in range(1, executors)},
         "adam-updater": Demand(1.0, 0.0 if clip else sliver),
     }
-    out.update({f"packer-{i}": Demand(1.0, 0.0) for i in range(cfg.num_packers)})
+    out.update({f"packer-{i}": Demand(1.0, 0.0) for i in range(cfg.num_packers if executors == 1 else 0)})
     out.update({f"grad-accumulator-{i}": Demand(1.0, sliver) for i in range(accumulators)})
     if writer:  # disk-bound (it waits on the disk, not a core), so it asks for none
         out["checkpoint-writer"] = Demand(0.0, 0.0)
@@ -90,11 +108,30 @@ def bundle(d: dict[str, Demand]) -> dict[str, float]:
     return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
 
 
-def expect_packers(staging: str, cuda: bool) -> bool:
+def resolve_executors(cfg: ActorsConfig, cuda: bool, gpus: int) -> int:
+    """actors.num_gpus as a number: auto is the GPUs of the store's node (`gpus`), or 1 on the CPU device;
+    more than the node has is refused (the executors share one host store: one node)."""
+    if cfg.num_gpus == "auto":
+        return max(gpus, 1) if cuda else 1
+    n = int(cfg.num_gpus)
+    if cuda and n > gpus:
+        raise ConfigError(
+            f"actors.num_gpus {n}: the node with the most GPUs has {gpus}; the executors share one host store, "
+            "so they run on one node (actors.num_gpus=auto takes them all)"
+        )
+    return n
+
+
+def per_executor(batch: int, executors: int) -> int:
+    """The most sequences one executor runs per step (the rows split as evenly as they go)."""
+    return -(-batch // max(executors, 1))
+
+
+def expect_packers(staging: str, cuda: bool, executors: int = 1) -> bool:
     """Whether the store will be in slabs mode (packers needed), as far as the driver can tell before the
     store owner resolves 'auto' on the GPU's node: auto means slabs on the CPU device, resident on CUDA
     unless it does not fit (then the packers start late)."""
-    return staging == "slabs" or (staging == "auto" and not cuda)
+    return executors == 1 and (staging == "slabs" or (staging == "auto" and not cuda))
 
 
 def expect_accumulators(staging: str, cuda: bool, clip: bool) -> bool:

@@ -73,6 +73,12 @@ class InProcessRunner:
 
         return torch.cuda.is_available()
 
+    def gpus(self) -> int:
+        """The GPUs of the node with the most (this process's: every actor is a thread of it)."""
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
     def place(self, bundle: dict[str, float], need: str = "") -> None:
         pass
 
@@ -180,6 +186,10 @@ class RayRunner:
 
     def has_gpu(self) -> bool:
         return any(n.get("Resources", {}).get("GPU", 0) > 0 for n in self.ray.nodes() if n.get("Alive"))
+
+    def gpus(self) -> int:
+        """The GPUs of the node with the most (the executors share one host store: one node)."""
+        return int(max((n.get("Resources", {}).get("GPU", 0) for n in self.ray.nodes() if n.get("Alive")), default=0))
 
     def place(self, bundle: dict[str, float], need: str = "") -> None:
         """`need`: the demand per role, for the message when the cluster cannot hold it."""

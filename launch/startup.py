@@ -10,16 +10,17 @@ from megatrain import autosize, log
 from megatrain.actors.adam_updater import AdamUpdater
 from megatrain.actors.base import Role
 from megatrain.actors.checkpoint_writer import CheckpointWriter
-from megatrain.actors.gpu_executor import GpuExecutor
+from megatrain.actors.gpu_executor import GpuExecutor, executor_name
 from megatrain.actors.grad_accumulator import GradAccumulator
 from megatrain.actors.packer import Packer
 from megatrain.actors.store_owner import FillReport, StoreOwner
 from megatrain.engine import EngineConfig
 from megatrain.ipc.protocol import StoreSpec
+from megatrain.ipc.protocol.reduce import REDUCE_CREDITS
 from megatrain.launch.config import Config
 from megatrain.launch.crew import OWNER, Crew
 from megatrain.launch.output import describe_run
-from megatrain.launch.placement import Demand
+from megatrain.launch.placement import Demand, per_executor
 from megatrain.launch.runners import Pending
 from megatrain.model import ModelSpec, resolve_hf_config
 
@@ -60,7 +61,10 @@ def spawn_workers(
     crew: Crew, cfg: Config, engine: EngineConfig, dem: dict[str, Demand], packers: bool, writer: bool
 ) -> None:
     family = resolve_hf_config(cfg.model)[0]
-    plan: list[tuple[str, type, tuple]] = [("gpu-executor", GpuExecutor, (engine, family))]
+    ranks = [n for n in dem if n.startswith("gpu-executor")]  # as demands() made them, executor 0 first
+    plan: list[tuple[str, type, tuple]] = [
+        (executor_name(r), GpuExecutor, (engine, family, r)) for r in range(len(ranks))
+    ]
     accumulators = [n for n in dem if n.startswith("grad-accumulator-")]  # as demands() expects them
     plan += [(name, GradAccumulator, (i,)) for i, name in enumerate(accumulators)]
     plan += [("adam-updater", AdamUpdater, (cfg.optim,))]
@@ -78,20 +82,41 @@ def choose_sizes(
     """Resolve the engine's `auto` sizes from the GPU memory the executor finds free (autosize.py) and the host
     RAM left beside the store for pinned activation checkpoints (None where the store's node is not this
     machine: the owner checks the host then)."""
-    free = crew.call_one("gpu-executor", GpuExecutor.gpu_free_bytes) if engine.device == "cuda" else None
-    sizes, why = autosize.choose(
-        model,
-        engine,
-        cfg.data.batch_size,
-        cfg.data.seq_len,
-        free,
-        cfg.optim.clips,
-        host_room,
-    )
+    executors = crew.named("gpu-executor")
+    batch = per_executor(cfg.data.batch_size, len(executors))  # every executor is sized for the largest share
+    free = None
+    if engine.device == "cuda":
+        found = crew.gather(
+            {n: crew.call(n, GpuExecutor.gpu_free_bytes) for n in executors}, crew.setup_timeout_s, "free GPU memory"
+        )
+        # the GPUs may differ: the smallest sizes them all; several executors keep fp32 gradients queued
+        # for their reduction beside the activations (ipc/protocol/reduce.py)
+        free = min(found.values()) - (reduction_bytes(model) if len(executors) > 1 else 0)
+    sizes, why = autosize.choose(model, engine, batch, cfg.data.seq_len, free, cfg.optim.clips, host_room)
     engine = autosize.apply(engine, sizes)
     log(f"engine sizes: {sizes} ({why}; the rule for 'auto': megatrain/autosize.py)")
-    crew.call_one("gpu-executor", GpuExecutor.warm_up, model, engine, cfg.data.batch_size, cfg.data.seq_len)
+    for n in executors:
+        crew.call_one(n, GpuExecutor.warm_up, model, engine, batch, cfg.data.seq_len)
     return engine
+
+
+def reduction_bytes(model: ModelSpec) -> int:
+    """GPU memory for the fp32 gradients waiting for their reduction: the credits' and the one reducing."""
+    layer = max(model.layout.structure_of(u).numel for u in range(1, model.layout.num_layers + 1))
+    return (REDUCE_CREDITS + 1) * layer * 4
+
+
+def form_group(crew: Crew, size: int, timeout: float) -> None:
+    """The executors' process group (megatrain/collective.py): executor 0 opens the rendezvous, all join
+    at once (a group forms only when every member is there)."""
+    executors = crew.named("gpu-executor")
+    port = crew.call_one(executors[0], GpuExecutor.open_group, size)
+    backends = crew.gather(
+        {n: crew.call(n, GpuExecutor.join_group, port, size) for n in executors},
+        timeout,
+        "forming the executors' group",
+    )
+    log(f"{size} executors: gradients summed through torch.distributed ({backends[executors[0]]}) into executor 0")
 
 
 def settle_store(

@@ -8,12 +8,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from megatrain import log
 from megatrain.actors.adam_updater import AdamUpdater
 from megatrain.actors.gpu_executor import GpuExecutor
 from megatrain.actors.grad_accumulator import GradAccumulator
 from megatrain.actors.packer import Packer
 from megatrain.adamw import lr_at
+from megatrain.collective import split_rows
 from megatrain.data import Data
 from megatrain.data.loader import Prefetcher
 from megatrain.errors import ProtocolError
@@ -25,7 +28,7 @@ from megatrain.launch.checkpointing import Checkpointer
 from megatrain.launch.config import Config
 from megatrain.launch.crew import Crew
 from megatrain.launch.evaluation import Evaluator
-from megatrain.launch.metrics import executor_row
+from megatrain.launch.metrics import executor_row, merge_executors
 from megatrain.launch.reporting import Reporter
 from megatrain.launch.runners import Pending
 from megatrain.launch.saving import Saves
@@ -58,6 +61,7 @@ class StepLoop:
         self.stopped_after: int | None = None
         self.first_step_s: float | None = None  # launch -> the first step's end (s)
         self.reporter: Reporter | None = None  # while the loop runs
+        self.executors = run.crew.named("gpu-executor")  # executor 0 first; each runs its rows of a batch
         self.loader: Prefetcher | None = None
         self.saves = Saves(
             run.crew,
@@ -110,7 +114,7 @@ class StepLoop:
                 self._first_step_done()
                 sampled.after(t)
                 self.saves.taken(res)
-                row = executor_row(row, res["gpu-executor"])
+                row = executor_row(row, merge_executors([res.pop(n) for n in self.executors]))
                 row.update(self._maybe_evaluate(t + 1))
                 if prev is not None:
                     self._record(prev[0], res["adam-previous"])
@@ -158,10 +162,12 @@ class StepLoop:
             if t + 1 == cfg.train.profile.step and cfg.train.profile.actor == "gpu-executor"
             else ""
         )
-        calls: dict[str, Pending] = {
-            "gpu-executor": crew.call("gpu-executor", GpuExecutor.step, t, ids, labels, timeline, profile, positions),
-            "adam-updater": crew.call("adam-updater", AdamUpdater.step, t, lr, saving),
-        }
+        calls: dict[str, Pending] = {}
+        parts = split_rows(ids.shape[0], len(self.executors))
+        for name, (rid, rlab, rpos) in zip(self.executors, _rows(parts, ids, labels, positions)):
+            calls[name] = crew.call(name, GpuExecutor.step, t, rid, rlab, timeline, profile, rpos)
+            timeline, profile = False, ""  # executor 0's only
+        calls["adam-updater"] = crew.call("adam-updater", AdamUpdater.step, t, lr, saving)
         for name in crew.named(("packer", "grad-accumulator")):
             calls[name] = crew.call(name, Packer.step if name.startswith("packer") else GradAccumulator.step, t)
         return calls, row
@@ -192,3 +198,11 @@ class StepLoop:
     def _sync(self) -> None:
         if self.reporter is not None:
             self.reporter.sync()
+
+
+def _rows(parts: list[slice], *batch: torch.Tensor | None) -> list[tuple[torch.Tensor | None, ...]]:
+    """Each executor's rows of the batch's tensors; copies, where there are several (a view would carry its
+    whole batch's storage through Ray)."""
+    if len(parts) == 1:
+        return [batch]
+    return [tuple(None if x is None else x[rows].clone() for x in batch) for rows in parts]

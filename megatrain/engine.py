@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from megatrain.activations import Checkpoints, host_checkpoints
+from megatrain.collective import Group
 from megatrain.configbase import opt
 from megatrain.documents import LayerContext, documents_of, layer_context
 from megatrain.head import IGNORE, ChunkedHead
@@ -163,9 +164,12 @@ def resolve_engine(cfg: EngineConfig, cuda: bool) -> EngineConfig:
     return dataclasses.replace(cfg, device="cuda" if cuda else "cpu", compute_dtype=dtype)
 
 
-def resolve_device(cfg: EngineConfig) -> torch.device:
+def resolve_device(cfg: EngineConfig, rank: int = 0) -> torch.device:
+    """The executor's device. Executor `rank` of several takes the rank-th GPU it sees: one process per
+    executor sees only its own GPU (Ray's placement), executors in one process see them all."""
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", torch.cuda.current_device())
+        index = rank % torch.cuda.device_count() if rank else torch.cuda.current_device()
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 
@@ -274,6 +278,9 @@ class StepEngine:
         self.checkpoints = Checkpoints(device, host_checkpoints(cfg.offload_checkpoints, self.n))
         self.upload = _BatchUpload(device)
         self.mark: Callable[[str], None] = lambda name: None
+        # Several executors (megatrain/collective.py): each runs its rows of the batch; the loss is
+        # normalized by the labelled tokens of the whole batch and the routers count over all of it.
+        self.group: Group | None = None
 
     def step(
         self,
@@ -421,11 +428,13 @@ class StepEngine:
         blk = _Block(self.blocks[-1], src, sink, len(chunks))
         tgt = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
         tokens = (tgt != IGNORE).sum()
-        head = ChunkedHead(self, emb_flat, tokens.clamp(min=1).float())
+        every = self.group.all_reduce_(tokens.clone()) if self.group is not None else tokens
+        head = ChunkedHead(self, emb_flat, every.clamp(min=1).float())
         moe = self.t.moe
         counted = moe is not None and moe.inject and len(chunks) > 1
         if counted:  # the first chunk's backward needs every chunk's routing (megatrain/moe.py)
             self._count_routing(blk, h, ctx, chunks)
+            moe.counted(self.group)
 
         def one(c: slice, final: bool) -> torch.Tensor:
             if moe is not None:
@@ -433,6 +442,8 @@ class StepEngine:
             acts = self._with_grad(blk, h, ctx, c, "fwd", self.cfg.lean_layers)
             if moe is not None:
                 moe.counting = False  # the backward's recomputes (lean, tiles) route the same tokens again
+                if final and not counted:
+                    moe.counted(self.group)  # every row of the step is counted: before any aux gradient
             if head.flat is None:
                 head.flat = src.fetch(self.n + 1).requires_grad_(True)
             self.mark("head")

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
+from megatrain.collective import Group
+
 
 @dataclass(frozen=True)
 class MoeInfo:
@@ -103,6 +105,7 @@ class RouterStats:
         self.counts = torch.zeros(len(units), info.num_experts, dtype=torch.float32, device=device)
         self.probs = torch.zeros(info.num_experts, dtype=torch.float32, device=device)
         self.rows = 0
+        self.total: torch.Tensor | None = None  # N summed over the executors (counted())
         self.counting = False
         self.unit = 0  # the layer unit running now (the engine sets it before each layer call)
         self.inject = info.aux and info.coef != 0.0
@@ -110,7 +113,24 @@ class RouterStats:
     def reset(self) -> None:
         self.counts.zero_()
         self.probs.zero_()
-        self.rows, self.counting = 0, False
+        self.rows, self.counting, self.total = 0, False, None
+
+    def counted(self, group: Group | None) -> None:
+        """The step's counting is over. With several executors each counted its own rows: the statistics
+        become the whole batch's (summed over the executors) before any gradient hook reads them."""
+        if group is None:
+            return
+        rows = torch.full((1,), float(self.rows), dtype=torch.float64, device=self.counts.device)
+        flat = torch.cat([self.counts.reshape(-1).double(), self.probs.double(), rows])  # fp64: N past 2^24
+        group.all_reduce_(flat)
+        n = self.counts.numel()
+        self.counts.copy_(flat[:n].view_as(self.counts))
+        self.probs.copy_(flat[n:-1])
+        self.total = flat[-1:].float()  # a device value: reading it on the host would wait for the sum
+
+    def _n(self) -> float | torch.Tensor:
+        """N: the router rows of the step (the whole batch's)."""
+        return float(max(self.rows, 1)) if self.total is None else self.total.clamp(min=1.0)
 
     def hook(self, module: torch.nn.Module, args: tuple, output: tuple) -> None:
         """Forward hook of every router module: count while counting; with grad, hook the logits."""
@@ -126,14 +146,14 @@ class RouterStats:
 
     def _aux_grad(self, logits: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """grad + d(coef · aux)/d logits for these rows: the softmax's Jacobian applied to coef·E·C/N²."""
-        n = float(max(self.rows, 1))
+        n = self._n()
         w = self.counts.sum(0) * (self.info.coef * self.info.num_experts / (n * n))
         p = F.softmax(logits.float(), dim=-1)
         return grad + (p * (w - (p * w).sum(-1, keepdim=True))).to(grad.dtype)
 
     def aux_loss(self) -> torch.Tensor:
         """HF's load-balancing loss of the step (before the coefficient), a device scalar."""
-        n = float(max(self.rows, 1))
+        n = self._n()
         return (self.counts.sum(0) / n * (self.probs / n)).sum() * self.info.num_experts
 
     def load(self) -> list[list[int]]:

@@ -52,17 +52,19 @@ def cpu_plan(
     num_accumulators: int,
     request: ThreadRequest | None = None,
     numba_max: int = 0,
+    executors: int = 1,
 ) -> dict[str, Threads]:
     """Per role name (the names of StoreSpec.roles() and the store owner), its thread counts. `numba_max`:
     Numba's pool size (NUMBA_NUM_THREADS, fixed when Numba loads); no role may ask for more."""
     c, request = max(cores, 1), request or ThreadRequest()
-    executor = request.executor or (min(2, c) if cuda else c)
+    executor = request.executor or (min(2, c) if cuda else max(1, c // max(executors, 1)))
     adam = request.adam or c
     packer = request.packer or max(1, c // 2 // max(num_packers, 1))
     accumulator = request.accumulator or max(1, c // max(num_accumulators, 1))
     plan = {
         "store-owner": Threads(c, c),
         "gpu-executor": Threads(executor, 1 if cuda else executor),
+        **{f"gpu-executor-{r}": Threads(executor, 1 if cuda else executor) for r in range(1, executors)},
         "adam-updater": Threads(adam, adam),
         "checkpoint-writer": Threads(1, 1),
     }

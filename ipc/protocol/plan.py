@@ -14,7 +14,7 @@ import torch
 from megatrain.activations import host_checkpoints
 from megatrain.configbase import opt
 from megatrain.engine import EngineConfig, blocks, fixed_sizes, resolve_dtype
-from megatrain.errors import ProtocolError, ResourceError
+from megatrain.errors import ConfigError, ProtocolError, ResourceError
 from megatrain.flops import model_step_flops
 from megatrain.ipc.protocol.cpus import Threads
 from megatrain.ipc.shm import CTL_PIDS_OFFSET, MAX_PIDS, check_space, sem_name
@@ -130,6 +130,7 @@ class StoreSpec:
     last_block_layers: int = 0  # engine.last_block_layers: with K, fixes the order the engine fetches units
     threads: dict[str, Threads] = field(default_factory=dict)  # the node's CPU plan (cpus.py); empty: none
     cores: int = 0  # the cores the plan split
+    num_executors: int = 1  # actors.num_gpus: executors sharing the store, each its rows of the batch
 
     @property
     def grads_in_resident(self) -> bool:
@@ -313,7 +314,9 @@ class StoreSpec:
     def roles(self) -> list[str]:
         """Worker role names; a role's index is its pid slot in ctl."""
         return (
-            ["gpu-executor", "adam-updater"]
+            ["gpu-executor"]
+            + [f"gpu-executor-{r}" for r in range(1, self.num_executors)]
+            + ["adam-updater"]
             + [f"packer-{i}" for i in range(self.num_packers)]
             + [f"grad-accumulator-{i}" for i in range(self.num_accumulators)]
             + ["checkpoint-writer"]
@@ -351,10 +354,13 @@ def plan_store(
     ram_only: dict[str, int] | None = None,
     last_block_layers: int = 0,
     space: tuple[int, int] | None = None,
+    executors: int = 1,
 ) -> StoreSpec:
     """Resolve ipc.staging: as asked, or for 'auto' on cuda: resident with clipping (its copy also holds the
     gradients, so it is the smallest store there is: slabs would need a gradient plane); without clipping
-    resident when it fits in memory (`space`, as check_space takes it; None: now), else slabs."""
+    resident when it fits in memory (`space`, as check_space takes it; None: now), else slabs. Several
+    executors read the weights from the resident copy (every one streams every unit; slabs are filled for
+    one reader), so they take it whatever the device."""
 
     def make(mode: str) -> StoreSpec:
         return StoreSpec(
@@ -368,8 +374,16 @@ def plan_store(
             mode,
             clip,
             last_block_layers,
+            num_executors=executors,
         )
 
+    if executors > 1:
+        if ipc.staging == "slabs":
+            raise ConfigError(
+                f"ipc.staging: slabs streams weights to one executor; actors.num_gpus {executors} needs the "
+                "resident copy (ipc.staging: resident or auto)"
+            )
+        return make("resident")
     if ipc.staging != "auto":
         return make(ipc.staging)
     if not cuda:

@@ -1,0 +1,118 @@
+"""The executors' process group: N executors (one per GPU) sum their gradients and share the step's
+token count and router statistics through torch.distributed (NCCL on CUDA, gloo on the CPU device).
+
+The groups are made as objects, not through `init_process_group`: the in-process runner runs every
+executor as a thread of one process, and the global default group exists once per process. Two groups
+are made over one rendezvous: `grads` carries the per-layer gradient reductions, issued in order by each
+executor's reducer thread; `stats` the small reductions the engine makes on the compute thread. A
+collective group must see the same calls in the same order on every rank, and two threads of one rank
+issuing on one group would interleave differently on each.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatrain.errors import MegatrainError, WaitTimeout
+
+HOST = "127.0.0.1"  # every executor is on the store's node (one STRICT_PACK placement group)
+
+
+def open_rendezvous(size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's key-value store for the group's rendezvous, on a free port (`.port`)."""
+    return dist.TCPStore(
+        HOST, 0, size, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False, use_libuv=True
+    )
+
+
+class Group:
+    """One executor's membership: rank `rank` of `size`, on `device`. `check` raises when the run is
+    aborted (a host wait on a collective polls it, so a dead peer never hangs a live one)."""
+
+    def __init__(
+        self,
+        rendezvous: dist.TCPStore | tuple[str, int],
+        rank: int,
+        size: int,
+        device: torch.device,
+        timeout_s: float,
+        check: Callable[[], None],
+        poll_s: float = 0.01,
+    ):
+        if not 0 <= rank < size:
+            raise MegatrainError(f"executor rank {rank} is not in a group of {size}")
+        self.rank, self.size, self.device, self.check, self.poll_s = rank, size, device, check, poll_s
+        self.timeout_s = timeout_s
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if isinstance(rendezvous, tuple):
+            rendezvous = dist.TCPStore(*rendezvous, size, False, timeout=timeout, use_libuv=True)
+        self.rendezvous = rendezvous  # held: the groups' connections were made through it
+        self.cuda = device.type == "cuda"
+        self.grads = self._make(dist.PrefixStore("grads", rendezvous), timeout)
+        self.stats = self._make(dist.PrefixStore("stats", rendezvous), timeout)
+
+    def _make(self, store: dist.Store, timeout: datetime.timedelta) -> dist.Backend:
+        if not self.cuda:
+            return dist.ProcessGroupGloo(store, self.rank, self.size, timeout)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, self.rank, self.size, opts)
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.cuda else "gloo"
+
+    def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum `t` over the ranks in place (the stats group, from the compute thread). On CUDA the current
+        stream waits for the result (the host does not); on the CPU the host waits."""
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        self.finish(self.stats.allreduce([t], opts))
+        return t
+
+    def reduce_(self, t: torch.Tensor) -> dist.Work:
+        """Sum `t` over the ranks into rank 0's `t` (the grads group); the caller finishes the work."""
+        opts = dist.ReduceOptions()
+        opts.rootRank, opts.reduceOp = 0, dist.ReduceOp.SUM
+        return self.grads.reduce([t], opts)
+
+    def finish(self, work: dist.Work) -> None:
+        """On CUDA: the current stream waits for the collective (no host wait). On the CPU: the host waits,
+        re-checking the abort flag, so a peer that died or stopped fails this rank too."""
+        if self.cuda:
+            work.wait()
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while not work.is_completed():
+            self.check()
+            if time.monotonic() > deadline:
+                raise WaitTimeout(f"waited {self.timeout_s:g}s for the other executors' part of a reduction")
+            time.sleep(self.poll_s)
+        work.wait()  # raises the collective's own error (a peer's connection lost)
+
+    def barrier(self) -> None:
+        """Every rank reached this point: a one-element reduction, waited for on the host."""
+        one = torch.ones(1, device=self.device)
+        self.all_reduce_(one)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        if int(one.item()) != self.size:
+            raise MegatrainError(f"the executors' group answered {int(one.item())} of {self.size} ranks")
+
+
+def split_rows(batch: int, size: int) -> list[slice]:
+    """The batch's rows per rank: contiguous, sizes differing by at most one (the first ranks larger)."""
+    if batch < size:
+        raise MegatrainError(f"a batch of {batch} sequences cannot be split over {size} executors")
+    base, extra = divmod(batch, size)
+    out, lo = [], 0
+    for r in range(size):
+        hi = lo + base + (1 if r < extra else 0)
+        out.append(slice(lo, hi))
+        lo = hi
+    return out

@@ -1,0 +1,141 @@
+"""Several executors over one host store (actors.num_gpus): on the CPU device each is an executor with its
+rows of the batch, the gradients summed through torch.distributed's gloo, one Adam. 10 steps equal the
+plain HF model + torch.optim.AdamW on the whole batch (clipping by the global norm over the summed
+gradient included); an executor killed mid-run stops the run with it named; a checkpoint resumes on
+another count; what cannot run is refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain.collective import split_rows
+from megatrain.errors import ConfigError, MegatrainError
+from megatrain.launch.config import load_config
+from megatrain.launch.driver import Trainer
+from megatrain.launch.fidelity import compare
+from megatrain.launch.metrics import merge_executors
+from megatrain.launch.placement import ActorsConfig, demands, resolve_executors
+from tests.test_equivalence import check, tiny_config
+from tests.test_lifecycle import Cli
+
+CASES = [
+    # family, tied, K, executors, extra
+    ("llama", False, 2, 2, []),
+    ("qwen2", True, 1, 3, ["engine.chunk_sequences=1"]),  # rows 2/1/1; each executor's rows in chunks
+    ("mistral", False, 3, 2, ["optim.max_grad_norm=0", "engine.last_block_layers=3", "engine.lean_layers=2"]),
+]
+MOE_CASES = [
+    ("mixtral", True, 2, 2, ["engine.chunk_sequences=1"]),  # routing counted over every chunk, then summed
+    ("qwen3_moe", False, 1, 3, []),
+]
+
+
+@pytest.mark.parametrize("family,tied,k,n,extra", CASES, ids=[f"{c[0]}-x{c[3]}" for c in CASES])
+def test_executors_match_one_model_on_the_whole_batch(
+    tmp_path, family: str, tied: bool, k: int, n: int, extra: list[str]
+) -> None:
+    rep = compare(tiny_config(family, tied, k, tmp_path, extra=[f"actors.num_gpus={n}", *extra]), tmp_path)
+    check(rep, tied)
+    s = rep["summary"]
+    assert s["staging"] == "resident" and s["executors"] == n
+    assert {f"gpu-executor-{r}" for r in range(1, n)} <= set(s["pids"])
+    assert not any(name.startswith(("packer", "grad-accumulator")) for name in s["pids"])
+    row = s["metrics"][-1]
+    assert len(row["executor_compute_s"]) == n and row["tokens"] == 4 * 31  # every row's labels, once
+
+
+@pytest.mark.parametrize("family,tied,k,n,extra", MOE_CASES, ids=[f"{c[0]}-x{c[3]}" for c in MOE_CASES])
+def test_executors_match_one_moe_model_with_the_whole_batch_s_routing(
+    tmp_path, family: str, tied: bool, k: int, n: int, extra: list[str]
+) -> None:
+    """The load-balancing loss is HF's over the whole batch: each executor's router counts are summed over
+    the executors before any aux gradient is taken (megatrain/moe.py)."""
+    rep = compare(tiny_config(family, tied, k, tmp_path, extra=[f"actors.num_gpus={n}", *extra]), tmp_path)
+    check(rep, tied)
+    for step, (ours, ref) in enumerate(zip(rep["aux_losses"], rep["ref_aux_losses"])):
+        assert abs(ours - ref) <= 1e-5 * abs(ref), f"step {step + 1}: aux {ours} vs {ref}"
+    load = rep["summary"]["metrics"][-1]["expert_load"]
+    assert all(sum(row) == 4 * 32 * 2 for row in load)  # the whole batch's top-2 assignments per layer
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted((run_dir / "final").glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def test_a_checkpoint_resumes_on_another_executor_count(tmp_path) -> None:
+    """The store, the data order and the step do not depend on the count: 6 steps on 2 executors, or 3 and
+    then 3 more on 1 executor from the step-3 checkpoint, end with the same weights (the summed gradients
+    differ only in the order of one fp32 addition)."""
+
+    def run(out: str, n: int, *extra: str) -> Path:
+        cfg = tiny_config(
+            "llama",
+            False,
+            2,
+            tmp_path,
+            steps=6,
+            extra=[f"actors.num_gpus={n}", f"train.output_dir={tmp_path}/{out}", "train.save_final=true", *extra],
+        )
+        Trainer(cfg).run()
+        return tmp_path / out
+
+    whole = _weights(run("whole", 2))
+    part = run("part", 2, "train.save_every=3", "train.steps=3")
+    resumed = _weights(run("part", 1, "train.resume=auto", "train.overwrite=true"))
+    rows = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    for name, w in whole.items():
+        assert torch.allclose(resumed[name], w, rtol=1e-5, atol=1e-7), name
+
+
+def test_what_several_executors_cannot_run_is_refused_by_name(tmp_path) -> None:
+    with pytest.raises(ConfigError, match=r"actors\.num_gpus must be auto or >= 1"):
+        load_config(None, ["actors.num_gpus=0"])
+    with pytest.raises(ConfigError, match=r"data\.batch_size.: 2 is split .*actors\.num_gpus 3"):
+        load_config(None, ["actors.num_gpus=3", "data.batch_size=2"])
+    with pytest.raises(ConfigError, match=r"ipc\.staging.*slabs .*actors\.num_gpus 2 needs the resident copy"):
+        load_config(None, ["actors.num_gpus=2", "ipc.staging=slabs"])
+    with pytest.raises(ConfigError, match=r"actors\.num_gpus 4: the node with the most GPUs has 2"):
+        resolve_executors(ActorsConfig(num_gpus=4), cuda=True, gpus=2)
+    assert resolve_executors(ActorsConfig(num_gpus="auto"), cuda=True, gpus=8) == 8
+    assert resolve_executors(ActorsConfig(num_gpus="auto"), cuda=False, gpus=0) == 1
+    d = demands(ActorsConfig(num_gpus=2), cuda=True, executors=2)
+    assert d["gpu-executor"].gpus + d["gpu-executor-1"].gpus == 2.0 and "packer-0" not in d
+
+
+def test_rows_and_results_are_split_and_merged() -> None:
+    assert split_rows(5, 2) == [slice(0, 3), slice(3, 5)]
+    assert split_rows(4, 3) == [slice(0, 2), slice(2, 3), slice(3, 4)]
+    with pytest.raises(MegatrainError, match="4 executors"):
+        split_rows(3, 4)
+    parts = [
+        {"loss": 1.5, "tokens": 10, "compute_s": 2.0, "gpu_peak_bytes": 5, "h2d_bytes": 7, "aux_loss": 0.3},
+        {"loss": 0.5, "tokens": 6, "compute_s": 3.0, "gpu_peak_bytes": 4, "h2d_bytes": 7, "aux_loss": 0.3},
+    ]
+    got = merge_executors(parts)
+    assert (got["loss"], got["tokens"], got["compute_s"], got["gpu_peak_bytes"], got["h2d_bytes"]) == (2, 16, 3, 5, 14)
+    assert got["aux_loss"] == 0.3 and got["executor_compute_s"] == [2.0, 3.0]
+
+
+@pytest.mark.slow
+def test_a_killed_executor_stops_the_run_with_it_named(tmp_path: Path) -> None:
+    """Through Ray, one process per executor: executor 1 SIGKILLed mid-run; executor 0, waiting in a
+    reduction it can never finish, is released by the abort and the run ends naming the dead one."""
+    cli = Cli(tmp_path, "actors.num_gpus=2", "engine.device=cpu", "train.save_every=0", steps=10_000)
+    pids = cli.actor_pids()
+    cli.wait_for(r"first step done")
+    os.kill(pids["gpu-executor-1"], signal.SIGKILL)
+    assert cli.finish() == 1, cli.text()
+    assert "gpu-executor-1" in "".join(cli.stderr), cli.text()
+    cli.assert_clean()
