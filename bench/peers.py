@@ -164,25 +164,32 @@ def _ds_config(data: DataConfig, torch_adam: bool) -> dict:
     return cfg
 
 
-def deepspeed_zero3(hf, data: DataConfig, steps: int) -> dict:
-    """DeepSpeed ZeRO-3, parameters and optimizer offloaded to the CPU, at world size 1.
+def deepspeed_zero3(hf, data: DataConfig, steps: int, gpus: int = 1) -> dict:
+    """DeepSpeed ZeRO-3, parameters and optimizer offloaded to the CPU, at world size `gpus` (one process
+    per GPU beyond one, each `data.batch_size` sequences a step, as DeepSpeed's launcher would run them).
 
     Its own CPU Adam is a C++ extension built on first use; where that build fails (no compiler on
     the machine) the peer runs with torch's AdamW on the offloaded fp32 partitions and says so."""
-    try:
-        import deepspeed
-    except ImportError:
+    if importlib.util.find_spec("deepspeed") is None:
         return {"name": "DeepSpeed ZeRO-3 offload", "status": "not installed"}
+    if gpus > 1:
+        return _deepspeed_ranks(hf, data, steps, gpus)
+    return _deepspeed_rank(hf, data, steps, 0, 1)
+
+
+def _deepspeed_rank(hf, data: DataConfig, steps: int, rank: int, world: int) -> dict:
+    import deepspeed
 
     def run(torch_adam: bool) -> dict:
         for k, v in (
-            ("RANK", "0"),
-            ("LOCAL_RANK", "0"),
-            ("WORLD_SIZE", "1"),
+            ("RANK", str(rank)),
+            ("LOCAL_RANK", str(rank)),
+            ("WORLD_SIZE", str(world)),
             ("MASTER_ADDR", "127.0.0.1"),
             ("MASTER_PORT", "29518"),
         ):
-            os.environ.setdefault(k, v)
+            os.environ[k] = v if world > 1 else os.environ.get(k, v)
+        torch.cuda.set_device(rank)
         deepspeed.init_distributed(dist_backend="nccl", verbose=False)
         model = _model(hf, "cpu")
         model.gradient_checkpointing_enable()
@@ -197,7 +204,7 @@ def deepspeed_zero3(hf, data: DataConfig, steps: int) -> dict:
         print(f"[peers] deepspeed.initialize {time.perf_counter() - t0:.1f} s", flush=True)
 
         def step(t: int) -> None:
-            ids, labels = (x.cuda() for x in batch(data, t))
+            ids, labels = (x.cuda() for x in batch(data, t * world + rank))  # each rank its own batch
             engine.backward(engine(input_ids=ids, labels=labels).loss)
             engine.step()
 
@@ -212,6 +219,33 @@ def deepspeed_zero3(hf, data: DataConfig, steps: int) -> dict:
         res = _guard("DeepSpeed ZeRO-3 offload (torch AdamW)", lambda: run(True))
         res["note"] = f"DeepSpeedCPUAdam failed: {first}"
     return res
+
+
+def _deepspeed_child(rank: int, hf, data: DataConfig, steps: int, world: int, out: str) -> None:
+    res = _deepspeed_rank(hf, data, steps, rank, world)
+    Path(out, f"rank{rank}.json").write_text(json.dumps(res))
+
+
+def _deepspeed_ranks(hf, data: DataConfig, steps: int, world: int) -> dict:
+    """One process per GPU (spawned: CUDA and NCCL start fresh in each); rank 0's step times and the
+    largest GPU peak. A rank the kernel ends, or one that fails, makes the row's status."""
+    import torch.multiprocessing as mp
+
+    name = "DeepSpeed ZeRO-3 offload"
+    torch.cuda.empty_cache()  # our cached blocks back to the driver: the ranks need the whole GPUs
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            mp.start_processes(_deepspeed_child, (hf, data, steps, world, out), nprocs=world, start_method="spawn")
+        except Exception as exc:  # a rank killed (the OOM killer) or failed
+            return {"name": name, "status": f"error: {type(exc).__name__}: {str(exc)[-300:]}", "gpus": world}
+        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+    res = dict(ranks[0])
+    if res.get("status") == "ok":
+        res["gpu_peak_bytes"] = max(r.get("gpu_peak_bytes", 0) for r in ranks)
+    bad = [r for r in ranks if r.get("status") != "ok"]
+    if bad:
+        res["status"] = bad[0]["status"]
+    return {**res, "gpus": world, "batch": data.batch_size * world}
 
 
 OFFICIAL_DIR = Path(__file__).resolve().parent / "official"

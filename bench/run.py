@@ -3,6 +3,10 @@ GPT-OSS-20B's) with --layers layers, with peers in the same run.
 
   python bench/run.py --layers 8 --batch 16 --seq 4096 --steps 5 --peers plain --out OUT
   python bench/run.py --model olmoe-1b-7b --layers 16 --batch 16 --seq 4096 --peers deepspeed --out OUT
+  python bench/run.py --gpus 2 --layers 28 --batch 16 --seq 4096 --peers deepspeed --out OUT
+
+--batch is per GPU: with --gpus N the first row runs N executors on N x --batch sequences a step, the
+second one executor on --batch, and the peers run on N GPUs.
 
 Writes OUT/results.json, OUT/results.md (the table, with the command and commit) and OUT/timeline-VARIANT.png.
 TFLOPS use the paper's formula: (6*N*D + 12*L*H*S*D) / step time, N parameters, D tokens per step,
@@ -177,17 +181,18 @@ def bench_model(model: str, layers: int, extra: list[str]) -> tuple[dict, list[s
     return hf, [item for item in extra if item not in mine]
 
 
-def overrides(args: argparse.Namespace, out: Path, extra: list[str]) -> list[str]:
+def overrides(args: argparse.Namespace, out: Path, extra: list[str], gpus: int | None = None) -> list[str]:
     """The workload (model shape, batch, steps, a constant LR so every step does the same work, no closing
     evaluation: it measures nothing here and cost each row half a minute) and the flags given; nothing else.
     args.hf is the model (bench_model())."""
-    hf = args.hf
+    hf, gpus = args.hf, gpus or args.gpus
     knobs = [f"{key}={getattr(args, flag)}" for flag, key in KNOBS.items() if getattr(args, flag) is not None]
     return [
         f"model.family={MODELS[args.model][0]}",
         f"model.hf={json.dumps(hf)}",
         f"data.seq_len={args.seq}",
-        f"data.batch_size={args.batch}",
+        f"data.batch_size={args.batch * gpus}",
+        f"actors.num_gpus={gpus}",
         f"train.steps={args.steps}",
         f"train.timeline_step={args.steps}",
         f"train.output_dir={out}",
@@ -206,11 +211,11 @@ def tflops(n_params: int, tokens: int, layers: int, hidden: int, seq: int, secon
     return step_flops(n_params, layers, hidden, seq, tokens) / seconds / 1e12
 
 
-def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str]) -> dict:
-    out = Path(args.out) / name
+def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str], gpus: int | None = None) -> dict:
+    out, gpus = Path(args.out) / name, gpus or args.gpus
     trainer = None
     try:
-        trainer = Trainer(load_config(None, overrides(args, out, extra)))
+        trainer = Trainer(load_config(None, overrides(args, out, extra, gpus)))
         summary = trainer.run()
     except Exception as exc:  # the run has released its processes and shared memory
         raise Failed.of(exc, f"MegaTrain ({name})", getattr(trainer, "log_dir", None)) from exc
@@ -221,6 +226,8 @@ def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str]) -> 
     res = {
         "name": f"MegaTrain ({name}, {summary['staging']})",
         "status": "ok",
+        "gpus": gpus,
+        "batch": args.batch * gpus,
         "step_time_s": med,
         "step_times_s": [r["step_time_s"] for r in summary["metrics"]],
         "time_to_first_step_s": summary["time_to_first_step_s"],
@@ -273,30 +280,31 @@ def table(results: list[dict], args: argparse.Namespace, hf) -> str:
     """One row per system: time to the first step (MegaTrain: from launch, store and workers included;
     a peer: its first step), the warm-up steps, the steady median with min and max, TFLOPS, and the
     ratio of MegaTrain's TFLOPS to the row's."""
-    tokens = args.batch * args.seq
     lines = [
-        "| system | status | first step s | warm-up steps s | steady median s (min–max) | TFLOPS "
+        "| system | GPUs | status | first step s | warm-up steps s | steady median s (min–max) | tokens/s | TFLOPS "
         "| MegaTrain × | GPU peak GiB | host B/param (planned / PSS) | fwd / head / bwd s "
         "| weight wait s | Adam s (updating; Gparam/s) | H2D GB/s (busy) | D2H GB/s (busy) |",
-        "|" + "---|" * 14,
+        "|" + "---|" * 16,
     ]
     n = next((r["active_params"] for r in results if "active_params" in r), None)
     total = next((r["num_params"] for r in results if "num_params" in r), None)
     ours = None
     for r in results:
         if r.get("status") != "ok":
-            lines.append(f"| {r['name']} | {r['status']} |" + " |" * 12)
+            lines.append(f"| {r['name']} | {r.get('gpus', args.gpus)} | {r['status']} |" + " |" * 13)
             continue
         med, lo, hi = steady(r, args.warmup)
+        tokens = r.get("batch", args.batch * args.gpus) * args.seq
         r.update(step_time_s=med, step_min_s=lo, step_max_s=hi)
         tf = tflops(n, tokens, args.layers, hf.hidden_size, args.seq, med) if n else float("nan")
-        r["tflops"] = tf
+        r["tflops"], r["tokens_per_s"] = tf, tokens / med
         ours = ours or tf  # the first row is MegaTrain's default
         first = r.get("time_to_first_step_s") or r["step_times_s"][0]
         warm = ", ".join(f"{t:.2f}" for t in r["step_times_s"][: args.warmup])
         split = f"{r['forward_s']:.2f} / {r['head_s']:.2f} / {r['backward_s']:.2f}" if "forward_s" in r else ""
         lines.append(
-            f"| {r['name']} | ok | {first:.1f} | {warm} | {med:.3f} ({lo:.3f}–{hi:.3f}) | {tf:.1f} "
+            f"| {r['name']} | {r.get('gpus', args.gpus)} | ok | {first:.1f} | {warm} | {med:.3f} ({lo:.3f}–{hi:.3f}) "
+            f"| {tokens / med:,.0f} | {tf:.1f} "
             f"| {ours / tf:.2f} | {r['gpu_peak_bytes'] / 2**30:.1f} "
             f"| {r.get('host_bytes_per_param', float('nan')):.2f} / "
             f"{r.get('process_pss_bytes_per_param', float('nan')):.2f} | {split} "
@@ -383,7 +391,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", default="", help="with --suite: a comma list of entries: " + ", ".join(SUITE))
     p.add_argument("--model", choices=list(MODELS), default="qwen2.5-7b", help="the layer shape measured")
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, default=16, help="sequences per step per GPU")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs (actors.num_gpus; the peers' world size)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=12, help="steps per system (at least 10 steady ones)")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady statistics")
@@ -407,6 +416,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--machine", default="")
     args = p.parse_args(argv)
+    if args.gpus < 1:
+        p.error("--gpus: at least 1")
+    if args.gpus > 1 and {"plain", "fsdp2", "official"} & set(args.peers.split(",")):
+        p.error("--gpus > 1: only --peers deepspeed runs on several GPUs")
     for flag, names, known in (("--peers", args.peers, PEERS), ("--ablations", args.ablations, ABLATIONS)):
         unknown = [n for n in names.split(",") if n and n not in known]
         if unknown:
@@ -440,13 +453,18 @@ def run(args: argparse.Namespace) -> int:
     src = official_src(args.official_src) if "official" in peers else None
     _, hf = resolve_hf_config(load_config(None, overrides(args, Path(args.out), args.extra)).model)
     results = [megatrain_variant(args, "default", args.extra)]
+    if args.gpus > 1:  # the scaling's baseline: one executor, one GPU's share of the batch
+        results.append(megatrain_variant(args, "one GPU", args.extra, gpus=1))
     results += [megatrain_variant(args, a, ABLATIONS[a]) for a in filter(None, args.ablations.split(","))]
     from megatrain.data import DataConfig
 
-    data = DataConfig(seq_len=args.seq, batch_size=args.batch)
+    data = DataConfig(seq_len=args.seq, batch_size=args.batch)  # per GPU
     for peer in [None, *peers]:
         if peer is not None:
-            results.append(PEERS[peer](hf, data, args.steps, **({"src": src} if peer == "official" else {})))
+            kw = {"src": src} if peer == "official" else {"gpus": args.gpus} if args.gpus > 1 else {}
+            results.append(PEERS[peer](hf, data, args.steps, **kw))
+            results[-1].setdefault("gpus", args.gpus if "gpus" in kw else 1)
+            results[-1].setdefault("batch", args.batch * results[-1]["gpus"])
         # row by row: a peer the kernel's OOM killer ends takes the bench's process, not the rows measured
         (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
         print(json.dumps({k: v for k, v in results[-1].items() if k not in ("losses", "expert_load")}), flush=True)
@@ -455,7 +473,8 @@ def run(args: argparse.Namespace) -> int:
     given = ", ".join(f"{KNOBS[f]}={getattr(args, f)}" for f in KNOBS if getattr(args, f) is not None)
     head = (
         f"\n### {args.layers} layers ({MODELS[args.model][2]}), {args.batch}x{args.seq} tokens/step"
-        f"{f' ({given})' if given else ', product defaults'} — {args.machine}, {when}, commit {commit()}\n\n"
+        + (f" per GPU, {args.gpus} GPUs" if args.gpus > 1 else "")
+        + f"{f' ({given})' if given else ', product defaults'} — {args.machine}, {when}, commit {commit()}\n\n"
         f"`python bench/run.py {shlex.join(sys.argv[1:])}`\n\n"
         f"Steps {args.steps}, warm-up {args.warmup}; CPU plan: {results[0].get('cpu_plan', '?')}\n\n"
     )
