@@ -1,12 +1,12 @@
 """Several executors on several GPUs (skipped with fewer than two; MEGATRAIN_TEST_CUDA=1 pytest -m cuda).
 
 The in-process runner puts executor r on GPU r of one process; the gradients are summed through NCCL
-from each executor's reducer stream. In fp32 compute 2 executors on the whole batch equal 1 executor
-to rounding; in bf16 they follow it closely."""
+from each executor's reducer stream. Each run is a fresh process, as a launch is. In fp32 compute 2
+executors on the whole batch equal 1 executor to rounding; in bf16 they follow it closely."""
 
 from __future__ import annotations
 
-import gc
+import multiprocessing
 from pathlib import Path
 
 import pytest
@@ -22,14 +22,21 @@ pytestmark = [
 ]
 
 
+def _in_a_process(out: Path, family: str, *extra: str) -> None:
+    proc = multiprocessing.get_context("spawn").Process(target=run, args=(out, family, *extra))
+    proc.start()
+    proc.join(300)
+    if proc.exitcode != 0:
+        proc.kill()
+        raise AssertionError(f"the run in {out} ended with exit code {proc.exitcode}")
+
+
 @pytest.mark.parametrize("dtype,tol", [("fp32", 1e-5), ("bf16", 2e-2)])
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
 def test_two_gpus_follow_one_on_the_whole_batch(tmp_path: Path, family: str, dtype: str, tol: float) -> None:
     base = ["engine.device=cuda", f"engine.compute_dtype={dtype}", "data.batch_size=4"]
-    run(tmp_path / "one", family, *base)
-    gc.collect()
-    run(tmp_path / "two", family, *base, "actors.num_gpus=2")
-    gc.collect()
+    _in_a_process(tmp_path / "one", family, *base)
+    _in_a_process(tmp_path / "two", family, *base, "actors.num_gpus=2")
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(two) == list(range(1, 11))
     for s in one:
