@@ -165,11 +165,11 @@ def resolve_engine(cfg: EngineConfig, cuda: bool) -> EngineConfig:
 
 
 def resolve_device(cfg: EngineConfig, rank: int = 0) -> torch.device:
-    """The executor's device. Executor `rank` of several takes the rank-th GPU it sees: one process per
-    executor sees only its own GPU (Ray's placement), executors in one process see them all."""
+    """The executor's device. Executor `rank` takes the rank-th GPU it sees: one process per executor sees
+    only its own GPU (Ray's placement), executors in one process see them all. Not the thread's current
+    device: in one process another run's executor may have set it (NCCL then finds two ranks on one GPU)."""
     if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()):
-        index = rank % torch.cuda.device_count() if rank else torch.cuda.current_device()
-        return torch.device("cuda", index)
+        return torch.device("cuda", rank % torch.cuda.device_count())
     return torch.device("cpu")
 
 
