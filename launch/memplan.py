@@ -22,6 +22,7 @@ from megatrain.engine import EngineConfig, fixed_sizes, resolve_engine
 from megatrain.errors import ConfigError, ResourceError
 from megatrain.flops import active_params, expert_params
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, plan_store
+from megatrain.ipc.protocol.reduce import reduction_bytes
 from megatrain.ipc.shm import (
     HEADER_BYTES,
     RAY_DEFAULT_THRESHOLD,
@@ -33,7 +34,7 @@ from megatrain.ipc.shm import (
     shm_free_bytes,
 )
 from megatrain.launch.config import Config, load_config
-from megatrain.launch.placement import demands, describe_need
+from megatrain.launch.placement import demands, describe_need, per_executor
 from megatrain.launch.runners import PRIVATE_THRESHOLD
 from megatrain.model import ModelSpec, build_spec
 from megatrain.moe import is_moe, num_experts
@@ -143,12 +144,24 @@ def _host_terms(
         {"checkpoints": pinned},
         engine.last_block_layers,
         space=(machine.shm, machine.limit),
+        executors=executors_of(cfg, cuda),
     )
     host = {f"shm: {k}": v + HEADER_BYTES for k, v in store.part_bytes().items()}
     host["executor: pinned activation checkpoints"] = pinned
     host.update(_processes(store, cfg, cuda))
     host["node: page tables of the store's mappings"] = store.page_table_bytes()
     return store, host
+
+
+def executors_of(cfg: Config, cuda: bool) -> int:
+    """actors.num_gpus for the plan: auto is this machine's GPUs (the plan is for this machine's node)."""
+    if cfg.actors.num_gpus != "auto":
+        return int(cfg.actors.num_gpus)
+    if not cuda:
+        return 1
+    import torch
+
+    return max(torch.cuda.device_count(), 1)
 
 
 def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Host | None = None) -> MemPlan:
@@ -158,20 +171,25 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Host | Non
     gpu_error = ""
     machine = machine or this_host(cfg)
     room = host_room(cfg, spec, cuda, machine) if cuda else None
+    n = executors_of(cfg, cuda)
+    batch = per_executor(d.batch_size, n)  # each executor's GPU holds its share of the batch
+    sized = gpu_free if cuda else None
+    if sized is not None and n > 1:
+        sized -= reduction_bytes(spec)  # beside the activations, as the run's choose_sizes() leaves it
     try:
-        sizes, why = autosize.choose(
-            spec, engine, d.batch_size, d.seq_len, gpu_free if cuda else None, cfg.optim.clips, room
-        )
+        sizes, why = autosize.choose(spec, engine, batch, d.seq_len, sized, cfg.optim.clips, room)
     except ResourceError as exc:
         gpu_error, why = str(exc), ""
         sizes = autosize.Sizes(1, 1, 1, 512, 1)  # the least the engine can do, to show the rest of the plan
     engine = autosize.apply(engine, sizes)
-    pinned = checkpoint_host_bytes(spec, engine, d.batch_size, d.seq_len)
+    pinned = n * checkpoint_host_bytes(spec, engine, batch, d.seq_len)
     store, host = _host_terms(cfg, spec, engine, cuda, machine, pinned)
     active, experts = active_params(spec), expert_params(spec)
     plan = MemPlan(
         f"{_params(spec, active, experts)}, "
-        f"{d.batch_size}x{d.seq_len} tokens per step, engine on {engine.device} ({engine.compute_dtype}), "
+        f"{d.batch_size}x{d.seq_len} tokens per step"
+        + (f" over {n} executors (at most {batch} sequences each)" if n > 1 else "")
+        + f", engine on {engine.device} ({engine.compute_dtype}), "
         f"staging {store.staging_mode}, clipping {'on' if store.clip else 'off'}",
         host,
         machine,
@@ -182,10 +200,14 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Host | Non
         gpu_error=gpu_error,
         cuda=cuda,
     )
-    plan.need = describe_need(demands(cfg.actors, cuda, store.clip, cfg.train.saves_checkpoints, store.staging_mode))
+    plan.need = describe_need(
+        demands(cfg.actors, cuda, store.clip, cfg.train.saves_checkpoints, store.staging_mode, executors=n)
+    )
     plan.sizes = str(sizes) + (f" ({why})" if why else "")
     if cuda:
-        plan.gpu = autosize.gpu_terms(spec, engine, d.batch_size, d.seq_len, sizes)
+        plan.gpu = autosize.gpu_terms(spec, engine, batch, d.seq_len, sizes)
+        if n > 1:
+            plan.gpu["fp32 gradients awaiting the executors' sum"] = reduction_bytes(spec)
         plan.gpu_free = gpu_free
     return plan
 
@@ -211,8 +233,10 @@ def _params(spec: ModelSpec, active: int, experts: int) -> str:
 def _processes(store: StoreSpec, cfg: Config, cuda: bool) -> dict[str, int]:
     """Each process's own memory; packers run only with slabs, accumulators only with clipping, the writer
     only when checkpoints are written."""
+    executor = PROCESS_BYTES["gpu-executor"] if cuda else PROCESS_BYTES["cpu-role"]
     out = {
-        "process: gpu-executor": PROCESS_BYTES["gpu-executor"] if cuda else PROCESS_BYTES["cpu-role"],
+        "process: gpu-executor": executor,
+        **{f"process: gpu-executor-{r}": executor for r in range(1, store.num_executors)},
         "process: store-owner": PROCESS_BYTES["cpu-role"],
         "process: reaper": PROCESS_BYTES["reaper"],
     }

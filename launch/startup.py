@@ -16,7 +16,7 @@ from megatrain.actors.packer import Packer
 from megatrain.actors.store_owner import FillReport, StoreOwner
 from megatrain.engine import EngineConfig
 from megatrain.ipc.protocol import StoreSpec
-from megatrain.ipc.protocol.reduce import REDUCE_CREDITS
+from megatrain.ipc.protocol.reduce import reduction_bytes
 from megatrain.launch.config import Config
 from megatrain.launch.crew import OWNER, Crew
 from megatrain.launch.output import describe_run
@@ -98,12 +98,6 @@ def choose_sizes(
     for n in executors:
         crew.call_one(n, GpuExecutor.warm_up, model, engine, batch, cfg.data.seq_len)
     return engine
-
-
-def reduction_bytes(model: ModelSpec) -> int:
-    """GPU memory for the fp32 gradients waiting for their reduction: the credits' and the one reducing."""
-    layer = max(model.layout.structure_of(u).numel for u in range(1, model.layout.num_layers + 1))
-    return (REDUCE_CREDITS + 1) * layer * 4
 
 
 def form_group(crew: Crew, size: int, timeout: float) -> None:

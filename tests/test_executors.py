@@ -139,3 +139,20 @@ def test_a_killed_executor_stops_the_run_with_it_named(tmp_path: Path) -> None:
     assert cli.finish() == 1, cli.text()
     assert "gpu-executor-1" in "".join(cli.stderr), cli.text()
     cli.assert_clean()
+
+
+def test_the_plan_sizes_each_gpu_for_its_share_and_counts_every_executor() -> None:
+    from megatrain.launch.memplan import GIB, Host, make_plan
+
+    hf = json.dumps({"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "vocab_size": 32000})
+    base = ["model.family=qwen2", f"model.hf={hf}", "data.seq_len=512", "data.kind=tokens", "data.path=x.bin"]
+    host = Host(64 * GIB, 64 * GIB, 64 * GIB, None)
+    one = make_plan(load_config(None, [*base, "data.batch_size=8"]), 20 * GIB, True, host)
+    two = make_plan(load_config(None, [*base, "data.batch_size=16", "actors.num_gpus=2"]), 20 * GIB, True, host)
+    assert "over 2 executors (at most 8 sequences each)" in two.title
+    assert two.host["process: gpu-executor-1"] == two.host["process: gpu-executor"]
+    assert "shm: resident" in two.host and two.host["shm: params"] == one.host["shm: params"]
+    extra = {k: v for k, v in two.gpu.items() if k not in one.gpu}
+    assert list(extra) == ["fp32 gradients awaiting the executors' sum"]
+    layer = next(k for k in one.gpu if k.startswith("activations of"))
+    assert "(4096 tokens each)" in layer and two.gpu[layer] == one.gpu[layer]  # 8 sequences of 512 on each GPU

@@ -20,8 +20,16 @@ from megatrain.collective import Group
 from megatrain.errors import ProtocolError
 from megatrain.ipc.protocol.executor import StreamedSink, SyncSink, _Worker
 from megatrain.ipc.protocol.store import Store
+from megatrain.model import ModelSpec
 
-REDUCE_CREDITS = 2  # fp32 gradients queued for their reduction on the GPU (GPU memory: autosize reserves it)
+REDUCE_CREDITS = 2  # fp32 gradients queued for their reduction on the GPU (GPU memory: reduction_bytes)
+
+
+def reduction_bytes(model: ModelSpec) -> int:
+    """GPU memory for the fp32 gradients waiting for their reduction (the credits' and the one reducing),
+    beside what autosize.py plans for one executor."""
+    layer = max(model.layout.structure_of(u).numel for u in range(1, model.layout.num_layers + 1))
+    return (REDUCE_CREDITS + 1) * layer * 4
 
 
 class _Order:
