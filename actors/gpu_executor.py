@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from megatrain.actors.base import Role, guarded
-from megatrain.collective import Group, open_rendezvous
+from megatrain.collective import HOST, Group, open_rendezvous
 from megatrain.cudahost import use_expandable_segments
 from megatrain.engine import EngineConfig, StepEngine, resolve_device, resolve_dtype
 from megatrain.ipc.protocol import Store, StoreSpec
@@ -126,8 +126,6 @@ class GpuExecutor(Role):
     def join_group(self, port: int, size: int) -> str:
         """Join the executors' group (every executor at once: it returns when all have joined); from now
         on each gradient is summed over the executors and only executor 0's reaches the store."""
-        from megatrain.collective import HOST
-
         spec = self.store.spec
         where = self.rendezvous if self.rank == 0 else (HOST, port)
         self.group = Group(where, self.rank, size, self.device, spec.ipc.wait_timeout_s, self.store.check_abort)

@@ -170,8 +170,8 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Host | Non
     d = cfg.data
     gpu_error = ""
     machine = machine or this_host(cfg)
-    room = host_room(cfg, spec, cuda, machine) if cuda else None
     n = executors_of(cfg, cuda)
+    room = host_room(cfg, spec, cuda, machine) // n if cuda else None  # each executor pins its own checkpoints
     batch = per_executor(d.batch_size, n)  # each executor's GPU holds its share of the batch
     sized = gpu_free if cuda else None
     if sized is not None and n > 1:

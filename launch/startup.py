@@ -92,7 +92,8 @@ def choose_sizes(
         # the GPUs may differ: the smallest sizes them all; several executors keep fp32 gradients queued
         # for their reduction beside the activations (ipc/protocol/reduce.py)
         free = min(found.values()) - (reduction_bytes(model) if len(executors) > 1 else 0)
-    sizes, why = autosize.choose(model, engine, batch, cfg.data.seq_len, free, cfg.optim.clips, host_room)
+    room = host_room // len(executors) if host_room is not None else None  # each pins its own checkpoints
+    sizes, why = autosize.choose(model, engine, batch, cfg.data.seq_len, free, cfg.optim.clips, room)
     engine = autosize.apply(engine, sizes)
     log(f"engine sizes: {sizes} ({why}; the rule for 'auto': megatrain/autosize.py)")
     for n in executors:
