@@ -51,7 +51,7 @@ def choose_start(cfg: Any, out: Path, steps: int) -> Start:
     if directory is None:
         return Start()
     manifest = ckpt.manifest_of(directory)
-    _log_changed_optimizer(manifest, cfg)
+    _log_changes(manifest, cfg)
     step = int(manifest["step"])
     final_missing = cfg.train.save_final and not (out / "final" / "config.json").is_file()
     return Start(
@@ -152,13 +152,20 @@ def _where(spec: ModelSpec) -> Callable[[int], str]:
     return lambda offset: ckpt.unit_at(spec.layout, offset)
 
 
-def _log_changed_optimizer(manifest: dict, cfg: Any) -> None:
+def _log_changes(manifest: dict, cfg: Any) -> None:
     then = yaml.safe_load(manifest.get("config", "")) or {}
     before = then.get("optim", {})
     now = dict(vars(cfg.optim))
     changed = [f"optim.{k}: {before[k]} -> {now[k]}" for k in now if k in before and _norm(before[k]) != _norm(now[k])]
     if changed:
         log("resuming with changed optimizer settings: " + ", ".join(changed))
+    gpus = (then.get("actors") or {}).get("num_gpus", 1)
+    if gpus != cfg.actors.num_gpus:
+        log(
+            f"resuming a run of actors.num_gpus {gpus} with {cfg.actors.num_gpus}: the weights, moments, step and "
+            "data order continue exactly; the batch is split otherwise, so the summed gradients may differ in "
+            "their last bits (fp32 additions in another order)"
+        )
 
 
 def _norm(v: object) -> object:

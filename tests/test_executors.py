@@ -73,7 +73,7 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_a_checkpoint_resumes_on_another_executor_count(tmp_path) -> None:
+def test_a_checkpoint_resumes_on_another_executor_count(tmp_path, capsys) -> None:
     """The store, the data order and the step do not depend on the count: 6 steps on 2 executors, or 3 and
     then 3 more on 1 executor from the step-3 checkpoint, end with the same weights (the summed gradients
     differ only in the order of one fp32 addition)."""
@@ -92,7 +92,9 @@ def test_a_checkpoint_resumes_on_another_executor_count(tmp_path) -> None:
 
     whole = _weights(run("whole", 2))
     part = run("part", 2, "train.save_every=3", "train.steps=3")
+    capsys.readouterr()
     resumed = _weights(run("part", 1, "train.resume=auto", "train.overwrite=true"))
+    assert "resuming a run of actors.num_gpus 2 with 1" in capsys.readouterr().out
     rows = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     for name, w in whole.items():
