@@ -102,8 +102,16 @@ GPT_OSS_20B = {
     "output_router_logits": True,
 }
 # --model NAME -> (family, shape, its name in the tables)
+QWEN14B = {
+    **QWEN7B,
+    "hidden_size": 5120,
+    "intermediate_size": 13824,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 8,
+}
 MODELS = {
     "qwen2.5-7b": ("qwen2", QWEN7B, "Qwen2.5-7B shape"),
+    "qwen2.5-14b": ("qwen2", QWEN14B, "Qwen2.5-14B shape"),
     "olmoe-1b-7b": ("olmoe", OLMOE_1B_7B, "OLMoE-1B-7B shape"),
     "gpt-oss-20b": ("gpt_oss", GPT_OSS_20B, "GPT-OSS-20B shape"),
 }
