@@ -3,7 +3,7 @@ unit's gradient is summed over the executors (megatrain/collective.py) into exec
 0's sink (the one-executor sink of executor.py) sends it to the host: one copy per unit reaches the store
 and one Adam updates it.
 
-The sum is taken in fp32 whatever the compute dtype (a bf16 sum of bf16 parts would round twice). A unit's
+The sum is taken in fp32 whatever the compute dtype (a bf16 sum of bf16 parts would be rounded twice). A unit's
 resident tile is overwritten by its summed gradient only after every executor's part exists, so after
 every executor's last read of the unit's weights in the step: the reduction cannot complete earlier.
 """
