@@ -19,7 +19,8 @@ class ProfileConfig:
         "trace in OUTPUT_DIR/profile-step-N.json, and a count of host-blocking CUDA "
         "calls the compute thread made inside the layer loop: logged, should be 0); a "
         "CPU actor (adam-updater, store-owner, packer-N, grad-accumulator-N, "
-        "checkpoint-writer) is sampled with py-spy during that step into "
+        "checkpoint-writer), or another executor of several (gpu-executor-N), is sampled with py-spy "
+        "during that step into "
         "OUTPUT_DIR/profiles/ACTOR-step-N.speedscope.json (needs py-spy and ptrace "
         "rights: root, or kernel.yama.ptrace_scope 0).",
     )
@@ -28,10 +29,11 @@ class ProfileConfig:
         if self.step < 0:
             raise ValueError("train.profile.step must be >= 0 (0 = none)")
         if not re.fullmatch(
-            r"gpu-executor|adam-updater|store-owner|checkpoint-writer|packer-\d+|grad-accumulator-\d+", self.actor
+            r"gpu-executor(-\d+)?|adam-updater|store-owner|checkpoint-writer|packer-\d+|grad-accumulator-\d+",
+            self.actor,
         ):
             raise ValueError(
-                f"train.profile.actor: '{self.actor}' is not an actor (gpu-executor, "
+                f"train.profile.actor: '{self.actor}' is not an actor (gpu-executor, gpu-executor-N, "
                 "adam-updater, store-owner, checkpoint-writer, packer-N, grad-accumulator-N)"
             )
 

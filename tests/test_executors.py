@@ -108,6 +108,9 @@ def test_what_several_executors_cannot_run_is_refused_by_name(tmp_path) -> None:
         load_config(None, ["actors.num_gpus=3", "data.batch_size=2"])
     with pytest.raises(ConfigError, match=r"ipc\.staging.*slabs .*actors\.num_gpus 2 needs the resident copy"):
         load_config(None, ["actors.num_gpus=2", "ipc.staging=slabs"])
+    assert load_config(None, ["train.profile.actor=gpu-executor-1"]).train.profile.actor == "gpu-executor-1"
+    with pytest.raises(ConfigError, match=r"'gpu-executor-x' is not an actor"):
+        load_config(None, ["train.profile.actor=gpu-executor-x"])
     with pytest.raises(ConfigError, match=r"actors\.num_gpus 4: the node with the most GPUs has 2"):
         resolve_executors(ActorsConfig(num_gpus=4), cuda=True, gpus=2)
     assert resolve_executors(ActorsConfig(num_gpus="auto"), cuda=True, gpus=8) == 8
