@@ -13,7 +13,7 @@ from megatrain.engine import EngineConfig
 from megatrain.errors import ConfigError
 from megatrain.ipc.protocol import IpcConfig
 from megatrain.launch.driver_config import TrainConfig
-from megatrain.launch.placement import ActorsConfig
+from megatrain.launch.placement import ActorsConfig, batch_split_problem
 from megatrain.launch.runners import LaunchConfig
 from megatrain.model import ModelConfig, build_spec, hf_config_fields, pretrained_config, resolve_hf_config
 from megatrain.weights import check_checkpoint
@@ -92,11 +92,9 @@ def validate(cfg: Config, where: Where | None = None) -> None:
             "ipc.grad_slabs", f"{cfg.ipc.grad_slabs} must be >= actors.num_accumulators ({cfg.actors.num_accumulators})"
         )
     gpus = cfg.actors.num_gpus
-    if gpus != "auto" and gpus > cfg.data.batch_size:
-        raise fail(
-            "data.batch_size",
-            f"{cfg.data.batch_size} is split by rows over actors.num_gpus {gpus} executors: it must be at least that",
-        )
+    split = batch_split_problem(cfg.data.batch_size, gpus) if gpus != "auto" else None
+    if split:
+        raise fail("data.batch_size", split)
     if gpus != "auto" and gpus > 1 and cfg.ipc.staging == "slabs":
         raise fail(
             "ipc.staging",

@@ -33,6 +33,7 @@ from megatrain.launch.crew import OWNER, Crew
 from megatrain.launch.evaluation import Evaluator
 from megatrain.launch.output import OutputLock, describe_memory, prepare_output, resolve_output, short
 from megatrain.launch.placement import (
+    batch_split_problem,
     bundle,
     demands,
     describe_need,
@@ -197,11 +198,9 @@ class Trainer:
         self.phases.close("Ray")
         cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and self.crew.runner.has_gpu())
         self.executors = resolve_executors(cfg.actors, cuda, self.crew.runner.gpus() if cuda else 0)
-        if self.executors > cfg.data.batch_size:
-            raise ConfigError(
-                f"data.batch_size {cfg.data.batch_size} is split by rows over actors.num_gpus {self.executors} "
-                "executors: it must be at least that"
-            )
+        split = batch_split_problem(cfg.data.batch_size, self.executors)  # auto: known only now
+        if split:
+            raise ConfigError(f"data.batch_size {split}")
         self.engine_cfg = resolve_engine(cfg.engine, cuda)
         self.model = spec = build_spec(cfg.model, cfg.optim.no_decay_1d)
         self.cfg = cfg = dataclasses.replace(

@@ -34,7 +34,7 @@ from megatrain.ipc.shm import (
     shm_free_bytes,
 )
 from megatrain.launch.config import Config, load_config
-from megatrain.launch.placement import demands, describe_need, per_executor
+from megatrain.launch.placement import demands, describe_need, per_executor, resolve_executors
 from megatrain.launch.runners import PRIVATE_THRESHOLD
 from megatrain.model import ModelSpec, build_spec
 from megatrain.moe import is_moe, num_experts
@@ -154,14 +154,13 @@ def _host_terms(
 
 
 def executors_of(cfg: Config, cuda: bool) -> int:
-    """actors.num_gpus for the plan: auto is this machine's GPUs (the plan is for this machine's node)."""
+    """actors.num_gpus for the plan, as given (the plan may be for another machine); auto is this machine's
+    GPUs, and a planned GPU (--gpu-gib) without one here counts as one."""
     if cfg.actors.num_gpus != "auto":
         return int(cfg.actors.num_gpus)
-    if not cuda:
-        return 1
     import torch
 
-    return max(torch.cuda.device_count(), 1)
+    return resolve_executors(cfg.actors, cuda, max(torch.cuda.device_count(), 1) if cuda else 0)
 
 
 def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Host | None = None) -> MemPlan:

@@ -122,6 +122,13 @@ def resolve_executors(cfg: ActorsConfig, cuda: bool, gpus: int) -> int:
     return n
 
 
+def batch_split_problem(batch: int, executors: int) -> str | None:
+    """Why data.batch_size cannot be split by rows over the executors, or None."""
+    if executors > batch:
+        return f"{batch} is split by rows over actors.num_gpus {executors} executors: it must be at least that"
+    return None
+
+
 def per_executor(batch: int, executors: int) -> int:
     """The most sequences one executor runs per step (the rows split as evenly as they go)."""
     return -(-batch // max(executors, 1))

@@ -17,8 +17,7 @@ import time
 import torch
 
 from megatrain.collective import Group
-from megatrain.errors import ProtocolError
-from megatrain.ipc.protocol.executor import StreamedSink, SyncSink, _Worker
+from megatrain.ipc.protocol.executor import StreamedSink, SyncSink, _Walk, _Worker
 from megatrain.ipc.protocol.store import Store
 from megatrain.model import ModelSpec
 
@@ -32,18 +31,9 @@ def reduction_bytes(model: ModelSpec) -> int:
     return (REDUCE_CREDITS + 1) * layer * 4
 
 
-class _Order:
-    """The gradient order every executor follows (executor 0's inner sink checks its own walk too)."""
-
-    def __init__(self, store: Store):
-        self.order = store.spec.grad_order
-        self.i = 0
-
-    def next(self, unit: int) -> None:
-        if self.i >= len(self.order) or self.order[self.i] != unit:
-            expected = self.order[self.i] if self.i < len(self.order) else "nothing more"
-            raise ProtocolError(f"the engine emitted unit {unit} at position {self.i}; the plan says {expected}")
-        self.i += 1
+def _order(store: Store) -> _Walk:
+    """The gradient walk every executor follows (executor 0's inner sink checks its own too)."""
+    return _Walk(store.spec.grad_order, store.spec.emit_items, "emitted")
 
 
 def _fp32(grad: torch.Tensor) -> torch.Tensor:
@@ -60,7 +50,7 @@ class SyncReducingSink:
         self.begin()
 
     def begin(self) -> None:
-        self.order, self.wait_s, self.bytes = _Order(self.store), 0.0, 0
+        self.order, self.wait_s, self.bytes = _order(self.store), 0.0, 0
         if self.inner is not None:
             self.inner.begin()
 
@@ -88,7 +78,7 @@ class StreamedReducingSink:
         self.worker = _Worker(store, "reducer")
         self.todo: queue.Queue = queue.Queue()
         self.credits = threading.Semaphore(REDUCE_CREDITS)
-        self.order = _Order(store)
+        self.order = _order(store)
         self.wait_s, self.bytes = 0.0, 0
 
     @property
@@ -96,7 +86,7 @@ class StreamedReducingSink:
         return self.inner.timeline if self.inner is not None else []
 
     def begin(self) -> None:
-        self.order, self.wait_s, self.bytes = _Order(self.store), 0.0, 0
+        self.order, self.wait_s, self.bytes = _order(self.store), 0.0, 0
         self.todo = queue.Queue()
         self.credits = threading.Semaphore(REDUCE_CREDITS)
         if self.inner is not None:
