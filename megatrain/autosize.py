@@ -36,9 +36,10 @@ Memory model, calibrated on the Qwen2.5-7B layer (bf16) against four measured GP
 16x4096 with 1 and 2 layers in the last block and 2048/8192-token loss chunks; 28 layers with 6; 8
 layers at 158x1024 with 2; all within 1.3 GiB):
   peak = weight buffers + loss chunk + tokens·12·hidden·dtype (hidden-state copies, the checkpoint in
-         flight, the head's input) + whole layers of the last block · tokens·(4·hidden + 5.5·intermediate)
-         ·dtype + its lean layers · (tokens·(3·hidden + 2·q + 2·kv + 2·intermediate)·dtype + their
-         weights), and an all-lean block one whole layer more (its top layer's backward remakes it)
+         flight, the head's input; 6 with token tiles, see stream_bytes) + whole layers of the last block
+         · tokens·(4·hidden + 5.5·intermediate)·dtype + its lean layers · (tokens·(3·hidden + 2·q + 2·kv
+         + 2·intermediate)·dtype + their weights), and an all-lean block one whole layer more (its top
+         layer's backward remakes it)
          + with sequence chunks, an fp32 gradient sum per layer kept (in the last block, or K layers)
 and it must stay under 92 % of the free memory the executor measured after its CUDA context.
 On the CPU device nothing is scarce in this sense: the previous fixed defaults (K 2, last block K,
@@ -61,6 +62,7 @@ LOSS_BYTES = 12  # per logit element: bf16 logits, fp32 upcast, fp32 gradient of
 MARGIN = 0.92  # of the free memory: the allocator's fragmentation and cuBLAS workspaces
 MIN_CHUNK_TOKENS = 32768  # a sequence chunk the last block is chunked for runs its GEMMs at full speed
 TILE_TOKENS = 16384  # an MLP tile of a 7B layer: 1.8 GiB in flight, GEMMs of 16k rows at full speed
+STREAM_COPIES, TILED_STREAM_COPIES = 12, 6  # hidden-state copies beside the kept activations (stream_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +102,15 @@ def token_tile(spec: ModelSpec, tokens: int) -> int:
     return min(tile, tokens)
 
 
-def stream_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int) -> int:
-    """What grows with the tokens outside the layers: hidden-state copies, the checkpoint in flight."""
-    return tokens * 12 * spec.hf_config.hidden_size * dtype_bytes
+def stream_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, tile: int = 0) -> int:
+    """What grows with the tokens outside the kept activations: hidden-state copies (the last block's input,
+    the head's input gradient, the gradient flowing down and the one a layer's backward makes), the
+    checkpoint in flight, and the transients of the layer whose backward runs. Untiled, those transients are
+    the whole sequence's MLP gradients: 12 hidden-state copies in all, calibrated at 4K-1K tokens. With token
+    tiles they follow the tile (counted in the layer's term), which leaves 6 copies: calibrated on 8 layers of
+    the 7B at 1x524288 tokens (96.2 GiB measured at the peak, on an H200)."""
+    copies = TILED_STREAM_COPIES if tile and tile < tokens else STREAM_COPIES
+    return tokens * copies * spec.hf_config.hidden_size * dtype_bytes
 
 
 def buffer_bytes(spec: ModelSpec, prefetch: int, dtype_bytes: int) -> int:
@@ -139,8 +147,8 @@ def choose(
     dtype_bytes = 2 if cfg.compute_dtype == "bf16" else 4
     budget = int(gpu_free * MARGIN) - buffer_bytes(spec, cfg.prefetch, dtype_bytes)
     loss = _loss_chunk(spec.hf_config.vocab_size, budget)
-    budget -= loss * spec.hf_config.vocab_size * LOSS_BYTES + stream_bytes(spec, batch * seq, dtype_bytes)
     tile = 0 if cfg.token_tile == "auto" else cfg.token_tile
+    budget -= loss * spec.hf_config.vocab_size * LOSS_BYTES + stream_bytes(spec, batch * seq, dtype_bytes, tile)
     shape = _Shape(spec, cfg, batch, seq, dtype_bytes, clip, gpu_free, tile)
     try:
         plan = _explicit(cfg, shape.blocks(budget))
@@ -148,6 +156,8 @@ def choose(
         if cfg.token_tile != "auto":
             raise
         tile = token_tile(spec, seq)
+        # the tiles bound the backward's transients: fewer hidden-state copies beside the layers (stream_bytes)
+        budget += stream_bytes(spec, batch * seq, dtype_bytes) - stream_bytes(spec, batch * seq, dtype_bytes, tile)
         shape = _Shape(spec, cfg, batch, seq, dtype_bytes, clip, gpu_free, tile)
         plan = _explicit(cfg, shape.blocks(budget))
     offload = cfg.offload_checkpoints
@@ -374,7 +384,9 @@ def gpu_terms(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, sizes: S
         f"loss chunk logits ({sizes.loss_chunk_tokens} tokens x vocab, 12 B each)": sizes.loss_chunk_tokens
         * hf.vocab_size
         * LOSS_BYTES,
-        "hidden states, checkpoint in flight, head input": stream_bytes(spec, batch * seq, dtype_bytes),
+        "hidden states, checkpoint in flight, head input": stream_bytes(
+            spec, batch * seq, dtype_bytes, sizes.token_tile
+        ),
         f"activations of {kept - lean} layers ({chunk_tokens} tokens each"
         + (f", MLP in tiles of {sizes.token_tile})" if sizes.token_tile else ")"): whole,
         f"{lean} lean layers ({chunk_tokens} tokens each, weights too)": lean_kept,
