@@ -105,10 +105,10 @@ def token_tile(spec: ModelSpec, tokens: int) -> int:
 def stream_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, tile: int = 0) -> int:
     """What grows with the tokens outside the kept activations: hidden-state copies (the last block's input,
     the head's input gradient, the gradient flowing down and the one a layer's backward makes), the
-    checkpoint in flight, and the transients of the layer whose backward runs. Untiled, those transients are
-    the whole sequence's MLP gradients: 12 hidden-state copies in all, calibrated at 4K-1K tokens. With token
-    tiles they follow the tile (counted in the layer's term), which leaves 6 copies: calibrated on 8 layers of
-    the 7B at 1x524288 tokens (96.2 GiB measured at the peak, on an H200)."""
+    checkpoint in flight, and the transients of the layer whose backward runs. Untiled, those transients
+    are the whole sequence's MLP gradients: 12 hidden-state copies in all, calibrated at 16x4096 and
+    158x1024 tokens. With token tiles they follow the tile (counted in the layer's term), which leaves 6
+    copies: calibrated on 8 layers of the 7B at 1x524288 tokens (96.2 GiB measured at the peak, an H200)."""
     copies = TILED_STREAM_COPIES if tile and tile < tokens else STREAM_COPIES
     return tokens * copies * spec.hf_config.hidden_size * dtype_bytes
 
@@ -147,8 +147,9 @@ def choose(
     dtype_bytes = 2 if cfg.compute_dtype == "bf16" else 4
     budget = int(gpu_free * MARGIN) - buffer_bytes(spec, cfg.prefetch, dtype_bytes)
     loss = _loss_chunk(spec.hf_config.vocab_size, budget)
+    room = budget - loss * spec.hf_config.vocab_size * LOSS_BYTES  # before the hidden states, which tiles change
     tile = 0 if cfg.token_tile == "auto" else cfg.token_tile
-    budget -= loss * spec.hf_config.vocab_size * LOSS_BYTES + stream_bytes(spec, batch * seq, dtype_bytes, tile)
+    budget = room - stream_bytes(spec, batch * seq, dtype_bytes, tile)
     shape = _Shape(spec, cfg, batch, seq, dtype_bytes, clip, gpu_free, tile)
     try:
         plan = _explicit(cfg, shape.blocks(budget))
@@ -156,8 +157,7 @@ def choose(
         if cfg.token_tile != "auto":
             raise
         tile = token_tile(spec, seq)
-        # the tiles bound the backward's transients: fewer hidden-state copies beside the layers (stream_bytes)
-        budget += stream_bytes(spec, batch * seq, dtype_bytes) - stream_bytes(spec, batch * seq, dtype_bytes, tile)
+        budget = room - stream_bytes(spec, batch * seq, dtype_bytes, tile)
         shape = _Shape(spec, cfg, batch, seq, dtype_bytes, clip, gpu_free, tile)
         plan = _explicit(cfg, shape.blocks(budget))
     offload = cfg.offload_checkpoints
