@@ -118,13 +118,20 @@ def this_host(cfg: Config, host_gib: float | None = None) -> Host:
     return Host(mem_available_bytes(), mem_total_bytes(), shm_free_bytes(cfg.ipc.shm_dir), threshold)
 
 
+# Pinned checkpoints are optional host memory (the GPU takes those the host does not): they stop this far
+# below the run's limit, so that the processes' transient allocations and the planning error (about half a
+# GiB at the 7B's 512K run) do not take the node over Ray's kill line.
+CHECKPOINT_HEADROOM_FRACTION = 0.02
+
+
 def host_room(cfg: Config, spec: ModelSpec, cuda: bool, machine: Host) -> int:
     """Host RAM left for the executor's pinned activation checkpoints on `machine`: its limit less the store
-    (as planned without them), the processes and the node's share (autosize.choose places the rest on the
-    GPU)."""
+    (as planned without them), the processes, the node's share and a headroom (autosize.choose places the
+    rest on the GPU)."""
     engine = fixed_sizes(resolve_engine(cfg.engine, cuda))
     _, host = _host_terms(cfg, spec, engine, cuda, machine, 0)
-    return machine.limit - sum(host.values())
+    headroom = int(machine.limit * CHECKPOINT_HEADROOM_FRACTION)
+    return machine.limit - headroom - sum(host.values())
 
 
 def _host_terms(

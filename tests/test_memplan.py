@@ -118,6 +118,21 @@ def test_a_plan_that_does_not_fit_says_so_and_what_needs_less(monkeypatch, capsy
     assert main(["plan", str(cfg), "--gpu-gib", "139.3", "--host-gib", "45"]) == 0
 
 
+def test_pinned_checkpoints_leave_headroom_below_the_hosts_limit() -> None:
+    """The 7.6B at 512K on a 125 GiB host: the pinned checkpoints the plan adds stop a headroom below the
+    limit Ray's monitor sets (one more would take the plan within half a GiB of the kill line); the rest
+    stay on the GPU, which still fits."""
+    cfg = qwen_cfg(28, 1, 524288, ["engine.device=cuda", "ipc.staging=auto", "model.hf.max_position_embeddings=524288"])
+    host = memplan.Host(125 * GIB, 125 * GIB, 125 * GIB, 0.98)
+    plan = memplan.make_plan(cfg, int(139.3 * GIB), cuda=True, machine=host)
+    each = 524288 * 3584 * 2
+    pinned = plan.host["executor: pinned activation checkpoints"]
+    total = sum(plan.host.values())
+    assert pinned > 0 and plan.gpu_fits() and plan.host_fits(), plan.sizes
+    assert host.limit - total >= 2 * GIB  # 2 % of 122.5 GiB
+    assert total + each > host.limit * (1 - memplan.CHECKPOINT_HEADROOM_FRACTION)  # as many as that allows
+
+
 def test_a_gpu_too_small_for_one_sequence_is_refused_by_the_auto_sizes(capsys, tmp_path) -> None:
     cfg = qwen_cfg(8, 16, 4096, [])
     spec = build_spec(cfg.model)
