@@ -62,7 +62,7 @@ LOSS_BYTES = 12  # per logit element: bf16 logits, fp32 upcast, fp32 gradient of
 MARGIN = 0.92  # of the free memory: the allocator's fragmentation and cuBLAS workspaces
 MIN_CHUNK_TOKENS = 32768  # a sequence chunk the last block is chunked for runs its GEMMs at full speed
 TILE_TOKENS = 16384  # an MLP tile of a 7B layer: 1.8 GiB in flight, GEMMs of 16k rows at full speed
-STREAM_COPIES, TILED_STREAM_COPIES = 12, 6  # hidden-state copies beside the kept activations (stream_bytes)
+STREAM_COPIES, TILED_STREAM_COPIES = 12, 10  # hidden-state copies beside the kept activations (stream_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,14 +81,15 @@ class Sizes:
 
 def layer_activation_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, tile: int = 0) -> int:
     """One decoder layer's activations kept for its backward, for `tokens` tokens; with token tiles
-    (megatrain/tiling.py), its attention half's (input, norm, q/k/v, attention and o outputs, the
-    log-sum-exp) and the MLP half's input, plus one tile's worth of an untiled layer: the tile in flight."""
+    (megatrain/tiling.py), its attention half's (q, k, v, the attention output, the log-sum-exp and three
+    hidden-state copies: the input, the normed input and the MLP half's input), plus one tile's worth of an
+    untiled layer: the tile in flight. Calibrated with stream_bytes on the tiled runs measured."""
     hf = spec.hf_config
     if not tile or tile >= tokens:
         return int(tokens * (8 * hf.hidden_size + 11 * mlp_width(hf)) * dtype_bytes // 2)
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     q, kv = head_dim * hf.num_attention_heads, head_dim * getattr(hf, "num_key_value_heads", hf.num_attention_heads)
-    kept = tokens * ((5 * hf.hidden_size + 2 * q + 2 * kv) * dtype_bytes + 4 * hf.num_attention_heads)
+    kept = tokens * ((3 * hf.hidden_size + 2 * q + 2 * kv) * dtype_bytes + 4 * hf.num_attention_heads)
     return kept + layer_activation_bytes(spec, tile, dtype_bytes)
 
 
@@ -107,8 +108,10 @@ def stream_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, tile: int = 0) 
     the head's input gradient, the gradient flowing down and the one a layer's backward makes), the
     checkpoint in flight, and the transients of the layer whose backward runs. Untiled, those transients
     are the whole sequence's MLP gradients: 12 hidden-state copies in all, calibrated at 16x4096 and
-    158x1024 tokens. With token tiles they follow the tile (counted in the layer's term), which leaves 6
-    copies: calibrated on 8 layers of the 7B at 1x524288 tokens (96.2 GiB measured at the peak, an H200)."""
+    158x1024 tokens. With token tiles the MLP's follow the tile (counted in the layer's term) and the
+    attention backward's (its gradients of q, k, v and output, an fp32 accumulator, the norms' fp32
+    upcasts) dominate: 10 copies, calibrated with the tiled layer's term on the 7B shape's peaks at 1x524288
+    tokens (8 and 28 layers) and 8 layers at 1x1048576 (an H200; within 5 % of each)."""
     copies = TILED_STREAM_COPIES if tile and tile < tokens else STREAM_COPIES
     return tokens * copies * spec.hf_config.hidden_size * dtype_bytes
 
