@@ -165,16 +165,15 @@ def _ds_config(data: DataConfig, torch_adam: bool) -> dict:
 
 
 def deepspeed_zero3(hf, data: DataConfig, steps: int, gpus: int = 1) -> dict:
-    """DeepSpeed ZeRO-3, parameters and optimizer offloaded to the CPU, at world size `gpus` (one process
-    per GPU beyond one, each `data.batch_size` sequences a step, as DeepSpeed's launcher would run them).
+    """DeepSpeed ZeRO-3, parameters and optimizer offloaded to the CPU, at world size `gpus` (one spawned
+    process per GPU, each `data.batch_size` sequences a step, as DeepSpeed's launcher would run them; with
+    one GPU too, so that a process the kernel kills for host memory is the row's result, not the bench's end).
 
     Its own CPU Adam is a C++ extension built on first use; where that build fails (no compiler on
     the machine) the peer runs with torch's AdamW on the offloaded fp32 partitions and says so."""
     if importlib.util.find_spec("deepspeed") is None:
         return {"name": "DeepSpeed ZeRO-3 offload", "status": "not installed"}
-    if gpus > 1:
-        return _deepspeed_ranks(hf, data, steps, gpus)
-    return _deepspeed_rank(hf, data, steps, 0, 1)
+    return _deepspeed_ranks(hf, data, steps, gpus)
 
 
 def _deepspeed_rank(hf, data: DataConfig, steps: int, rank: int, world: int) -> dict:
@@ -229,16 +228,11 @@ def _deepspeed_child(rank: int, hf, data: DataConfig, steps: int, world: int, ou
 def _deepspeed_ranks(hf, data: DataConfig, steps: int, world: int) -> dict:
     """One process per GPU (spawned: CUDA and NCCL start fresh in each); rank 0's step times and the
     largest GPU peak. A rank the kernel ends, or one that fails, makes the row's status."""
-    import torch.multiprocessing as mp
-
     name = "DeepSpeed ZeRO-3 offload"
     torch.cuda.empty_cache()  # our cached blocks back to the driver: the ranks need the whole GPUs
-    with tempfile.TemporaryDirectory() as out:
-        try:
-            mp.start_processes(_deepspeed_child, (hf, data, steps, world, out), nprocs=world, start_method="spawn")
-        except Exception as exc:  # a rank killed (the OOM killer) or failed
-            return {"name": name, "status": f"error: {type(exc).__name__}: {str(exc)[-300:]}", "gpus": world}
-        ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+    ranks = spawn_ranks(name, _deepspeed_child, (hf, data, steps, world), world)
+    if isinstance(ranks, dict):
+        return ranks
     res = dict(ranks[0])
     if res.get("status") == "ok":
         res["gpu_peak_bytes"] = max(r.get("gpu_peak_bytes", 0) for r in ranks)
@@ -246,6 +240,24 @@ def _deepspeed_ranks(hf, data: DataConfig, steps: int, world: int) -> dict:
     if bad:
         res["status"] = bad[0]["status"]
     return {**res, "gpus": world, "batch": data.batch_size * world}
+
+
+def spawn_ranks(name: str, child: Callable, args: tuple, world: int) -> list[dict] | dict:
+    """`child(rank, *args, out)` in `world` spawned processes, each writing out/rank{rank}.json: their results,
+    or the row's failure where one was killed or failed (the signal named: SIGKILL is the OOM killer's)."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out:
+        try:
+            mp.start_processes(child, (*args, out), nprocs=world, start_method="spawn")
+        except mp.ProcessExitedException as exc:  # a rank ended by a signal or an exit without a result
+            why = f"killed by {exc.signal_name}" if exc.signal_name else f"exited with code {exc.exit_code}"
+            if exc.signal_name == "SIGKILL":
+                why += " (how the kernel's OOM killer ends a process when the host runs out of memory)"
+            return {"name": name, "status": f"error: rank {exc.error_index} {why}", "gpus": world}
+        except Exception as exc:  # a rank failed
+            return {"name": name, "status": f"error: {type(exc).__name__}: {str(exc)[-300:]}", "gpus": world}
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
 
 
 OFFICIAL_DIR = Path(__file__).resolve().parent / "official"

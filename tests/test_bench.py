@@ -168,3 +168,14 @@ def test_the_repository_holds_no_copy_of_the_official_code() -> None:
     """Only our glue is in bench/official; their code is a checkout elsewhere (checkout.py)."""
     here = sorted(p.name for p in (ROOT / "bench" / "official").iterdir() if p.name != "__pycache__")
     assert here == ["README.md", "bench_official.py", "checkout.py", "make_model.py", "run_official.sh"]
+
+
+def test_a_peer_rank_the_kernel_kills_is_the_rows_result_not_the_benchs_end() -> None:
+    """DeepSpeed runs in spawned ranks (one with one GPU): a SIGKILL, the OOM killer's signal, becomes the
+    row's status, naming the signal."""
+    from bench.peers import spawn_ranks
+    from tests.spawned import killed_rank
+
+    res = spawn_ranks("peer", killed_rank, (), 2)
+    assert isinstance(res, dict) and res["status"].startswith("error: rank 1 killed by SIGKILL"), res
+    assert "OOM killer" in res["status"]
