@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,131 @@ if str(ROOT) not in sys.path:
 # anything initializes CUDA). The GPU tests (marked cuda) run with: MEGATRAIN_TEST_CUDA=1 pytest -m cuda
 if os.environ.get("MEGATRAIN_TEST_CUDA") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
+# ---- under pytest-xdist (MEGATRAIN_TEST_WORKERS=N ./run-tests.sh) -----------------------------------
+# Every run the suite starts sweeps /dev/shm of runs whose owner is dead (actors/store_owner.py), and so
+# does `megatrain-launch --cleanup`. The tests marked shm_alone make such runs on purpose (a dead or reused
+# owner pid, a segment without a control segment): a sweep from another worker would take them mid-test.
+# They run on one worker, first, while no other test of the session runs (a lock over the workers).
+ALONE = "shm_alone"
+
+
+def _alone(item: pytest.Item) -> bool:
+    return item.get_closest_marker(ALONE) is not None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        _ray_token_before_workers()
+
+
+def _ray_token_before_workers() -> None:
+    """A local ray.init makes ~/.ray/auth_token where there is none. Two workers starting Ray at once on a
+    fresh machine would each write a token of their own, and one instance's processes would read the
+    other's: the controller makes it once, before the workers start."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled" or (Path.home() / ".ray" / "auth_token").exists():
+        return
+    subprocess.run(
+        [sys.executable, "-m", "ray.scripts.scripts", "get-auth-token", "--generate"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        timeout=120,
+        check=False,
+    )
+
+
+# The two longest units start side by side, right after the shm_alone group: the module of Ray jobs (its tests
+# share a Ray head; minutes in all) and then the chain of kills in test_lifecycle.py (minutes alone). In this
+# order because a worker is handed its next unit while it has two tests or fewer left: the worker that takes
+# the jobs' eight is not handed the chain too.
+FIRST = ("test_jobs.py", "test_lifecycle.py::test_one_run_stopped_and_killed_mid_checkpoint_resumes_bit_identical")
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """The units --dist loadgroup hands out: each module whole (its module-scoped fixtures are made once);
+    but a test marked slow in a module not marked so is a unit of its own, and the shm_alone tests are one."""
+    if not hasattr(item.config, "workerinput"):
+        return
+    if _alone(item):
+        item.add_marker(pytest.mark.xdist_group(ALONE))
+    elif item.get_closest_marker("slow") is None or item.getparent(pytest.Module).get_closest_marker("slow"):
+        item.add_marker(pytest.mark.xdist_group(item.path.stem))
+
+
+def _first(item: pytest.Item) -> int:
+    """Where the item's unit goes: the shm_alone group, FIRST in order, the other slow tests, the rest."""
+    if _alone(item):
+        return 0
+    name = item.nodeid.split("@")[0].removeprefix("tests/")
+    for i, prefix in enumerate(FIRST):
+        if name.startswith(prefix):
+            return 1 + i
+    return 1 + len(FIRST) + (item.get_closest_marker("slow") is None)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On a worker, after pytest has ordered the tests by their fixtures: the units in _first's order, so
+    that no test of minutes starts last (run-tests.sh keeps it with --no-loadscope-reorder)."""
+    if hasattr(config, "workerinput"):
+        items.sort(key=_first)
+
+
+class _Turns:
+    """A readers-writer lock over the workers (flock on files in the session's shared temp directory): an
+    shm_alone test holds it exclusively, every other test shared. A waiting exclusive holder closes the gate,
+    so that the other workers' next tests wait for it instead of keeping it out for good."""
+
+    def __init__(self, root: Path, alone_tests: bool):
+        self.gate = os.open(root / "megatrain-shm-gate", os.O_RDWR | os.O_CREAT, 0o600)
+        self.turn = os.open(root / "megatrain-shm-turn", os.O_RDWR | os.O_CREAT, 0o600)
+        self.started = root / "megatrain-shm-alone-started"
+        self.alone = False
+        # Workers start together: before its first test, a worker gives the one with the shm_alone group a
+        # moment to take its turn, rather than making it wait for a test of minutes.
+        self.wait_for_alone = alone_tests
+
+    def take(self, alone: bool) -> None:
+        if alone:
+            if not self.alone:
+                fcntl.flock(self.gate, fcntl.LOCK_EX)
+                fcntl.flock(self.turn, fcntl.LOCK_EX)
+                self.alone = True
+                self.started.touch()
+            return
+        if self.wait_for_alone:
+            self.wait_for_alone = False
+            deadline = time.monotonic() + 30
+            while not self.started.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        fcntl.flock(self.gate, fcntl.LOCK_SH)
+        fcntl.flock(self.turn, fcntl.LOCK_SH)
+        fcntl.flock(self.gate, fcntl.LOCK_UN)
+
+    def release(self) -> None:
+        fcntl.flock(self.turn, fcntl.LOCK_UN)
+        fcntl.flock(self.gate, fcntl.LOCK_UN)
+        self.alone = False
+
+
+_turns: list[_Turns] = []
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    if not hasattr(item.config, "workerinput"):
+        return (yield)
+    if not _turns:
+        basetemp = item.config.option.basetemp  # xdist gives each worker one inside the controller's
+        root = Path(basetemp).parent if basetemp else Path(tempfile.gettempdir())
+        _turns.append(_Turns(root, any(_alone(it) for it in item.session.items)))
+    turns, alone = _turns[0], _alone(item)
+    turns.take(alone)
+    try:
+        return (yield)
+    finally:
+        if not (alone and nextitem is not None and _alone(nextitem)):
+            turns.release()
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import pytest
@@ -47,6 +49,23 @@ MOE_TINY = {
     "olmoe": {**_MOE, "num_experts": 4, "intermediate_size": 24, "pad_token_id": 0},
     "gpt_oss": {**_MOE, "num_local_experts": 4, "intermediate_size": 24, "head_dim": 8, "sliding_window": 8},
 }
+
+
+def started_since(before: set[int]) -> set[int]:
+    """Processes this one has started since its descendants were `before` (and theirs), alive: not the workers
+    that a Ray instance of the session (tests/conftest.py) starts on its own, whose parent, its raylet, is older."""
+    import psutil
+
+    new = {}
+    for p in psutil.Process().children(recursive=True):
+        if p.pid not in before:
+            with contextlib.suppress(psutil.Error):
+                new[p.pid] = p.ppid()
+    found, parents = set(), {os.getpid()}
+    while parents:
+        parents = {pid for pid, ppid in new.items() if ppid in parents} - found
+        found |= parents
+    return found
 
 
 def tiny_config_dict(family: str, tied: bool, layers: int = 3) -> dict:

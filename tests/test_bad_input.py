@@ -13,7 +13,7 @@ import pytest
 
 from megatrain.launch import cli
 from tests.conftest import ROOT, run_leftovers
-from tests.helpers import TINY, tiny_hf
+from tests.helpers import TINY, started_since, tiny_hf
 
 DEFAULT = str(ROOT / "examples/default.yaml")
 
@@ -22,7 +22,7 @@ def launch(capsys, *argv: str) -> tuple[int, str]:
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     code = cli.main(list(argv))
     err = capsys.readouterr().err
-    left = {p.pid for p in psutil.Process().children(recursive=True)} - before
+    left = started_since(before)
     assert not left, f"processes started and left: {left}"
     assert "Traceback" not in err
     return code, err

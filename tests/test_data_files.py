@@ -24,6 +24,7 @@ from tests.data_fixtures import (
     text_records,
     write_jsonl,
 )
+from tests.helpers import started_since
 
 HF = SimpleNamespace(vocab_size=MODEL_VOCAB, pad_token_id=None)
 
@@ -490,6 +491,6 @@ def test_no_tokenizer_process_outlives_the_build(tmp_path, tok_dir, monkeypatch)
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     open_data(cfg(tmp_path, tok_dir, kind="chat", path=str(path), seq_len=64, num_workers=2), HF, None)
     deadline = time.monotonic() + 60  # a bound on the wait for their exit, not a measure of it
-    while {p.pid for p in psutil.Process().children(recursive=True)} - before and time.monotonic() < deadline:
+    while started_since(before) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not {p.pid for p in psutil.Process().children(recursive=True)} - before
+    assert not started_since(before)

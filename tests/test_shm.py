@@ -25,6 +25,10 @@ from megatrain.ipc import mapping, procs, shm
 from megatrain.ipc.shm import HEADER_BYTES, Header, Segment, seg_name, sem_name
 from tests.shm_fixtures import HASH, SHM, leftovers, owned, remove_all
 
+# Runs without a live owner (segments without a control segment, dead and reused owner pids): another run's
+# sweep must not see them (tests/conftest.py).
+pytestmark = pytest.mark.shm_alone
+
 
 def child_env() -> dict:
     env = dict(os.environ)

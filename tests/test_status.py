@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from megatrain.ipc.protocol import Store
 from megatrain.ipc.protocol.status import read_run
 from megatrain.launch.cli import main
@@ -49,6 +51,7 @@ def test_status_says_no_runs(tmp_path, capsys) -> None:
     assert capsys.readouterr().out.strip() == "no runs"
 
 
+@pytest.mark.shm_alone  # a dead owner's run: another run's sweep must not take it (tests/conftest.py)
 def test_a_run_whose_owner_died_is_not_listed_but_named_for_cleanup(rid: str, capsys) -> None:
     try:
         subprocess.run(
