@@ -88,7 +88,6 @@ class CheckpointWriter(Role):
             "step": step,
             "layout_hash": spec.layout.digest().hex(),
             "family": spec.model.family,
-            "hf_config": spec.model.hf_config.to_dict(),
             "total_elems": spec.layout.total,
             "files": {f"{p}.bin": {"bytes": nbytes, "segments": sorted(segments[p])} for p in ckpt.PLANES},
             "units": ckpt.unit_table(spec.layout),

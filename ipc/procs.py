@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import psutil
 
@@ -34,7 +35,12 @@ def start_ticks(pid: int) -> int:
 
 
 def started_at(pid: int) -> float:
-    """When the process started, in seconds since the epoch (time.time()'s clock); 0.0 if unknown."""
+    """When the process started, in seconds since the epoch (time.time()'s clock); 0.0 if unknown. From its
+    start ticks and the time since boot, to a tick: psutil's create_time() adds the boot time in whole
+    seconds, up to a second early, which a start-up timed from it would count."""
+    ticks = start_ticks(pid)
+    if ticks and hasattr(time, "CLOCK_BOOTTIME"):  # the clock the kernel counts start ticks on
+        return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
     try:
         return psutil.Process(pid).create_time()
     except (psutil.Error, OSError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import traceback
@@ -98,6 +99,9 @@ def _usage_errors(command: Callable[[], int]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The program (argv None: the console script, `python -m`, a Ray job's entrypoint), whose start-up counts
+    from its process's start; or a call from a process that was running before (argv given)."""
+    program = argv is None
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["export"]:
         from megatrain.launch.export_cmd import main as export_main
@@ -132,10 +136,10 @@ def main(argv: list[str] | None = None) -> int:
 
     stop = StopRequest()
     with stop.installed():
-        return _run(args, stop)
+        return _run(args, stop, program)
 
 
-def _run(args: argparse.Namespace, stop: Any) -> int:
+def _run(args: argparse.Namespace, stop: Any, program: bool = False) -> int:
     trainer = None
     try:
         from megatrain.configbase import dump_yaml
@@ -146,9 +150,10 @@ def _run(args: argparse.Namespace, stop: Any) -> int:
         if args.print_config:
             print(_resolved_here(cfg, dump_yaml), end="")
             return 0
+        from megatrain.ipc.procs import started_at
         from megatrain.launch.driver import Trainer
 
-        trainer = Trainer(cfg, stop)
+        trainer = Trainer(cfg, stop, launched=(started_at(os.getpid()) or None) if program else None)
         summary = trainer.run()
         if summary.get("complete"):
             print(

@@ -47,12 +47,15 @@ from megatrain.launch.runners import Pending, make_runner
 from megatrain.launch.steploop import PreparedRun, StepLoop
 from megatrain.launch.stopping import StopRequest, sigint_deferred
 from megatrain.launch.tensorboard import summary_writer
-from megatrain.model import ModelSpec, build_spec, resolve_hf_config
+from megatrain.model import ModelSpec, resolve_hf_config
 
 
 class Trainer:
-    def __init__(self, cfg: Config, stop: StopRequest | None = None):
+    def __init__(self, cfg: Config, stop: StopRequest | None = None, launched: float | None = None):
+        """`launched`: when the launcher's process started (time.time()), where the start-up clock begins;
+        None for now (a Trainer run inside a process that was doing other things before)."""
         self.cfg = cfg
+        self.launched = launched
         self.stop = stop  # a graceful-stop request (signal), checked between steps
         self.run_id = check_run_id(cfg.train.run_id or secrets.token_hex(5))
         self.out = resolve_output(cfg.train.output_dir, self.run_id)  # absolute; printed at start
@@ -76,7 +79,7 @@ class Trainer:
 
     # ---- public -----------------------------------------------------------------------------
     def run(self) -> dict:
-        self.phases.restart()
+        self.phases.restart(self.launched)
         atexit.register(self.shutdown)
         try:
             self.setup()
@@ -194,15 +197,14 @@ class Trainer:
                 f"steps (train.steps {cfg.train.steps} is not used)"
             )
         self.phases.close("config and data")
-        self.crew.runner.connect(bundle(demands(cfg.actors, cuda=False))["CPU"])
-        self.phases.close("Ray")
+        spec = startup.connect_building_spec(self.crew, cfg, self.phases)  # Ray starts meanwhile
         cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and self.crew.runner.has_gpu())
         self.executors = resolve_executors(cfg.actors, cuda, self.crew.runner.gpus() if cuda else 0)
         split = batch_split_problem(cfg.data.batch_size, self.executors)  # auto: known only now
         if split:
             raise ConfigError(f"data.batch_size {split}")
         self.engine_cfg = resolve_engine(cfg.engine, cuda)
-        self.model = spec = build_spec(cfg.model, cfg.optim.no_decay_1d)
+        self.model = spec
         self.cfg = cfg = dataclasses.replace(
             cfg, ipc=resolve_stall(cfg.ipc, spec, cfg.data.batch_size, cfg.data.seq_len)
         )  # the monitor's timeout for this model's layers, in the config.yaml written next

@@ -44,7 +44,8 @@ class Guard:
     def end_all(self) -> list[int]:
         killed = []
         for pid, ticks in self.tracked.items():
-            if pid != self.driver and pid_alive(pid, ticks):
+            # ticks 0: gone before its start was read, and its pid may be another process's by now
+            if pid != self.driver and ticks and pid_alive(pid, ticks):
                 try:
                     os.kill(pid, signal.SIGKILL)
                     killed.append(pid)

@@ -38,8 +38,8 @@ class Start:
 def choose_start(cfg: Any, out: Path, steps: int) -> Start:
     """The verified start of a run of `steps` steps in output directory `out` (cfg: the launch Config)."""
     resume = cfg.train.resume
-    if resume == "none":
-        return Start()
+    if resume == "none" or (resume == "auto" and not _newest_first(out / "checkpoints")):
+        return Start()  # nothing to verify: the model's structure (its modeling imports) is built later, beside Ray
     spec = build_spec(cfg.model, cfg.optim.no_decay_1d)
     if resume == "auto":
         directory = _newest_intact(out / "checkpoints", spec)

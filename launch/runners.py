@@ -124,6 +124,12 @@ class InProcessRunner:
             self._end(name)
 
 
+# A local instance starts no idle workers for its first driver: Ray would start one per logical CPU (16 on a
+# 16-core node), each importing Ray, at the moment the actors import torch, and no actor takes one (each
+# gets a process of its own, with its own environment).
+LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
+
+
 class RayRunner:
     def __init__(self, cfg: LaunchConfig):
         import ray
@@ -155,6 +161,7 @@ class RayRunner:
                             include_dashboard=False,
                             object_store_memory=self.cfg.object_store_mb * 2**20,
                             log_to_driver=True,
+                            _system_config=LOCAL_SYSTEM_CONFIG,
                         )
                     except _auth_error() as exc:  # e.g. RAY_AUTH_TOKEN_PATH naming no file
                         raise ConfigError(f"cannot start a local Ray instance: {_auth_message(exc)}") from None

@@ -5,6 +5,7 @@ owner settles the store with them; then every worker attaches. Each phase is tim
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from megatrain import autosize, log
 from megatrain.actors.adam_updater import AdamUpdater
@@ -20,9 +21,9 @@ from megatrain.ipc.protocol.reduce import reduction_bytes
 from megatrain.launch.config import Config
 from megatrain.launch.crew import OWNER, Crew
 from megatrain.launch.output import describe_run
-from megatrain.launch.placement import Demand, per_executor
+from megatrain.launch.placement import Demand, bundle, demands, per_executor
 from megatrain.launch.runners import Pending
-from megatrain.model import ModelSpec, resolve_hf_config
+from megatrain.model import ModelSpec, build_spec, resolve_hf_config
 
 
 class Phases:
@@ -31,9 +32,15 @@ class Phases:
     def __init__(self) -> None:
         self.restart()
 
-    def restart(self) -> None:
-        self.launched, self.launched_wall = time.monotonic(), time.time()
+    def restart(self, since: float | None = None) -> None:
+        """From now, or from `since` (time.time()): the launcher's process start, so that its own Python start
+        and imports count as the first phase, as a user waiting at the prompt sees them."""
+        now, wall = time.monotonic(), time.time()
+        self.launched_wall = since if since is not None else wall
+        self.launched = now - (wall - self.launched_wall)
         self.seconds: dict[str, float] = {}
+        if since is not None:
+            self.close("launcher started (Python, imports)")
 
     def close(self, name: str) -> None:
         """Close a phase: the time since launch not yet given to an earlier one."""
@@ -51,6 +58,17 @@ class Phases:
                 for name, m in marks.items()
             )
         )
+
+
+def connect_building_spec(crew: Crew, cfg: Config, phases: Phases) -> ModelSpec:
+    """Ray starts (its head processes: seconds) while a thread of this process builds the model's structure on
+    the meta device (the family's modeling code imports: seconds too). Ray stays on the main thread, where
+    its start sets signal handlers; the thread starts no process, so the guard takes Ray's alone."""
+    with ThreadPoolExecutor(1, thread_name_prefix="model-spec") as pool:
+        building = pool.submit(build_spec, cfg.model, cfg.optim.no_decay_1d)
+        crew.runner.connect(bundle(demands(cfg.actors, cuda=False))["CPU"])
+        phases.close("Ray")
+        return building.result()
 
 
 def packer_plan(num_packers: int) -> list[tuple[str, type, tuple]]:

@@ -66,7 +66,8 @@ class StepLoop:
         self.saves = Saves(
             run.crew,
             run.checkpointer,
-            {"config": run.config_yaml, "steps_total": run.steps},
+            # the HF config as the driver holds it: the writer would import transformers to read its own
+            {"config": run.config_yaml, "steps_total": run.steps, "hf_config": run.spec.model.hf_config.to_dict()},
             run.cfg.train.step_timeout_s,
             self._recorded,
             self._sync,

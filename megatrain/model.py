@@ -6,23 +6,31 @@ import copy
 import dataclasses
 import inspect
 import json
+import pickle
+import threading
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import transformers
-from transformers import PretrainedConfig
 
 from megatrain.configbase import opt
 from megatrain.errors import ConfigError
 from megatrain.layout import StoreLayout, build_layout
 
-try:  # transformers 5 configs are strict dataclasses: a field of the wrong type raises this
-    from huggingface_hub.errors import StrictDataclassError
-except ImportError:  # older huggingface_hub: the configs raise TypeError / ValueError only
-    StrictDataclassError = TypeError
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+
+def _config_errors() -> tuple[type[Exception], ...]:
+    """What a family's config class raises for a bad field (imported on use: huggingface_hub pulls in httpx)."""
+    try:  # transformers 5 configs are strict dataclasses: a field of the wrong type raises this
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:  # older huggingface_hub: the configs raise TypeError / ValueError only
+        return (TypeError, ValueError)
+    return (TypeError, ValueError, StrictDataclassError)
+
 
 # Class names, resolved on use: the modeling code is imported only by the processes that build a
 # model (store owner, executor), not by the packers, accumulators and Adam updater (~90 MB less RSS
@@ -46,10 +54,20 @@ FAMILIES: dict[str, tuple[str, str]] = {
 ATTENTION = "megatrain_attention"
 
 
+def config_class(family: str) -> type:
+    """A family's config class alone: reading and checking a config imports no modeling code (the launcher
+    does it before starting anything; the modeling code comes with the first model built)."""
+    import transformers
+
+    return getattr(transformers, FAMILIES[family][0])
+
+
 def family_classes(family: str) -> tuple[type, type]:
     """(config class, causal-LM class) of a family. Registers ATTENTION with HF first: it is imported here,
     where a model may be built, and not by the processes that never build one (the packers, accumulators,
     writer and Adam updater), whose start it would slow by the transformers modeling code it pulls in."""
+    import transformers
+
     import megatrain.attention  # noqa: F401
 
     conf, model = FAMILIES[family]
@@ -80,11 +98,48 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Everything a process needs to know about the model; small and picklable."""
+    """Everything a process needs to know about the model; small and picklable.
+
+    It travels with its HF config pickled apart, unpickled on first use: the processes that only read the
+    layout (packers, accumulators, checkpoint writer, Adam updater) never import transformers, which is
+    about a third of their start-up imports (a second of CPU each, beside the executor's own imports)."""
 
     family: str
     hf_config: PretrainedConfig
     layout: StoreLayout
+
+    def __reduce__(self) -> tuple:
+        packed = self.__dict__.get("_hf_pickle")  # still packed: passed on without unpickling it
+        return (_unpickled_spec, (self.family, packed or pickle.dumps(self.hf_config), self.layout))
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for attributes not found: hf_config of a spec that came through pickle, on its first read. Once
+        # unpickled, the object is what travels on (a change made to it is not lost), and one thread makes it.
+        missing = AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+        if name != "hf_config":
+            raise missing
+        with _UNPICKLING:
+            if "hf_config" not in self.__dict__:  # another thread's unpickling may have come first
+                if "_hf_pickle" not in self.__dict__:
+                    raise missing
+                try:
+                    hf = pickle.loads(self.__dict__["_hf_pickle"])
+                except AttributeError as exc:  # not to be taken for a missing attribute (hasattr would hide it)
+                    raise RuntimeError(f"the model's HF config cannot be unpickled here: {exc}") from exc
+                object.__setattr__(self, "hf_config", hf)
+                self.__dict__.pop("_hf_pickle")
+        return self.__dict__["hf_config"]
+
+
+_UNPICKLING = threading.Lock()
+
+
+def _unpickled_spec(family: str, hf_pickle: bytes, layout: StoreLayout) -> ModelSpec:
+    spec = object.__new__(ModelSpec)
+    object.__setattr__(spec, "family", family)
+    object.__setattr__(spec, "layout", layout)
+    object.__setattr__(spec, "_hf_pickle", hf_pickle)
+    return spec
 
 
 # Accepted by every family's config without being one of its fields: read by PretrainedConfig itself or
@@ -108,7 +163,7 @@ _COMMON_KEYS = {
 def hf_config_fields(family: str, base: dict | None = None) -> set[str]:
     """Every key model.hf may set for this family: the config class's constructor arguments and fields
     (this transformers version's), the legacy RoPE names, and whatever the pretrained config.json holds."""
-    conf_cls = family_classes(family)[0]
+    conf_cls = config_class(family)
     keys = set(inspect.signature(conf_cls.__init__).parameters) - {"self", "kwargs"}
     keys |= set(conf_cls().to_dict()) | set(getattr(conf_cls, "attribute_map", {}))
     return keys | _COMMON_KEYS | set(base or {})
@@ -162,7 +217,7 @@ def _float_fields(conf_cls: type) -> set[str]:
 
 def resolve_hf_config(cfg: ModelConfig) -> tuple[str, PretrainedConfig]:
     family, base = pretrained_config(cfg)
-    conf_cls = family_classes(family)[0]
+    conf_cls = config_class(family)
     merged = {**base, **cfg.hf}
     merged.pop("architectures", None)
     _drop_mxfp4(merged)
@@ -171,7 +226,7 @@ def resolve_hf_config(cfg: ModelConfig) -> tuple[str, PretrainedConfig]:
     merged = {k: float(v) if k in floats and type(v) is int else v for k, v in merged.items()}
     try:
         hf = conf_cls(**merged)
-    except (TypeError, ValueError, StrictDataclassError) as exc:
+    except _config_errors() as exc:
         raise ConfigError(f"model.hf: {' '.join(str(exc).split())}") from None  # one line: HF's may be several
     hf._attn_implementation = ATTENTION  # HF's SDPA with sliding windows honoured (megatrain/attention.py)
     hf.use_cache = False

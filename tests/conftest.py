@@ -154,7 +154,16 @@ def ray_cluster():
     """A local Ray instance for the whole session; the Trainer joins it instead of starting its own."""
     import ray
 
-    ray.init(address="local", num_cpus=8, include_dashboard=False, object_store_memory=96 * 2**20, log_to_driver=False)
+    from megatrain.launch.runners import LOCAL_SYSTEM_CONFIG  # as the launcher's own: no idle worker per CPU
+
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        object_store_memory=96 * 2**20,
+        log_to_driver=False,
+        _system_config=LOCAL_SYSTEM_CONFIG,
+    )
     try:
         yield ray
     finally:

@@ -46,3 +46,33 @@ def test_the_checker_sees_a_wrong_import(tmp_path: Path) -> None:
     bad = tmp_path / "m.py"
     bad.write_text("def f():\n    from megatrain.launch.driver import Trainer\n")
     assert [(line, layer_of(m)) for line, m in imports(bad)] == [(2, "launch")]
+
+
+def test_the_store_workers_start_without_transformers() -> None:
+    """The packers, accumulators, checkpoint writer and Adam updater read only the model's layout: importing
+    their classes and unpickling the model spec they are sent leaves transformers unimported (it stays a
+    second of CPU each beside the executor's imports), and the config comes back whole on first read."""
+    import pickle
+    import subprocess
+    import sys
+
+    from megatrain.model import ModelConfig, build_spec
+
+    spec = build_spec(ModelConfig(family="qwen2", hf={"hidden_size": 32, "intermediate_size": 64, "vocab_size": 64}))
+    code = (
+        "import pickle, sys\n"
+        "import megatrain.actors.adam_updater, megatrain.actors.packer\n"
+        "import megatrain.actors.grad_accumulator, megatrain.actors.checkpoint_writer\n"
+        "spec = pickle.loads(sys.stdin.buffer.read())\n"
+        "print(spec.layout.num_params, 'transformers' in sys.modules)\n"
+        "print(spec.hf_config.hidden_size, type(spec.hf_config).__name__, 'transformers' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], input=pickle.dumps(spec), capture_output=True, cwd=ROOT, timeout=300
+    )
+    assert out.returncode == 0, out.stderr.decode()
+    assert out.stdout.decode().split("\n")[:2] == [f"{spec.layout.num_params} False", "32 Qwen2Config True"]
+    again = pickle.loads(pickle.dumps(pickle.loads(pickle.dumps(spec))))  # passed on still packed
+    assert again.hf_config.to_dict() == spec.hf_config.to_dict() and again.layout == spec.layout
+    again.hf_config.rms_norm_eps = 0.125  # once unpickled, the object itself travels on, changes and all
+    assert pickle.loads(pickle.dumps(again)).hf_config.rms_norm_eps == 0.125 != spec.hf_config.rms_norm_eps

@@ -99,7 +99,7 @@ def job_head(home: Path):
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env=user_env(home, **RECIPE),
+        env=user_env(home, **RECIPE, RAY_prestart_worker_first_driver="0"),  # no idle worker per CPU
     )
     address = f"http://127.0.0.1:{dash}"
     try:

@@ -151,6 +151,9 @@ def test_bad_override_names_the_command_line(tmp_path: Path) -> None:
 
 
 NO_AUTH = {"RAY_AUTH_MODE": "disabled"}  # a throwaway cluster on localhost: no token to hand around
+# No idle worker per CPU for the first driver (as the launcher's own local instance): on 2 cores their
+# imports would slow every link's actors.
+NO_PRESTART = {"RAY_prestart_worker_first_driver": "0"}
 
 
 @pytest.fixture
@@ -177,7 +180,7 @@ def head_node(tmp_path: Path):
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env={**os.environ, **NO_AUTH},
+        env={**os.environ, **NO_AUTH, **NO_PRESTART},
     )
     try:
         deadline = time.monotonic() + 300  # a bound for a hung start only: a busy machine starts Ray slowly

@@ -205,3 +205,20 @@ def test_the_old_profile_keys_are_read_as_train_profile(tmp_path, capsys) -> Non
     assert load_config(None, ["train.profile_step=2", "train.profile.step=2"]).train.profile.step == 2
     with pytest.raises(ConfigError, match=r"train.profile_step.*renamed to 'train.profile.step', which is also"):
         load_config(None, ["train.profile_step=2", "train.profile.step=4"])
+
+
+def test_start_up_counts_from_the_launchers_start(tmp_path, rid: str) -> None:
+    """The launcher passes its process's start: its own Python start and imports are the first phase, and the
+    first step is done that much later after launch (here a start 30 s ago, as if the imports took that)."""
+    import time
+
+    hf = json.dumps({**TINY, "num_hidden_layers": 2})
+    over = [f"model.hf={hf}", "data.seq_len=32", "data.batch_size=2", "train.steps=2", "train.eval_every=0"]
+    over += ["train.final_eval=false", f"train.run_id={rid}", f"train.output_dir={tmp_path / 'out'}"]
+    began = time.time()
+    summary = Trainer(load_config(None, [*over, "launch.runner=inprocess"]), launched=began - 30.0).run()
+    took = time.time() - began
+    phases = summary["startup_s"]
+    first = next(iter(phases))
+    assert first == "launcher started (Python, imports)" and 30.0 <= phases[first] < 30.0 + took, phases
+    assert 30.0 + sum(list(phases.values())[1:]) <= summary["time_to_first_step_s"] < 30.0 + took

@@ -422,8 +422,12 @@ def _kernel_start_ticks(pid: int) -> int:
 
 
 def test_start_ticks_and_started_at_are_the_kernels(rid: str) -> None:
+    before = time.time()
     child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    after = time.time()
     try:
+        # to a tick (10 ms), not to the second of the kernel's btime: a start-up is timed from it
+        assert before - 0.02 <= procs.started_at(child.pid) <= after + 0.02, (before, after)
         for pid in (os.getpid(), child.pid):
             ticks = procs.start_ticks(pid)
             assert ticks == _kernel_start_ticks(pid) > 0

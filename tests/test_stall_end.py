@@ -3,12 +3,14 @@ within seconds, not after the driver has waited out the stopped actor's answer a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.test_lifecycle import NO_AUTH, Cli
@@ -16,11 +18,24 @@ from tests.test_lifecycle import NO_AUTH, Cli
 VERDICT = r"stalled: actor 'adam-updater' \(pid \d+\) stopped running"
 
 
+def prestarted_workers(driver: int) -> list[str]:
+    """The log files of the workers the driver's local Ray instance started for no job (Ray's idle ones, named
+    for the nil job id); its head processes name its log directory."""
+    for q in psutil.Process(driver).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            for arg in q.cmdline():
+                if arg.startswith("--log_dir="):
+                    return sorted(p.name for p in Path(arg.split("=", 1)[1]).glob("worker-*-ffffffff-*.out"))
+    raise AssertionError(f"no Ray head process under the launcher (pid {driver})")
+
+
 @pytest.mark.slow
 def test_the_run_ends_within_seconds_of_the_stall_verdict(tmp_path: Path) -> None:
     cli = Cli(tmp_path, "ipc.stall_timeout_s=5", "train.log_every=1", steps=100000, env=NO_AUTH)
     pids = cli.actor_pids()
     cli.wait_for(r"step 3/100000")
+    # The local instance started no idle worker per CPU beside the actors' own (launch/runners.py).
+    assert prestarted_workers(cli.proc.pid) == []
     cli.snapshot()
     os.kill(pids["adam-updater"], signal.SIGSTOP)
     deadline = time.monotonic() + 60
