@@ -12,10 +12,12 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from megatrain import checkpoint as ckpt
@@ -30,7 +32,7 @@ from megatrain.ipc.protocol.checkpoints import restore_versions
 from megatrain.ipc.protocol.cpus import ThreadRequest, cpu_plan, node_cores
 from megatrain.ipc.protocol.monitor import Monitor
 from megatrain.ipc.shm import check_space, pss_split, remove_cuda_ipc_files, seg_name, space_now, sweep
-from megatrain.model import ModelConfig, build_spec, init_unit, meta_model, unit_seed
+from megatrain.model import ModelConfig, ModelSpec, build_spec, init_unit, meta_model, unit_seed
 from megatrain.weights import checkpoint_index, copy_slots, fill_tile, read_unit, slot_views
 
 # What the run's processes take after the store is admitted (the executor's CUDA context and pinned buffers,
@@ -63,6 +65,7 @@ class StoreRequest:
     threads: ThreadRequest = field(default_factory=ThreadRequest)
     about: dict = field(default_factory=dict)
     executors: int = 1  # actors.num_gpus, resolved
+    spec: ModelSpec | None = None  # the model's spec as the driver built it; None: built here from `model`
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,10 @@ class StoreOwner(Role):
         if removed:
             print(f"[{self.name}] swept {len(removed)} objects of dead runs from {shm_dir}", flush=True)
         self.space = space_now(shm_dir)  # settle() re-decides against the memory as it was before
-        self.request, self.model = request, build_spec(request.model, request.no_decay_1d)
+        self.request = request
+        # The driver's spec: its structure is built once, and the modeling code this process imports for the
+        # init comes after the segments, while their pages are faulted in (_make).
+        self.model = request.spec if request.spec is not None else build_spec(request.model, request.no_decay_1d)
         # The activation checkpoints the executor will pin depend on the engine's sizes; while some are still
         # `auto` they are unknown (the fixed sizes would count every block's, where the chosen ones may keep
         # them on the GPU), so the store is checked alone now and with them in settle().
@@ -172,10 +178,33 @@ class StoreOwner(Role):
         if resume:
             source, nbytes = str(resume), self._restore(Path(resume))
         else:
-            source, nbytes = model_cfg.pretrained or "init", self._fill(model_cfg)
+            with self._faulting_ahead():
+                source, nbytes = model_cfg.pretrained or "init", self._fill(model_cfg)
         self.filled = FillReport(source, nbytes, time.perf_counter() - t0)
         self.mark("filled")
         self.monitor = Monitor(self.store).start()
+
+    @contextlib.contextmanager
+    def _faulting_ahead(self) -> Iterator[None]:
+        """The pages the fill writes (params, and the resident copy) faulted in by threads of their own from
+        the start of the fill: its first part is this process's import of the family's modeling code (for
+        the init) or the first unit's read, when no page would be touched otherwise. The bytes are left
+        alone (the fill may already write them). Stopped at the fill's end (the rest is the fill's own)."""
+        segments = self.store.segments
+        whole = [np.frombuffer(segments[p].mm, np.uint8) for p in ("params", "resident") if p in segments]
+        stop = threading.Event()
+        ahead = threading.Thread(
+            target=fault_in,
+            args=([(a.ctypes.data, a.nbytes) for a in whole], PAGE_IN_THREADS, stop),
+            name="fault-ahead",
+            daemon=True,
+        )
+        ahead.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            ahead.join()
 
     def page_in(self) -> None:
         """Start paging in the planes the fill did not write (Adam's moments after a fresh init, the gradient

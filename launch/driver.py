@@ -273,6 +273,7 @@ class Trainer:
             thread_request(cfg.actors),
             {"output_dir": str(self.out), "steps": self.steps, "first": self.start},
             self.executors,
+            spec=self.model,
         )
         return self.crew.call(OWNER, StoreOwner.create, request)
 
