@@ -38,11 +38,12 @@ class Start:
 def choose_start(cfg: Any, out: Path, steps: int) -> Start:
     """The verified start of a run of `steps` steps in output directory `out` (cfg: the launch Config)."""
     resume = cfg.train.resume
-    if resume == "none" or (resume == "auto" and not _newest_first(out / "checkpoints")):
+    found = _newest_first(out / "checkpoints") if resume == "auto" else []
+    if resume == "none" or (resume == "auto" and not found):
         return Start()  # nothing to verify: the model's structure (its modeling imports) is built later, beside Ray
     spec = build_spec(cfg.model, cfg.optim.no_decay_1d)
     if resume == "auto":
-        directory = _newest_intact(out / "checkpoints", spec)
+        directory = _newest_intact(out / "checkpoints", found, spec)
     else:
         directory = find_checkpoint(resume, out)
         problem = _problem(directory, spec)
@@ -82,11 +83,12 @@ def find_checkpoint(resume: str, out: Path, key: str = "train.resume") -> Path |
     )
 
 
-def _newest_intact(root: Path, spec: ModelSpec) -> Path | None:
-    """train.resume: auto. The newest checkpoint under `root` that is whole; newer corrupt ones are set aside,
-    loudly. None when there is none at all; a ConfigError when there are some and none is whole."""
+def _newest_intact(root: Path, found: list[Path], spec: ModelSpec) -> Path | None:
+    """train.resume: auto. The newest checkpoint of `found` (root's, _newest_first's order) that is whole;
+    newer corrupt ones are set aside, loudly. None when there is none at all; a ConfigError when there are
+    some and none is whole."""
     bad: list[tuple[Path, str]] = []
-    for directory in _newest_first(root):
+    for directory in found:
         problem = _problem(directory, spec)
         if not problem:
             _fell_back(bad, directory)

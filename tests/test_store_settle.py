@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -179,6 +180,4 @@ def test_the_drivers_spec_is_used_and_the_fills_pages_are_faulted_in_ahead(rid: 
 
 
 def addr(segment) -> int:
-    import numpy as np
-
     return np.frombuffer(segment.mm, np.uint8).ctypes.data
