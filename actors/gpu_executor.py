@@ -62,6 +62,7 @@ class GpuExecutor(Role):
             self.mark("cuda")
         if family:
             family_classes(family)  # imports the family's modeling module
+            self.mark("model code")
         # Every step runs on this one thread, whichever of the actor's threads takes the call: cuBLAS and
         # cuDNN handles (and cuBLAS workspaces) are per thread, and creating them inside a step put
         # cudaFree calls in the layer loop (found by the profiled step). The warm-up runs on it too.

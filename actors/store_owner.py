@@ -288,6 +288,7 @@ class StoreOwner(Role):
         again unit by unit in order, with the global generator seeded too, so it is still deterministic."""
         spec = self.store.spec.model
         model = meta_model(spec.family, spec.hf_config)
+        self.mark("model code")
         units = range(len(spec.layout.units))
         before = torch.random.get_rng_state()
         # Largest first (the embedding and the head are a few layers' worth each): no thread is left with a
