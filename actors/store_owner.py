@@ -32,7 +32,7 @@ from megatrain.ipc.protocol.checkpoints import restore_versions
 from megatrain.ipc.protocol.cpus import ThreadRequest, cpu_plan, node_cores
 from megatrain.ipc.protocol.monitor import Monitor
 from megatrain.ipc.shm import check_space, pss_split, remove_cuda_ipc_files, seg_name, space_now, sweep
-from megatrain.model import ModelConfig, ModelSpec, build_spec, init_unit, meta_model, unit_seed
+from megatrain.model import ModelConfig, ModelSpec, build_spec, family_classes, init_unit, meta_model, unit_seed
 from megatrain.weights import checkpoint_index, copy_slots, fill_tile, read_unit, slot_views
 
 # What the run's processes take after the store is admitted (the executor's CUDA context and pinned buffers,
@@ -79,8 +79,14 @@ class FillReport:
 
 
 class StoreOwner(Role):
-    def __init__(self, name: str = "store-owner"):
+    def __init__(self, name: str = "store-owner", family: str = ""):
+        """`family`: a fresh init's model family, whose modeling code (the init's) this process imports on a
+        thread from now, while the launcher still reads the run's inputs and then while the segments are
+        made; '' where the store is filled from files."""
         super().__init__(name)
+        # On a thread: create() makes the segments meanwhile, and the fault-ahead pages them in.
+        self.importing = threading.Thread(target=self._import, args=(family,), name="model-code", daemon=True)
+        self.importing.start()
         self.reaper = 0  # pid of the reaper (not a child of this process: see megatrain.ipc.reaper)
         self.done = threading.Event()
         self.monitor: Monitor | None = None
@@ -89,6 +95,11 @@ class StoreOwner(Role):
         self.paging: threading.Thread | None = None  # pages in the zero planes (_page_in)
         self.paging_stop = threading.Event()
         self.space: tuple[int, int] | None = None  # shm free and MemAvailable before the store (create)
+
+    def _import(self, family: str) -> None:
+        if family:
+            family_classes(family)
+            self.mark("model code")
 
     def serve(self) -> None:
         """Held open by the driver for the whole run: if this process dies, the call fails at once, and
@@ -287,8 +298,10 @@ class StoreOwner(Role):
         A family whose init draws outside torch's random ops (seen by the global generator moving) is drawn
         again unit by unit in order, with the global generator seeded too, so it is still deterministic."""
         spec = self.store.spec.model
+        self.importing.join()  # an import the constructor started (a failed one fails meta_model's here)
         model = meta_model(spec.family, spec.hf_config)
-        self.mark("model code")
+        if "model code" not in self.marks:  # not imported ahead (the constructor's family)
+            self.mark("model code")
         units = range(len(spec.layout.units))
         before = torch.random.get_rng_state()
         # Largest first (the embedding and the head are a few layers' worth each): no thread is left with a

@@ -143,17 +143,19 @@ def _run(args: argparse.Namespace, stop: Any, program: bool = False) -> int:
     trainer = None
     try:
         from megatrain.configbase import dump_yaml
-        from megatrain.launch.config import load_config
+        from megatrain.launch.config import load_tree, validate_model
 
         overrides = list(args.overrides) + ([f"launch.address={args.address}"] if args.address else [])
-        cfg = load_config(args.config, overrides)
+        cfg, where = load_tree(args.config, overrides)  # the model's checks: below, or in the Trainer beside Ray
         if args.print_config:
+            validate_model(cfg, where)
             print(_resolved_here(cfg, dump_yaml), end="")
             return 0
         from megatrain.ipc.procs import started_at
         from megatrain.launch.driver import Trainer
 
-        trainer = Trainer(cfg, stop, launched=(started_at(os.getpid()) or None) if program else None)
+        launched = (started_at(os.getpid()) or None) if program else None
+        trainer = Trainer(cfg, stop, launched=launched, where=where)
         summary = trainer.run()
         if summary.get("complete"):
             print(

@@ -45,6 +45,13 @@ def check_hf_keys(cfg: ModelConfig, where: Where | None = None) -> None:
 
 def validate(cfg: Config, where: Where | None = None) -> None:
     """Checks that span sections (each section checks itself when built)."""
+    validate_tree(cfg, where)
+    validate_model(cfg, where)
+
+
+def validate_model(cfg: Config, where: Where | None = None) -> None:
+    """The checks that need the family's HF config (transformers' import: seconds), and a pretrained
+    checkpoint's files. The launcher runs them beside its Ray start (launch/driver.py)."""
     check_hf_keys(cfg.model, where)
     _, hf = resolve_hf_config(cfg.model)
 
@@ -81,6 +88,16 @@ def validate(cfg: Config, where: Where | None = None) -> None:
             f"{hf.num_hidden_layers} layers (model.hf.num_hidden_layers); "
             f"use at most {hf.num_hidden_layers}",
         )
+    if cfg.model.pretrained:  # every file whole, every parameter there in a layout read_unit reads, of its shape
+        check_checkpoint(build_spec(cfg.model, cfg.optim.no_decay_1d), cfg.model.pretrained)
+
+
+def validate_tree(cfg: Config, where: Where | None = None) -> None:
+    """The cross-section checks that need no model code."""
+
+    def fail(key: str, msg: str) -> ConfigError:
+        return key_error(where, key, msg)
+
     if cfg.ipc.weight_slabs < cfg.actors.num_packers:
         raise fail(
             "ipc.weight_slabs",
@@ -101,11 +118,17 @@ def validate(cfg: Config, where: Where | None = None) -> None:
             f"slabs streams weights to one executor; actors.num_gpus {gpus} needs the resident copy "
             "(ipc.staging: resident or auto)",
         )
-    if cfg.model.pretrained:  # every file whole, every parameter there in a layout read_unit reads, of its shape
-        check_checkpoint(build_spec(cfg.model, cfg.optim.no_decay_1d), cfg.model.pretrained)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
     cfg, where = load_located(Config, path, overrides)
     validate(cfg, where)
     return cfg
+
+
+def load_tree(path: str | Path | None, overrides: list[str] | None = None) -> tuple[Config, Where]:
+    """The config with every check but validate_model's, and where each key came from (for those checks'
+    messages, made later)."""
+    cfg, where = load_located(Config, path, overrides)
+    validate_tree(cfg, where)
+    return cfg, where

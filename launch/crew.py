@@ -30,6 +30,7 @@ class Crew:
         self.pids: dict[str, int] = {}
         self.marks: dict[str, dict] = {}  # each actor's start-up timeline (Role.mark)
         self.sentinel: Pending | None = None
+        self.serving = False  # the owner was asked for a store (serve_owner): it may hold shared memory
         self._closed = False
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -45,6 +46,7 @@ class Crew:
         return [n for n in self.actors if n.startswith(prefix)]
 
     def serve_owner(self) -> None:
+        self.serving = True
         self.sentinel = self.call(OWNER, StoreOwner.serve)
 
     def shutdown(self) -> None:
@@ -57,11 +59,12 @@ class Crew:
         for h in self.actors.values():
             if h is not owner:
                 self.runner.kill(h)
-        if owner is not None:
+        if owner is not None and self.serving:
             try:  # waits for the workers to be gone, then unlinks everything of the run
                 self.runner.result(self.runner.call(owner, StoreOwner.shutdown), timeout=SHUTDOWN_S)
             except Exception as exc:  # the reaper unlinks if the owner is gone
                 print(f"[megatrain] store owner did not shut down cleanly: {exc}", file=sys.stderr)
+        if owner is not None:  # without a store (an input refused after the spawn) it holds nothing to release
             self.runner.kill(owner)
         self.runner.close()
 

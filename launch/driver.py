@@ -19,8 +19,8 @@ from megatrain import log
 from megatrain.actors.base import Role
 from megatrain.actors.store_owner import FillReport, StoreOwner, StoreRequest
 from megatrain.checkpoint import step_dir as ckpt_step_dir
-from megatrain.configbase import differences, dump_yaml
-from megatrain.data import Data, open_data
+from megatrain.configbase import Where, differences, dump_yaml
+from megatrain.data import Data
 from megatrain.engine import resolve_engine
 from megatrain.errors import ConfigError
 from megatrain.flops import active_params
@@ -31,8 +31,10 @@ from megatrain.launch.checkpointing import Checkpointer
 from megatrain.launch.config import Config
 from megatrain.launch.crew import OWNER, Crew
 from megatrain.launch.evaluation import Evaluator
+from megatrain.launch.inputs import Background, draws_fresh, read_inputs
 from megatrain.launch.output import OutputLock, describe_memory, prepare_output, resolve_output, short
 from megatrain.launch.placement import (
+    Demand,
     batch_split_problem,
     bundle,
     demands,
@@ -42,19 +44,22 @@ from megatrain.launch.placement import (
     resolve_executors,
     thread_request,
 )
-from megatrain.launch.resume import Start, choose_start
+from megatrain.launch.resume import Start
 from megatrain.launch.runners import Pending, make_runner
 from megatrain.launch.steploop import PreparedRun, StepLoop
 from megatrain.launch.stopping import StopRequest, sigint_deferred
 from megatrain.launch.tensorboard import summary_writer
-from megatrain.model import ModelSpec, resolve_hf_config
+from megatrain.model import ModelSpec, pretrained_config
 
 
 class Trainer:
-    def __init__(self, cfg: Config, stop: StopRequest | None = None, launched: float | None = None):
+    def __init__(
+        self, cfg: Config, stop: StopRequest | None = None, launched: float | None = None, where: Where | None = None
+    ):
         """`launched`: when the launcher's process started (time.time()), where the start-up clock begins;
-        None for now (a Trainer run inside a process that was doing other things before)."""
-        self.cfg = cfg
+        None for now (a Trainer run inside a process that was doing other things before). `where`: the config's
+        key locations, for the model checks' messages (the launcher runs those checks here, launch/inputs.py)."""
+        self.cfg, self.where = cfg, where
         self.launched = launched
         self.stop = stop  # a graceful-stop request (signal), checked between steps
         self.run_id = check_run_id(cfg.train.run_id or secrets.token_hex(5))
@@ -76,6 +81,7 @@ class Trainer:
         self.host_room: int | None = None  # host RAM for pinned checkpoints beside the store (a local store)
         self.model: ModelSpec | None = None  # the model's layout and config (build_spec), once
         self.executors = 1  # actors.num_gpus, resolved
+        self.demands: dict[str, Demand] = {}  # each actor's resources, as placed
 
     # ---- public -----------------------------------------------------------------------------
     def run(self) -> dict:
@@ -178,14 +184,19 @@ class Trainer:
         if cfg.train.tensorboard:
             summary_writer()  # a missing package is a usage error before anything starts
         self.lock = OutputLock(self.out, self.run_id)  # before anything in the directory is read or changed
-        # The inputs first, the data (tokenized) and the checkpoint (every checksum): a refused one leaves the
-        # directory as it was, and no process is started.
-        self.data = open_data(cfg.data, resolve_hf_config(cfg.model)[1], cfg.model.pretrained)
-        self.steps = self.data.steps(cfg.train.steps)
-        self.begin = choose_start(cfg, self.out, self.steps)
+        machine = memplan.this_host(cfg)  # as `megatrain-launch plan` sees it: before Ray and the actors
+        # The inputs (launch/inputs.py) are read on a thread while Ray starts and the actors spawn; a refused one
+        # ends them again and leaves the directory as it was. Not beside in-process actors: there is no process
+        # start to hide, and their threads would import transformers side by side (its lazy module fails so).
+        beside = cfg.launch.runner == "ray"
+        reading = Background(read_inputs, cfg, self.where, self.out, name="inputs", here=not beside)
+        cuda = self._spawn_actors(reading)
+        inputs = reading.result()
+        self.data, self.steps, self.begin, spec = inputs.data, inputs.steps, inputs.begin, inputs.model
         self.resume_dir, self.start = self.begin.directory, self.begin.step
         if self.begin.complete:
             return
+        self.phases.close("inputs read (config checks, data, checkpoint), beyond the actors' spawn")
         prepare_output(self.out, cfg.train.overwrite, self.start if self.begin.in_place else None)
         self.log_dir = self.out
         self.checkpointer = Checkpointer(cfg.train, self.out / "checkpoints", self.steps)
@@ -196,21 +207,13 @@ class Trainer:
                 f"data.epochs {cfg.data.epochs} x {self.data.batches_per_epoch} batches per epoch = {self.steps} "
                 f"steps (train.steps {cfg.train.steps} is not used)"
             )
-        self.phases.close("config and data")
-        spec = startup.connect_building_spec(self.crew, cfg, self.phases)  # Ray starts meanwhile
-        cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and self.crew.runner.has_gpu())
-        self.executors = resolve_executors(cfg.actors, cuda, self.crew.runner.gpus() if cuda else 0)
-        split = batch_split_problem(cfg.data.batch_size, self.executors)  # auto: known only now
-        if split:
-            raise ConfigError(f"data.batch_size {split}")
-        self.engine_cfg = resolve_engine(cfg.engine, cuda)
         self.model = spec
         self.cfg = cfg = dataclasses.replace(
             cfg, ipc=resolve_stall(cfg.ipc, spec, cfg.data.batch_size, cfg.data.seq_len)
         )  # the monitor's timeout for this model's layers, in the config.yaml written next
         # Where the store will be on this machine: the RAM its pinned checkpoints may take, measured before it.
         local = cuda and not (cfg.launch.address or os.environ.get("RAY_ADDRESS"))
-        self.host_room = memplan.host_room(cfg, spec, cuda, memplan.this_host(cfg)) if local else None
+        self.host_room = memplan.host_room(cfg, spec, cuda, machine) if local else None
         self._write_config()
         changed = differences(self._resolved(), Config())
         log(f"run {self.run_id}; output directory {self.out}")
@@ -218,29 +221,40 @@ class Trainer:
             f"config (what differs from the defaults; all of it, resolved, in "
             f"{self.out / 'config.yaml'}):\n  " + "\n  ".join(f"{k}: {short(v)}" for k, v in changed)
         )
-        self._start_actors(cuda)
+        self._start_actors()
         self.evaluator = Evaluator(self.data, cfg.train.eval_batches, self.crew, cfg.train.step_timeout_s)
 
-    def _start_actors(self, cuda: bool) -> None:
-        """Worker processes start (and import torch, compile Numba, make a CUDA context) while the store
-        owner makes and fills the store; they attach to it once it exists. The engine's sizes wait for the
-        executor's free GPU memory; the store does not wait for them (the owner settles them after)."""
-        cfg, crew, phases = self.cfg, self.crew, self.phases
-        n = self.executors
-        dem = demands(
-            cfg.actors,
-            cuda,
-            clip=cfg.optim.clips,
-            writer=self.checkpointer.enabled,
-            staging=cfg.ipc.staging,
-            executors=n,
+    def _spawn_actors(self, reading: Background) -> bool:
+        """Start Ray, place and spawn every actor (they import torch and the modeling code, make a CUDA
+        context) from the config alone, while `reading` reads the inputs; True when the run uses a GPU."""
+        cfg, crew = self.cfg, self.crew
+        crew.runner.connect(bundle(demands(cfg.actors, cuda=False))["CPU"])
+        self.phases.close("Ray (the inputs are read meanwhile)")
+        if reading.failed():  # refused while Ray started: no actor is spawned for it
+            reading.result()
+        cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and crew.runner.has_gpu())
+        self.executors = n = resolve_executors(cfg.actors, cuda, crew.runner.gpus() if cuda else 0)
+        split = batch_split_problem(cfg.data.batch_size, n)  # auto: known only now
+        if split:
+            raise ConfigError(f"data.batch_size {split}")
+        self.engine_cfg = resolve_engine(cfg.engine, cuda)
+        writer = cfg.train.saves_checkpoints
+        self.demands = dem = demands(
+            cfg.actors, cuda, clip=cfg.optim.clips, writer=writer, staging=cfg.ipc.staging, executors=n
         )
         crew.runner.place(bundle(dem), describe_need(dem))
-        phases.close("placement")
-        crew.spawn(OWNER, StoreOwner, (), dem[OWNER])
-        startup.spawn_workers(
-            crew, cfg, self.engine_cfg, dem, expect_packers(cfg.ipc.staging, cuda, n), self.checkpointer.enabled
-        )
+        family = pretrained_config(cfg.model)[0]
+        ahead = cfg.launch.runner == "ray" and draws_fresh(cfg, self.out)  # in its own process only (above)
+        crew.spawn(OWNER, StoreOwner, (OWNER, family if ahead else ""), dem[OWNER])
+        startup.spawn_workers(crew, cfg, family, self.engine_cfg, dem, expect_packers(cfg.ipc.staging, cuda, n), writer)
+        self.phases.close("placement, actors spawned")
+        return cuda
+
+    def _start_actors(self) -> None:
+        """The workers (spawned beside the inputs' reading) finish their start while the store owner makes and
+        fills the store; they attach to it once it exists. The engine's sizes wait for the executor's free GPU
+        memory; the store does not wait for them (the owner settles them after)."""
+        cfg, crew, phases, n = self.cfg, self.crew, self.phases, self.executors
         creating = self._create_store()
         self.engine_cfg = startup.choose_sizes(crew, cfg, self.model, self.engine_cfg, self.host_room)
         if self.engine_cfg.device == "cuda":
@@ -248,7 +262,7 @@ class Trainer:
         self.spec, self.store_fill = startup.settle_store(crew, creating, self.engine_cfg, cfg.train.setup_timeout_s)
         phases.close("store made and filled (beyond the executor's start)")
         self._write_config()  # now with ipc.staging as the store owner resolved it
-        startup.attach_workers(crew, cfg, self.spec, dem, self.engine_cfg, self.start)
+        startup.attach_workers(crew, cfg, self.spec, self.demands, self.engine_cfg, self.start)
         phases.close("actors attached (pinning, CUDA IPC events)")
         if n > 1:
             startup.form_group(crew, n, cfg.train.setup_timeout_s)

@@ -63,6 +63,12 @@ def choose_start(cfg: Any, out: Path, steps: int) -> Start:
     )
 
 
+def may_resume(resume: str, out: Path) -> bool:
+    """train.resume may start the run from a checkpoint: one is named, or (auto) the output directory has one
+    (whether it is intact is choose_start's to find)."""
+    return resume != "none" and (resume != "auto" or bool(_newest_first(out / "checkpoints")))
+
+
 def find_checkpoint(resume: str, out: Path, key: str = "train.resume") -> Path | None:
     """The checkpoint directory `resume` names (unverified), or None (from scratch); `key` names the setting
     in messages."""

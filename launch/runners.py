@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -161,6 +162,7 @@ class RayRunner:
                             include_dashboard=False,
                             object_store_memory=self.cfg.object_store_mb * 2**20,
                             log_to_driver=True,
+                            logging_level=logging.WARNING,  # a refused input (checked meanwhile) is one line
                             _system_config=LOCAL_SYSTEM_CONFIG,
                         )
                     except _auth_error() as exc:  # e.g. RAY_AUTH_TOKEN_PATH naming no file

@@ -5,7 +5,6 @@ owner settles the store with them; then every worker attaches. Each phase is tim
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from megatrain import autosize, log
 from megatrain.actors.adam_updater import AdamUpdater
@@ -21,9 +20,9 @@ from megatrain.ipc.protocol.reduce import reduction_bytes
 from megatrain.launch.config import Config
 from megatrain.launch.crew import OWNER, Crew
 from megatrain.launch.output import describe_run
-from megatrain.launch.placement import Demand, bundle, demands, per_executor
+from megatrain.launch.placement import Demand, per_executor
 from megatrain.launch.runners import Pending
-from megatrain.model import ModelSpec, build_spec, resolve_hf_config
+from megatrain.model import ModelSpec
 
 
 class Phases:
@@ -60,25 +59,13 @@ class Phases:
         )
 
 
-def connect_building_spec(crew: Crew, cfg: Config, phases: Phases) -> ModelSpec:
-    """Ray starts (its head processes: seconds) while a thread of this process builds the model's structure on
-    the meta device (the family's modeling code imports: seconds too). Ray stays on the main thread, where
-    its start sets signal handlers; the thread starts no process, so the guard takes Ray's alone."""
-    with ThreadPoolExecutor(1, thread_name_prefix="model-spec") as pool:
-        building = pool.submit(build_spec, cfg.model, cfg.optim.no_decay_1d)
-        crew.runner.connect(bundle(demands(cfg.actors, cuda=False))["CPU"])
-        phases.close("Ray")
-        return building.result()
-
-
 def packer_plan(num_packers: int) -> list[tuple[str, type, tuple]]:
     return [(f"packer-{i}", Packer, (i,)) for i in range(num_packers)]
 
 
 def spawn_workers(
-    crew: Crew, cfg: Config, engine: EngineConfig, dem: dict[str, Demand], packers: bool, writer: bool
+    crew: Crew, cfg: Config, family: str, engine: EngineConfig, dem: dict[str, Demand], packers: bool, writer: bool
 ) -> None:
-    family = resolve_hf_config(cfg.model)[0]
     ranks = [n for n in dem if n.startswith("gpu-executor")]  # as demands() made them, executor 0 first
     plan: list[tuple[str, type, tuple]] = [
         (executor_name(r), GpuExecutor, (engine, family, r)) for r in range(len(ranks))

@@ -28,7 +28,12 @@ def launch(capsys, *argv: str) -> tuple[int, str]:
     return code, err
 
 
-def usage_error(capsys, *argv: str) -> str:
+def usage_error(capsys, *argv: str, ray: bool = False) -> str:
+    """The run refused with exit 2 and one line. A refusal of the model's checks or of the data comes after the
+    actors were spawned beside them (launch/inputs.py): with the in-process runner here (the test's own
+    overrides come after it, so a bad launch.runner is still the one checked), with Ray where `ray`."""
+    if not ray:
+        argv = (argv[0], "launch.runner=inprocess", *argv[1:])
     code, err = launch(capsys, *argv)
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1, err
@@ -160,6 +165,7 @@ def test_unreachable_ray_address_names_the_key(capsys, tmp_path: Path) -> None:
         "127.0.0.1:9",
         f"train.output_dir={tmp_path / 'o'}",
         f"model.hf={json.dumps({**TINY, 'num_hidden_layers': 2})}",
+        ray=True,
     )
     assert "--address / launch.address '127.0.0.1:9'" in err and "cannot join" in err
 
@@ -173,7 +179,7 @@ def test_fidelity_reports_a_bad_key_in_one_line(capsys) -> None:
 
 
 def test_nothing_of_a_refused_run_is_in_shm(capsys, tmp_path: Path, rid: str) -> None:
-    usage_error(capsys, DEFAULT, f"train.run_id={rid}", "model.hf.num_hiden_layers=2")
+    usage_error(capsys, DEFAULT, f"train.run_id={rid}", "model.hf.num_hiden_layers=2", ray=True)
     assert run_leftovers(rid) == []
 
 

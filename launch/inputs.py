@@ -1,0 +1,79 @@
+"""The run's inputs, read on a thread of the launcher while Ray starts and the actors spawn: the checks of the
+model's config (transformers' import takes seconds), the data (tokenized), the checkpoint a resume starts from
+(every checksum) and the model's structure. The actors' own start (their imports) is the longest part of the
+start-up, so they start first; an input refused meanwhile ends them again, before the output directory or
+any shared memory is touched."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from megatrain.configbase import Where
+from megatrain.data import Data, open_data
+from megatrain.launch.config import Config, validate_model
+from megatrain.launch.resume import Start, choose_start, may_resume
+from megatrain.model import ModelSpec, build_spec, resolve_hf_config
+
+T = TypeVar("T")
+
+
+@dataclass
+class Inputs:
+    data: Data
+    steps: int  # the run's steps (data.epochs may set them)
+    begin: Start
+    model: ModelSpec | None  # None when the run is already complete (nothing is built)
+
+
+def read_inputs(cfg: Config, where: Where | None, out: Path) -> Inputs:
+    validate_model(cfg, where)
+    data = open_data(cfg.data, resolve_hf_config(cfg.model)[1], cfg.model.pretrained)
+    steps = data.steps(cfg.train.steps)
+    begin = choose_start(cfg, out, steps)
+    return Inputs(data, steps, begin, None if begin.complete else build_spec(cfg.model, cfg.optim.no_decay_1d))
+
+
+def draws_fresh(cfg: Config, out: Path) -> bool:
+    """The store will be filled with a fresh init (the modeling code's, imported ahead by the store owner):
+    no pretrained weights, and no checkpoint in the output directory that train.resume would start from."""
+    return not cfg.model.pretrained and not may_resume(cfg.train.resume, out)
+
+
+class Background(Generic[T]):
+    """A call on a daemon thread: a Ctrl-C on the main thread is not held up at exit by a long read (a large
+    dataset's tokenization), as a pool's thread would hold it."""
+
+    def __init__(self, fn: Callable[..., T], *args: Any, name: str, here: bool = False) -> None:
+        """`here`: call it on this thread, now (where nothing could run beside it)."""
+        self._done = threading.Event()
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        if here:
+            self._run(fn, args)
+            return
+        threading.Thread(target=self._run, args=(fn, args), name=name, daemon=True).start()
+
+    def _run(self, fn: Callable[..., T], args: tuple) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as exc:  # handed to the caller of result()
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def failed(self) -> bool:
+        """Done, with an exception (result() raises it)."""
+        return self._done.is_set() and self._error is not None
+
+    def result(self) -> T:
+        """Wait (a signal on the main thread still interrupts: the wait is in short pieces), then the value or
+        the call's exception."""
+        while not self._done.wait(0.1):
+            pass
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
