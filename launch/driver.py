@@ -21,8 +21,6 @@ from megatrain.actors.store_owner import FillReport, StoreOwner, StoreRequest
 from megatrain.checkpoint import step_dir as ckpt_step_dir
 from megatrain.configbase import Where, differences, dump_yaml
 from megatrain.data import Data
-from megatrain.engine import resolve_engine
-from megatrain.errors import ConfigError
 from megatrain.flops import active_params
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, resolve_stall
 from megatrain.ipc.shm import check_run_id, check_run_id_free
@@ -31,25 +29,15 @@ from megatrain.launch.checkpointing import Checkpointer
 from megatrain.launch.config import Config
 from megatrain.launch.crew import OWNER, Crew
 from megatrain.launch.evaluation import Evaluator
-from megatrain.launch.inputs import Background, draws_fresh, read_inputs
+from megatrain.launch.inputs import Background, read_inputs
 from megatrain.launch.output import OutputLock, describe_memory, prepare_output, resolve_output, short
-from megatrain.launch.placement import (
-    Demand,
-    batch_split_problem,
-    bundle,
-    demands,
-    describe_need,
-    expect_packers,
-    per_executor,
-    resolve_executors,
-    thread_request,
-)
-from megatrain.launch.resume import Start
+from megatrain.launch.placement import Demand, per_executor, thread_request
+from megatrain.launch.resume import Start, may_resume
 from megatrain.launch.runners import Pending, make_runner
 from megatrain.launch.steploop import PreparedRun, StepLoop
 from megatrain.launch.stopping import StopRequest, sigint_deferred
 from megatrain.launch.tensorboard import summary_writer
-from megatrain.model import ModelSpec, pretrained_config
+from megatrain.model import ModelSpec
 
 
 class Trainer:
@@ -188,15 +176,23 @@ class Trainer:
         # The inputs (launch/inputs.py) are read on a thread while Ray starts and the actors spawn; a refused one
         # ends them again and leaves the directory as it was. Not beside in-process actors: there is no process
         # start to hide, and their threads would import transformers side by side (its lazy module fails so).
-        beside = cfg.launch.runner == "ray"
+        # Nor where a checkpoint may be resumed: a complete run or a corrupt checkpoint starts nothing.
+        beside = cfg.launch.runner == "ray" and not may_resume(cfg.train.resume, self.out)
         reading = Background(read_inputs, cfg, self.where, self.out, name="inputs", here=not beside)
-        cuda = self._spawn_actors(reading)
+        if not beside:
+            self.phases.close("inputs read (config checks, data, checkpoint)")
+        # read first: a refusal raises here, and a complete run starts nothing
+        cuda = False
+        if beside or not reading.result().begin.complete:
+            s = startup.spawn_actors(self.crew, cfg, self.out, reading, self.phases)
+            cuda, self.executors, self.engine_cfg, self.demands = s.cuda, s.executors, s.engine, s.demands
         inputs = reading.result()
         self.data, self.steps, self.begin, spec = inputs.data, inputs.steps, inputs.begin, inputs.model
         self.resume_dir, self.start = self.begin.directory, self.begin.step
         if self.begin.complete:
             return
-        self.phases.close("inputs read (config checks, data, checkpoint), beyond the actors' spawn")
+        if beside:
+            self.phases.close("inputs read (config checks, data, checkpoint), beyond the actors' spawn")
         prepare_output(self.out, cfg.train.overwrite, self.start if self.begin.in_place else None)
         self.log_dir = self.out
         self.checkpointer = Checkpointer(cfg.train, self.out / "checkpoints", self.steps)
@@ -223,32 +219,6 @@ class Trainer:
         )
         self._start_actors()
         self.evaluator = Evaluator(self.data, cfg.train.eval_batches, self.crew, cfg.train.step_timeout_s)
-
-    def _spawn_actors(self, reading: Background) -> bool:
-        """Start Ray, place and spawn every actor (they import torch and the modeling code, make a CUDA
-        context) from the config alone, while `reading` reads the inputs; True when the run uses a GPU."""
-        cfg, crew = self.cfg, self.crew
-        crew.runner.connect(bundle(demands(cfg.actors, cuda=False))["CPU"])
-        self.phases.close("Ray (the inputs are read meanwhile)")
-        if reading.failed():  # refused while Ray started: no actor is spawned for it
-            reading.result()
-        cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and crew.runner.has_gpu())
-        self.executors = n = resolve_executors(cfg.actors, cuda, crew.runner.gpus() if cuda else 0)
-        split = batch_split_problem(cfg.data.batch_size, n)  # auto: known only now
-        if split:
-            raise ConfigError(f"data.batch_size {split}")
-        self.engine_cfg = resolve_engine(cfg.engine, cuda)
-        writer = cfg.train.saves_checkpoints
-        self.demands = dem = demands(
-            cfg.actors, cuda, clip=cfg.optim.clips, writer=writer, staging=cfg.ipc.staging, executors=n
-        )
-        crew.runner.place(bundle(dem), describe_need(dem))
-        family = pretrained_config(cfg.model)[0]
-        ahead = cfg.launch.runner == "ray" and draws_fresh(cfg, self.out)  # in its own process only (above)
-        crew.spawn(OWNER, StoreOwner, (OWNER, family if ahead else ""), dem[OWNER])
-        startup.spawn_workers(crew, cfg, family, self.engine_cfg, dem, expect_packers(cfg.ipc.staging, cuda, n), writer)
-        self.phases.close("placement, actors spawned")
-        return cuda
 
     def _start_actors(self) -> None:
         """The workers (spawned beside the inputs' reading) finish their start while the store owner makes and

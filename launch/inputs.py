@@ -52,6 +52,7 @@ class Background(Generic[T]):
         self._done = threading.Event()
         self._value: T | None = None
         self._error: BaseException | None = None
+        self.here = here
         if here:
             self._run(fn, args)
             return

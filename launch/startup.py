@@ -1,10 +1,13 @@
-"""The actors' start-up: worker processes start (imports, Numba, a CUDA context) while the store owner makes
-and fills the store; the engine's `auto` sizes are chosen from the executor's free GPU memory meanwhile; the
-owner settles the store with them; then every worker attaches. Each phase is timed (Phases)."""
+"""The actors' start-up: Ray starts and every actor spawns while the launcher reads the run's inputs; the worker
+processes start (imports, Numba, a CUDA context) while the store owner makes and fills the store; the engine's
+`auto` sizes are chosen from the executor's free GPU memory meanwhile; the owner settles the store with them;
+then every worker attaches. Each phase is timed (Phases)."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 from megatrain import autosize, log
 from megatrain.actors.adam_updater import AdamUpdater
@@ -14,15 +17,26 @@ from megatrain.actors.gpu_executor import GpuExecutor, executor_name
 from megatrain.actors.grad_accumulator import GradAccumulator
 from megatrain.actors.packer import Packer
 from megatrain.actors.store_owner import FillReport, StoreOwner
-from megatrain.engine import EngineConfig
+from megatrain.engine import EngineConfig, resolve_engine
+from megatrain.errors import ConfigError
 from megatrain.ipc.protocol import StoreSpec
 from megatrain.ipc.protocol.reduce import reduction_bytes
 from megatrain.launch.config import Config
 from megatrain.launch.crew import OWNER, Crew
+from megatrain.launch.inputs import Background, draws_fresh
 from megatrain.launch.output import describe_run
-from megatrain.launch.placement import Demand, per_executor
+from megatrain.launch.placement import (
+    Demand,
+    batch_split_problem,
+    bundle,
+    demands,
+    describe_need,
+    expect_packers,
+    per_executor,
+    resolve_executors,
+)
 from megatrain.launch.runners import Pending
-from megatrain.model import ModelSpec
+from megatrain.model import ModelSpec, pretrained_config
 
 
 class Phases:
@@ -57,6 +71,38 @@ class Phases:
                 for name, m in marks.items()
             )
         )
+
+
+@dataclass(frozen=True)
+class Spawned:
+    cuda: bool  # the run uses a GPU
+    executors: int  # actors.num_gpus, resolved
+    engine: EngineConfig  # resolved for the device, `auto` sizes still open
+    demands: dict[str, Demand]  # each actor's resources, as placed
+
+
+def spawn_actors(crew: Crew, cfg: Config, out: Path, reading: Background, phases: Phases) -> Spawned:
+    """Start Ray, place and spawn every actor from the config alone (they import torch and the modeling code,
+    make a CUDA context), while `reading` reads the run's inputs (launch/inputs.py)."""
+    crew.runner.connect(bundle(demands(cfg.actors, cuda=False))["CPU"])
+    phases.close("Ray" + ("" if reading.here else " (the inputs are read meanwhile)"))
+    if reading.failed():  # refused while Ray started: no actor is spawned for it
+        reading.result()
+    cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and crew.runner.has_gpu())
+    n = resolve_executors(cfg.actors, cuda, crew.runner.gpus() if cuda else 0)
+    split = batch_split_problem(cfg.data.batch_size, n)  # auto: known only now
+    if split:
+        raise ConfigError(f"data.batch_size {split}")
+    engine = resolve_engine(cfg.engine, cuda)
+    writer = cfg.train.saves_checkpoints
+    dem = demands(cfg.actors, cuda, clip=cfg.optim.clips, writer=writer, staging=cfg.ipc.staging, executors=n)
+    crew.runner.place(bundle(dem), describe_need(dem))
+    family = pretrained_config(cfg.model)[0]
+    ahead = cfg.launch.runner == "ray" and draws_fresh(cfg, out)  # in its own process only (driver.py)
+    crew.spawn(OWNER, StoreOwner, (OWNER, family if ahead else ""), dem[OWNER])
+    spawn_workers(crew, cfg, family, engine, dem, expect_packers(cfg.ipc.staging, cuda, n), writer)
+    phases.close("placement, actors spawned")
+    return Spawned(cuda, n, engine, dem)
 
 
 def packer_plan(num_packers: int) -> list[tuple[str, type, tuple]]:

@@ -22,7 +22,7 @@ from tests.data_fixtures import (
     text_records,
     write_jsonl,
 )
-from tests.helpers import TINY
+from tests.helpers import TINY, started_since
 from tests.test_equivalence import NOISE_ONLY
 
 
@@ -199,30 +199,37 @@ def test_packed_chat_and_token_files(tmp_path, tok_dir) -> None:
 
 
 @pytest.mark.parametrize(
-    "problem, words",
+    "problem, words, runner",
     [
-        ("missing", "data.path: file '"),
-        ("bad-line", "t.jsonl:3: not valid JSON"),
+        ("missing", "data.path: file '", "ray"),
+        ("bad-line", "t.jsonl:3: not valid JSON", "inprocess"),
     ],
 )
-def test_bad_data_exits_2_with_one_line_before_anything_starts(
-    tmp_path, tok_dir, capsys, monkeypatch, problem: str, words: str
+def test_bad_data_exits_2_with_one_line_and_leaves_nothing(
+    tmp_path, tok_dir, capsys, monkeypatch, problem: str, words: str, runner: str
 ) -> None:
-    from megatrain.launch.runners import RayRunner
+    """With Ray the data is read beside its start and the actors' spawn (launch/inputs.py): the refusal ends
+    them again, and nothing of the run is left. In-process nothing is spawned before the data is read."""
+    import psutil
 
-    def no_ray(*_):
-        raise AssertionError("Ray was started before the data was checked")
+    from megatrain.launch.runners import InProcessRunner
 
-    monkeypatch.setattr(RayRunner, "connect", no_ray)
+    def no_spawn(*_):
+        raise AssertionError("an actor was spawned before the data was checked")
+
+    monkeypatch.setattr(InProcessRunner, "spawn", no_spawn)
     path = tmp_path / "t.jsonl"
     if problem == "bad-line":
         write_jsonl(path, text_records(2))
         with open(path, "a") as f:
             f.write("{oops\n")
-    args = overrides("llama", tmp_path, tok_dir, ["data.kind=text", f"data.path={path}"], runner="ray")
+    args = overrides("llama", tmp_path, tok_dir, ["data.kind=text", f"data.path={path}"], runner=runner)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     rc = cli.main([str(_empty_yaml(tmp_path)), *args])
     err = capsys.readouterr().err.strip()
-    assert rc == 2 and words in err and len(err.splitlines()) == 1 and "Traceback" not in err
+    assert rc == 2 and words in err and len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert not started_since(before)
+    assert not (tmp_path / "out").exists()  # the output directory was never made
 
 
 def test_the_readme_own_data_example_runs(tmp_path) -> None:

@@ -38,12 +38,12 @@ def plain_init(spec, unit: int, seed: int) -> torch.Tensor:
     return tile
 
 
-def owner_with_store(rid: str, spec, threads: int, resident: bool) -> StoreOwner:
+def owner_with_store(rid: str, spec, threads: int, resident: bool, family: str = "") -> StoreOwner:
     store_spec = make_spec(rid, spec, staging="bf16")
     store_spec = dataclasses.replace(
         store_spec, threads={"store-owner": Threads(threads, 1)}, staging_mode="resident" if resident else "slabs"
     )
-    owner = StoreOwner()
+    owner = StoreOwner("store-owner", family)
     owner.store = Store.create(store_spec)
     return owner
 
@@ -61,6 +61,42 @@ def test_parallel_draw_is_the_sequential_init(rid: str, family: str, tied: bool)
             assert torch.equal(store.torch_tile("params", u), want), f"unit {u}"
             assert torch.equal(store.resident_tile(u), want.to(torch.bfloat16)), f"resident copy of unit {u}"
         assert store.torch_tile("params", 1).std() > 0  # a decoder layer really drawn
+
+
+def test_a_draw_whose_modeling_code_was_imported_ahead_is_the_same(rid: str) -> None:
+    """The launcher spawns the owner with the family of a fresh init: it imports the modeling code on a thread
+    from its start, and the draw waits for that import."""
+    spec = spec_for(tiny_hf("qwen2", tied=False, layers=2), "qwen2")
+    owner = owner_with_store(rid, spec, threads=2, resident=False, family="qwen2")
+    with owned(owner.store) as store:
+        owner._draw(seed=3)
+        assert not owner.importing.is_alive() and "model code" in owner.marks
+        for u in range(len(spec.layout.units)):
+            assert torch.equal(store.torch_tile("params", u), plain_init(spec, u, 3)), f"unit {u}"
+
+
+def test_a_fresh_init_is_told_from_a_run_that_may_resume(tmp_path) -> None:
+    """Only a fresh init has its modeling code imported ahead by the owner; a run that may resume reads its
+    checkpoint before anything starts (launch/driver.py): a torn checkpoint is none to resume from."""
+    import json
+
+    from megatrain import checkpoint as ckpt
+    from megatrain.launch.config import load_config
+    from megatrain.launch.inputs import draws_fresh
+    from megatrain.launch.resume import may_resume
+
+    out = tmp_path / "out"
+    cfg = load_config(None, ["launch.runner=inprocess"])
+    assert draws_fresh(cfg, out) and not may_resume("auto", out) and not may_resume("none", out)
+    assert may_resume(str(tmp_path / "elsewhere"), out)  # a named one is checked (refused if wrong) first
+    step = ckpt.step_dir(out / "checkpoints", 5)
+    step.mkdir(parents=True)
+    (step / "manifest.json").write_text(json.dumps({"format": "torn"}))
+    assert draws_fresh(cfg, out) and not may_resume("auto", out)
+    (step / "manifest.json").write_text(json.dumps({"format": ckpt.FORMAT, "step": 5, "files": {}}))
+    assert may_resume("auto", out) and not draws_fresh(cfg, out) and not may_resume("none", out)
+    pretrained = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=str(tmp_path)))
+    assert not draws_fresh(pretrained, tmp_path / "fresh")  # the weights are read, not drawn
 
 
 def test_an_init_that_bypasses_the_unit_generator_is_drawn_again_in_order(rid: str, monkeypatch, capsys) -> None:
