@@ -71,7 +71,7 @@ def checkpoint_index(directory: str | Path) -> dict[str, Path]:
 def check_checkpoint(spec: ModelSpec, directory: str | Path) -> None:
     """checkpoint_index's checks, and every parameter of the model there, in a layout read_unit reads
     (megatrain/hfformat.py), of its shape: a ConfigError naming the first tensor missing or misshapen. From
-    the files' headers alone, so a checkpoint that cannot fill the store is refused before anything starts."""
+    the files' headers alone, so a checkpoint that cannot fill the store is refused before the store is made."""
     tensors = {name: entry for name, (_, entry) in _headers(directory).items()}
     for u in spec.layout.units:
         for s in spec.layout.structure_of(u.index).slots:
