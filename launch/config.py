@@ -51,7 +51,7 @@ def validate(cfg: Config, where: Where | None = None) -> None:
 
 def validate_model(cfg: Config, where: Where | None = None) -> None:
     """The checks that need the family's HF config (transformers' import: seconds), and a pretrained
-    checkpoint's files. The launcher runs them beside its Ray start (launch/driver.py)."""
+    checkpoint's files. The launcher runs them beside its Ray start (launch/inputs.py)."""
     check_hf_keys(cfg.model, where)
     _, hf = resolve_hf_config(cfg.model)
 

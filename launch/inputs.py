@@ -1,8 +1,9 @@
-"""The run's inputs, read on a thread of the launcher while Ray starts and the actors spawn: the checks of the
-model's config (transformers' import takes seconds), the data (tokenized), the checkpoint a resume starts from
-(every checksum) and the model's structure. The actors' own start (their imports) is the longest part of the
-start-up, so they start first; an input refused meanwhile ends them again, before the output directory or
-any shared memory is touched."""
+"""The run's inputs: the checks of the model's config (transformers' import takes seconds), the data
+(tokenized), the checkpoint a resume starts from (every checksum) and the model's structure. With Ray they are
+read on a thread of the launcher while Ray starts and the actors spawn: the actors' own start (their imports) is
+the longest part of the start-up, so they start first, and an input refused meanwhile ends them again before
+the output directory or any shared memory is touched. A run that may resume, and the in-process runner, read
+them first (launch/driver.py)."""
 
 from __future__ import annotations
 
