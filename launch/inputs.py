@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 from megatrain.configbase import Where
 from megatrain.data import Data, open_data
 from megatrain.launch.config import Config, validate_model
-from megatrain.launch.resume import Start, choose_start, may_resume
+from megatrain.launch.resume import Start, choose_start
 from megatrain.model import ModelSpec, build_spec, resolve_hf_config
 
 T = TypeVar("T")
@@ -36,12 +36,6 @@ def read_inputs(cfg: Config, where: Where | None, out: Path) -> Inputs:
     steps = data.steps(cfg.train.steps)
     begin = choose_start(cfg, out, steps)
     return Inputs(data, steps, begin, None if begin.complete else build_spec(cfg.model, cfg.optim.no_decay_1d))
-
-
-def draws_fresh(cfg: Config, out: Path) -> bool:
-    """The store will be filled with a fresh init (the modeling code's, imported ahead by the store owner):
-    no pretrained weights, and no checkpoint in the output directory that train.resume would start from."""
-    return not cfg.model.pretrained and not may_resume(cfg.train.resume, out)
 
 
 class Background(Generic[T]):

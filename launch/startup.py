@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from megatrain import autosize, log
 from megatrain.actors.adam_updater import AdamUpdater
@@ -23,7 +22,7 @@ from megatrain.ipc.protocol import StoreSpec
 from megatrain.ipc.protocol.reduce import reduction_bytes
 from megatrain.launch.config import Config
 from megatrain.launch.crew import OWNER, Crew
-from megatrain.launch.inputs import Background, draws_fresh
+from megatrain.launch.inputs import Background
 from megatrain.launch.output import describe_run
 from megatrain.launch.placement import (
     Demand,
@@ -81,7 +80,7 @@ class Spawned:
     demands: dict[str, Demand]  # each actor's resources, as placed
 
 
-def spawn_actors(crew: Crew, cfg: Config, out: Path, reading: Background, phases: Phases) -> Spawned:
+def spawn_actors(crew: Crew, cfg: Config, reading: Background, phases: Phases) -> Spawned:
     """Start Ray, place and spawn every actor from the config alone (they import torch and the modeling code,
     make a CUDA context), while `reading` reads the run's inputs (launch/inputs.py)."""
     crew.runner.connect(bundle(demands(cfg.actors, cuda=False))["CPU"])
@@ -98,7 +97,8 @@ def spawn_actors(crew: Crew, cfg: Config, out: Path, reading: Background, phases
     dem = demands(cfg.actors, cuda, clip=cfg.optim.clips, writer=writer, staging=cfg.ipc.staging, executors=n)
     crew.runner.place(bundle(dem), describe_need(dem))
     family = pretrained_config(cfg.model)[0]
-    ahead = cfg.launch.runner == "ray" and draws_fresh(cfg, out)  # in its own process only (driver.py)
+    # Beside the inputs means a Ray run with no checkpoint to resume (driver.py): a fresh init, unless pretrained.
+    ahead = not reading.here and not cfg.model.pretrained
     crew.spawn(OWNER, StoreOwner, (OWNER, family if ahead else ""), dem[OWNER])
     spawn_workers(crew, cfg, family, engine, dem, expect_packers(cfg.ipc.staging, cuda, n), writer)
     phases.close("placement, actors spawned")

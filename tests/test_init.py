@@ -75,28 +75,24 @@ def test_a_draw_whose_modeling_code_was_imported_ahead_is_the_same(rid: str) -> 
             assert torch.equal(store.torch_tile("params", u), plain_init(spec, u, 3)), f"unit {u}"
 
 
-def test_a_fresh_init_is_told_from_a_run_that_may_resume(tmp_path) -> None:
-    """Only a fresh init has its modeling code imported ahead by the owner; a run that may resume reads its
-    checkpoint before anything starts (launch/driver.py): a torn checkpoint is none to resume from."""
+def test_a_run_that_may_resume_is_told_from_a_fresh_one(tmp_path) -> None:
+    """A run that may resume reads its checkpoint before anything starts (launch/driver.py); only the others
+    read their inputs beside the spawn, and have the init's modeling code imported ahead by the owner. A torn
+    checkpoint is none to resume from."""
     import json
 
     from megatrain import checkpoint as ckpt
-    from megatrain.launch.config import load_config
-    from megatrain.launch.inputs import draws_fresh
     from megatrain.launch.resume import may_resume
 
     out = tmp_path / "out"
-    cfg = load_config(None, ["launch.runner=inprocess"])
-    assert draws_fresh(cfg, out) and not may_resume("auto", out) and not may_resume("none", out)
+    assert not may_resume("auto", out) and not may_resume("none", out)
     assert may_resume(str(tmp_path / "elsewhere"), out)  # a named one is checked (refused if wrong) first
     step = ckpt.step_dir(out / "checkpoints", 5)
     step.mkdir(parents=True)
     (step / "manifest.json").write_text(json.dumps({"format": "torn"}))
-    assert draws_fresh(cfg, out) and not may_resume("auto", out)
+    assert not may_resume("auto", out)
     (step / "manifest.json").write_text(json.dumps({"format": ckpt.FORMAT, "step": 5, "files": {}}))
-    assert may_resume("auto", out) and not draws_fresh(cfg, out) and not may_resume("none", out)
-    pretrained = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, pretrained=str(tmp_path)))
-    assert not draws_fresh(pretrained, tmp_path / "fresh")  # the weights are read, not drawn
+    assert may_resume("auto", out) and not may_resume("none", out)
 
 
 def test_an_init_that_bypasses_the_unit_generator_is_drawn_again_in_order(rid: str, monkeypatch, capsys) -> None:
