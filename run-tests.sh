@@ -12,4 +12,5 @@ source ./bootstrap.sh
 megatrain_env
 "$PY" -m ruff check .
 "$PY" -m ruff format --check .
-"$PY" -m pytest -q -n "${MEGATRAIN_TEST_WORKERS:-0}" --dist loadgroup --no-loadscope-reorder "$@"
+# -X faulthandler: a crash after the last test (at the interpreter's exit) still prints every thread's stack.
+"$PY" -X faulthandler -m pytest -q -n "${MEGATRAIN_TEST_WORKERS:-0}" --dist loadgroup --no-loadscope-reorder "$@"

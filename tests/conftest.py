@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import secrets
 import subprocess
@@ -167,6 +168,9 @@ def ray_cluster():
     try:
         yield ray
     finally:
+        # Handles and refs of the session's runs still held in garbage cycles (a traceback's frames) go while
+        # their core worker exists, not at the interpreter's exit after it is gone.
+        gc.collect()
         ray.shutdown()
 
 

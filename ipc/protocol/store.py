@@ -3,6 +3,7 @@ role table that heartbeats and stall detection read. Every wait is timed and pol
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -348,6 +349,7 @@ class _Heartbeat:
     stores: weakref.WeakSet = weakref.WeakSet()
     lock = threading.Lock()
     thread: threading.Thread | None = None
+    stopping = threading.Event()
 
     @classmethod
     def register(cls, store: Store) -> None:
@@ -358,13 +360,22 @@ class _Heartbeat:
                 cls.thread.start()
 
     @classmethod
+    def _stop(cls) -> None:
+        """At interpreter exit: the thread ends before the interpreter tears down the modules and mappings
+        it writes through, instead of being cut off wherever it is."""
+        cls.stopping.set()
+        thread = cls.thread
+        if thread is not None:
+            thread.join(2 * BEAT_S)
+
+    @classmethod
     def unregister(cls, store: Store) -> None:
         with cls.lock:
             cls.stores.discard(store)
 
     @classmethod
     def _run(cls) -> None:
-        while True:
+        while not cls.stopping.is_set():
             with cls.lock:
                 live = list(cls.stores)
             now = time.monotonic()
@@ -374,4 +385,7 @@ class _Heartbeat:
                 except (ValueError, TypeError):  # unmapped
                     cls.unregister(store)
             del live
-            time.sleep(BEAT_S)
+            cls.stopping.wait(BEAT_S)
+
+
+atexit.register(_Heartbeat._stop)
