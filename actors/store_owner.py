@@ -26,7 +26,7 @@ from megatrain.engine import EngineConfig, fixed_sizes
 from megatrain.errors import AbortError, ConfigError, ProtocolError
 from megatrain.export import export
 from megatrain.hostmem import fault_in
-from megatrain.ipc.procs import maps_path, pid_alive, running, spawn_detached, start_ticks
+from megatrain.ipc.procs import live, maps_path, running, spawn_detached, start_ticks
 from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, checkpoint_host_bytes, plan_store
 from megatrain.ipc.protocol.checkpoints import restore_versions
 from megatrain.ipc.protocol.cpus import ThreadRequest, cpu_plan, node_cores
@@ -430,8 +430,10 @@ class StoreOwner(Role):
             self.store.unlink()
         if self.reaper:
             deadline = time.monotonic() + 5
-            while pid_alive(self.reaper) and time.monotonic() < deadline:
-                time.sleep(0.05)  # it exits once the ctl segment is gone
-            if pid_alive(self.reaper):
+            # It exits once the ctl segment is gone. A zombie counts as gone: it has run its last code, and where the
+            # first process is no init (a container's) the reaping that ends it comes a second or two later, or never.
+            while live(self.reaper) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if live(self.reaper):
                 os.kill(self.reaper, signal.SIGKILL)
             self.reaper = 0
