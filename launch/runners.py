@@ -144,7 +144,9 @@ class RayRunner:
     def connect(self, cpus_needed: float) -> None:
         ray = self.ray
         address = self.cfg.address or os.environ.get("RAY_ADDRESS")
-        if ray.is_initialized():
+        if ray.is_initialized():  # a caller's own ray.init (a notebook, a test session): its cluster is used
+            if self.cfg.address:
+                self._check_same_cluster(self.cfg.address)
             return
         with _keep_sigterm_handler():
             if address:
@@ -169,6 +171,18 @@ class RayRunner:
                         raise ConfigError(f"cannot start a local Ray instance: {_auth_message(exc)}") from None
                 self.started_ray = True
                 self.guard = _start_guard()
+
+    def _check_same_cluster(self, address: str) -> None:
+        """An explicit address where this process is already connected: the same cluster, or a refusal. Ray joins
+        one cluster per process, and a run on another than the one named would be a silent surprise."""
+        connected = self.ray.get_runtime_context().gcs_address
+        if _host_port(address) is None or _same_endpoint(address, connected):
+            return  # 'auto' and ray:// addresses name whatever Ray resolves: the connected one is taken
+        raise ConfigError(
+            f"--address / launch.address '{address}': cannot join that Ray cluster: this process is already "
+            f"connected to the Ray cluster at {connected} (ray.init was called before the run); call ray.shutdown() "
+            "first, or leave the address unset to run on the connected cluster"
+        )
 
     def _join(self, address: str) -> None:
         key = "--address / launch.address" if self.cfg.address else "RAY_ADDRESS"
@@ -336,6 +350,17 @@ def _host_port(address: str) -> tuple[str, int] | None:
     if not sep or "://" in address or not port.isdigit():
         return None
     return host, int(port)
+
+
+def _same_endpoint(a: str, b: str) -> bool:
+    """Whether two host:port addresses name the same endpoint (host names resolved: localhost is 127.0.0.1)."""
+    pa, pb = _host_port(a), _host_port(b)
+    if pa is None or pb is None or pa[1] != pb[1]:
+        return False
+    try:
+        return socket.gethostbyname(pa[0]) == socket.gethostbyname(pb[0])
+    except OSError:
+        return pa[0] == pb[0]
 
 
 def _unreachable(address: str, timeout: float = 5.0) -> str:

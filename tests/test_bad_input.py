@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -157,7 +159,22 @@ def test_truncated_safetensors_is_named(capsys, tmp_path: Path) -> None:
     assert str(weights) in err and "truncated" in err
 
 
-def test_unreachable_ray_address_names_the_key(capsys, tmp_path: Path) -> None:
+def test_unreachable_ray_address_names_the_key(tmp_path: Path) -> None:
+    # Its own process: in this one the session's Ray instance may be up already (the next test's case).
+    hf = json.dumps({**TINY, "num_hidden_layers": 2})
+    argv = [DEFAULT, "--address", "127.0.0.1:9", f"train.output_dir={tmp_path / 'o'}", f"model.hf={hf}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatrain.launch.cli", *argv], capture_output=True, text=True, timeout=300
+    )
+    err = proc.stderr
+    assert proc.returncode == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert "--address / launch.address '127.0.0.1:9'" in err and "no Ray GCS answers at 127.0.0.1:9" in err
+
+
+def test_an_address_other_than_the_connected_cluster_is_refused(capsys, tmp_path: Path, ray_cluster) -> None:
+    """ray.init called before the run (a notebook): an explicit address naming another cluster is refused, not
+    silently replaced by the connected one."""
+    connected = ray_cluster.get_runtime_context().gcs_address
     err = usage_error(
         capsys,
         DEFAULT,
@@ -167,7 +184,18 @@ def test_unreachable_ray_address_names_the_key(capsys, tmp_path: Path) -> None:
         f"model.hf={json.dumps({**TINY, 'num_hidden_layers': 2})}",
         ray=True,
     )
-    assert "--address / launch.address '127.0.0.1:9'" in err and "cannot join" in err
+    assert (
+        "--address / launch.address '127.0.0.1:9'" in err
+        and f"already connected to the Ray cluster at {connected}" in err
+    )
+    assert not (tmp_path / "o").exists()
+
+
+def test_addresses_naming_one_endpoint() -> None:
+    from megatrain.launch.runners import _same_endpoint
+
+    assert _same_endpoint("localhost:6379", "127.0.0.1:6379") and _same_endpoint("10.0.0.5:1", "10.0.0.5:1")
+    assert not _same_endpoint("127.0.0.1:6379", "127.0.0.1:6380") and not _same_endpoint("auto", "127.0.0.1:6379")
 
 
 def test_fidelity_reports_a_bad_key_in_one_line(capsys) -> None:
