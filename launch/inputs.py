@@ -7,8 +7,11 @@ them first (launch/driver.py)."""
 
 from __future__ import annotations
 
+import sys
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -52,6 +55,35 @@ class Background(Generic[T]):
             self._run(fn, args)
             return
         threading.Thread(target=self._run, args=(fn, args), name=name, daemon=True).start()
+
+    @contextmanager
+    def awaited_on_error(self, limit_s: float = 60.0) -> Iterator[None]:
+        """An error raised in the block leaves it only once the call has ended (up to `limit_s`): a thread still
+        running Python while the interpreter exits (importing transformers, say) races the exit handlers, as in
+        weakref's "dictionary changed size during iteration", or crashes the exit. A Ctrl-C is not held up."""
+        try:
+            yield
+        except Exception:
+            self.settle(limit_s)
+            raise
+
+    def settle(self, limit_s: float) -> bool:
+        """Wait for the call to end, up to `limit_s` (saying so after a second); whether it has ended."""
+        start = time.monotonic()
+        said = False
+        while not self._done.wait(0.1):
+            waited = time.monotonic() - start
+            if waited >= limit_s:
+                return False
+            if not said and waited > 1.0:
+                print(
+                    f"megatrain-launch: waiting up to {limit_s:.0f} s for the run's inputs to finish reading "
+                    "before exit (Ctrl-C twice leaves now)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                said = True
+        return True
 
     def _run(self, fn: Callable[..., T], args: tuple) -> None:
         try:

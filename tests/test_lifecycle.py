@@ -415,3 +415,26 @@ def _ticks(pid: int) -> int:
     from megatrain.ipc.procs import start_ticks
 
     return start_ticks(pid)
+
+
+def test_an_error_beside_the_inputs_read_leaves_once_the_read_has_ended(capfd: pytest.CaptureFixture) -> None:
+    """A refused placement raises while the inputs are still read on their thread: the error leaves the block
+    only once that thread has ended (a thread still importing as the interpreter exits races its exit
+    handlers); a Ctrl-C leaves at once, and the wait has a limit."""
+    from megatrain.errors import ConfigError
+    from megatrain.launch.inputs import Background
+
+    ended: list[float] = []
+    reading = Background(lambda: (time.sleep(1.3), ended.append(time.monotonic())), name="inputs")
+    with pytest.raises(ConfigError), reading.awaited_on_error():
+        raise ConfigError("placement refused")
+    assert ended and time.monotonic() >= ended[0]
+    assert "waiting up to 60 s for the run's inputs to finish reading" in capfd.readouterr().err
+
+    release = threading.Event()
+    held = Background(release.wait, name="inputs")
+    with pytest.raises(KeyboardInterrupt), held.awaited_on_error():
+        raise KeyboardInterrupt
+    assert not held.settle(0.3)  # still reading: the limit ends the wait
+    release.set()
+    assert held.settle(5.0) and held.result() is True
