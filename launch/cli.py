@@ -136,7 +136,13 @@ def main(argv: list[str] | None = None) -> int:
 
     stop = StopRequest()
     with stop.installed():
-        return _run(args, stop, program)
+        code = _run(args, stop, program)
+        # A run that failed while its inputs were still read beside Ray's start ends only once that read has
+        # (launch/inputs.py), quietly: its error is already said. A signal means "now": no wait then.
+        reading = sys.modules.get("megatrain.launch.inputs")
+        if reading is not None:
+            reading.settle_reads(60.0, stop=lambda: stop.signum is not None)
+        return code
 
 
 def _run(args: argparse.Namespace, stop: Any, program: bool = False) -> int:

@@ -184,8 +184,7 @@ class Trainer:
         # read first: a refusal raises here, and a complete run starts nothing
         cuda = False
         if beside or not reading.result().begin.complete:
-            with reading.awaited_on_error():  # a refused placement ends the run while the inputs are read
-                s = startup.spawn_actors(self.crew, cfg, reading, self.phases)
+            s = startup.spawn_actors(self.crew, cfg, reading, self.phases)
             cuda, self.executors, self.engine_cfg, self.demands = s.cuda, s.executors, s.engine, s.demands
         inputs = reading.result()
         self.data, self.steps, self.begin, spec = inputs.data, inputs.steps, inputs.begin, inputs.model

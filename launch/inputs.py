@@ -7,11 +7,9 @@ them first (launch/driver.py)."""
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -23,6 +21,9 @@ from megatrain.launch.resume import Start, choose_start
 from megatrain.model import ModelSpec, build_spec, resolve_hf_config
 
 T = TypeVar("T")
+
+_READING: set[Background] = set()  # the calls still running on their threads
+_LOCK = threading.Lock()
 
 
 @dataclass
@@ -54,36 +55,9 @@ class Background(Generic[T]):
         if here:
             self._run(fn, args)
             return
+        with _LOCK:
+            _READING.add(self)
         threading.Thread(target=self._run, args=(fn, args), name=name, daemon=True).start()
-
-    @contextmanager
-    def awaited_on_error(self, limit_s: float = 60.0) -> Iterator[None]:
-        """An error raised in the block leaves it only once the call has ended (up to `limit_s`): a thread still
-        running Python while the interpreter exits (importing transformers, say) races the exit handlers, as in
-        weakref's "dictionary changed size during iteration", or crashes the exit. A Ctrl-C is not held up."""
-        try:
-            yield
-        except Exception:
-            self.settle(limit_s)
-            raise
-
-    def settle(self, limit_s: float) -> bool:
-        """Wait for the call to end, up to `limit_s` (saying so after a second); whether it has ended."""
-        start = time.monotonic()
-        said = False
-        while not self._done.wait(0.1):
-            waited = time.monotonic() - start
-            if waited >= limit_s:
-                return False
-            if not said and waited > 1.0:
-                print(
-                    f"megatrain-launch: waiting up to {limit_s:.0f} s for the run's inputs to finish reading "
-                    "before exit (Ctrl-C twice leaves now)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                said = True
-        return True
 
     def _run(self, fn: Callable[..., T], args: tuple) -> None:
         try:
@@ -92,6 +66,8 @@ class Background(Generic[T]):
             self._error = exc
         finally:
             self._done.set()
+            with _LOCK:
+                _READING.discard(self)
 
     def failed(self) -> bool:
         """Done, with an exception (result() raises it)."""
@@ -105,3 +81,19 @@ class Background(Generic[T]):
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]
+
+
+def settle_reads(limit_s: float, stop: Callable[[], bool] = lambda: False) -> bool:
+    """Wait, up to `limit_s` in all, for every call still running on its thread; whether all ended. A run that
+    failed while its inputs were read beside it (a placement refused in seconds, while transformers still
+    imports) calls this after its error is reported: a thread still running Python while the interpreter
+    exits races the exit handlers (weakref's "dictionary changed size during iteration") or crashes the exit.
+    The wait is in short pieces and ends as soon as `stop()` (a signal came: the user wants out)."""
+    deadline = time.monotonic() + limit_s
+    with _LOCK:
+        calls = list(_READING)
+    for call in calls:
+        while not call._done.wait(0.1):
+            if time.monotonic() >= deadline or stop():
+                return False
+    return True

@@ -417,24 +417,20 @@ def _ticks(pid: int) -> int:
     return start_ticks(pid)
 
 
-def test_an_error_beside_the_inputs_read_leaves_once_the_read_has_ended(capfd: pytest.CaptureFixture) -> None:
-    """A refused placement raises while the inputs are still read on their thread: the error leaves the block
-    only once that thread has ended (a thread still importing as the interpreter exits races its exit
-    handlers); a Ctrl-C leaves at once, and the wait has a limit."""
-    from megatrain.errors import ConfigError
-    from megatrain.launch.inputs import Background
+def test_the_launcher_leaves_once_its_inputs_read_has_ended() -> None:
+    """A refused placement ends a run while its inputs are still read on their thread: the launcher waits for
+    that read before it returns (a thread still importing as the interpreter exits races its exit handlers),
+    up to a limit, and not once a signal asks it out."""
+    from megatrain.launch.inputs import Background, settle_reads
 
-    ended: list[float] = []
-    reading = Background(lambda: (time.sleep(1.3), ended.append(time.monotonic())), name="inputs")
-    with pytest.raises(ConfigError), reading.awaited_on_error():
-        raise ConfigError("placement refused")
-    assert ended and time.monotonic() >= ended[0]
-    assert "waiting up to 60 s for the run's inputs to finish reading" in capfd.readouterr().err
+    ended: list[bool] = []
+    Background(lambda: (time.sleep(1.0), ended.append(True)), name="inputs")
+    assert settle_reads(10.0) and ended
 
     release = threading.Event()
     held = Background(release.wait, name="inputs")
-    with pytest.raises(KeyboardInterrupt), held.awaited_on_error():
-        raise KeyboardInterrupt
-    assert not held.settle(0.3)  # still reading: the limit ends the wait
+    began = time.monotonic()
+    assert not settle_reads(0.3) and time.monotonic() - began < 2.0  # the limit ends the wait
+    assert not settle_reads(30.0, stop=lambda: True)  # a signal came: no wait
     release.set()
-    assert held.settle(5.0) and held.result() is True
+    assert settle_reads(5.0) and held.result() is True
