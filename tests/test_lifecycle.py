@@ -434,3 +434,14 @@ def test_the_launcher_leaves_once_its_inputs_read_has_ended() -> None:
     assert not settle_reads(30.0, stop=lambda: True)  # a signal came: no wait
     release.set()
     assert settle_reads(5.0) and held.result() is True
+
+
+def test_the_launcher_returns_after_a_read_in_flight_has_ended() -> None:
+    """The launcher's own exit path: an error returned (exit 2 here) still waits for the read beside it."""
+    from megatrain.launch.cli import main
+    from megatrain.launch.inputs import Background
+
+    ended: list[bool] = []
+    Background(lambda: (time.sleep(1.5), ended.append(True)), name="inputs")
+    assert main([str(ROOT / "examples/default.yaml"), "train.no_such_key=1"]) == 2
+    assert ended
