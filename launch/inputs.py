@@ -73,11 +73,18 @@ class Background(Generic[T]):
         """Done, with an exception (result() raises it)."""
         return self._done.is_set() and self._error is not None
 
-    def result(self) -> T:
-        """Wait (a signal on the main thread still interrupts: the wait is in short pieces), then the value or
-        the call's exception."""
+    def wait(self, limit_s: float = float("inf"), stop: Callable[[], bool] = lambda: False) -> bool:
+        """Wait for the call to end, up to `limit_s` or until `stop()`; whether it ended. In short pieces: a
+        signal on the main thread still interrupts it."""
+        deadline = time.monotonic() + limit_s
         while not self._done.wait(0.1):
-            pass
+            if time.monotonic() >= deadline or stop():
+                return False
+        return True
+
+    def result(self) -> T:
+        """Wait, then the value or the call's exception."""
+        self.wait()
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]
@@ -92,8 +99,4 @@ def settle_reads(limit_s: float, stop: Callable[[], bool] = lambda: False) -> bo
     deadline = time.monotonic() + limit_s
     with _LOCK:
         calls = list(_READING)
-    for call in calls:
-        while not call._done.wait(0.1):
-            if time.monotonic() >= deadline or stop():
-                return False
-    return True
+    return all(call.wait(deadline - time.monotonic(), stop) for call in calls)
