@@ -21,6 +21,8 @@ from megatrain.actors.base import Role, guarded
 from megatrain.collective import HOST, Group, open_rendezvous
 from megatrain.cudahost import use_expandable_segments
 from megatrain.engine import EngineConfig, StepEngine, resolve_device, resolve_dtype
+from megatrain.errors import ResourceError
+from megatrain.gpubudget import GpuCap, budget_bytes, cap_device, peak_bytes, sizes_of
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.executor import Marks, StreamedSink, StreamedSource, SyncSink, SyncSource, copy_intervals
 from megatrain.ipc.protocol.reduce import StreamedReducingSink, SyncReducingSink
@@ -56,9 +58,14 @@ class GpuExecutor(Role):
             print(f"[{self.name}] {use_expandable_segments()}", flush=True)
         self.device = resolve_device(cfg, rank)
         self.cuda = self.device.type == "cuda"
+        self.cap: GpuCap | None = None  # engine.gpu_memory_gib (megatrain/gpubudget.py)
+        self.planned: int | None = None  # the plan's GPU peak at the sizes chosen
         if self.cuda:
             torch.cuda.set_device(self.device)
             torch.cuda.init()
+            self.cap = cap_device(self.device, budget_bytes(cfg))  # before anything is allocated
+            if self.cap:
+                print(f"[{self.name}] {self.cap}", flush=True)
             self.mark("cuda")
         if family:
             family_classes(family)  # imports the family's modeling module
@@ -76,6 +83,7 @@ class GpuExecutor(Role):
         """Start the warm-up (megatrain/warmup.py) on the compute thread with the chosen engine sizes, while
         the store is filled; returns at once. The first step queues behind it on that thread."""
         if self.cuda:
+            self.planned = peak_bytes(model, cfg, batch, seq, sizes_of(cfg))
             self.compute.submit(self._warm_up, model, cfg, batch, seq)
 
     def _warm_up(self, model: ModelSpec, cfg: EngineConfig, batch: int, seq: int) -> None:
@@ -94,6 +102,11 @@ class GpuExecutor(Role):
     def gpu_free_bytes(self) -> int:
         """Free GPU memory now, after this process's CUDA context: what autosize.py may plan with."""
         return int(torch.cuda.mem_get_info(self.device)[0])
+
+    def gpu_room(self) -> tuple[int, int | None]:
+        """(free GPU memory now, after this process's CUDA context; what engine.gpu_memory_gib leaves the
+        caching allocator, None without a budget): the sizes are planned for the smaller."""
+        return self.gpu_free_bytes(), (self.cap.room if self.cap else None)
 
     def attach(self, spec: StoreSpec, cfg: EngineConfig | None = None) -> None:
         """`cfg`: the engine config with its `auto` sizes resolved (the driver chose them after this
@@ -187,6 +200,10 @@ class GpuExecutor(Role):
                 return fut.result(timeout=self.store.spec.ipc.poll_s)
             except FutureTimeout:
                 self.store.check_abort()
+            except torch.cuda.OutOfMemoryError as exc:  # under a budget: the budget and the plan named
+                if self.cap is None:
+                    raise
+                raise ResourceError(self.cap.oom(exc, self.planned)) from None
 
     def _walks(self, step: int, count: int, fn: Callable[[], Any]) -> list:
         out = []

@@ -7,6 +7,9 @@ repository (bench/official/checkout.py: --official-src, $MEGATRAIN_OFFICIAL_SRC 
 and needs DeepSpeed too.
 
 Each returns {"name", "step_time_s", "gpu_peak_bytes"} or {"name", "status": "OOM" | "error: ..."}.
+With `gpu_gib` (bench/run.py --gpu-gib) each peer's process caps its caching allocator as MegaTrain's executor
+does for engine.gpu_memory_gib (megatrain/gpubudget.py: the budget less the process's CUDA context), before
+the peer allocates anything; what the cap refuses is the row's OOM.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 import torch
 
 from bench.official.checkout import commit_of, official_src
+from megatrain import gpubudget
 from megatrain.data import DataConfig, batch
 from megatrain.model import family_classes
 
@@ -58,18 +62,23 @@ def _trainer(
     return step
 
 
-def _guard(name: str, fn: Callable[[], dict]) -> dict:
+def _guard(name: str, fn: Callable[[], dict], gpu_gib: float | None = None) -> dict:
+    """Run a peer on the current GPU, capped at `gpu_gib` GiB (the CUDA context included) where given."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    device = torch.cuda.current_device()
     try:
+        cap = gpubudget.cap_device(device, None if gpu_gib is None else int(gpu_gib * gpubudget.GIB))
         out = fn()
-        return {"name": name, "status": "ok", "gpu_peak_bytes": torch.cuda.max_memory_allocated(), **out}
+        budget = {"gpu_budget": str(cap)} if cap else {}
+        return {"name": name, "status": "ok", "gpu_peak_bytes": torch.cuda.max_memory_allocated(), **budget, **out}
     except torch.cuda.OutOfMemoryError:
         return {"name": name, "status": "OOM"}
     except Exception as exc:  # a peer that cannot run is reported, not hidden
         return {"name": name, "status": f"error: {type(exc).__name__}: {str(exc)[:300]}"}
     finally:
         torch.cuda.empty_cache()
+        gpubudget.cap_device(device, None)  # the next row, in this process, has the whole GPU again
 
 
 def _model(hf, device: str) -> torch.nn.Module:
@@ -98,7 +107,7 @@ def _model(hf, device: str) -> torch.nn.Module:
     return model
 
 
-def plain_pytorch(hf, data: DataConfig, steps: int) -> dict:
+def plain_pytorch(hf, data: DataConfig, steps: int, gpu_gib: float | None = None) -> dict:
     """The whole model on the GPU: fp32 master, bf16 autocast, per-layer checkpointing, fused AdamW."""
 
     def run() -> dict:
@@ -109,10 +118,10 @@ def plain_pytorch(hf, data: DataConfig, steps: int) -> dict:
 
         return {"step_times_s": _timed_steps(_trainer(model, opt, data, autocast=True), steps)}
 
-    return _guard("plain PyTorch (GPU-resident)", run)
+    return _guard("plain PyTorch (GPU-resident)", run, gpu_gib)
 
 
-def fsdp2_offload(hf, data: DataConfig, steps: int) -> dict:
+def fsdp2_offload(hf, data: DataConfig, steps: int, gpu_gib: float | None = None) -> dict:
     """FSDP2 fully_shard with CPUOffloadPolicy at world size 1 (parameters and optimizer on the CPU)."""
 
     def run() -> dict:
@@ -137,7 +146,7 @@ def fsdp2_offload(hf, data: DataConfig, steps: int) -> dict:
         finally:
             dist.destroy_process_group()
 
-    return _guard("FSDP2 CPU offload", run)
+    return _guard("FSDP2 CPU offload", run, gpu_gib)
 
 
 def _ds_config(data: DataConfig, torch_adam: bool) -> dict:
@@ -164,7 +173,7 @@ def _ds_config(data: DataConfig, torch_adam: bool) -> dict:
     return cfg
 
 
-def deepspeed_zero3(hf, data: DataConfig, steps: int, gpus: int = 1) -> dict:
+def deepspeed_zero3(hf, data: DataConfig, steps: int, gpus: int = 1, gpu_gib: float | None = None) -> dict:
     """DeepSpeed ZeRO-3, parameters and optimizer offloaded to the CPU, at world size `gpus` (one spawned
     process per GPU, each `data.batch_size` sequences a step, as DeepSpeed's launcher would run them; with
     one GPU too, so that a process the kernel kills for host memory is the row's result, not the bench's end).
@@ -173,10 +182,10 @@ def deepspeed_zero3(hf, data: DataConfig, steps: int, gpus: int = 1) -> dict:
     the machine) the peer runs with torch's AdamW on the offloaded fp32 partitions and says so."""
     if importlib.util.find_spec("deepspeed") is None:
         return {"name": "DeepSpeed ZeRO-3 offload", "status": "not installed"}
-    return _deepspeed_ranks(hf, data, steps, gpus)
+    return _deepspeed_ranks(hf, data, steps, gpus, gpu_gib)
 
 
-def _deepspeed_rank(hf, data: DataConfig, steps: int, rank: int, world: int) -> dict:
+def _deepspeed_rank(hf, data: DataConfig, steps: int, rank: int, world: int, gpu_gib: float | None = None) -> dict:
     import deepspeed
 
     def run(torch_adam: bool) -> dict:
@@ -188,7 +197,6 @@ def _deepspeed_rank(hf, data: DataConfig, steps: int, rank: int, world: int) -> 
             ("MASTER_PORT", "29518"),
         ):
             os.environ[k] = v if world > 1 else os.environ.get(k, v)
-        torch.cuda.set_device(rank)
         deepspeed.init_distributed(dist_backend="nccl", verbose=False)
         model = _model(hf, "cpu")
         model.gradient_checkpointing_enable()
@@ -212,25 +220,26 @@ def _deepspeed_rank(hf, data: DataConfig, steps: int, rank: int, world: int) -> 
         finally:
             engine.destroy()
 
-    res = _guard("DeepSpeed ZeRO-3 offload", lambda: run(False))
+    torch.cuda.set_device(rank)  # before the cap: it is the current device's
+    res = _guard("DeepSpeed ZeRO-3 offload", lambda: run(False), gpu_gib)
     if res["status"].startswith("error"):
         first = res["status"]
-        res = _guard("DeepSpeed ZeRO-3 offload (torch AdamW)", lambda: run(True))
+        res = _guard("DeepSpeed ZeRO-3 offload (torch AdamW)", lambda: run(True), gpu_gib)
         res["note"] = f"DeepSpeedCPUAdam failed: {first}"
     return res
 
 
-def _deepspeed_child(rank: int, hf, data: DataConfig, steps: int, world: int, out: str) -> None:
-    res = _deepspeed_rank(hf, data, steps, rank, world)
+def _deepspeed_child(rank: int, hf, data: DataConfig, steps: int, world: int, gpu_gib: float | None, out: str) -> None:
+    res = _deepspeed_rank(hf, data, steps, rank, world, gpu_gib)
     Path(out, f"rank{rank}.json").write_text(json.dumps(res))
 
 
-def _deepspeed_ranks(hf, data: DataConfig, steps: int, world: int) -> dict:
+def _deepspeed_ranks(hf, data: DataConfig, steps: int, world: int, gpu_gib: float | None = None) -> dict:
     """One process per GPU (spawned: CUDA and NCCL start fresh in each); rank 0's step times and the
     largest GPU peak. A rank the kernel ends, or one that fails, makes the row's status."""
     name = "DeepSpeed ZeRO-3 offload"
     torch.cuda.empty_cache()  # our cached blocks back to the driver: the ranks need the whole GPUs
-    ranks = spawn_ranks(name, _deepspeed_child, (hf, data, steps, world), world)
+    ranks = spawn_ranks(name, _deepspeed_child, (hf, data, steps, world, gpu_gib), world)
     if isinstance(ranks, dict):
         return ranks
     res = dict(ranks[0])
@@ -347,7 +356,9 @@ def _official_result(summ: dict, warmup: int, name: str) -> dict:
     }
 
 
-def official_megatrain(hf, data: DataConfig, steps: int, warmup: int = 2, src: Path | None = None) -> dict:
+def official_megatrain(
+    hf, data: DataConfig, steps: int, warmup: int = 2, src: Path | None = None, gpu_gib: float | None = None
+) -> dict:
     """The official MegaTrain trainer (their checkout `src`, unmodified; default: official_src()) through our
     glue bench_official.py, on a random-initialised model of hf's shape and random tokens, batch and sequence as
     ours. A subprocess: their code sets process-wide state (logging, PYTORCH_CUDA_ALLOC_CONF) and pins its own
@@ -363,12 +374,14 @@ def official_megatrain(hf, data: DataConfig, steps: int, warmup: int = 2, src: P
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # hand our cached blocks back so the subprocess gets the whole GPU
     try:
-        return _official_run(hf, data, steps, warmup, src, name)
+        return _official_run(hf, data, steps, warmup, src, name, gpu_gib)
     except Exception as exc:  # a peer that cannot run is reported, never raised into bench/run.py
         return _official_failure(f"{type(exc).__name__}: {str(exc)[:300]}", name)
 
 
-def _official_run(hf, data: DataConfig, steps: int, warmup: int, src: Path, name: str) -> dict:
+def _official_run(
+    hf, data: DataConfig, steps: int, warmup: int, src: Path, name: str, gpu_gib: float | None = None
+) -> dict:
     """make_model.py (skipped when the directory is already complete), then bench_official.py; both streamed."""
     tail: deque[str] = deque(maxlen=200)
     with tempfile.TemporaryDirectory(prefix="official-") as tmp:
@@ -392,6 +405,7 @@ def _official_run(hf, data: DataConfig, steps: int, warmup: int, src: Path, name
             str(steps),
             "--json-out",
             str(out),
+            *(["--gpu-gib", str(gpu_gib)] if gpu_gib is not None else []),
         ]
         rc = _stream(cmd, tmp, tail)
         summ = json.loads(out.read_text()) if out.is_file() else {}

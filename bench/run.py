@@ -8,6 +8,11 @@ GPT-OSS-20B's) with --layers layers, with peers in the same run.
 --batch is per GPU: with --gpus N the first row runs N executors on N x --batch sequences a step, the
 second one executor on --batch, and the peers run on N GPUs.
 
+--gpu-gib N is a GPU memory budget per GPU (the CUDA context included): engine.gpu_memory_gib for MegaTrain,
+and the same cap on each peer's process (torch.cuda.set_per_process_memory_fraction; bench/peers.py); the
+tables name it. --batch auto is the most sequences per GPU whose MegaTrain plan fits that budget (or the
+GPU's free memory) and the host: every row then runs that batch.
+
 Writes OUT/results.json, OUT/results.md (the table, with the command and commit) and OUT/timeline-VARIANT.png.
 TFLOPS use the paper's formula: (6*N*D + 12*L*H*S*D) / step time, N parameters, D tokens per step,
 L layers, H hidden size, S sequence length (recompute is not counted as useful work); N counts a mixture
@@ -211,6 +216,7 @@ def overrides(args: argparse.Namespace, out: Path, extra: list[str], gpus: int |
         "optim.warmup_steps=0",
         "optim.schedule=constant",
         "train.final_eval=false",
+        *([f"engine.gpu_memory_gib={args.gpu_gib}"] if args.gpu_gib is not None else []),
         *knobs,
         *extra,
     ]
@@ -403,7 +409,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", default="", help="with --suite: a comma list of entries: " + ", ".join(SUITE))
     p.add_argument("--model", choices=list(MODELS), default="qwen2.5-7b", help="the layer shape measured")
     p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--batch", type=int, default=16, help="sequences per step per GPU")
+    p.add_argument(
+        "--batch",
+        type=lambda v: v if v == "auto" else int(v),
+        default=16,
+        help="sequences per step per GPU; auto: the most whose MegaTrain plan fits the GPU (--gpu-gib) and host",
+    )
+    p.add_argument(
+        "--gpu-gib",
+        type=float,
+        default=None,
+        help="GPU memory budget per GPU in GiB, CUDA context included: engine.gpu_memory_gib for MegaTrain, "
+        "the same cap on every peer",
+    )
     p.add_argument("--gpus", type=int, default=1, help="GPUs (actors.num_gpus; the peers' world size)")
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=12, help="steps per system (at least 10 steady ones)")
@@ -430,6 +448,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.gpus < 1:
         p.error("--gpus: at least 1")
+    if args.gpu_gib is not None and args.gpu_gib <= 0:
+        p.error("--gpu-gib: a number of GiB > 0")
+    if args.batch != "auto" and args.batch < 1:
+        p.error("--batch: at least 1, or auto")
     if args.gpus > 1 and {"plain", "fsdp2", "official"} & set(args.peers.split(",")):
         p.error("--gpus > 1: only --peers deepspeed runs on several GPUs")
     for flag, names, known in (("--peers", args.peers, PEERS), ("--ablations", args.ablations, ABLATIONS)):
@@ -458,6 +480,8 @@ def run(args: argparse.Namespace) -> int:
     if args.suite:
         return run_suite(args)
     args.hf, args.extra = bench_model(args.model, args.layers, args.extra)
+    if args.batch == "auto":
+        args.batch = most_batch(args)
     peers = [p for p in args.peers.split(",") if p]
     if "official" in peers and MODELS[args.model][0] != "qwen2":
         raise Failed(f"--peers official: the official code trains the qwen2 family only, not --model {args.model}", 2)
@@ -474,7 +498,7 @@ def run(args: argparse.Namespace) -> int:
     for peer in [None, *peers]:
         if peer is not None:
             kw = {"src": src} if peer == "official" else {"gpus": args.gpus} if args.gpus > 1 else {}
-            results.append(PEERS[peer](hf, data, args.steps, **kw))
+            results.append(PEERS[peer](hf, data, args.steps, gpu_gib=args.gpu_gib, **kw))
             results[-1].setdefault("gpus", args.gpus if "gpus" in kw else 1)
             results[-1].setdefault("batch", args.batch * results[-1]["gpus"])
         # row by row: a peer the kernel's OOM killer ends takes the bench's process, not the rows measured
@@ -486,7 +510,9 @@ def run(args: argparse.Namespace) -> int:
     head = (
         f"\n### {args.layers} layers ({MODELS[args.model][2]}), {args.batch}x{args.seq} tokens/step"
         + (f" per GPU, {args.gpus} GPUs" if args.gpus > 1 else "")
-        + f"{f' ({given})' if given else ', product defaults'} — {args.machine}, {when}, commit {commit()}\n\n"
+        + f"{f' ({given})' if given else ', product defaults'}"
+        + (f", GPU memory budget {args.gpu_gib:g} GiB per GPU (every row)" if args.gpu_gib is not None else "")
+        + f" — {args.machine}, {when}, commit {commit()}\n\n"
         f"`python bench/run.py {shlex.join(sys.argv[1:])}`\n\n"
         f"Steps {args.steps}, warm-up {args.warmup}; CPU plan: {results[0].get('cpu_plan', '?')}\n\n"
     )
@@ -496,6 +522,41 @@ def run(args: argparse.Namespace) -> int:
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
     print(head + md)
     return 0
+
+
+def most_batch(args: argparse.Namespace, most: int = 4096) -> int:
+    """--batch auto: the most sequences per GPU (up to `most`) whose MegaTrain plan (launch/memplan.py) fits this
+    machine's host and its GPU's free memory, capped at --gpu-gib; the plan's answer, printed."""
+    from megatrain.launch.memplan import make_plan
+
+    def fits(b: int) -> bool:
+        args.batch = b
+        plan = make_plan(load_config(None, overrides(args, Path(args.out), args.extra)), gpu_free(), True)
+        return plan.fits()
+
+    if args.gpu_gib is None and gpu_free() is None:
+        raise Failed("--batch auto: no GPU here to plan for; give --gpu-gib N", 2)
+    if not fits(1):
+        raise Failed(
+            f"--batch auto: not even 1 sequence of {args.seq} tokens fits (megatrain-launch plan shows why)", 1
+        )
+    lo, hi = 1, 2
+    while hi <= most and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, most + 1)
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    budget = f"--gpu-gib {args.gpu_gib:g}" if args.gpu_gib is not None else "the GPU's free memory"
+    print(f"[bench] --batch auto: {lo} sequences of {args.seq} tokens per GPU, the most the plan fits in {budget}")
+    return lo
+
+
+def gpu_free() -> int | None:
+    """The GPU's free memory now (the plan's figure without --gpu-gib); None without a GPU."""
+    import torch
+
+    return int(torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else None
 
 
 def commit() -> str:

@@ -6,14 +6,16 @@ import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatrain import gpubudget
 from megatrain.adamw import OptimConfig
 from megatrain.configbase import Where, key_error, load_located, section
 from megatrain.data import ByteTokenizer, DataConfig
-from megatrain.engine import EngineConfig
+from megatrain.engine import EngineConfig, resolve_engine
 from megatrain.errors import ConfigError
 from megatrain.ipc.protocol import IpcConfig
+from megatrain.ipc.protocol.reduce import reduction_bytes
 from megatrain.launch.driver_config import TrainConfig
-from megatrain.launch.placement import ActorsConfig, batch_split_problem
+from megatrain.launch.placement import ActorsConfig, batch_split_problem, per_executor
 from megatrain.launch.runners import LaunchConfig
 from megatrain.model import ModelConfig, build_spec, hf_config_fields, pretrained_config, resolve_hf_config
 from megatrain.weights import check_checkpoint
@@ -90,6 +92,27 @@ def validate_model(cfg: Config, where: Where | None = None) -> None:
         )
     if cfg.model.pretrained:  # every file whole, every parameter there in a layout read_unit reads, of its shape
         check_checkpoint(build_spec(cfg.model, cfg.optim.no_decay_1d), cfg.model.pretrained)
+    check_gpu_budget(cfg, where)
+
+
+def check_gpu_budget(cfg: Config, where: Where | None = None) -> None:
+    """engine.gpu_memory_gib must hold the run's plan (explicit sizes included) before anything starts. Only
+    where the run computes on a GPU: engine.device cuda, or auto on a machine with one."""
+    if gpubudget.budget_bytes(cfg.engine) is None or cfg.engine.device == "cpu":
+        return
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if cfg.engine.device == "auto" and not gpus:
+        return
+    n = int(cfg.actors.num_gpus) if cfg.actors.num_gpus != "auto" else max(gpus, 1)
+    spec = build_spec(cfg.model, cfg.optim.no_decay_1d)
+    engine = resolve_engine(cfg.engine, True)
+    batch = per_executor(cfg.data.batch_size, n)
+    reserve = reduction_bytes(spec) if n > 1 else 0
+    problem = gpubudget.budget_problem(spec, engine, batch, cfg.data.seq_len, cfg.optim.clips, reserve)
+    if problem:
+        raise key_error(where, gpubudget.KEY, problem)
 
 
 def validate_tree(cfg: Config, where: Where | None = None) -> None:

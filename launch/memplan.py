@@ -17,7 +17,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
-from megatrain import autosize
+from megatrain import autosize, gpubudget
 from megatrain.engine import EngineConfig, fixed_sizes, resolve_engine
 from megatrain.errors import ConfigError, ResourceError
 from megatrain.flops import active_params, expert_params
@@ -77,6 +77,8 @@ class MemPlan:
     expert_params: int = 0  # the routed experts' tensors, all of them; 0 for a dense model
     gpu: dict[str, int] = field(default_factory=dict)
     gpu_free: int | None = None
+    gpu_budget: int | None = None  # engine.gpu_memory_gib less the CUDA context; None: no budget
+    budget_note: str = ""
     gpu_note: str = ""
     sizes: str = ""
     gpu_error: str = ""
@@ -91,8 +93,15 @@ class MemPlan:
     def host_fits(self) -> bool:
         return sum(self.host.values()) <= self.machine.limit and self.shm_part <= self.machine.shm
 
+    @property
+    def gpu_limit(self) -> int | None:
+        """What the run may take of the GPU: its free memory, capped at the budget."""
+        known = [v for v in (self.gpu_free, self.gpu_budget) if v is not None]
+        return min(known) if known else None
+
     def gpu_fits(self) -> bool:
-        return not self.gpu_error and (self.gpu_free is None or sum(self.gpu.values()) <= self.gpu_free)
+        limit = self.gpu_limit
+        return not self.gpu_error and (limit is None or sum(self.gpu.values()) <= limit)
 
     def fits(self) -> bool:
         return self.host_fits() and self.gpu_fits()
@@ -179,7 +188,7 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Host | Non
     n = executors_of(cfg, cuda)
     room = host_room(cfg, spec, cuda, machine) // n if cuda else None  # each executor pins its own checkpoints
     batch = per_executor(d.batch_size, n)  # each executor's GPU holds its share of the batch
-    sized = gpu_free if cuda else None
+    sized, budget_note = gpubudget.planning_room(engine, gpu_free) if cuda else (None, "")
     if sized is not None and n > 1:
         sized -= reduction_bytes(spec)  # beside the activations, as the run's choose_sizes() leaves it
     try:
@@ -215,6 +224,9 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Host | Non
         if n > 1:
             plan.gpu["fp32 gradients awaiting the executors' sum"] = reduction_bytes(spec)
         plan.gpu_free = gpu_free
+        budget = gpubudget.budget_bytes(engine)
+        plan.gpu_budget = None if budget is None else budget - gpubudget.CONTEXT_BYTES
+        plan.budget_note = budget_note
     return plan
 
 
@@ -336,10 +348,13 @@ def render(plan: MemPlan, cfg: Config) -> str:
     if plan.gpu:
         have = f"{gib(plan.gpu_free)} free on this machine's GPU" if plan.gpu_free is not None else "no GPU here"
         lines += ["", f"GPU: {gib(sum(plan.gpu.values()))} at the peak; {have}{plan.gpu_note}"]
+        if plan.budget_note:
+            lines.append(f"  budget: {plan.budget_note}")
         lines += [f"  {k:<52} {gib(v):>12}" for k, v in plan.gpu.items()]
         lines.append(
             f"  -> {'fits' if plan.gpu_fits() else 'DOES NOT FIT'}" + (f": {plan.gpu_error}" if plan.gpu_error else "")
         )
+        lines.append(f"  {least_gpu(plan, cfg)}")
     lines += ["", *_disk(cfg)]
     lines += ["", f"Ray: the actors ask for {plan.need}"]
     lines += ["", "verdict: " + ("fits" if plan.fits() else "does not fit")]
@@ -347,6 +362,24 @@ def render(plan: MemPlan, cfg: Config) -> str:
     if tips:
         lines += ["settings that need less:"] + [f"  {t}" for t in tips]
     return "\n".join(lines)
+
+
+def least_gpu(plan: MemPlan, cfg: Config) -> str:
+    """The least GPU memory with which the plan fits, as free memory and as engine.gpu_memory_gib."""
+    spec = build_spec(cfg.model, cfg.optim.no_decay_1d)
+    engine = resolve_engine(cfg.engine, True)
+    n = executors_of(cfg, True)
+    reserve = reduction_bytes(spec) if n > 1 else 0
+    room = host_room(cfg, spec, True, plan.machine) // n
+    least = gpubudget.least_room(
+        spec, engine, per_executor(cfg.data.batch_size, n), cfg.data.seq_len, cfg.optim.clips, room, reserve
+    )
+    if least is None:
+        return "no GPU holds the engine sizes set: set them auto"
+    return (
+        f"the least GPU memory for this run: {gib(least)} free after the CUDA context, "
+        f"{gpubudget.KEY} {(least + gpubudget.CONTEXT_BYTES) / GIB:.1f}"
+    )
 
 
 def _disk(cfg: Config) -> list[str]:
@@ -398,6 +431,8 @@ def _gpu(cfg: Config, gib_given: float | None) -> tuple[int | None, bool, str]:
     import torch
 
     if not torch.cuda.is_available():
+        if gpubudget.budget_bytes(cfg.engine) is not None:  # a GPU of that budget, wherever it will be
+            return None, True, f" (planned for {gpubudget.KEY})"
         if cfg.engine.device == "cuda":
             raise ConfigError(
                 "engine.device is cuda but this machine has no GPU: give --gpu-gib N to plan for a GPU with N GiB free"

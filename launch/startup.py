@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from megatrain import autosize, log
+from megatrain import autosize, gpubudget, log
 from megatrain.actors.adam_updater import AdamUpdater
 from megatrain.actors.base import Role
 from megatrain.actors.checkpoint_writer import CheckpointWriter
@@ -17,7 +17,7 @@ from megatrain.actors.grad_accumulator import GradAccumulator
 from megatrain.actors.packer import Packer
 from megatrain.actors.store_owner import FillReport, StoreOwner
 from megatrain.engine import EngineConfig, resolve_engine
-from megatrain.errors import ConfigError
+from megatrain.errors import ConfigError, ResourceError
 from megatrain.ipc.protocol import StoreSpec
 from megatrain.ipc.protocol.reduce import reduction_bytes
 from megatrain.launch.config import Config
@@ -138,18 +138,37 @@ def choose_sizes(
     free = None
     if engine.device == "cuda":
         found = crew.gather(
-            {n: crew.call(n, GpuExecutor.gpu_free_bytes) for n in executors}, crew.setup_timeout_s, "free GPU memory"
+            {n: crew.call(n, GpuExecutor.gpu_room) for n in executors}, crew.setup_timeout_s, "free GPU memory"
         )
-        # the GPUs may differ: the smallest sizes them all; several executors keep fp32 gradients queued
-        # for their reduction beside the activations (ipc/protocol/reduce.py)
-        free = min(found.values()) - (reduction_bytes(model) if len(executors) > 1 else 0)
+        # the GPUs may differ: the smallest sizes them all (each capped at engine.gpu_memory_gib less its
+        # CUDA context); several executors keep fp32 gradients queued for their reduction beside the
+        # activations (ipc/protocol/reduce.py)
+        free = min(f if room is None else min(f, room) for f, room in found.values())
+        budget_note(engine, found)
+        free -= reduction_bytes(model) if len(executors) > 1 else 0
     room = host_room // len(executors) if host_room is not None else None  # each pins its own checkpoints
     sizes, why = autosize.choose(model, engine, batch, cfg.data.seq_len, free, cfg.optim.clips, room)
     engine = autosize.apply(engine, sizes)
     log(f"engine sizes: {sizes} ({why}; the rule for 'auto': megatrain/autosize.py)")
+    if free is not None and gpubudget.budget_bytes(engine) is not None:  # the run never plans past its budget
+        peak = gpubudget.peak_bytes(model, engine, batch, cfg.data.seq_len, sizes)
+        if peak > free:
+            raise ResourceError(
+                f"{gpubudget.KEY} {engine.gpu_memory_gib} GiB: the plan's GPU peak {gpubudget.gib(peak)} at these "
+                f"sizes is more than the {gpubudget.gib(free)} it leaves (megatrain-launch plan CONFIG shows the plan)"
+            )
     for n in executors:
         crew.call_one(n, GpuExecutor.warm_up, model, engine, batch, cfg.data.seq_len)
     return engine
+
+
+def budget_note(engine: EngineConfig, found: dict[str, tuple[int, int | None]]) -> None:
+    """Log what engine.gpu_memory_gib leaves each executor, and where the GPU has less free."""
+    for name, (free, room) in found.items():
+        if room is not None:
+            less = f"; the GPU has only {gpubudget.gib(free)} free: planned for that" if free < room else ""
+            room_said = f"{gpubudget.gib(room)} beside the CUDA context"
+            log(f"{name}: {gpubudget.KEY} {engine.gpu_memory_gib} GiB, {room_said}{less}")
 
 
 def form_group(crew: Crew, size: int, timeout: float) -> None:

@@ -148,7 +148,7 @@ def choose(
     if gpu_free is None:
         return _keep(cfg, Sizes(**FIXED_SIZES)), "the CPU device: fixed defaults"
     dtype_bytes = 2 if cfg.compute_dtype == "bf16" else 4
-    budget = int(gpu_free * MARGIN) - buffer_bytes(spec, cfg.prefetch, dtype_bytes)
+    budget = _usable(spec, gpu_free, dtype_bytes) - buffer_bytes(spec, cfg.prefetch, dtype_bytes)
     loss = _loss_chunk(spec.hf_config.vocab_size, budget)
     room = budget - loss * spec.hf_config.vocab_size * LOSS_BYTES  # before the hidden states, which tiles change
     tile = 0 if cfg.token_tile == "auto" else cfg.token_tile
@@ -191,6 +191,12 @@ def choose(
         why += f"; the MLP half in tiles of {tile} tokens"
     why += f"; activation checkpoints: {where}"
     return _keep(cfg, Sizes(k, last, chunk, loss, lean, offload, tile)), why
+
+
+def _usable(spec: ModelSpec, gpu_free: int, dtype_bytes: int) -> int:
+    """What the modelled terms may take of `gpu_free`: its MARGIN, and never the room the largest unit's
+    weights and fp32 gradient need (the margin covers them on a large GPU, not on a small one or a budget)."""
+    return min(int(gpu_free * MARGIN), gpu_free - spec.layout.max_unit_numel * (dtype_bytes + 4))
 
 
 def _split(shape: _Shape, plan: tuple, budget: int, each: int, on_host: int) -> tuple[tuple, bool | int]:

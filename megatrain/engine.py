@@ -100,6 +100,13 @@ class EngineConfig:
         "the room left for activations, else in host memory, as many as "
         "the host holds beside the store and the rest on the GPU.",
     )
+    gpu_memory_gib: float | str | None = opt(
+        None,
+        "CUDA: the most GPU memory, in GiB, the run may take on each of its GPUs, the CUDA context "
+        "included (what nvidia-smi shows for the process; megatrain/gpubudget.py). The automatic sizes "
+        "and the plan fit it (or the free memory, where less is free), and the executor caps PyTorch's "
+        "caching allocator at it less the context. null or auto: all of the GPU's free memory.",
+    )
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
@@ -125,6 +132,9 @@ class EngineConfig:
             )
         if self.prefetch < 0:
             raise ValueError("engine.prefetch must be >= 0")
+        budget = self.gpu_memory_gib
+        if budget is not None and budget != "auto" and (isinstance(budget, str) or not budget > 0):
+            raise ValueError(f"engine.gpu_memory_gib must be null, auto or a number of GiB > 0, not {budget!r}")
 
 
 # What an `auto` size is where no memory is scarce (the CPU device; megatrain/autosize.py decides on CUDA).

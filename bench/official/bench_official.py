@@ -22,6 +22,8 @@ No file of theirs is edited. Glue applied from here, all outside their algorithm
      records the stamps their loop takes (2 per step), and a logging filter on their logger prints our
      line after each of their per-step blocks; CPUMasterModel.__init__ is wrapped to keep a reference
      to the model (to count N exactly as their loop does: sum of numel over model.get_parameters()).
+  G5 only with --gpu-gib: the process's caching allocator is capped at that budget less its CUDA context
+     before their code allocates on the GPU, as MegaTrain's executor caps its own (megatrain/gpubudget.py).
 
 TFLOPS printed per step:  theirs = 6*N*B*S / t      (their train.py formula, S = max_seq_len)
                           ours   = (6*N*D + 12*L*H*S*D) / t,  D = B*S tokens, L layers, H hidden.
@@ -67,6 +69,7 @@ def parse_args():
     p.add_argument("--base-config", default=None, help="default: their examples/sft/configs/qwen_7b_1gpu.yaml")
     p.add_argument("--json-out", default=None)
     p.add_argument("--seed", type=int, default=1234, help="seed of the synthetic token stream")
+    p.add_argument("--gpu-gib", type=float, default=None, help="G5: GPU memory budget in GiB, the context included")
     p.add_argument(
         "--allow-torch-adamw",
         action="store_true",
@@ -172,6 +175,13 @@ def main():
             "[bench] DeepSpeedCPUAdam is not importable (is deepspeed on PYTHONPATH?); "
             "their trainer would silently fall back to torch AdamW. Pass --allow-torch-adamw to accept that."
         )
+
+    # ---- G5: the GPU budget, before anything of theirs allocates ----------------------------------
+    if a.gpu_gib is not None:
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+        from megatrain.gpubudget import GIB, cap_device
+
+        print(f"[bench] {cap_device(torch.cuda.current_device(), int(a.gpu_gib * GIB))}", flush=True)
 
     # ---- G1: tokenizer stub -------------------------------------------------------------------
     class _NoTokenizer:
