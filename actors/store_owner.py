@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import signal
 import threading
@@ -376,15 +377,13 @@ class StoreOwner(Role):
                     os.kill(pid, signal.SIGKILL)
 
     @guarded
-    def save(self, directory: str, tokenizer: str | None = None) -> str:
+    def save(self, directory: str, run: dict, record: dict) -> str:
         """Write the fp32 master weights as an HF save_pretrained directory, streamed unit by unit from
-        shared memory (sharded, with the tokenizer's files when the run has a tokenizer)."""
+        shared memory (sharded, with the special ids and tokenizer of the run whose resolved config is `run`,
+        and `record`: the step saved)."""
         with torch.no_grad():
-            return str(
-                export(
-                    self.store.spec.model, lambda u: self.store.torch_tile("params", u), directory, tokenizer=tokenizer
-                )
-            )
+            tile = functools.partial(self.store.torch_tile, "params")
+            return str(export(self.store.spec.model, tile, directory, run=run, record=record))
 
     def host_memory(self) -> dict:
         """Host memory of the run's processes on this node, as PSS: the owner, its reaper and every worker

@@ -19,7 +19,7 @@ from megatrain import log
 from megatrain.actors.base import Role
 from megatrain.actors.store_owner import FillReport, StoreOwner, StoreRequest
 from megatrain.checkpoint import step_dir as ckpt_step_dir
-from megatrain.configbase import Where, differences, dump_yaml
+from megatrain.configbase import Where, differences, dump_yaml, to_dict
 from megatrain.data import Data
 from megatrain.flops import active_params
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, resolve_stall
@@ -156,13 +156,9 @@ class Trainer:
                 + "\n  ".join(self.evaluator.solved_examples())
             )
         if self.cfg.train.save_final:
-            tok = (
-                None
-                if self.cfg.data.kind in ("arithmetic", "tokens")
-                else (self.cfg.data.tokenizer or self.cfg.model.pretrained)
-            )
-            path = self.crew.call_one(OWNER, StoreOwner.save, str(self.out / "final"), tok)
-            log(f"saved final fp32 weights to {path}")
+            record = {"step": self.steps, "checkpoint": None, "run_id": self.run_id}
+            path = self.crew.call_one(OWNER, StoreOwner.save, str(self.out / "final"), to_dict(self.cfg), record)
+            log(f"saved final fp32 weights (step {self.steps}) to {path}")
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self) -> None:

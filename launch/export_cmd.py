@@ -31,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def run(source: str, out: str, dtype: str = "fp32", shard_gb: float = 5.0) -> Path:
+def run(source: str, out: str, dtype: str = "fp32", shard_gb: float = 5.0) -> tuple[Path, dict]:
+    """Export SOURCE's checkpoint into OUT: (OUT, what RECORD says of the checkpoint: step, path, run id)."""
     _check_target(Path(out))
     src = find_checkpoint(source, Path(source), key="SOURCE")
     if src is None:
@@ -52,11 +53,10 @@ def run(source: str, out: str, dtype: str = "fp32", shard_gb: float = 5.0) -> Pa
         lo, n = units[u]
         return torch.from_numpy(np.array(params[lo : lo + n]))
 
-    data = run_cfg.get("data", {})
-    tok = None
-    if data.get("kind") not in ("arithmetic", "tokens", None):
-        tok = data.get("tokenizer") or run_cfg.get("model", {}).get("pretrained")
-    return export(spec, tile, out, dtype, int(shard_gb * 1e9), tokenizer=tok)
+    record = {"step": int(manifest["step"]), "checkpoint": str(src.resolve())}
+    record["run_id"] = (run_cfg.get("train") or {}).get("run_id")
+    path = export(spec, tile, out, dtype, int(shard_gb * 1e9), run=run_cfg, record=record)
+    return path, record
 
 
 def _check_target(out: Path) -> None:
@@ -70,7 +70,7 @@ def _check_target(out: Path) -> None:
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     try:
-        path = run(args.source, args.out, args.dtype, args.shard_gb)
+        path, record = run(args.source, args.out, args.dtype, args.shard_gb)
     except (ConfigError, DataError) as exc:
         print(f"megatrain-launch export: error: {exc}", file=sys.stderr)
         return 2
@@ -85,5 +85,5 @@ def main(argv: list[str]) -> int:
         )
         print(f"megatrain-launch export: error: {what}", file=sys.stderr)
         return 1
-    print(f"megatrain-launch export: wrote {path}")
+    print(f"megatrain-launch export: wrote {path}: step {record['step']}, from {record['checkpoint']}")
     return 0

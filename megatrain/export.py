@@ -1,8 +1,9 @@
 """HF save_pretrained directories written unit by unit: sharded safetensors (each shard at most
-`shard_bytes`) and model.safetensors.index.json, config.json, generation_config.json, and the
-tokenizer's files when there is a tokenizer. Shards are planned from the layout up front (every
-tensor's name, dtype and shape is known), so each file's header is written first and the tensor data
-streamed after it: peak memory is one unit's tensors in the output dtype, never a shard or the model."""
+`shard_bytes`) and model.safetensors.index.json, config.json, generation_config.json, the tokenizer's
+files when there is a tokenizer, and megatrain_export.json (the step exported). Shards are planned from
+the layout up front (every tensor's name, dtype and shape is known), so each file's header is written
+first and the tensor data streamed after it: peak memory is one unit's tensors in the output dtype, never
+a shard or the model."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 from megatrain import hfformat
 from megatrain.hfformat import Piece
 from megatrain.model import ModelSpec
+from megatrain.specialids import apply_ids, run_tokenizer, special_ids
 
 DTYPES = {"fp32": (torch.float32, "F32"), "bf16": (torch.bfloat16, "BF16")}
 TOKENIZER_FILES = (
@@ -30,6 +32,7 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
 )
+RECORD = "megatrain_export.json"  # the source checkpoint's step and path; from_pretrained reads no such file
 
 
 def _tensors(spec: ModelSpec) -> list[tuple[int, str, Piece, tuple[int, ...]]]:
@@ -65,9 +68,14 @@ def export(
     out: str | Path,
     dtype: str = "fp32",
     shard_bytes: int = 5 * 10**9,
+    run: dict | None = None,
     tokenizer: str | Path | None = None,
+    record: dict | None = None,
 ) -> Path:
-    """Write the model whose unit u's flat fp32 tile is `tile(u)` as an HF directory at `out`."""
+    """Write the model whose unit u's flat fp32 tile is `tile(u)` as an HF directory at `out`. `run`: the
+    run's resolved config as plain data, which decides the special-token ids and the tokenizer copied
+    (megatrain/specialids.py; `tokenizer` names another); `record`: what RECORD says of the source (its
+    step, checkpoint, run id), beside the files HF reads."""
     torch_dtype, tag = DTYPES[dtype]
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
@@ -86,14 +94,18 @@ def export(
     config = copy.deepcopy(spec.hf_config)
     config.dtype = torch_dtype
     config.use_cache = True  # the training spec turns the KV cache off; a saved model is for inference too
-    if tokenizer:
-        _special_ids_from(Path(tokenizer), config)
+    if tokenizer is None and run is not None:
+        tokenizer = run_tokenizer(run)
+    if tokenizer or run is not None:
+        apply_ids(config, special_ids(run or {}, config, str(tokenizer) if tokenizer else None))
     config.save_pretrained(root)
     _generation_config(config, root)
     if tokenizer:
         for f in TOKENIZER_FILES:
             if (Path(tokenizer) / f).is_file():
                 shutil.copyfile(Path(tokenizer) / f, root / f)
+    if record is not None:
+        (root / RECORD).write_text(json.dumps({**record, "dtype": dtype}, indent=2) + "\n")
     for p in root.iterdir():
         if p.is_file():
             os.chmod(p, 0o644)  # a model directory is meant to be shared and loaded by others
@@ -126,32 +138,6 @@ def _write_shard(
             t = hfformat.piece_of(tile(unit)[s.offset : s.offset + s.numel].view(s.shape), p).to(dtype).contiguous()
             f.write(memoryview(t.view(torch.uint8).numpy()))
     return offset
-
-
-SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
-
-
-def _special_ids_from(tokenizer: Path, config) -> None:
-    """The model's special-token ids as the tokenizer saved with it has them: generate() stops at the
-    config's eos id, so a config that kept its class's defaults (a fresh model: bos 1, eos 2) against a
-    tokenizer whose end token is another id would never stop at the end token. Where the two disagree
-    the tokenizer wins, and the change is printed; an id outside the model's vocabulary is refused."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tokenizer)
-    for key in SPECIAL_IDS:
-        want, had = getattr(tok, key, None), getattr(config, key, None)
-        if want is not None and want >= config.vocab_size:
-            raise ValueError(
-                f"the tokenizer in {tokenizer} has {key} {want}, outside the model's vocabulary of {config.vocab_size}"
-            )
-        if want is not None and want != had:
-            print(
-                f"[megatrain] export: config {key} {had} -> {want} (the tokenizer's "
-                f"{tok.convert_ids_to_tokens(want)!r})",
-                flush=True,
-            )
-            setattr(config, key, want)
 
 
 def _generation_config(config, root: Path) -> None:

@@ -15,7 +15,9 @@ from transformers import AutoModelForCausalLM
 
 from megatrain import checkpoint as ckpt
 from megatrain.data import DataConfig, batch
+from megatrain.data.arithmetic import END_ID
 from megatrain.engine import EngineConfig, StepEngine
+from megatrain.export import RECORD
 from megatrain.launch import cli
 from tests.helpers import DictSource, spec_for
 from tests.test_checkpoint import run
@@ -53,6 +55,7 @@ def test_export_loads_with_from_pretrained_and_matches(
     step = ckpt.step_dir(tmp_path / "run" / "checkpoints", 5)
     out = tmp_path / "hf"
     assert cli.main(["export", str(tmp_path / "run"), str(out), "--dtype", dtype, "--shard-gb", str(shard_gb)]) == 0
+    assert f"export: wrote {out}: step 5, from {step.resolve()}" in capsys.readouterr().out
     files = sorted(p.name for p in out.iterdir())
     assert "config.json" in files and all(stat.S_IMODE((out / f).stat().st_mode) == 0o644 for f in files)
     sharded = shard_gb < 1
@@ -80,9 +83,11 @@ def test_export_loads_with_from_pretrained_and_matches(
 
 
 def test_save_final_is_the_same_export(tmp_path: Path) -> None:
-    run(tmp_path / "run", "llama", "train.save_final=true", steps=5)
+    summary = run(tmp_path / "run", "llama", "train.save_final=true", steps=5)
     final = tmp_path / "run" / "final"
     assert json.loads((final / "config.json").read_text())["use_cache"] is True
+    record = json.loads((final / RECORD).read_text())
+    assert record == {"step": 5, "checkpoint": None, "run_id": summary["run_id"], "dtype": "fp32"}
     assert stat.S_IMODE((final / "model.safetensors").stat().st_mode) == 0o644
     model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
     want = checkpoint_tensors(ckpt.step_dir(tmp_path / "run" / "checkpoints", 5))
@@ -171,11 +176,86 @@ def test_export_takes_the_special_ids_from_the_tokenizer_and_generates_with_the_
     assert (spec.hf_config.bos_token_id, spec.hf_config.eos_token_id) == (1, 2)
     out = export(spec, lambda u: flat_unit(spec, u, state), tmp_path / "hf", tokenizer=tok_dir)
     config = json.loads((out / "config.json").read_text())
-    assert (config["eos_token_id"], config["pad_token_id"], config["use_cache"]) == (0, 1, True)
+    assert tok.bos_token_id is None  # and the model's default bos 1 names a merge, not a start token: dropped
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"], config["use_cache"]) == (
+        None,
+        0,
+        1,
+        True,
+    )
     gen = GenerationConfig.from_pretrained(out)
-    assert (gen.eos_token_id, gen.pad_token_id, gen.use_cache) == (0, 1, True)
-    assert "config eos_token_id 2 -> 0 (the tokenizer's '<|endoftext|>')" in capsys.readouterr().out
+    assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id, gen.use_cache) == (None, 0, 1, True)
+    said = capsys.readouterr().out
+    assert "config eos_token_id 2 -> 0 (the tokenizer's '<|endoftext|>')" in said
+    assert "config bos_token_id 1 -> None (the tokenizer has no bos token)" in said
     loaded = AutoModelForCausalLM.from_pretrained(out)
     with torch.no_grad():
         ids = loaded.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=4, do_sample=False)
     assert ids.shape[1] <= 7  # it ran, with the cache, under the exported generation config
+
+
+def test_export_of_byte_data_carries_the_ids_the_data_uses_and_its_step(tmp_path: Path, capsys) -> None:
+    """The bundled arithmetic data is bytes with no tokenizer: a newline ends every answer, and there is
+    no start or padding token. The exported config says so instead of Llama's defaults (bos 1, eos 2,
+    bytes the data never holds), and generate() stops after an answer's newline. The directory and the
+    command's line name the checkpoint step exported: the older one when it is named."""
+    from transformers import GenerationConfig
+
+    summary = run(tmp_path / "run", "llama", steps=10)
+    older = ckpt.step_dir(tmp_path / "run" / "checkpoints", 5)
+    for src, step, out in ((tmp_path / "run", 10, tmp_path / "hf"), (older, 5, tmp_path / "hf5")):
+        capsys.readouterr()
+        assert cli.main(["export", str(src), str(out)]) == 0
+        said = capsys.readouterr().out
+        assert f"wrote {out}: step {step}, from {ckpt.step_dir(tmp_path / 'run' / 'checkpoints', step)}" in said
+        record = json.loads((out / RECORD).read_text())
+        assert (record["step"], record["run_id"], record["dtype"]) == (step, summary["run_id"], "fp32")
+        config = json.loads((out / "config.json").read_text())
+        ids = (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"])
+        assert ids == (None, END_ID, None), ids
+        gen = GenerationConfig.from_pretrained(out)
+        assert (gen.bos_token_id, gen.eos_token_id, gen.pad_token_id) == (None, END_ID, None)
+        assert "config eos_token_id 2 -> 10 (byte data: a newline ends every answer)" in said
+    # An id the user set in model.hf is theirs to keep.
+    run(tmp_path / "run2", "llama", "model.hf.eos_token_id=61", steps=5)
+    assert cli.main(["export", str(tmp_path / "run2"), str(tmp_path / "hf2")]) == 0
+    assert json.loads((tmp_path / "hf2" / "config.json").read_text())["eos_token_id"] == 61
+
+
+def test_special_ids_of_token_data_are_the_ones_the_run_states(tmp_path: Path) -> None:
+    """A token file has no tokenizer: only the ids the config states (model.hf, else model.pretrained's
+    config.json) are written, the others are None; a tokenizer beside the data wins over both."""
+    from transformers import LlamaConfig
+
+    from megatrain.errors import ConfigError
+    from megatrain.specialids import apply_ids, run_tokenizer, special_ids
+    from tests.data_fixtures import make_tokenizer
+
+    hf = LlamaConfig()  # bos 1, eos 2: the class's defaults
+    plain = {"data": {"kind": "tokens"}, "model": {"hf": {"eos_token_id": 7}}}
+    assert run_tokenizer(plain) is None
+    assert {k: v for k, (v, _) in special_ids(plain, hf, None).items()} == {
+        "bos_token_id": None,
+        "eos_token_id": 7,
+        "pad_token_id": None,
+    }
+    pre = tmp_path / "pre"
+    pre.mkdir()
+    (pre / "config.json").write_text(json.dumps({"model_type": "llama", "bos_token_id": 5, "eos_token_id": [6, 8]}))
+    on_pretrained = {"data": {"kind": "tokens"}, "model": {"pretrained": str(pre), "hf": {}}}
+    assert run_tokenizer(on_pretrained) is None  # its directory holds no tokenizer
+    assert {k: v for k, (v, _) in special_ids(on_pretrained, hf, None).items()} == {
+        "bos_token_id": 5,
+        "eos_token_id": [6, 8],
+        "pad_token_id": None,
+    }
+    tok = make_tokenizer(tmp_path / "tok")
+    with_tok = {"data": {"kind": "tokens", "tokenizer": str(tok)}, "model": {"hf": {"eos_token_id": 7}}}
+    assert run_tokenizer(with_tok) == str(tok)
+    ids = special_ids(with_tok, hf, run_tokenizer(with_tok))
+    assert {k: v for k, (v, _) in ids.items()} == {"bos_token_id": None, "eos_token_id": 0, "pad_token_id": 1}
+    bytes_run = {"data": {"kind": "arithmetic", "tokenizer": str(tok)}, "model": {"hf": {}}}
+    assert run_tokenizer(bytes_run) is None  # byte tokens, whatever data.tokenizer says
+    small = LlamaConfig(vocab_size=300)
+    with pytest.raises(ConfigError, match="eos_token_id 300 \\(model.hf\\) is outside the model's vocabulary of 300"):
+        apply_ids(small, special_ids({"data": {"kind": "tokens"}, "model": {"hf": {"eos_token_id": 300}}}, small, None))

@@ -15,6 +15,7 @@ import torch
 from megatrain.data.config import DataConfig
 
 IGNORE = -100
+END_ID = ord("\n")  # ends every answer: greedy evaluation stops there, and an exported model's eos
 _EVAL_STREAM = 7_777_777  # separates the evaluation batches' seeds from the training steps'
 
 
