@@ -1,6 +1,9 @@
 """`megatrain-launch plot RUN_DIR`: a run's pictures from its output directory.
 
-  loss.png        training loss per step, and the evaluation loss where the run evaluated
+Every figure's title names the run (its config.yaml's train.run_id) and the steps drawn.
+
+  loss.png        training loss per step, the evaluation loss where the run evaluated, and on a second
+                  axis the evaluation's exact-match accuracy where it was logged (the arithmetic data)
   throughput.png  tokens/s and TFLOPS per step, one panel each (TFLOPS from the run's config.yaml)
   timeline.png    the recorded step (train.timeline_step): lanes for H2D, compute, D2H and CPU Adam, per
                   unit, as in the paper's Figure 3, with a legend for the colours
@@ -19,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from megatrain.errors import ConfigError
-from megatrain.launch.plots_moe import experts_figure, routing
+from megatrain.launch.plots_moe import experts_figure, routing, span
 
 # The compute lane's colours, by the kind of span (the mark's name before ':'), with their legend names.
 COMPUTE_KINDS = {
@@ -30,6 +33,7 @@ COMPUTE_KINDS = {
     "embed-bwd": ("tab:brown", "embedding backward"),
 }
 OTHER = ("tab:gray", "other")
+ACCURACY = "eval exact-match accuracy"  # eval_accuracy in metrics.jsonl (megatrain/data/arithmetic.py)
 LANES = (("H2D weights", "tab:green"), ("compute", None), ("D2H grads", "tab:purple"), ("CPU Adam", "tab:olive"))
 
 
@@ -105,8 +109,17 @@ def plot_timeline(tl: dict, path: Path, title: str) -> None:
     save(timeline_figure(tl, title), path)
 
 
-def loss_figure(rows: list[dict]) -> Any:
+def heading(run_id: str, rows: list[dict]) -> str:
+    """A figure's title: the run and the steps its rows cover."""
+    return f"run {run_id}, {span([r['step'] for r in rows])}"
+
+
+def loss_figure(rows: list[dict], run_id: str) -> Any:
+    """Training loss per step, the evaluation loss where the run evaluated, and on a second axis the
+    evaluation's exact-match accuracy where it was logged (eval_accuracy: the bundled arithmetic data)."""
     plt = pyplot()
+    from matplotlib.ticker import PercentFormatter
+
     fig, ax = plt.subplots(figsize=(9, 4.5))
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label="train loss", linewidth=1)
     evals = [r for r in rows if "eval_loss" in r]
@@ -114,13 +127,29 @@ def loss_figure(rows: list[dict]) -> Any:
         ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
-    ax.legend()
+    handles = ax.get_legend_handles_labels()[0]
+    scored = [r for r in rows if "eval_accuracy" in r]
+    if scored:  # a fraction in [0, 1], on an axis of its own: the loss's scale would flatten it
+        acc = ax.twinx()
+        acc.plot(
+            [r["step"] for r in scored],
+            [r["eval_accuracy"] for r in scored],
+            "s--",
+            color="tab:green",
+            label=ACCURACY,
+        )
+        acc.set_ylim(-0.02, 1.02)
+        acc.yaxis.set_major_formatter(PercentFormatter(1.0))
+        acc.set_ylabel(ACCURACY)
+        handles += acc.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, loc="upper center")
     ax.grid(alpha=0.3)
+    ax.set_title(heading(run_id, rows))
     fig.tight_layout()
     return fig
 
 
-def throughput_figure(rows: list[dict], flops_per_step: float | None) -> Any:
+def throughput_figure(rows: list[dict], flops_per_step: float | None, run_id: str) -> Any:
     """tokens/s and, where the run's useful work per step is known, TFLOPS: one panel each over the same
     steps (on one pair of axes the second line's scale put it over the first)."""
     plt = pyplot()
@@ -144,8 +173,22 @@ def throughput_figure(rows: list[dict], flops_per_step: float | None) -> Any:
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
     axes[-1][0].set_xlabel("step")
+    axes[0][0].set_title(heading(run_id, rows))
     fig.tight_layout()
     return fig
+
+
+def run_id_of(run_dir: Path) -> str:
+    """The run id its config.yaml records (train.run_id, the last launch's on a resumed run); the
+    directory's name where that cannot be read."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+        rid = (cfg.get("train") or {}).get("run_id") if isinstance(cfg, dict) else None
+    except (OSError, ValueError, yaml.YAMLError):
+        rid = None
+    return str(rid) if rid else run_dir.resolve().name
 
 
 def run_flops(run_dir: Path) -> float | None:
@@ -176,15 +219,16 @@ def main(argv: list[str]) -> int:
         raise ConfigError(f"plot: {metrics} has no steps yet")
     moe = routing(rows, metrics)  # None for a dense run; checked before any picture is written
     out.mkdir(parents=True, exist_ok=True)
+    rid = run_id_of(run)
     written = [out / "loss.png", out / "throughput.png"]
-    save(loss_figure(rows), written[0])
-    save(throughput_figure(rows, run_flops(run)), written[1])
+    save(loss_figure(rows, rid), written[0])
+    save(throughput_figure(rows, run_flops(run), rid), written[1])
     if (run / "timeline.json").is_file():
         tl = json.loads((run / "timeline.json").read_text())
         written.append(out / "timeline.png")
-        save(timeline_figure(tl, f"{run.name}: step {tl.get('step', '?')}"), written[-1])
+        save(timeline_figure(tl, f"run {rid}, step {tl.get('step', '?')}"), written[-1])
     if moe is not None:
         written.append(out / "experts.png")
-        save(experts_figure(moe, run.name), written[-1])
+        save(experts_figure(moe, f"run {rid}"), written[-1])
     print("megatrain-launch plot: wrote " + ", ".join(str(w) for w in written))
     return 0

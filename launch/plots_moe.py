@@ -84,6 +84,12 @@ def routing(rows: list[dict], source: Path) -> Routing | None:
     return Routing([r["step"] for r in moe], np.stack(loads), aux)
 
 
+def span(steps: list[int]) -> str:
+    """'step 7' or 'steps 1-40': the steps a figure or panel draws."""
+    first, last = min(steps), max(steps)
+    return f"step {last}" if first == last else f"steps {first}-{last}"
+
+
 def shares(load: np.ndarray) -> np.ndarray:
     """Counts normalised over the last axis (experts) per layer; NaN where a layer routed nothing, so an
     empty layer reads as missing instead of as perfectly starved."""
@@ -111,9 +117,8 @@ def heat_panel(fig: Any, ax: Any, r: Routing) -> None:
     bar = fig.colorbar(image, ax=ax, label="share of the layer's tokens")
     bar.set_ticks(sorted({0.0, uniform, top}))
     bar.set_ticklabels([f"{t:.2g}" + (" = 1/E" if t == uniform else "") for t in sorted({0.0, uniform, top})])
-    first, last = r.steps[-min(HEAT_STEPS, len(r.steps))], r.steps[-1]
-    span = f"step {last}" if first == last else f"steps {first}-{last}"
-    ax.set_title(f"token share per expert, {span} (uniform: 1/E = {uniform:.3g}, white)")
+    pooled = span(r.steps[-HEAT_STEPS:])
+    ax.set_title(f"token share per expert, {pooled} (uniform: 1/E = {uniform:.3g}, white)")
     ax.set_xlabel("expert")
     ax.set_ylabel("MoE layer")
     if experts <= 32:
@@ -175,5 +180,5 @@ def experts_figure(r: Routing, title: str) -> Any:
         aux.set_xlabel("step")
     else:
         collapse.set_xlabel("step")
-    fig.suptitle(f"{title}: routing of {layers} MoE layers x {r.load.shape[2]} experts")
+    fig.suptitle(f"{title}, {span(r.steps)}: routing of {layers} MoE layers x {r.load.shape[2]} experts")
     return fig

@@ -12,7 +12,15 @@ import pytest
 from megatrain.launch.cli import main
 from megatrain.launch.config import load_config
 from megatrain.launch.driver import Trainer
-from megatrain.launch.plots import run_flops, save, throughput_figure, timeline_figure
+from megatrain.launch.plots import (
+    ACCURACY,
+    loss_figure,
+    run_flops,
+    run_id_of,
+    save,
+    throughput_figure,
+    timeline_figure,
+)
 from megatrain.launch.plots_moe import experts_figure, routing
 from tests.helpers import TINY
 
@@ -48,10 +56,26 @@ def test_plot_writes_the_runs_pictures(tmp_path, rid: str, capsys) -> None:
     flops = run_flops(out)
     assert flops == 6 * summary["num_params"] * tokens + 12 * 2 * TINY["hidden_size"] * 32 * tokens
 
-    # What the pictures hold, on the figures written: tokens/s and TFLOPS in panels of their own, over the
-    # same steps; every colour of the timeline named in its legend.
+    # What the pictures hold, on the figures written: every title names the run and its steps; the loss
+    # with the arithmetic data's exact-match accuracy on an axis of its own, at the steps that evaluated;
+    # tokens/s and TFLOPS in panels of their own, over the same steps; every colour of the timeline named in
+    # its legend.
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    fig = throughput_figure(rows, flops)
+    assert run_id_of(out) == rid
+    loss = loss_figure(rows, rid)
+    loss_ax, acc_ax = loss.axes
+    assert loss_ax.get_title() == f"run {rid}, steps 1-4"
+    scored = [r for r in rows if "eval_accuracy" in r]
+    assert [r["step"] for r in scored] == [2, 4]  # train.eval_every=2
+    (acc_line,) = acc_ax.get_lines()
+    assert acc_line.get_label() == acc_ax.get_ylabel() == ACCURACY
+    assert list(acc_line.get_xdata()) == [2, 4]
+    assert list(acc_line.get_ydata()) == [r["eval_accuracy"] for r in scored]
+    assert acc_ax.get_ylim() == pytest.approx((-0.02, 1.02))  # a fraction, not on the loss's scale
+    assert ACCURACY in [t.get_text() for t in loss_ax.get_legend().get_texts()]
+    save(loss, tmp_path / "l.png")
+    fig = throughput_figure(rows, flops, rid)
+    assert fig.axes[0].get_title() == f"run {rid}, steps 1-4"
     tokens_ax, tflops_ax = fig.axes
     assert tokens_ax.get_ylabel() == "tokens/s" and tflops_ax.get_ylabel().startswith("TFLOPS")
     (tok_line,), (tf_line,) = tokens_ax.get_lines(), tflops_ax.get_lines()
@@ -63,7 +87,9 @@ def test_plot_writes_the_runs_pictures(tmp_path, rid: str, capsys) -> None:
     save(fig, tmp_path / "t.png")
 
     timeline = json.loads((out / "timeline.json").read_text())  # a CPU step: no H2D or D2H lane
-    assert legend_of(timeline_figure(timeline, "step 3"), tmp_path) == [
+    drawn = timeline_figure(timeline, f"run {rid}, step 3")
+    assert drawn.axes[0].get_title() == f"run {rid}, step 3"
+    assert legend_of(drawn, tmp_path) == [
         "compute: forward",
         "compute: norm, LM head and loss",
         "compute: backward",
@@ -163,7 +189,8 @@ def test_plot_of_a_moe_run_draws_its_expert_routing(tmp_path, capsys) -> None:
 
     # The heat map: each expert's share of its layer's assignments, pooled over the steps (6 of them, fewer
     # than HEAT_STEPS), so even routing reads 1/E and the collapsed expert its pooled share.
-    fig = experts_figure(routing(rows, run / "metrics.jsonl"), "moe")
+    fig = experts_figure(routing(rows, run / "metrics.jsonl"), "run moe")
+    assert fig.get_suptitle() == "run moe, steps 1-6: routing of 2 MoE layers x 4 experts"
     (heat,) = axes_by_ylabel(fig, "MoE layer").get_images()
     pooled = [[sum(r["expert_load"][layer][e] for r in rows) for e in range(E)] for layer in range(2)]
     want = [c / (K * TOKENS * len(rows)) for layer in pooled for c in layer]
@@ -253,3 +280,32 @@ def test_matplotlib_is_installed_with_megatrain() -> None:
 
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert any(d.startswith("matplotlib") for d in deps)
+
+
+def test_every_figure_of_a_run_is_titled_with_its_run_and_steps(tmp_path, monkeypatch) -> None:
+    """The figures `plot` writes, caught before they are saved: each one's title names the run (its
+    config.yaml's run id, else the directory) and the steps it draws; a run without eval_accuracy (no
+    arithmetic evaluation) gets no accuracy axis."""
+    pytest.importorskip("matplotlib")
+    import megatrain.launch.plots as plots
+
+    rows = moe_rows(5)
+    rows[2]["eval_loss"] = 3.0
+    run = write_run(tmp_path / "moe", rows)
+    (run / "config.yaml").write_text("train:\n  run_id: abc123\n")
+    titles: dict[str, list[str]] = {}
+
+    def keep(fig, path: Path) -> None:
+        titles[path.name] = [a.get_title() for a in fig.axes if a.get_title()] + [fig.get_suptitle()]
+        if path.name == "loss.png":
+            assert len(fig.axes) == 1  # no accuracy axis: no row carries eval_accuracy
+        plots.pyplot().close(fig)
+
+    monkeypatch.setattr(plots, "save", keep)
+    assert plots.main([str(run)]) == 0
+    assert titles["loss.png"][0] == titles["throughput.png"][0] == "run abc123, steps 1-5"
+    assert titles["experts.png"][-1].startswith("run abc123, steps 1-5: routing")
+    (run / "config.yaml").unlink()
+    titles.clear()
+    assert plots.main([str(run)]) == 0
+    assert titles["loss.png"][0] == "run moe, steps 1-5"  # the directory's name stands in
