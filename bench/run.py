@@ -26,6 +26,7 @@ variant's error.log).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -529,10 +530,15 @@ def most_batch(args: argparse.Namespace, most: int = 4096) -> int:
     machine's host and its GPU's free memory, capped at --gpu-gib; the plan's answer, printed."""
     from megatrain.launch.memplan import make_plan
 
+    budget = args.gpu_gib
+
     def fits(b: int) -> bool:
-        args.batch = b
-        plan = make_plan(load_config(None, overrides(args, Path(args.out), args.extra)), gpu_free(), True)
-        return plan.fits()
+        # loaded without the budget, which the config's check would refuse a batch for: the plan says so
+        args.batch, args.gpu_gib = b, None
+        cfg = load_config(None, overrides(args, Path(args.out), args.extra))
+        args.gpu_gib = budget
+        cfg.engine = dataclasses.replace(cfg.engine, gpu_memory_gib=budget)
+        return make_plan(cfg, gpu_free(), True).fits()
 
     if args.gpu_gib is None and gpu_free() is None:
         raise Failed("--batch auto: no GPU here to plan for; give --gpu-gib N", 2)

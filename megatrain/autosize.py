@@ -234,15 +234,17 @@ class _Shape:
         fit = max(budget // per_layer, 0)
         k = 2 if fit >= 2 and layers >= 2 else 1
         room = budget - sum_bytes(spec, k)  # chunks keep an fp32 gradient sum per layer of the block
-        if k * per_layer / batch > room and cfg.chunk_sequences == "auto":
+        # only a batch run in chunks keeps the gradient sums: K whole layers that fit need none
+        one = layer_activation_bytes(spec, seq, self.dtype_bytes, self.tile)  # a tiled one keeps a tile's worth
+        if k * per_layer > budget and k * one > room and cfg.chunk_sequences == "auto":
             raise ResourceError(
                 f"the GPU cannot hold one sequence of {seq} tokens through {k} layer(s): {self.gpu_free / GIB:.1f} "
                 f"GiB free, {max(room, 0) / GIB:.1f} GiB of it left for activations after the weight buffers, the "
                 f"loss chunk, the hidden states and the chunks' gradient sums, one sequence needs "
-                f"{k * per_layer / batch / GIB:.2f} GiB; use a shorter data.seq_len or a GPU with more free memory "
+                f"{k * one / GIB:.2f} GiB; use a shorter data.seq_len or a GPU with more free memory "
                 f"(megatrain-launch plan CONFIG shows the whole plan)"
             )
-        chunk = 0 if k * per_layer <= budget else max(1, int(room // (k * per_layer / batch)))
+        chunk = 0 if k * per_layer <= budget else self._chunk(room, k)
         # A tiled layer keeps about what a lean one does (its MLP half is recomputed per tile): no lean layers.
         cost = (per_layer, per_layer if self.tile else lean_bytes(spec, batch * seq, self.dtype_bytes), budget)
         chunked = 0 < (chunk if cfg.chunk_sequences == "auto" else cfg.chunk_sequences) < batch
@@ -266,6 +268,14 @@ class _Shape:
         if not chunked and not chunk and cfg.checkpoint_interval == "auto":
             k = self._interval(budget, k, last)
         return k, last, chunk, lean, why
+
+    def _chunk(self, room: int, k: int) -> int:
+        """The most sequences per chunk whose K layers' activations fit `room` (a tiled layer keeps a tile's
+        worth whatever the chunk: not in proportion to the sequences)."""
+        chunk = max(1, int(room // (k * self.per_layer / self.batch)))
+        while chunk > 1 and k * layer_activation_bytes(self.spec, chunk * self.seq, self.dtype_bytes, self.tile) > room:
+            chunk -= 1
+        return chunk
 
     def _interval(self, budget: int, least: int, last: int) -> int:
         """K for a whole batch: as many layers as a recompute block can hold at once, weights included (the last
