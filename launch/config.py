@@ -17,7 +17,15 @@ from megatrain.ipc.protocol.reduce import reduction_bytes
 from megatrain.launch.driver_config import TrainConfig
 from megatrain.launch.placement import ActorsConfig, batch_split_problem, per_executor
 from megatrain.launch.runners import LaunchConfig
-from megatrain.model import ModelConfig, build_spec, hf_config_fields, pretrained_config, resolve_hf_config
+from megatrain.model import (
+    ModelConfig,
+    build_spec,
+    check_attention,
+    hf_config_fields,
+    hf_key_error,
+    pretrained_config,
+    resolve_hf_config,
+)
 from megatrain.weights import check_checkpoint
 
 
@@ -55,30 +63,34 @@ def validate_model(cfg: Config, where: Where | None = None) -> None:
     """The checks that need the family's HF config (transformers' import: seconds), and a pretrained
     checkpoint's files. The launcher runs them beside its Ray start (launch/inputs.py)."""
     check_hf_keys(cfg.model, where)
-    _, hf = resolve_hf_config(cfg.model)
+    _, hf = resolve_hf_config(cfg.model, where)
+    check_attention(cfg.model, where)
 
     def fail(key: str, msg: str) -> ConfigError:
         return key_error(where, key, msg)
 
+    def fail_hf(key: str, msg: str) -> ConfigError:  # named where the value came from: model.hf or config.json
+        return hf_key_error(cfg.model, where, key, msg)
+
     if cfg.data.kind == "arithmetic" and hf.vocab_size < ByteTokenizer.vocab_size:
-        raise fail("model.hf.vocab_size", f"{hf.vocab_size} is below the byte tokenizer's {ByteTokenizer.vocab_size}")
+        raise fail_hf("vocab_size", f"{hf.vocab_size} is below the byte tokenizer's {ByteTokenizer.vocab_size}")
     if cfg.data.seq_len > hf.max_position_embeddings:
         raise fail(
             "data.seq_len", f"{cfg.data.seq_len} exceeds model max_position_embeddings {hf.max_position_embeddings}"
         )
     dropout = [(k, v) for k, v in hf.to_dict().items() if k.endswith("dropout") and isinstance(v, int | float) and v]
-    if dropout:  # a pretrained config.json may carry one too: named as the model.hf key that overrides it
+    if dropout:
         key, value = dropout[0]
-        raise fail(
-            f"model.hf.{key}",
+        raise fail_hf(
+            key,
             f"{value}: dropout is not supported: layers are computed again in their "
             "backward (checkpoint blocks, lean layers), which would draw other masks than "
             f"the forward did; set model.hf.{key}: 0",
         )
     jitter = getattr(hf, "router_jitter_noise", 0.0)
     if jitter:  # Mixtral: a fresh uniform draw scales each MoE layer's input, in the layer's forward, for its routing
-        raise fail(
-            "model.hf.router_jitter_noise",
+        raise fail_hf(
+            "router_jitter_noise",
             f"{jitter}: router jitter noise is not supported: layers are computed again in their backward "
             "(checkpoint blocks, lean layers, token tiles), which would draw other noise and route the tokens "
             "otherwise than the forward did; set model.hf.router_jitter_noise: 0",

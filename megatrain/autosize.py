@@ -37,8 +37,9 @@ Memory model, calibrated on the Qwen2.5-7B layer (bf16) against four measured GP
 layers at 158x1024 with 2; all within 1.3 GiB):
   peak = weight buffers + loss chunk + tokens·12·hidden·dtype (hidden-state copies, the checkpoint in
          flight, the head's input; 6 with token tiles, see stream_bytes) + whole layers of the last block
-         · tokens·(4·hidden + 5.5·intermediate)·dtype + its lean layers · (tokens·(3·hidden + 2·q + 2·kv
-         + 2·intermediate)·dtype + their weights), and an all-lean block one whole layer more (its top
+         · tokens·(4·hidden + 5.5·intermediate + e)·dtype (e: the widths of q, its output, k and v beyond
+         those of heads hidden_size / heads wide, where head_dim is another) + its lean layers · (tokens·(3·hidden
+         + 2·q + 2·kv + 2·intermediate)·dtype + their weights), and an all-lean block one whole layer more (its top
          layer's backward remakes it)
          + with sequence chunks, an fp32 gradient sum per layer kept (in the last block, or K layers)
 and it must stay under 92 % of the free memory the executor measured after its CUDA context.
@@ -49,13 +50,17 @@ whole batch, 2048-token loss chunks).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from megatrain.activations import host_checkpoints
 from megatrain.engine import FIXED_SIZES, EngineConfig, blocks
 from megatrain.errors import ResourceError
 from megatrain.lean import lean_layer_bytes
-from megatrain.model import ModelSpec
+from megatrain.model import ModelSpec, attention_widths, head_dim
 from megatrain.moe import mlp_width
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 GIB = 2**30
 LOSS_BYTES = 12  # per logit element: bf16 logits, fp32 upcast, fp32 gradient of the upcast
@@ -86,11 +91,20 @@ def layer_activation_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, tile:
     untiled layer: the tile in flight. Calibrated with stream_bytes on the tiled runs measured."""
     hf = spec.hf_config
     if not tile or tile >= tokens:
-        return int(tokens * (8 * hf.hidden_size + 11 * mlp_width(hf)) * dtype_bytes // 2)
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    q, kv = head_dim * hf.num_attention_heads, head_dim * getattr(hf, "num_key_value_heads", hf.num_attention_heads)
+        width = 8 * hf.hidden_size + 11 * mlp_width(hf) + 2 * _attention_excess(hf)  # in half dtypes
+        return int(tokens * width * dtype_bytes // 2)
+    q, kv = attention_widths(hf)
     kept = tokens * ((3 * hf.hidden_size + 2 * q + 2 * kv) * dtype_bytes + 4 * hf.num_attention_heads)
     return kept + layer_activation_bytes(spec, tile, dtype_bytes)
+
+
+def _attention_excess(hf: PretrainedConfig) -> int:
+    """Per token, what a layer's attention keeps (q and its output, k and v) beyond the widths that heads of
+    hidden_size / heads would have, which the calibrated `8·hidden` counts: nonzero where the config's
+    head_dim is another (Qwen3-30B-A3B: 128 at 2048 / 32 heads, twice the calibrated q)."""
+    q, kv = attention_widths(hf)
+    kv_heads = kv // head_dim(hf)
+    return 2 * (q - hf.hidden_size) + 2 * (kv - hf.hidden_size * kv_heads // hf.num_attention_heads)
 
 
 def token_tile(spec: ModelSpec, tokens: int) -> int:

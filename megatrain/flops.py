@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from megatrain.model import ModelSpec
+from megatrain.model import ModelSpec, attention_widths
 from megatrain.moe import active_fraction, is_expert_slot
 
 
 def step_flops(num_params: int, layers: int, hidden: int, seq: int, tokens: int) -> float:
-    """6·N·D + 12·L·H·S·D for N (active) parameters and D tokens per step (recompute is not useful work)."""
+    """6·N·D + 12·L·H·S·D for N (active) parameters and D tokens per step (recompute is not useful work).
+    H is the attention's width, heads x head_dim: the paper's hidden size wherever head_dim is hidden / heads."""
     return 6 * num_params * tokens + 12 * layers * hidden * seq * tokens
 
 
@@ -30,4 +31,5 @@ def expert_params(spec: ModelSpec) -> int:
 
 def model_step_flops(spec: ModelSpec, batch: int, seq: int) -> float:
     """step_flops of a model for a batch of `batch` sequences of `seq` tokens, by its active parameters."""
-    return step_flops(active_params(spec), spec.layout.num_layers, spec.hf_config.hidden_size, seq, batch * seq)
+    width = attention_widths(spec.hf_config)[0]  # q·kᵀ and the weighted sum of v run over the heads' width
+    return step_flops(active_params(spec), spec.layout.num_layers, width, seq, batch * seq)

@@ -25,7 +25,7 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from megatrain.layout import StoreLayout
-from megatrain.model import ModelSpec
+from megatrain.model import ModelSpec, attention_widths, head_dim
 from megatrain.moe import mlp_width, num_experts
 
 _aten = torch.ops.aten
@@ -76,12 +76,10 @@ def lean_layer_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, layer_numel
     experts' routed width, megatrain/moe.py mlp_width), and the attention's fp32 log-sum-exp (one per head);
     plus the layer's weights in compute dtype, which the last block keeps until its backward."""
     hf = spec.hf_config
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    kv = head_dim * getattr(hf, "num_key_value_heads", hf.num_attention_heads)
-    q = head_dim * hf.num_attention_heads
+    q, kv = attention_widths(hf)
     attention = q
     if has_sinks(spec.layout):  # the sinks' virtual key pads the attention's head dim (megatrain/attention.py)
-        attention = hf.num_attention_heads * -(-(head_dim + 1) // 8) * 8
+        attention = hf.num_attention_heads * -(-(head_dim(hf) + 1) // 8) * 8
     if experts_rerun(spec.layout):
         # the experts' grouped GEMMs run again in the backward: of the MLP half only the router's logits
         # (and a shared expert's GEMM outputs) are kept, not the routed rows

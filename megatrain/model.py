@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import importlib.util
 import inspect
 import json
 import pickle
+import re
 import threading
 import typing
 from dataclasses import dataclass
@@ -14,8 +17,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import yaml
 
-from megatrain.configbase import opt
+from megatrain.configbase import Where, key_error, opt
 from megatrain.errors import ConfigError
 from megatrain.layout import StoreLayout, build_layout
 
@@ -86,8 +90,9 @@ class ModelConfig:
     )
     hf: dict = opt(
         {},
-        "HF config fields (hidden_size, num_hidden_layers, vocab_size, tie_word_embeddings, ...) "
-        "set over the family's defaults or the pretrained config.",
+        "HF config fields (hidden_size, num_hidden_layers, vocab_size, head_dim, tie_word_embeddings, ...) "
+        "set over the family's defaults or the pretrained config: the fields of the family's HF config class "
+        "and the attributes its modeling code reads (docs/models.md); any other key is an error.",
     )
     init_seed: int = opt(0, "Seed of the fresh initialization (HF's init scheme, drawn unit by unit).")
 
@@ -162,11 +167,47 @@ _COMMON_KEYS = {
 
 def hf_config_fields(family: str, base: dict | None = None) -> set[str]:
     """Every key model.hf may set for this family: the config class's constructor arguments and fields
-    (this transformers version's), the legacy RoPE names, and whatever the pretrained config.json holds."""
-    conf_cls = config_class(family)
+    (this transformers version's), the attributes its modeling code reads, the legacy RoPE names, and
+    whatever the pretrained config.json holds."""
+    return _declared_fields(config_class(family)) | modeling_reads(family) | _COMMON_KEYS | set(base or {})
+
+
+@functools.cache
+def _declared_fields(conf_cls: type) -> frozenset[str]:
+    """A config class's own fields: its constructor arguments, what its to_dict writes, its aliases."""
     keys = set(inspect.signature(conf_cls.__init__).parameters) - {"self", "kwargs"}
-    keys |= set(conf_cls().to_dict()) | set(getattr(conf_cls, "attribute_map", {}))
-    return keys | _COMMON_KEYS | set(base or {})
+    return frozenset(keys | set(conf_cls().to_dict()) | set(getattr(conf_cls, "attribute_map", {})))
+
+
+# `config.NAME`, `self.config.NAME` and `getattr(config, "NAME"...)` in a modeling file's source
+_CONFIG_READ = re.compile(r"\bconfig\.([A-Za-z]\w*)|getattr\(\s*(?:self\.)?config\s*,\s*[\"'](\w+)[\"']")
+
+
+@functools.cache
+def modeling_reads(family: str) -> frozenset[str]:
+    """The config attributes the family's modeling code reads: its config class takes any keyword and keeps
+    it, and some attributes the modeling reads are no declared field of the class (Qwen2, Qwen2-MoE,
+    Qwen3-MoE and OLMoE read `head_dim`, with hidden_size / heads where it is absent). Read from the
+    source of this transformers version's modeling file, which is not imported (it is slow to import, and
+    the launcher checks a config before any process builds a model)."""
+    module = config_class(family).__module__.replace(".configuration_", ".modeling_")
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return frozenset()
+    source = Path(spec.origin).read_text(encoding="utf-8")
+    return frozenset(a or b for a, b in _CONFIG_READ.findall(source))
+
+
+def head_dim(hf: PretrainedConfig) -> int:
+    """Each attention head's width, as HF's attention takes it: `head_dim` where the config has one (not
+    always hidden_size / heads: Qwen3-30B-A3B's is 128 at 2048 / 32), else hidden_size / heads."""
+    return getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+
+
+def attention_widths(hf: PretrainedConfig) -> tuple[int, int]:
+    """(the queries' width, the keys' and the values' width each) of an attention layer, per token."""
+    kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    return head_dim(hf) * hf.num_attention_heads, head_dim(hf) * kv_heads
 
 
 def pretrained_config(cfg: ModelConfig) -> tuple[str, dict]:
@@ -215,7 +256,22 @@ def _float_fields(conf_cls: type) -> set[str]:
     return fields
 
 
-def resolve_hf_config(cfg: ModelConfig) -> tuple[str, PretrainedConfig]:
+def hf_key_error(cfg: ModelConfig, where: Where | None, key: str, msg: str) -> ConfigError:
+    """An error about the HF config field `key`, naming where its value came from: model.hf (the config
+    file's line or the override), or model.pretrained's config.json where model.hf does not set it."""
+    path = Path(cfg.pretrained or "") / "config.json"
+    if key in cfg.hf or not cfg.pretrained or key not in pretrained_config(cfg)[1]:
+        return key_error(where, f"model.hf.{key}", msg)
+    try:
+        lines = Where(str(path), path.read_text(encoding="utf-8"))  # JSON is YAML: the key's line
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        lines = Where(str(path), None)
+    return ConfigError(f"{lines(key)}: key '{key}' of model.pretrained's config.json: {msg}")
+
+
+def resolve_hf_config(cfg: ModelConfig, where: Where | None = None) -> tuple[str, PretrainedConfig]:
+    """(family, the HF config) of model.pretrained's config.json with model.hf over it; `where`: where
+    model.hf's keys were set, for the error naming a value HF refuses."""
     family, base = pretrained_config(cfg)
     conf_cls = config_class(family)
     merged = {**base, **cfg.hf}
@@ -224,10 +280,18 @@ def resolve_hf_config(cfg: ModelConfig) -> tuple[str, PretrainedConfig]:
     # YAML and JSON write 0 for 0.0 (`router_aux_loss_coef: 0`): a whole number where HF wants a float is one
     floats = _float_fields(conf_cls)
     merged = {k: float(v) if k in floats and type(v) is int else v for k, v in merged.items()}
+    # null for an attribute the class does not declare is its absence: the modeling code reads such an
+    # attribute as getattr(config, name, default), which null would break (Qwen2's head_dim: None ** -0.5)
+    declared = _declared_fields(conf_cls) | _COMMON_KEYS
+    merged = {k: v for k, v in merged.items() if v is not None or k in declared}
     try:
         hf = conf_cls(**merged)
     except _config_errors() as exc:
-        raise ConfigError(f"model.hf: {' '.join(str(exc).split())}") from None  # one line: HF's may be several
+        text = " ".join(str(exc).split())  # one line: HF's may be several
+        named = [k for k in re.findall(r"'(\w+)'", text) if k in merged]
+        if named:
+            raise hf_key_error(cfg, where, named[0], text) from None
+        raise ConfigError(f"model.hf: {text}") from None
     hf._attn_implementation = ATTENTION  # HF's SDPA with sliding windows honoured (megatrain/attention.py)
     hf.use_cache = False
     return family, hf
@@ -237,6 +301,29 @@ def meta_model(family: str, hf: PretrainedConfig) -> torch.nn.Module:
     """The model's structure with no storage: templates and shapes come from here."""
     with torch.device("meta"):
         return family_classes(family)[1](hf)
+
+
+def check_attention(cfg: ModelConfig, where: Where | None = None) -> None:
+    """The family's attention runs the config's shapes: one layer's attention on the meta device (shapes
+    only, no storage, no compute), before any process starts. HF's OLMoE, for one, norms q and k over
+    hidden_size, so it runs only where head_dim is hidden_size / heads: otherwise its first step fails."""
+    family, hf = resolve_hf_config(cfg, where)
+    model = meta_model(family, hf)
+    attention = getattr(model.model.layers[0], "self_attn", None) if hf.num_hidden_layers else None
+    if attention is None:
+        return
+    with torch.device("meta"):
+        x = torch.empty(1, 2, hf.hidden_size)
+        try:
+            attention(x, position_embeddings=model.model.rotary_emb(x, torch.arange(2)[None]), attention_mask=None)
+        except RuntimeError as exc:
+            problem = " ".join(str(exc).split())
+            plain = hf.hidden_size // hf.num_attention_heads
+            if head_dim(hf) != plain:
+                msg = f"{head_dim(hf)}: HF's {family} attention takes only hidden_size / num_attention_heads"
+                msg += f" ({plain}) here ({problem}); leave head_dim out or set it to {plain}"
+                raise hf_key_error(cfg, where, "head_dim", msg) from None
+            raise ConfigError(f"model.hf: HF's {family} attention cannot run this config: {problem}") from None
 
 
 def _unit_modules(model: torch.nn.Module) -> list[tuple[str, str, dict[str, torch.nn.Module | torch.Tensor]]]:

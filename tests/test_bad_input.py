@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from megatrain.launch import cli
+from megatrain.launch.config import load_config
 from tests.conftest import ROOT, run_leftovers
 from tests.helpers import TINY, started_since, tiny_hf
 
@@ -243,3 +244,34 @@ def test_sizes_refused_while_the_store_is_made_leave_nothing(capsys, tmp_path: P
     while threading.active_count() > threads and time.monotonic() < deadline:
         time.sleep(0.05)
     assert threading.active_count() <= threads
+
+
+@pytest.mark.parametrize(
+    "family, key, value, fix",
+    [
+        ("mixtral", "router_jitter_noise", 0.1, 0),
+        ("llama", "attention_dropout", 0.1, 0),
+        ("qwen2", "rms_norm_eps", "tiny", 1e-6),  # HF's own check of the value's type
+    ],
+)
+def test_a_value_from_the_pretrained_config_json_is_named_there(
+    capsys, tmp_path: Path, family: str, key: str, value, fix
+) -> None:
+    """A value that model.pretrained's config.json holds is named with that file, the key's line and the key,
+    not with the run's config file, which does not hold it; set in the run's config, it is named there, and
+    model.hf over the config.json's value is what is read."""
+    tiny_hf(family, tied=False, layers=2).save_pretrained(tmp_path / "m")
+    capsys.readouterr()  # save_pretrained's progress bar
+    config = tmp_path / "m" / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), key: value}, indent=2))
+    line = next(i for i, text in enumerate(config.read_text().splitlines(), 1) if text.strip().startswith(f'"{key}"'))
+    run = tmp_path / "run.yaml"
+    run.write_text(f"model:\n  pretrained: {tmp_path / 'm'}\n  hf: {{}}\ndata:\n  seq_len: 32\n")
+    err = usage_error(capsys, str(run))
+    assert f"{config}:{line}: key '{key}' of model.pretrained's config.json: " in err, err
+    assert str(run) not in err
+    assert load_config(run, [f"model.hf.{key}={fix}"]).model.pretrained == str(tmp_path / "m")
+
+    run.write_text(run.read_text().replace("hf: {}", f"hf:\n    {key}: {json.dumps(value)}"))
+    err = usage_error(capsys, str(run))
+    assert f"{run}:4: config key 'model.hf.{key}': " in err and str(config) not in err, err

@@ -166,7 +166,7 @@ def test_moe_config_values_are_read_or_refused_by_name() -> None:
     cfg = load_config(None, [*tiny, "model.hf.router_aux_loss_coef=0", "model.hf.router_jitter_noise=0"])
     hf = resolve_hf_config(cfg.model)[1]
     assert hf.router_aux_loss_coef == 0.0 and isinstance(hf.router_aux_loss_coef, float)
-    with pytest.raises(ConfigError, match=r"model\.hf: .*'rms_norm_eps'.*expected float"):
+    with pytest.raises(ConfigError, match=r"config key 'model\.hf\.rms_norm_eps': .*expected float"):
         load_config(None, [*tiny, "model.hf.rms_norm_eps=tiny"])
     with pytest.raises(ConfigError, match=r"model\.hf\.router_jitter_noise.*0\.01.*not supported"):
         load_config(None, [*tiny, "model.hf.router_jitter_noise=0.01"])
