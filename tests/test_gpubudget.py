@@ -5,6 +5,8 @@ the bench's view of it. Pure planning: no GPU (tests/test_gpubudget_cuda.py runs
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,7 @@ from megatrain.launch.config import load_config
 from megatrain.model import ModelConfig, build_spec
 
 GIB = 2**30
+ROOT = Path(__file__).resolve().parents[1]
 LONG = {"max_position_embeddings": 524288, "use_sliding_window": False}
 SHAPES = {  # the released models' shapes (Qwen2.5 0.5B-14B; OLMoE-1B-7B: 64 experts, top-8)
     "qwen2.5-0.5b": ("qwen2", dict(hidden_size=896, intermediate_size=4864, num_attention_heads=14,
@@ -216,3 +219,18 @@ def test_bench_batch_auto_is_the_most_the_plan_fits_in_the_budget(tmp_path: Path
         return memplan.make_plan(cfg, None, True).fits()
 
     assert fits(most) and not fits(most + 1)
+
+
+def test_a_bench_budget_too_small_is_one_line_and_exit_2_before_anything_runs(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "run.py"), "--out", str(tmp_path / "out"), "--layers", "2"]
+        + ["--gpu-gib", "2", "--peers", "plain"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("bench/run.py: error: "), proc.stderr
+    assert "config key 'engine.gpu_memory_gib': 2 GiB is too small" in lines[0]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == []  # nothing measured
