@@ -32,7 +32,8 @@ from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, checkpoint_host_
 from megatrain.ipc.protocol.checkpoints import restore_versions
 from megatrain.ipc.protocol.cpus import ThreadRequest, cpu_plan, node_cores
 from megatrain.ipc.protocol.monitor import Monitor
-from megatrain.ipc.shm import check_space, pss_split, remove_cuda_ipc_files, seg_name, space_now, sweep
+from megatrain.ipc.segments import sweep
+from megatrain.ipc.shm import check_space, pss_split, remove_cuda_ipc_files, seg_name, space_now
 from megatrain.model import ModelConfig, ModelSpec, build_spec, family_classes, init_unit, meta_model, unit_seed
 from megatrain.weights import checkpoint_index, copy_slots, fill_tile, read_unit, slot_views
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import posix_ipc
 import psutil
 
-from megatrain.errors import ConfigError, LayoutMismatch, ResourceError
+from megatrain.errors import LayoutMismatch, ResourceError
 from megatrain.ipc.mapping import map_shards, shard_names, shard_sizes, split
 from megatrain.ipc.procs import live, start_ticks
 
@@ -39,17 +39,6 @@ def check_run_id(run_id: str) -> str:
     if not _RUN_ID.match(run_id):
         raise ValueError(f"run id '{run_id}' must be 1-32 lowercase letters and digits")
     return run_id
-
-
-def check_run_id_free(run_id: str, shm_dir: str = "/dev/shm") -> None:
-    """No live run on this machine uses `run_id` (a dead one's leftovers are swept when the store is made)."""
-    if run_id in run_entries(shm_dir):
-        owner = read_owner(run_id)
-        if owner is not None and live(*owner):
-            raise ConfigError(
-                f"train.run_id '{run_id}' is in use by a live run (store owner pid {owner[0]}); choose "
-                "another, or leave it empty for a random one"
-            )
 
 
 def seg_name(run_id: str, part: str) -> str:
@@ -319,42 +308,40 @@ def run_entries(shm_dir: str = "/dev/shm") -> dict[str, list[str]]:
     return runs
 
 
-def read_ctl(run_id: str, start: int, size: int) -> bytes | None:
-    """Bytes [start, start + size) of the run's control segment, read-only; None if it is unreadable."""
+def read_ctl(run_id: str, start: int, size: int, shm_dir: str = "/dev/shm") -> bytes | None:
+    """Bytes [start, start + size) of the run's control segment, read-only, from its file in shm_dir (POSIX
+    shared memory is a file there); None if it is missing, unreadable or shorter."""
     try:
-        shm = posix_ipc.SharedMemory(seg_name(run_id, "ctl"))
-    except posix_ipc.ExistentialError:
+        with open(os.path.join(shm_dir, f"{PREFIX}{run_id}-ctl"), "rb") as f:
+            raw = os.pread(f.fileno(), size, start)
+    except OSError:
         return None
-    try:
-        with mmap.mmap(shm.fd, start + size, prot=mmap.PROT_READ) as mm:
-            return mm[start : start + size]
-    except (OSError, ValueError):
-        return None
-    finally:
-        shm.close_fd()
+    return raw if len(raw) == size else None
 
 
-def read_owner(run_id: str) -> tuple[int, int] | None:
+def read_header(run_id: str, shm_dir: str = "/dev/shm") -> tuple[bytes, int, Header] | None:
+    """(magic, layout version, header) of the run's control segment; None if it has no header to read."""
+    raw = read_ctl(run_id, 0, _HEADER.size, shm_dir)
+    return Header.unpack(raw) if raw is not None else None
+
+
+def read_owner(run_id: str, shm_dir: str = "/dev/shm") -> tuple[int, int] | None:
     """(pid, start ticks) of the run's owner from its control segment, None if unreadable."""
-    raw = read_ctl(run_id, 0, _HEADER.size)
-    try:
-        magic, _, hdr = Header.unpack(raw) if raw is not None else (None, None, None)
-    except (ValueError, struct.error):
-        return None
-    return (hdr.owner_pid, hdr.owner_ticks) if magic == MAGIC else None
+    got = read_header(run_id, shm_dir)
+    return (got[2].owner_pid, got[2].owner_ticks) if got is not None and got[0] == MAGIC else None
 
 
-def read_worker_pids(run_id: str) -> list[int]:
+def read_worker_pids(run_id: str, shm_dir: str = "/dev/shm") -> list[int]:
     """Worker pids recorded in the run's ctl segment (empty if it is gone)."""
-    raw = read_ctl(run_id, HEADER_BYTES + CTL_PIDS_OFFSET, 8 * MAX_PIDS)
+    raw = read_ctl(run_id, HEADER_BYTES + CTL_PIDS_OFFSET, 8 * MAX_PIDS, shm_dir)
     return [p for p in struct.unpack(f"<{MAX_PIDS}q", raw) if p > 0] if raw is not None else []
 
 
 def remove_run(run_id: str, entries: list[str], shm_dir: str = "/dev/shm", wait_s: float = 10.0) -> list[str]:
     """Remove a dead run: its segments and semaphores first (the memory goes as soon as the last mapping
     does), then what the CUDA driver left for its workers, once they are gone too (up to wait_s)."""
-    workers = read_worker_pids(run_id)  # before ctl goes
-    return unlink_entries(entries) + remove_cuda_ipc_files(workers, shm_dir, wait_s)
+    workers = read_worker_pids(run_id, shm_dir)  # before ctl goes
+    return unlink_entries(entries, shm_dir) + remove_cuda_ipc_files(workers, shm_dir, wait_s)
 
 
 def remove_cuda_ipc_files(pids: list[int], shm_dir: str = "/dev/shm", wait_s: float = 10.0) -> list[str]:
@@ -380,37 +367,14 @@ def remove_cuda_ipc_files(pids: list[int], shm_dir: str = "/dev/shm", wait_s: fl
     return removed
 
 
-def unlink_entries(entries: list[str]) -> list[str]:
+def unlink_entries(entries: list[str], shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink entries of shm_dir (segments, and semaphores by their 'sem.' file: what shm_unlink and
+    sem_unlink remove); the ones that went. One already gone, or not this user's to remove, is skipped."""
     removed = []
     for name in entries:
         try:
-            if name.startswith("sem."):
-                posix_ipc.unlink_semaphore("/" + name[4:])
-            else:
-                posix_ipc.unlink_shared_memory("/" + name)
+            os.unlink(os.path.join(shm_dir, name))
             removed.append(name)
-        except posix_ipc.ExistentialError:
+        except (FileNotFoundError, PermissionError):
             pass
-    return removed
-
-
-def _young(shm_dir: str, name: str, seconds: float = 30.0) -> bool:
-    try:
-        return time.time() - os.stat(os.path.join(shm_dir, name)).st_mtime < seconds
-    except OSError:
-        return False
-
-
-def sweep(run_id: str | None = None, shm_dir: str = "/dev/shm") -> list[str]:
-    """Remove every segment and semaphore of runs whose owner process is dead; returns what went."""
-    removed = []
-    for rid, entries in run_entries(shm_dir).items():
-        if run_id is not None and rid != run_id:
-            continue
-        owner = read_owner(rid)
-        if owner is not None and live(*owner):  # a zombie owner counts as dead: it will never clean up
-            continue
-        if owner is None and _young(shm_dir, f"{PREFIX}{rid}-ctl"):
-            continue  # a run being created right now: its owner has not written the header yet
-        removed += remove_run(rid, entries, shm_dir, wait_s=0)
     return removed

@@ -17,7 +17,7 @@ USAGE_ERROR, RUNTIME_ERROR = 2, 1
 
 USAGE = (
     "megatrain-launch CONFIG.yaml [dotted.key=value ...] [--address ADDR] | export SRC OUT [--dtype D] | "
-    "plan CONFIG [overrides] | status | plot RUN_DIR | tokenizer DATA... --out DIR | --cleanup | "
+    "plan CONFIG [overrides] | status | plot RUN_DIR | tokenizer DATA... --out DIR | --cleanup [--shm-dir DIR] | "
     "--config-reference"
 )
 
@@ -31,20 +31,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="YAML config file (see examples/)")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. optim.lr=3e-4")
     p.add_argument("--address", help="join this Ray cluster (default: $RAY_ADDRESS, else start a local one)")
-    p.add_argument("--cleanup", action="store_true", help="remove shared memory of runs whose owner is dead")
+    p.add_argument(
+        "--cleanup", action="store_true", help="remove the shared memory `status` says is left over (no run holds it)"
+    )
+    p.add_argument("--shm-dir", default="/dev/shm", help="with --cleanup: where the shared memory lives (ipc.shm_dir)")
     p.add_argument("--config-reference", action="store_true", help="print every config key with its doc")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     return p
 
 
-def cleanup() -> int:
-    from megatrain.ipc.shm import sweep
+def cleanup(shm_dir: str = "/dev/shm") -> int:
+    """Remove what `status` calls left over (ipc/segments.py: one classification for both, and for a launch);
+    say what stays that is not a live run, in status's words."""
+    from megatrain.ipc.segments import LIVE, found, sweep
 
-    removed = sweep()
+    removed = sweep(shm_dir=shm_dir)
     print(
-        f"megatrain-launch: removed {len(removed)} shared-memory objects of dead runs"
+        f"megatrain-launch: removed {len(removed)} shared-memory objects left over in {shm_dir}"
         + (":\n  " + "\n  ".join(sorted(removed)) if removed else "")
     )
+    for f in found(shm_dir):
+        if f.kind != LIVE:
+            print(f"megatrain-launch: not removed: {f.line()}")
     return 0
 
 
@@ -125,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         return status_main(argv[1:])
     args = _parser().parse_intermixed_args(argv)  # overrides may come after --address too
     if args.cleanup:
-        return cleanup()
+        return cleanup(args.shm_dir)
+    if args.shm_dir != "/dev/shm":
+        _parser().error("--shm-dir goes with --cleanup (a run's own is the config key ipc.shm_dir)")
     if args.config_reference:
         return reference()
     if not args.config:

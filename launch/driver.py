@@ -23,7 +23,8 @@ from megatrain.configbase import Where, differences, dump_yaml, to_dict
 from megatrain.data import Data
 from megatrain.flops import active_params
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, resolve_stall
-from megatrain.ipc.shm import check_run_id, check_run_id_free
+from megatrain.ipc.segments import check_run_id_free
+from megatrain.ipc.shm import check_run_id
 from megatrain.launch import memplan, startup
 from megatrain.launch.checkpointing import Checkpointer
 from megatrain.launch.config import Config

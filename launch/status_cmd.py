@@ -2,7 +2,8 @@
 
 For each: run id, owner, model, steps applied of the total, output directory, the shared memory held,
 and every actor with its pid, role, what it is doing or waiting on, and its own memory (PSS outside
-the store). The pids are the ones to attach a profiler to (py-spy, nsys; see the README).
+the store). The pids are the ones to attach a profiler to (py-spy, nsys; see the README). Then every
+other run id's shared memory, classified (ipc/segments.py): what it is, and whether `--cleanup` removes it.
 """
 
 from __future__ import annotations
@@ -22,16 +23,13 @@ def main(argv: list[str]) -> int:
     )
     p.add_argument("--shm-dir", default="/dev/shm", help="where the runs' shared memory lives (ipc.shm_dir)")
     args = p.parse_args(argv)
-    runs, dead = live_runs(args.shm_dir)
+    runs, others = live_runs(args.shm_dir)
     if not runs:
         print("no runs")
     for run in runs:
         print(describe(run))
-    if dead:
-        print(
-            f"{len(dead)} run(s) left shared memory behind with their owner dead ({', '.join(dead)}): "
-            "`megatrain-launch --cleanup` removes it"
-        )
+    for f in others:  # in the words --cleanup and a launch naming that run id use
+        print(f.line())
     return 0
 
 

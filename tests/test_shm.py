@@ -6,6 +6,7 @@ checks that nothing of the run is left in /dev/shm.
 
 from __future__ import annotations
 
+import mmap
 import os
 import re
 import stat
@@ -21,7 +22,7 @@ import pytest
 
 from megatrain import hostmem
 from megatrain.errors import LayoutMismatch, ResourceError
-from megatrain.ipc import mapping, procs, shm
+from megatrain.ipc import mapping, procs, segments, shm
 from megatrain.ipc.shm import HEADER_BYTES, Header, Segment, seg_name, sem_name
 from tests.shm_fixtures import HASH, SHM, leftovers, owned, remove_all
 
@@ -98,7 +99,7 @@ def test_a_large_segment_is_sharded_into_files_mapped_as_one(rid: str, monkeypat
         env=child_env(),
     )
     assert dead.returncode == 0 and len(leftovers(rid)) == 5
-    shm.sweep(rid)
+    segments.sweep(rid)
     assert leftovers(rid) == []
 
 
@@ -259,10 +260,10 @@ def test_sweep_removes_a_run_whose_owner_died(rid: str) -> None:
         # What the CUDA driver would leave for a SIGKILLed worker that the ctl segment names.
         cuda_file = f"{SHM}/cuda.shm.0.{pid:x}.1"
         open(cuda_file, "w").close()
-        removed = shm.sweep(rid)
+        removed = segments.sweep(rid)
         assert set(removed) == expected | {os.path.basename(cuda_file)}
         assert leftovers(rid) == [] and not os.path.exists(cuda_file)
-        assert shm.sweep(rid) == []  # idempotent
+        assert segments.sweep(rid) == []  # idempotent
     finally:
         remove_all(rid)
         if cuda_file and os.path.exists(cuda_file):
@@ -278,7 +279,7 @@ def test_sweep_leaves_a_run_whose_owner_is_alive(rid: str) -> None:
         before = leftovers(rid)
         assert len(before) == 3
         assert shm.read_owner(rid) == (os.getpid(), procs.start_ticks(os.getpid()))
-        assert shm.sweep(rid) == []
+        assert segments.sweep(rid) == []
         assert leftovers(rid) == before
     finally:
         sem.unlink()
@@ -297,7 +298,7 @@ def test_sweep_detects_a_reused_owner_pid(rid: str) -> None:
         hdr = Header(HASH, rid, os.getpid(), procs.start_ticks(os.getpid()) + 12345, 4096)
         ctl.mm[: len(hdr.pack())] = hdr.pack()
         assert not procs.pid_alive(os.getpid(), hdr.owner_ticks)
-        assert shm.sweep(rid) == [f"megatrain-{rid}-ctl"]
+        assert segments.sweep(rid) == [f"megatrain-{rid}-ctl"]
         assert leftovers(rid) == []
     finally:
         ctl.unlink()
@@ -305,17 +306,23 @@ def test_sweep_detects_a_reused_owner_pid(rid: str) -> None:
     assert leftovers(rid) == []
 
 
-def test_sweep_spares_a_young_ctl_without_header_but_not_an_old_one(rid: str) -> None:
+def test_sweep_spares_a_ctl_without_header_while_its_creator_holds_it_and_no_longer(rid: str) -> None:
+    """A store being created: its ctl exists, without a header yet, open in its creator (shm_open, before
+    mmap); then mapped, the descriptor closed. Spared both times, however old; gone once nothing holds it."""
     name = seg_name(rid, "ctl")
     raw = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600, size=HEADER_BYTES)
-    raw.close_fd()
     try:
-        assert shm.read_owner(rid) is None
-        assert shm.sweep(rid) == []  # being created right now
         old = time.time() - 120
         os.utime(f"{SHM}/megatrain-{rid}-ctl", (old, old))
-        assert shm.sweep(rid) == [f"megatrain-{rid}-ctl"]
+        assert shm.read_owner(rid) is None
+        assert segments.sweep(rid) == []  # open
+        mm = mmap.mmap(raw.fd, HEADER_BYTES)
+        raw.close_fd()
+        assert segments.sweep(rid) == []  # mapped
+        mm.close()
+        assert segments.sweep(rid) == [f"megatrain-{rid}-ctl"]
     finally:
+        raw.close_fd()
         try:
             posix_ipc.unlink_shared_memory(name)
         except posix_ipc.ExistentialError:

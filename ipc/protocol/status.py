@@ -20,6 +20,7 @@ import numpy as np
 from megatrain.ipc.procs import pid_alive, running
 from megatrain.ipc.protocol.plan import ABOUT_BYTES, ABOUT_OFFSET, CTL_FIXED, ROLE_BYTES, ROLE_TABLE_OFFSET
 from megatrain.ipc.protocol.store import BEAT, CALLS, PROGRESS, WAIT_SINCE, WAITS, WHAT_BYTES, WHAT_OFFSET
+from megatrain.ipc.segments import LIVE, Found, found
 from megatrain.ipc.shm import (
     CTL_PIDS_OFFSET,
     HEADER_BYTES,
@@ -30,7 +31,6 @@ from megatrain.ipc.shm import (
     Header,
     pss_split,
     read_ctl,
-    run_entries,
     seg_name,
 )
 
@@ -58,17 +58,18 @@ class RunStatus:
     aborted: str = ""
 
 
-def live_runs(shm_dir: str = "/dev/shm") -> tuple[list[RunStatus], list[str]]:
-    """The runs on this node whose owner is alive, and the ids of those left by dead owners."""
-    runs, dead = [], []
-    for rid, entries in sorted(run_entries(shm_dir).items()):
-        status = read_run(rid, shm_dir)
+def live_runs(shm_dir: str = "/dev/shm") -> tuple[list[RunStatus], list[Found]]:
+    """The runs on this node whose owner is alive, and every other run id's shared memory, classified as
+    `--cleanup` and a launch see it (ipc/segments.py)."""
+    runs, others = [], []
+    for f in found(shm_dir):
+        status = read_run(f.run_id, shm_dir) if f.kind == LIVE else None
         if status is None:
-            dead.append(rid)
+            others.append(f)
         else:
-            status.shm_bytes = _held(shm_dir, entries)
+            status.shm_bytes = _held(shm_dir, list(f.entries))
             runs.append(status)
-    return runs, dead
+    return runs, others
 
 
 def read_run(run_id: str, shm_dir: str = "/dev/shm") -> RunStatus | None:
@@ -78,7 +79,7 @@ def read_run(run_id: str, shm_dir: str = "/dev/shm") -> RunStatus | None:
         size = os.stat(os.path.join(shm_dir, f"{PREFIX}{run_id}-ctl")).st_size
     except OSError:
         return None
-    raw = read_ctl(run_id, 0, size) if size >= HEADER_BYTES + CTL_FIXED else None
+    raw = read_ctl(run_id, 0, size, shm_dir) if size >= HEADER_BYTES + CTL_FIXED else None
     if raw is None:
         return None
     try:

@@ -26,7 +26,17 @@ from megatrain.ipc.protocol.plan import (
     STAGING,
     StoreSpec,
 )
-from megatrain.ipc.shm import CTL_PIDS_OFFSET, HEADER_BYTES, MAX_PIDS, Header, Segment, check_space, seg_name
+from megatrain.ipc.segments import classify
+from megatrain.ipc.shm import (
+    CTL_PIDS_OFFSET,
+    HEADER_BYTES,
+    MAX_PIDS,
+    Header,
+    Segment,
+    check_space,
+    run_entries,
+    seg_name,
+)
 
 # Role table row (float64/int64 words, then bytes): what the stall monitor reads.
 BEAT, PROGRESS, CALLS, WAITS, WAIT_SINCE = range(5)  # words 0-4
@@ -82,12 +92,9 @@ class Store:
                 sem.unlink()
             for seg in segments.values():
                 seg.unlink()
-            if isinstance(exc, posix_ipc.ExistentialError):
-                raise ResourceError(
-                    f"shared memory of run '{spec.run_id}' already exists in {spec.ipc.shm_dir}: "
-                    f"train.run_id '{spec.run_id}' is in use by a live run; choose another (or none, "
-                    "for a random one)"
-                ) from None
+            if isinstance(exc, posix_ipc.ExistentialError):  # said as `status` says it (ipc/segments.py)
+                rid, shm_dir = spec.run_id, spec.ipc.shm_dir
+                raise ResourceError(classify(rid, run_entries(shm_dir).get(rid, []), shm_dir).refusal()) from None
             raise
         return cls(spec, segments, sems)
 
