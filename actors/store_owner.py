@@ -119,7 +119,7 @@ class StoreOwner(Role):
         shm_dir = request.ipc.shm_dir
         removed = sweep(shm_dir=shm_dir)
         if removed:
-            print(f"[{self.name}] swept {len(removed)} objects of dead runs from {shm_dir}", flush=True)
+            print(f"[{self.name}] swept {len(removed)} objects left over in {shm_dir}", flush=True)
         self.space = space_now(shm_dir)  # settle() re-decides against the memory as it was before
         self.request = request
         # The driver's spec: its structure is built once, and the modeling code this process imports for the
