@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, stop: Any, program: bool = False) -> int:
-    trainer = None
+    trainer, where = None, None
+    argv = [args.config, *args.overrides, *(["--address", args.address] if args.address else [])]
     try:
         from megatrain.configbase import dump_yaml
         from megatrain.launch.config import load_tree, validate_model
@@ -181,36 +182,56 @@ def _run(args: argparse.Namespace, stop: Any, program: bool = False) -> int:
             )
             return 0
         if summary.get("stopped_by"):
-            saved = summary.get("checkpoint")
             print(
                 f"megatrain-launch: stopped by {summary['stopped_by']} after step {summary['last_step']}; "
-                + (
-                    f"checkpoint {saved}: the same command resumes from it (train.resume: auto)"
-                    if saved
-                    else "no checkpoint written"
-                ),
+                + _continue(trainer, argv),
                 file=sys.stderr,
             )
             return 128 + stop.signum
         print(f"megatrain-launch: done, {len(summary['metrics'])} steps; metrics in {trainer.out / 'metrics.jsonl'}")
         return 0
     except KeyboardInterrupt:
-        print("megatrain-launch: interrupted; the run's processes and shared memory were released", file=sys.stderr)
+        after = _continue(trainer, argv)
+        print(
+            "megatrain-launch: interrupted; the run's processes and shared memory were released"
+            + (f"; {after}" if after else ""),
+            file=sys.stderr,
+        )
         return 128 + (stop.signum or signal.SIGINT)
     except (ConfigError, DataError) as exc:  # the user's input: nothing was started
-        return _report(exc, str(exc), trainer, USAGE_ERROR)
+        from megatrain.configbase import locate
+        from megatrain.launch.config import Config
+
+        return _report(exc, locate(str(exc), where, Config), trainer, USAGE_ERROR)
     except MegatrainError as exc:
-        return _report(exc, _with_free_space(str(exc), trainer), trainer)
+        return _report(exc, _with_free_space(str(exc), trainer), trainer, after=_resumable(trainer, argv))
     except OSError as exc:  # the machine's, not the input's: a full disk, a directory made read-only meanwhile
-        return _report(exc, _os_error(exc, trainer), trainer)
+        return _report(exc, _os_error(exc, trainer), trainer, after=_resumable(trainer, argv))
     except Exception as exc:  # a bug of ours: still one line, the traceback goes to error.log
-        return _report(exc, f"internal error: {type(exc).__name__}: {exc}", trainer)
+        message = f"internal error: {type(exc).__name__}: {exc}"
+        return _report(exc, message, trainer, after=_resumable(trainer, argv))
 
 
-def _report(exc: BaseException, message: str, trainer: object, code: int = RUNTIME_ERROR) -> int:
-    """One line on stderr. A run that failed (not refused input: that creates nothing) leaves error.log in its
-    own output directory, with the traceback of where it failed: the failing actor's own when it came from one,
-    else this process's. Where error.log cannot be written (a full disk), the line still comes, and says so."""
+def _continue(trainer: Any, argv: list[str], checkpoint_only: bool = False) -> str:
+    """What running again does, once the run's output directory holds its files (launch/rerun.py); else ''."""
+    if trainer is None or getattr(trainer, "log_dir", None) is None:
+        return ""
+    from megatrain.launch.rerun import how_to_continue
+
+    return how_to_continue(argv, trainer.cfg.train, trainer.out, checkpoint_only)
+
+
+def _resumable(trainer: Any, argv: list[str]) -> str:
+    """The resume hint for a failure's line, where the run has a checkpoint to resume from."""
+    after = _continue(trainer, argv, checkpoint_only=True)
+    return f"; {after}" if after else ""
+
+
+def _report(exc: BaseException, message: str, trainer: object, code: int = RUNTIME_ERROR, after: str = "") -> int:
+    """One line on stderr, ending with `after` (how to resume). A run that failed (not refused input: that creates
+    nothing) leaves error.log in its own output directory, with the traceback of where it failed: the failing
+    actor's own when it came from one, else this process's. Where error.log cannot be written (a full disk), the
+    line still comes, and says so."""
     out_dir: Path | None = getattr(trainer, "log_dir", None)
     where = ""
     if code == RUNTIME_ERROR and out_dir is not None and out_dir.is_dir():
@@ -223,7 +244,7 @@ def _report(exc: BaseException, message: str, trainer: object, code: int = RUNTI
         except OSError as err:
             log.unlink(missing_ok=True)  # a cut-off one would only mislead
             where = f" ({log} could not be written: {err.strerror or err})"
-    print(f"megatrain-launch: error: {message}{where}", file=sys.stderr)
+    print(f"megatrain-launch: error: {message}{where}{after}", file=sys.stderr)
     return code
 
 

@@ -12,6 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from megatrain import checkpoint as ckpt
 from megatrain import log
 from megatrain.errors import ConfigError
 from megatrain.ipc.procs import pid_alive
@@ -132,13 +135,7 @@ def prepare_output(out: Path, overwrite: bool, resume_step: int | None = None) -
     if resume_step is not None and metrics.is_file():
         _keep_rows_up_to(metrics, resume_step)
     elif metrics.is_file() and metrics.stat().st_size > 0 and not overwrite:
-        steps = sum(1 for _ in metrics.open())
-        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(metrics.stat().st_mtime))
-        raise ConfigError(
-            f"train.output_dir: '{out}' holds another run's metrics ({steps} steps in metrics.jsonl, "
-            f"last written {when}); choose another train.output_dir (the default runs/{{run_id}} is "
-            f"new for every run), or set train.overwrite=true to replace that run's files"
-        )
+        raise ConfigError(_occupied(out, metrics))
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = out / ".megatrain-write-test"
@@ -167,6 +164,47 @@ def prepare_output(out: Path, overwrite: bool, resume_step: int | None = None) -
         )
     elif stale:
         log(f"removed an earlier run's files from {out}: {', '.join(p.name for p in stale)}")
+
+
+def _occupied(out: Path, metrics: Path) -> str:
+    """Why a fresh run may not start in `out`, which holds another run's metrics, and what to do instead."""
+    steps = sum(1 for _ in metrics.open())
+    early = None if ckpt.latest(out / "checkpoints") is not None else _ended_early(out, _last_step(metrics))
+    if early:
+        return (
+            f"train.output_dir: '{out}' holds a run that {early}, before its first checkpoint: there is nothing to "
+            "resume (metrics.jsonl, no checkpoint); train.overwrite=true starts over in it, replacing its files, "
+            "or choose another train.output_dir"
+        )
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(metrics.stat().st_mtime))
+    return (
+        f"train.output_dir: '{out}' holds another run's metrics ({steps} steps in metrics.jsonl, "
+        f"last written {when}); choose another train.output_dir (the default runs/{{run_id}} is "
+        f"new for every run), or set train.overwrite=true to replace that run's files"
+    )
+
+
+def _ended_early(out: Path, last: int) -> str | None:
+    """How the run of `out` ended before its last step, from what it left (its error.log, its config.yaml's
+    train.steps against its last metrics row), or None: it ended at its last step, or it cannot be told."""
+    if (out / "error.log").is_file():
+        return f"failed after step {last} (its error.log says why)"
+    try:
+        saved = yaml.safe_load((out / "config.yaml").read_text()) or {}
+        planned = int(saved["train"]["steps"]) if not (saved.get("data") or {}).get("epochs") else None
+    except (OSError, yaml.YAMLError, KeyError, TypeError, ValueError):
+        return None
+    return f"stopped after step {last} of {planned}" if planned is not None and last < planned else None
+
+
+def _last_step(metrics: Path) -> int:
+    """The step of the last whole row of metrics.jsonl (0 when there is none)."""
+    for line in reversed(metrics.read_text().splitlines()):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return 0
 
 
 def _keep_rows_up_to(metrics: Path, step: int) -> None:

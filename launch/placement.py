@@ -110,7 +110,13 @@ def bundle(d: dict[str, Demand]) -> dict[str, float]:
 
 def resolve_executors(cfg: ActorsConfig, cuda: bool, gpus: int) -> int:
     """actors.num_gpus as a number: auto is the GPUs of the store's node (`gpus`), or 1 on the CPU device;
-    more than the node has is refused (the executors share one host store: one node)."""
+    more than the node has is refused (the executors share one host store: one node). On CUDA with no GPU at all,
+    engine.device (which asked for CUDA) is at fault, not actors.num_gpus."""
+    if cuda and gpus < 1:
+        raise ConfigError(
+            "engine.device: cuda, but no CUDA device is visible (no GPU on this machine, or on any node of the Ray "
+            "cluster the run joined); engine.device=auto runs on a GPU where there is one and on the CPU otherwise"
+        )
     if cfg.num_gpus == "auto":
         return max(gpus, 1) if cuda else 1
     n = int(cfg.num_gpus)

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -156,6 +157,7 @@ class RayRunner:
                 # address="local": always a private instance, even where `ray start` left a cluster
                 # that ray.init() would otherwise discover and join.
                 _local_auth()
+                began = time.monotonic()
                 with _memory_monitor_threshold():
                     try:
                         ray.init(
@@ -169,6 +171,8 @@ class RayRunner:
                         )
                     except _auth_error() as exc:  # e.g. RAY_AUTH_TOKEN_PATH naming no file
                         raise ConfigError(f"cannot start a local Ray instance: {_auth_message(exc)}") from None
+                    except Exception as exc:  # Ray's own start-up waits ran out, or its processes failed
+                        raise start_failure(exc, time.monotonic() - began) from None
                 self.started_ray = True
                 self.guard = _start_guard()
 
@@ -306,6 +310,24 @@ class RayRunner:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.guard, signal.SIGTERM)  # it ends what of the instance still lingers, then exits
             self.guard = 0
+
+
+GCS_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"  # Ray's wait for its GCS to start (30 s unless set)
+
+
+def start_failure(exc: Exception, took: float) -> MegatrainError:
+    """A local Ray instance that did not start, on one line. Ray gives up after fixed waits (30 s for its raylet
+    to register, which no setting lengthens; GCS_WAIT_ENV's for its GCS) that a busy machine can outlast: say so,
+    and that running again is the remedy. The failed start's processes end with the launcher (Ray ties them to it)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if not (isinstance(exc, TimeoutError) or "timed out" in str(exc).lower()):
+        return MegatrainError(f"Ray did not start a local instance: {first}")
+    gcs = "gcs" in first.lower() and "current node timed out" not in first.lower()
+    return MegatrainError(
+        f"Ray did not start within {took:.0f} s ({first}): this machine may be overloaded (load average "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores); run the command again once it is less busy"
+        + (f", or with {GCS_WAIT_ENV}=SECONDS to give Ray's GCS longer (30 by default)" if gcs else "")
+    )
 
 
 @contextlib.contextmanager

@@ -70,18 +70,47 @@ class Where:
 
     def __call__(self, path: str) -> str:
         """Where `path` was set: the command line wins over the file, as it does for the value."""
+        return self.set_at(path) or self.source
+
+    def set_at(self, path: str) -> str | None:
+        """Where the user set `path` (the command line's override, or file:line), or None: left at its default."""
         for k, item in self.cli_keys.items():
             inside = path == k or path.startswith(k + ".")  # the key, or within a mapping set on the CLI
             if inside or (k.startswith(path + ".") and path not in self.lines):  # a section only the CLI names
                 return f"command line '{item}'"
         line = self.lines.get(path)
-        return f"{self.source}:{line}" if line else self.source
+        return f"{self.source}:{line}" if line else None
 
 
 def key_error(where: Where | None, path: str, msg: str) -> ConfigError:
     """A ConfigError naming the key and where it was set."""
     loc = where(path) if where else "config"
     return ConfigError(f"{loc}: config key '{path}': {msg}")
+
+
+_KEYED = re.compile(r"(?P<key>[a-z_][a-z_0-9]*(?:\.[A-Za-z_0-9]+)+): ")
+
+
+def locate(message: str, where: Where | None, cls: type) -> str:
+    """`message` with where its config key was set in front, for a message that begins with the key of the
+    `cls` tree it is about ('data.path: file ... does not exist'), raised where the key's origin is unknown
+    (the data, the model's files). Unchanged when it begins with no key, or with one the user did not set."""
+    m = _KEYED.match(message)
+    loc = where.set_at(m["key"]) if m and where is not None and _is_key(cls, m["key"]) else None
+    return f"{loc}: {message}" if loc else message
+
+
+def _is_key(cls: type, path: str) -> bool:
+    """`path` names a field of the dataclass tree `cls` (or a key within a mapping field, as model.hf.X)."""
+    tp: Any = cls
+    for part in path.split("."):
+        if not dataclasses.is_dataclass(tp):
+            return tp is dict or typing.get_origin(tp) is dict
+        hints = typing.get_type_hints(tp)
+        if part not in hints:
+            return False
+        tp = hints[part]
+    return True
 
 
 def _coerce(tp: Any, value: Any, path: str, where: Where | None) -> Any:

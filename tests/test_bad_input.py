@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from megatrain.launch import cli
 from megatrain.launch.config import load_config
@@ -59,7 +60,14 @@ def usage_error(capsys, *argv: str, ray: bool = False) -> str:
             ["data.kind=text", "data.path=/nonexistent/corpus.jsonl", "data.tokenizer=/nonexistent/tok"],
             ["/nonexistent"],
         ),
-        (["model.pretrained=/nonexistent/model"], ["model.pretrained", "/nonexistent/model"]),
+        (
+            ["model.pretrained=/nonexistent/model"],
+            ["command line 'model.pretrained=/nonexistent/model': model.pretrained: '/nonexistent/model'"],
+        ),
+        (
+            ["data.kind=tokens", "data.path=/nonexistent/t.bin"],
+            ["command line 'data.path=/nonexistent/t.bin': data.path: file '/nonexistent/t.bin' does not exist"],
+        ),
         (["launch.runner=threads"], ["launch.runner", "'threads'"]),
         (["nonsense"], ["'nonsense'", "dotted.key=value"]),
         # A check that speaks of two keys names the one that is wrong, with its value and where it was set.
@@ -73,6 +81,63 @@ def test_bad_config_values(capsys, overrides: list[str], expect: list[str]) -> N
     err = usage_error(capsys, DEFAULT, *overrides)
     for text in expect:
         assert text in err, (text, err)
+
+
+def test_a_missing_file_names_the_line_that_set_its_key(capsys, tmp_path: Path) -> None:
+    """Errors raised where the key's origin is unknown (the data, the model's files) say where it was set too."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  family: llama\n  pretrained: /nonexistent/model\n")
+    err = usage_error(capsys, str(cfg))
+    assert f"{cfg}:3: model.pretrained: '/nonexistent/model'" in err, err
+    cfg.write_text("data:\n  kind: tokens\n  path: /nonexistent/t.bin\n")
+    err = usage_error(capsys, str(cfg))
+    assert f"{cfg}:3: data.path: file '/nonexistent/t.bin' does not exist" in err, err
+
+
+def test_a_message_about_a_key_left_at_its_default_is_not_given_a_place(tmp_path: Path) -> None:
+    from megatrain.configbase import Where, locate
+    from megatrain.launch.config import Config
+
+    where = Where(str(tmp_path / "c.yaml"), "data:\n  path: x.bin\n", {"train.steps": "train.steps=3"})
+    assert locate("data.path: gone", where, Config) == f"{tmp_path / 'c.yaml'}:2: data.path: gone"
+    assert locate("train.steps: 3", where, Config) == "command line 'train.steps=3': train.steps: 3"
+    assert locate("data.tokenizer: gone", where, Config) == "data.tokenizer: gone"  # not set: no place to name
+    assert locate("x.bin: not a token file", where, Config) == "x.bin: not a token file"  # a file, not a key
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without a CUDA device")
+def test_cuda_without_a_gpu_blames_engine_device_where_it_was_set(capsys, tmp_path: Path, ray_cluster) -> None:
+    """Not actors.num_gpus, which the user never set: in process, and on a Ray cluster with no GPU node."""
+    hf = f"model.hf={json.dumps({**TINY, 'num_hidden_layers': 2})}"
+    out = f"train.output_dir={tmp_path / 'o'}"
+    for ray in (False, True):
+        err = usage_error(capsys, DEFAULT, "engine.device=cuda", hf, out, ray=ray)
+        assert "command line 'engine.device=cuda': engine.device: cuda, but no CUDA device is visible" in err, err
+        assert "actors.num_gpus" not in err, err
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model:\n  family: llama\nengine:\n  checkpoint_interval: 1\n  device: cuda\n")
+    err = usage_error(capsys, str(cfg), hf, out)
+    assert f"{cfg}:5: engine.device: cuda, but no CUDA device" in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_ray_start_that_times_out_says_so_and_what_to_do(capsys, tmp_path: Path, monkeypatch) -> None:
+    """Ray's own start-up wait running out (a machine busy with other work): one line, exit 1, how long it
+    waited, that the machine may be overloaded, and to run again."""
+    import ray
+
+    def slow_start(**_kw):
+        raise Exception("The current node timed out during startup. This could happen because some of the raylet")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # not the session's instance: a start of its own
+    monkeypatch.setattr(ray, "init", slow_start)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the launcher would set it for the instance it starts
+    hf = f"model.hf={json.dumps({**TINY, 'num_hidden_layers': 2})}"
+    code, err = launch(capsys, DEFAULT, hf, f"train.output_dir={tmp_path / 'o'}")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "Ray did not start within 0 s (The current node timed out during startup" in err, err
+    assert "this machine may be overloaded (load average " in err and "run the command again" in err, err
+    assert not (tmp_path / "o").exists()
 
 
 def test_bad_yaml_names_file_and_line(capsys, tmp_path: Path) -> None:
