@@ -142,10 +142,13 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error("a CONFIG file is required")
     # Ctrl-C, kill(1) and a dropped SSH session (SIGHUP): finish the step, checkpoint, exit 128 + signum;
     # a second one stops at once. Restored on return, for callers that run main() in-process.
+    from megatrain.launch import console
     from megatrain.launch.stopping import StopRequest
 
     stop = StopRequest()
-    with stop.installed():
+    # The console may go while the run goes on (a pipe's reader, a closed terminal): launch/console.py. The
+    # program's own process keeps the guard to its end: Ray's shutdown and the exit's flush write after main().
+    with console.guarded(restore=not program), stop.installed():
         code = _run(args, stop, program)
         # A run that failed while its inputs were still read beside Ray's start ends only once that read has
         # (launch/inputs.py), quietly: its error is already said. A signal means "now": no wait then.
@@ -193,7 +196,7 @@ def _run(args: argparse.Namespace, stop: Any, program: bool = False) -> int:
     except KeyboardInterrupt:
         after = _continue(trainer, argv)
         print(
-            "megatrain-launch: interrupted; the run's processes and shared memory were released"
+            f"{_interrupted(stop, trainer)}; the run's processes and shared memory were released"
             + (f"; {after}" if after else ""),
             file=sys.stderr,
         )
@@ -210,6 +213,15 @@ def _run(args: argparse.Namespace, stop: Any, program: bool = False) -> int:
     except Exception as exc:  # a bug of ours: still one line, the traceback goes to error.log
         message = f"internal error: {type(exc).__name__}: {exc}"
         return _report(exc, message, trainer, after=_resumable(trainer, argv))
+
+
+def _interrupted(stop: Any, trainer: Any) -> str:
+    """What a second signal cost: the steps since the last checkpoint (launch/stopping.py)."""
+    from megatrain.launch.stopping import interrupted
+
+    loop = getattr(trainer, "loop", None)
+    last = loop.metrics[-1]["step"] if loop is not None and loop.metrics else None
+    return interrupted(stop.name, getattr(trainer, "log_dir", None), getattr(trainer, "start", 0), last)
 
 
 def _continue(trainer: Any, argv: list[str], checkpoint_only: bool = False) -> str:

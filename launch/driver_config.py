@@ -53,7 +53,12 @@ class TrainConfig:
         "its metrics, config, error.log, timeline, profiles and final weights; false "
         "refuses to start there.",
     )
-    log_every: int = opt(1, "Print a progress line every this many steps (metrics.jsonl gets every step).")
+    log_every: int | str = opt(
+        "auto",
+        "Print a plain progress line (train.progress: lines) every this many steps; auto: "
+        "about every 10 s of wall time, at an interval of 1, 2, 5, 10, 20, 50... steps "
+        "from the recent steps' pace, and the first and last step. metrics.jsonl gets every step.",
+    )
     progress: str = opt(
         "auto",
         "How progress is shown: 'bar' (a tqdm bar with step, loss, tokens/s, TFLOPS and "
@@ -138,8 +143,10 @@ class TrainConfig:
                 raise ValueError(f"train.run_id: {exc} (it names shared memory)") from None
         if not self.output_dir.strip():
             raise ValueError("train.output_dir must not be empty")
-        if self.steps < 0 or self.log_every < 1:
-            raise ValueError("train.steps must be >= 0 and train.log_every >= 1")
+        if self.steps < 0:
+            raise ValueError("train.steps must be >= 0")
+        if self.log_every != "auto" and not (isinstance(self.log_every, int) and self.log_every >= 1):
+            raise ValueError(f"train.log_every must be a number of steps >= 1 or 'auto', not {self.log_every!r}")
         if self.eval_every < 0 or self.eval_batches < 0:
             raise ValueError("train.eval_every and train.eval_batches must be >= 0")
         if self.save_every < 0 or self.save_every_minutes < 0 or self.keep_last < 0:

@@ -1,15 +1,20 @@
 """Progress of a run on the console: a tqdm bar on a terminal, plain lines elsewhere.
 
 Under `ray job submit`, CI or redirected output a bar's carriage returns become one line per refresh in
-the log, so there a plain line every train.log_every steps says the same (step, loss, tokens/s, TFLOPS on
-a GPU, ETA). While the bar is up, the run's other log lines go through it so they do not tear it.
+the log, so there a plain line says the same (step, loss, tokens/s, TFLOPS on a GPU, ETA): every
+train.log_every steps, or with `auto` about every LINE_S seconds of wall time at a round step interval, so
+that a log of a long run stays readable. While the bar is up, the run's other log lines go through it so
+they do not tear it.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import statistics
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 
 import megatrain
@@ -18,36 +23,60 @@ from megatrain import log
 # The bar with the ETA of this module in its postfix, in place of tqdm's own (tqdm's rate counts the
 # warm-up of the first step and follows every step's time, so it jumps like a last-step estimate).
 BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"  # tqdm puts ", " before a postfix
+WINDOW = 20  # the recent steps the ETA's pace is taken from
+LINE_S = 10.0  # train.log_every: auto: about this many seconds between plain lines
 
 
 class Eta:
-    """Time left: the wall time since this process's first step ended, per step since, times the steps
-    left. The first step is left out (it pays for compilation, caches and the CUDA context); evaluations
-    and checkpoints between steps are in, as they will be in the steps left. An average over every step
-    since the first does not jump from one line to the next as a single step's time does."""
+    """Time left: the pace of the last WINDOW steps (step end to step end) times the steps left. Recent steps
+    only, so it follows a change of the machine's load within about WINDOW / 2 steps; the mean of the middle
+    half of their times, so an occasional slow step (an evaluation, a checkpoint between steps) does not swing
+    it, while steps alternating fast and slow give their average. The first step of the process is never in
+    it: it pays for compilation, caches and the CUDA context."""
 
     def __init__(self, total: int, clock: Callable[[], float] = time.monotonic):
         self.total, self.clock = total, clock
-        self.since: tuple[int, float] | None = None  # (step, when) at the end of the first step
+        self.last: tuple[int, float] | None = None  # (step, when) of the latest step's end
+        self.paces: deque[float] = deque(maxlen=WINDOW)  # seconds per step between consecutive step ends
 
     def step(self, done: int) -> None:
-        if self.since is None:
-            self.since = (done, self.clock())
+        now = self.clock()
+        if self.last is not None and done > self.last[0]:
+            self.paces.append((now - self.last[1]) / (done - self.last[0]))
+        self.last = (done, now)
+
+    def pace(self) -> float:
+        """Seconds per step of late; nan while no step after the first has ended (nothing timed yet)."""
+        if not self.paces:
+            return float("nan")
+        ranked = sorted(self.paces)
+        cut = len(ranked) // 4
+        return statistics.fmean(ranked[cut : len(ranked) - cut])
 
     def seconds(self, done: int) -> float:
-        """nan while no step after the first has ended (nothing timed yet); 0 after the last."""
-        if done >= self.total:
-            return 0.0
-        if self.since is None or done <= self.since[0]:
-            return float("nan")
-        first, when = self.since
-        return (self.clock() - when) / (done - first) * (self.total - done)
+        """nan while nothing is timed yet; 0 after the last step."""
+        return 0.0 if done >= self.total else self.pace() * (self.total - done)
+
+
+def auto_every(pace: float, target_s: float = LINE_S) -> int:
+    """Steps between plain lines for about `target_s` seconds apart at `pace` seconds a step: the nearest of 1, 2, 5,
+    10, 20, 50... (round step numbers in the log); 1 while nothing is timed (nan) or a step takes longer."""
+    if not pace > 0 or pace >= target_s:
+        return 1
+    want = math.log10(target_s / pace)
+    tens = math.floor(want)
+    # the nearest in log scale of 1, 2, 5 and 10 times 10**tens
+    return min((m * 10**tens for m in (1, 2, 5, 10)), key=lambda n: abs(math.log10(n) - want))
 
 
 class Progress:
-    def __init__(self, mode: str, first: int, total: int, log_every: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self, mode: str, first: int, total: int, log_every: int | str, clock: Callable[[], float] = time.monotonic
+    ):
+        """`log_every`: steps between plain lines, or 'auto' (auto_every of the recent pace)."""
         self.first, self.total, self.log_every = first, total, log_every
         self.eta = Eta(total, clock)
+        self.next_line = first + 1  # the step of the next plain line: the first of this process is one
         self.bar = None
         if mode == "bar" or (mode == "auto" and sys.stdout.isatty()):
             from tqdm.auto import tqdm
@@ -76,11 +105,13 @@ class Progress:
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss {row['loss']:.4f} {speed} {eta}", refresh=False)
             self.bar.update(done - self.bar.n)
-        elif (done - 1) % self.log_every == 0 or done == self.total:
+        elif done >= self.next_line or done == self.total:
             log(
                 f"step {done}/{self.total} loss {row['loss']:.4f} lr {row['lr']:.2e} grad_norm {row['grad_norm']:.3f} "
                 f"{speed} {row['step_time_s']:.3f} s/step {eta}"
             )
+            every = auto_every(self.eta.pace()) if self.log_every == "auto" else int(self.log_every)
+            self.next_line = (done - 1) // every * every + every + 1  # steps 1, 1 + every, 1 + 2 every...
 
     def close(self) -> None:
         if self.bar is not None:

@@ -34,10 +34,12 @@ SMALL = [
 class Cli:
     """megatrain-launch in its own session (so a Ctrl-C can hit its whole process group)."""
 
-    def __init__(self, tmp_path: Path, *args: str, steps: int = 4, env: dict | None = None):
+    def __init__(self, tmp_path: Path, *args: str, steps: int = 4, env: dict | None = None, wrap: tuple[str, ...] = ()):
+        """`wrap`: a command that runs the launcher's (its arguments follow), e.g. a shell's pipeline."""
         self.run_id = "t" + secrets.token_hex(4)
         self.out = tmp_path / "out"
         cmd = [
+            *wrap,
             sys.executable,
             "-m",
             "megatrain.launch.cli",

@@ -12,7 +12,7 @@ from megatrain.errors import ConfigError
 from megatrain.launch.config import load_config
 from megatrain.launch.driver import Trainer
 from megatrain.launch.output import prepare_output
-from megatrain.launch.progress import Eta, Progress, clock
+from megatrain.launch.progress import WINDOW, Eta, Progress, auto_every, clock
 from tests.helpers import TINY
 
 
@@ -52,20 +52,64 @@ def test_lines_every_log_every_steps_with_tflops_and_eta(capsys) -> None:
     assert clock(3725.0) == "1:02:05" and clock(float("nan")) == "?"
 
 
-def test_eta_is_smooth_across_slow_and_fast_steps() -> None:
-    """Steps alternating 1 s and 3 s (an evaluation every other step): the ETA stays near 2 s a step left
-    instead of following each step's time (a last-step estimate would swing between 1x and 3x)."""
-    wall = FakeClock()
-    eta = Eta(100, clock=wall)
-    wall.now += 50.0
-    eta.step(1)  # a slow first step: left out
+def paced(eta: Eta, wall: FakeClock, seconds: list[float], first: int = 1) -> list[float]:
+    """Steps `first`, first + 1... ending `seconds` apart: the ETA's seconds per step left after each."""
     left = []
-    for s in range(2, 42):
-        wall.now += 1.0 if s % 2 else 3.0
-        eta.step(s)
-        left.append(eta.seconds(s) / (100 - s))
-    assert all(1.9 <= x <= 3.0 for x in left) and all(1.9 <= x <= 2.1 for x in left[10:])
-    assert eta.seconds(100) == 0.0
+    for i, took in enumerate(seconds):
+        wall.now += took
+        eta.step(first + i)
+        left.append(eta.seconds(first + i) / (eta.total - first - i))
+    return left
+
+
+def test_eta_follows_a_change_of_pace_within_the_window() -> None:
+    """50 steps at 1 s, then the machine gets busy: 3 s a step. Within WINDOW steps the ETA says 3 s a step
+    (an average over the whole run would still say 1.6 then)."""
+    wall = FakeClock()
+    eta = Eta(1000, clock=wall)
+    left = paced(eta, wall, [40.0] + [1.0] * 50 + [3.0] * 30)  # the first step's warm-up is never in it
+    assert left[0] != left[0]  # nan: nothing timed yet after the first step
+    assert all(x == 1.0 for x in left[1:51])
+    assert all(x == 3.0 for x in left[51 + WINDOW :])
+    assert min(left[51:]) >= 1.0 and left[51] < 1.5  # one slow step alone does not swing it
+
+
+def test_eta_stays_put_through_an_occasional_slow_step_and_averages_alternating_ones() -> None:
+    """A 60 s checkpoint or evaluation between 1 s steps, every 10th step: the pace stays 1 s. Steps that
+    alternate 1 s and 3 s: their average, 2 s, not one of the two."""
+    wall = FakeClock()
+    eta = Eta(1000, clock=wall)
+    left = paced(eta, wall, [40.0] + [60.0 if s % 10 == 0 else 1.0 for s in range(1, 100)])
+    assert all(x == 1.0 for x in left[1:])
+    wall = FakeClock()
+    eta = Eta(1000, clock=wall)
+    left = paced(eta, wall, [40.0] + [1.0 if s % 2 else 3.0 for s in range(1, 60)])
+    assert all(1.0 <= x <= 3.0 for x in left[1:]) and all(1.9 <= x <= 2.1 for x in left[WINDOW:])
+    assert eta.seconds(1000) == 0.0
+
+
+def test_auto_lines_come_about_every_ten_seconds_at_round_steps(capsys) -> None:
+    """train.log_every: auto: the first step, then a round interval that makes lines about LINE_S apart at the
+    recent pace (0.09 s a step: every 100 steps; 4 s: every 2), following a change of pace; and the last."""
+    assert [auto_every(p) for p in (float("nan"), 30.0, 10.0, 4.0, 1.0, 0.09, 0.06, 0.001)] == [
+        1,
+        1,
+        1,
+        2,
+        10,
+        100,
+        200,
+        10000,
+    ]
+    wall = FakeClock()
+    p = Progress("lines", 0, 1000, log_every="auto", clock=wall)
+    for s in range(1, 1001):
+        wall.now += 5.0 if s == 1 else 0.09 if s <= 500 else 4.0
+        p.step(row(s), tflops=None)
+    p.close()
+    steps = [int(line.split()[2].split("/")[0]) for line in capsys.readouterr().out.splitlines() if "step " in line]
+    assert steps[:7] == [1, 2, 101, 201, 301, 401, 501]
+    assert steps[-3:] == [997, 999, 1000] and len(steps) < 300  # 4 s a step: every 2 steps, not every one
 
 
 def test_cpu_lines_show_tokens_per_second_without_tflops(capsys) -> None:
@@ -185,6 +229,8 @@ def test_tensorboard_missing_is_a_usage_error_before_anything_starts(tmp_path, m
     "override,message",
     [
         ("train.progress=fancy", "train.progress must be 'auto', 'bar' or"),
+        ("train.log_every=0", "train.log_every must be a number of steps >= 1 or 'auto', not 0"),
+        ("train.log_every=often", "train.log_every must be a number of steps >= 1 or 'auto', not 'often'"),
         ("train.profile.actor=packer", "train.profile.actor: 'packer' is not"),
         ("train.profile.step=-1", "train.profile.step must be >= 0"),
     ],
