@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 
+from megatrain import steptime
 from megatrain.actors.base import Role, guarded
 from megatrain.adamw import OptimConfig, adamw_update
 from megatrain.errors import ProtocolError, WaitTimeout
@@ -54,6 +55,11 @@ class AdamUpdater(Role):
         parts = spec.planes + (("resident",) if spec.resident else ()) + (() if spec.clip else ("staging",))
         self.store = Store.attach(spec, parts, role=self.name)
         self.mark("attached")
+
+    def memory_bandwidth(self) -> float:
+        """This node's memory bandwidth with the updater's threads (bytes/s, megatrain/steptime.py): what its
+        pass over every parameter runs at."""
+        return steptime.memory_bytes_per_s(torch.get_num_threads())
 
     @guarded
     def step(self, step: int, lr: float, saving: bool = False) -> Applied:

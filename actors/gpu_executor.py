@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from megatrain import steptime
 from megatrain.actors.base import Role, guarded
 from megatrain.collective import HOST, Group, open_rendezvous
 from megatrain.cudahost import use_expandable_segments
@@ -107,6 +108,14 @@ class GpuExecutor(Role):
         """(free GPU memory now, after this process's CUDA context; what engine.gpu_memory_gib leaves the
         caching allocator, None without a budget): the sizes are planned for the smaller."""
         return self.gpu_free_bytes(), (self.cap.room if self.cap else None)
+
+    def step_rate(self, hidden: int, inner: int, tokens: int) -> steptime.Rate | None:
+        """The rate of a step's FLOPs on this executor's device (megatrain/steptime.py): a GPU's by its name,
+        the CPU's a matmul of the model's shape timed with this process's threads; None for a GPU without one."""
+        dtype = resolve_dtype(self.cfg, self.device)
+        if self.cuda:
+            return steptime.device_gpu_rate(self.device) if dtype == torch.bfloat16 else None
+        return steptime.cpu_rate(hidden, inner, tokens, dtype, torch.get_num_threads())
 
     def attach(self, spec: StoreSpec, cfg: EngineConfig | None = None) -> None:
         """`cfg`: the engine config with its `auto` sizes resolved (the driver chose them after this

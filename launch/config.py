@@ -26,7 +26,7 @@ from megatrain.model import (
     pretrained_config,
     resolve_hf_config,
 )
-from megatrain.weights import check_checkpoint
+from megatrain.weights import check_checkpoint, holds_weights
 
 
 @dataclass
@@ -59,9 +59,10 @@ def validate(cfg: Config, where: Where | None = None) -> None:
     validate_model(cfg, where)
 
 
-def validate_model(cfg: Config, where: Where | None = None) -> None:
+def validate_model(cfg: Config, where: Where | None = None, weights: bool = True) -> None:
     """The checks that need the family's HF config (transformers' import: seconds), and a pretrained
-    checkpoint's files. The launcher runs them beside its Ray start (launch/inputs.py)."""
+    checkpoint's files. The launcher runs them beside its Ray start (launch/inputs.py). `weights` False: a
+    pretrained directory may hold config.json alone (the plan, made before the weights are downloaded)."""
     check_hf_keys(cfg.model, where)
     _, hf = resolve_hf_config(cfg.model, where)
     check_attention(cfg.model, where)
@@ -102,7 +103,8 @@ def validate_model(cfg: Config, where: Where | None = None) -> None:
             f"{hf.num_hidden_layers} layers (model.hf.num_hidden_layers); "
             f"use at most {hf.num_hidden_layers}",
         )
-    if cfg.model.pretrained:  # every file whole, every parameter there in a layout read_unit reads, of its shape
+    if cfg.model.pretrained and (weights or holds_weights(cfg.model.pretrained)):
+        # every file whole, every parameter there in a layout read_unit reads, of its shape
         check_checkpoint(build_spec(cfg.model, cfg.optim.no_decay_1d), cfg.model.pretrained)
     check_gpu_budget(cfg, where)
 

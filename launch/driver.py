@@ -25,7 +25,7 @@ from megatrain.flops import active_params
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, resolve_stall
 from megatrain.ipc.segments import check_run_id_free
 from megatrain.ipc.shm import check_run_id
-from megatrain.launch import memplan, startup
+from megatrain.launch import memplan, startup, timeplan
 from megatrain.launch.checkpointing import Checkpointer
 from megatrain.launch.config import Config
 from megatrain.launch.crew import OWNER, Crew
@@ -215,6 +215,7 @@ class Trainer:
             f"{self.out / 'config.yaml'}):\n  " + "\n  ".join(f"{k}: {short(v)}" for k, v in changed)
         )
         self._start_actors()
+        timeplan.warn_if_long(self.crew, cfg, spec, self.executors, self.steps - self.start)
         self.evaluator = Evaluator(self.data, cfg.train.eval_batches, self.crew, cfg.train.step_timeout_s)
 
     def _start_actors(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -33,11 +34,13 @@ from megatrain.ipc.shm import (
     monitor_room,
     shm_free_bytes,
 )
-from megatrain.launch.config import Config, load_config
+from megatrain.launch import timeplan
+from megatrain.launch.config import Config, load_tree, validate_model
 from megatrain.launch.placement import demands, describe_need, per_executor, resolve_executors
 from megatrain.launch.runners import PRIVATE_THRESHOLD
 from megatrain.model import ModelSpec, build_spec
 from megatrain.moe import is_moe, num_experts
+from megatrain.weights import holds_weights
 
 GIB = 2**30
 PROCESS_BYTES = {
@@ -307,13 +310,16 @@ def suggestions(plan: MemPlan, cfg: Config) -> list[str]:
     """The settings that make a plan that does not fit need less, with what each saves (host: re-planned)."""
     tips = []
     if not plan.host_fits():
-        total = sum(plan.host.values())
+        total, least, fits = sum(plan.host.values()), _least_host(plan), False
         for setting, what, change in HOST_LEVERS:
             other = make_plan(change(cfg), plan.gpu_free, plan.cuda, plan.machine)
             saved = total - sum(other.host.values())
             if saved > 0:
                 setting = setting.replace("QUARTER", str(_quarter_layer(cfg)))
                 tips.append(f"{setting}: {what} (-{gib(saved)} of host RAM)")
+                fits, least = fits or other.host_fits(), min(least, _least_host(other))
+        if not fits:
+            tips.append(_host_needed(plan, least))
     if not plan.gpu_fits():
         tips += [
             "engine.chunk_sequences=1 (the batch through each layer one sequence at a time)",
@@ -321,10 +327,36 @@ def suggestions(plan: MemPlan, cfg: Config) -> list[str]:
             "engine.loss_chunk_tokens=1024 (smaller logits)",
             "a shorter data.seq_len",
         ]
+        least = _set(
+            cfg, "engine", chunk_sequences=1, checkpoint_interval=1, last_block_layers=1, loss_chunk_tokens=1024
+        )
+        if not make_plan(least, plan.gpu_free, plan.cuda, plan.machine).gpu_fits():
+            tips.append(
+                "none of the engine settings makes it fit this GPU, not even all of them at once: only a shorter "
+                "data.seq_len or a GPU with more memory does"
+            )
     return tips
 
 
-def render(plan: MemPlan, cfg: Config) -> str:
+def _least_host(plan: MemPlan) -> int:
+    """A plan's host need without its pinned activation checkpoints (the GPU takes those the host does not)."""
+    return sum(plan.host.values()) - plan.host.get("executor: pinned activation checkpoints", 0)
+
+
+def _host_needed(plan: MemPlan, least: int) -> str:
+    """What makes a plan fit where no setting does: the RAM of a host (all of it free) that holds `least`."""
+    m = plan.machine
+    share = m.threshold if m.threshold is not None else 1.0  # what Ray's monitor lets a run take of the RAM
+    ram = math.ceil(least / share / GIB)
+    return (
+        f"none of these makes it fit {'this machine' if not m.note else 'that host'}: the least of them needs "
+        f"{gib(least)} of host RAM, and the run may take {gib(max(m.limit, 0))}; it fits a host with "
+        f"{ram} GiB of RAM, all of it free (--host-gib {ram} plans for one)"
+    )
+
+
+def render(plan: MemPlan, cfg: Config, extra: list[str] | None = None) -> str:
+    """The plan as printed; `extra` lines (the time estimate) come before the verdict."""
     m, total = plan.machine, sum(plan.host.values())
     # per parameter where the parameters dominate (a tiny model's bytes are the processes')
     run = plan.run_pss()
@@ -357,6 +389,7 @@ def render(plan: MemPlan, cfg: Config) -> str:
         lines.append(f"  {least_gpu(plan, cfg)}")
     lines += ["", *_disk(cfg)]
     lines += ["", f"Ray: the actors ask for {plan.need}"]
+    lines += ["", *extra] if extra else []
     lines += ["", "verdict: " + ("fits" if plan.fits() else "does not fit")]
     tips = suggestions(plan, cfg)
     if tips:
@@ -410,13 +443,30 @@ def main(argv: list[str]) -> int:
         type=float,
         help="plan for a host with this much RAM, all of it free (default: this machine's available RAM and /dev/shm)",
     )
-    args = p.parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    p.add_argument(
+        "--gpu", help="the GPU the time estimate assumes: H100, A100, RTX 4090, ... (default: this machine's)"
+    )
+    p.add_argument("--gpu-tflops", type=float, help="the time estimate's GPU by its nominal dense bf16 TFLOPS instead")
+    args = p.parse_intermixed_args(argv)  # overrides may come after the flags too
+    cfg, where = load_tree(args.config, args.overrides)
+    validate_model(cfg, where, weights=False)  # planning comes before the download: config.json is enough
     free, cuda, note = _gpu(cfg, args.gpu_gib)
     plan = make_plan(cfg, free, cuda, this_host(cfg, args.host_gib))
     plan.gpu_note = note
-    print(render(plan, cfg))
+    engine, n = resolve_engine(cfg.engine, cuda), executors_of(cfg, cuda)
+    asked = timeplan.Asked(args.gpu, args.gpu_tflops, args.gpu_gib is not None, args.host_gib is not None)
+    timing = timeplan.plan_lines(cfg, engine, n, asked)
+    print(render(plan, cfg, timing + _weights_note(cfg)))
     return 0 if plan.fits() else 1
+
+
+def _weights_note(cfg: Config) -> list[str]:
+    if not cfg.model.pretrained or holds_weights(cfg.model.pretrained):
+        return []
+    return [
+        f"model.pretrained: '{cfg.model.pretrained}' holds config.json but no weights yet (model.safetensors or a "
+        "sharded index): planned from config.json; a run refuses it until the weights are there"
+    ]
 
 
 def _gpu(cfg: Config, gib_given: float | None) -> tuple[int | None, bool, str]:

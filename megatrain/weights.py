@@ -80,6 +80,13 @@ def check_checkpoint(spec: ModelSpec, directory: str | Path) -> None:
                 raise ConfigError(f"model.pretrained: {problem}")
 
 
+def holds_weights(directory: str | Path) -> bool:
+    """Whether a save_pretrained directory holds its weights (model.safetensors or a sharded index), whole
+    or not: a directory of config.json alone can be planned, not trained."""
+    root = Path(directory)
+    return (root / "model.safetensors.index.json").is_file() or (root / "model.safetensors").is_file()
+
+
 def _headers(directory: str | Path) -> dict[str, tuple[Path, dict]]:
     """Every tensor of a save_pretrained directory: (its file, its header entry), each file checked whole."""
     root = Path(directory)

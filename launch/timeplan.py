@@ -1,0 +1,223 @@
+"""How long a run would take, for `megatrain-launch plan` and for a line at the start of a run: a step's time
+and the whole run's on the machine planned for (megatrain/steptime.py), said as an estimate with how it was
+made. A run estimated at more than a day is warned of; the plan's verdict stays memory's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from megatrain import steptime
+from megatrain.engine import EngineConfig
+from megatrain.errors import ConfigError
+from megatrain.flops import active_params, model_step_flops
+from megatrain.ipc.protocol.cpus import node_cores
+from megatrain.launch.config import Config
+from megatrain.launch.placement import per_executor
+from megatrain.model import ModelSpec, build_spec
+from megatrain.moe import is_moe
+
+if TYPE_CHECKING:  # the crew imports the actors, which a plan does not need
+    from megatrain.launch.crew import Crew
+
+DAY_S = 86400.0
+
+
+@dataclass(frozen=True)
+class Basis:
+    """What a time estimate assumes: the device's rate (None: no estimate, `why` says so) and the host's
+    memory bandwidth for the Adam pass."""
+
+    rate: steptime.Rate | None
+    host_bytes_per_s: float = steptime.BENCH_HOST_BYTES_PER_S
+    host_how: str = ""
+    why: str = ""
+
+
+def executor_threads(cfg: Config, executors: int) -> int:
+    """The torch threads of a CPU-device executor (ipc/protocol/cpus.py's rule, or actors.executor_threads)."""
+    return cfg.actors.executor_threads or max(1, node_cores() // max(executors, 1))
+
+
+def mlp_shape(cfg: Config, spec: ModelSpec, executors: int) -> tuple[int, int, int]:
+    """(hidden, intermediate, tokens of an executor's batch): the matmul a CPU's rate is timed on."""
+    hf = spec.hf_config
+    inner = getattr(hf, "intermediate_size", 0) or 4 * hf.hidden_size
+    return hf.hidden_size, inner, per_executor(cfg.data.batch_size, executors) * cfg.data.seq_len
+
+
+def cpu_rate(cfg: Config, spec: ModelSpec, engine: EngineConfig, executors: int) -> steptime.Rate:
+    """This CPU's rate for the model, measured with the threads the executor would run."""
+    import torch
+
+    dtype = torch.bfloat16 if engine.compute_dtype == "bf16" else torch.float32
+    return steptime.cpu_rate(*mlp_shape(cfg, spec, executors), dtype, executor_threads(cfg, executors))
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What the plan's command line says of the machine the time is for: --gpu NAME, --gpu-tflops N, and
+    whether --gpu-gib and --host-gib plan for another machine than this one."""
+
+    gpu: str | None = None
+    tflops: float | None = None
+    gpu_gib: bool = False
+    host_gib: bool = False
+
+
+def asked_gpu_rate(asked: Asked) -> steptime.Rate:
+    """--gpu NAME (a GPU the table knows) or --gpu-tflops N (its nominal dense bf16 rate)."""
+    if asked.tflops is not None:
+        if asked.tflops <= 0:
+            raise ConfigError(f"--gpu-tflops {asked.tflops:g}: a GPU's TFLOPS must be > 0")
+        eff = steptime.GPU_EFFICIENCY
+        return steptime.Rate(
+            asked.tflops * 1e12 * eff,
+            f"--gpu-tflops {asked.tflops:g} (nominal dense bf16) x {eff:.0%}, MegaTrain's share of it in BENCHMARKS.md",
+        )
+    rate = steptime.gpu_rate(asked.gpu or "")
+    if rate is None:
+        known = ", ".join(label for label, _, _ in steptime.GPUS)
+        raise ConfigError(
+            f"--gpu '{asked.gpu}': not a GPU the plan knows ({known}); give its nominal dense bf16 rate with "
+            "--gpu-tflops N instead"
+        )
+    return rate
+
+
+def gpu_rate(engine: EngineConfig, asked: Asked) -> tuple[steptime.Rate | None, str]:
+    """The GPU's rate for a plan: --gpu's or --gpu-tflops', else this machine's GPU's; (None, why) where none
+    is known."""
+    if engine.compute_dtype != "bf16":
+        return None, f"the GPU rates are bf16's, and engine.compute_dtype is {engine.compute_dtype}"
+    if asked.gpu is not None or asked.tflops is not None:
+        return asked_gpu_rate(asked), ""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, (
+            "the plan knows the GPU's memory, not its speed: name it with --gpu NAME (H100, A100, RTX 4090, ...) "
+            "or give its nominal dense bf16 rate with --gpu-tflops N"
+        )
+    rate = steptime.device_gpu_rate(0)
+    if rate is None:
+        return None, f"{torch.cuda.get_device_name(0)} has no known bf16 rate: --gpu-tflops N gives it"
+    if asked.gpu_gib:  # another GPU's memory, without its name: the time is this machine's GPU's, said so
+        rate = steptime.Rate(rate.flops_per_s, f"{rate.how} (this machine's GPU; --gpu NAME for another)")
+    return rate, ""
+
+
+def plan_basis(cfg: Config, spec: ModelSpec, engine: EngineConfig, executors: int, asked: Asked) -> Basis:
+    """What the plan's time assumes: the planned device (this CPU measured, a GPU by --gpu or this machine's),
+    and this host's measured memory bandwidth, or, planning a GPU for a host of --host-gib, the bandwidth
+    of BENCHMARKS.md's GPU hosts."""
+    cuda = engine.device == "cuda"
+    if (asked.gpu is not None or asked.tflops is not None) and not cuda:
+        raise ConfigError(
+            "--gpu and --gpu-tflops name the GPU the time assumes, but the plan is for the CPU device: add --gpu-gib N"
+        )
+    rate, why = gpu_rate(engine, asked) if cuda else (cpu_rate(cfg, spec, engine, executors), "")
+    if cuda and asked.host_gib:
+        bench = steptime.BENCH_HOST_BYTES_PER_S
+        return Basis(rate, bench, f"{bench / 1e9:.0f} GB/s, BENCHMARKS.md's 16-core GPU hosts (--host-gib)", why)
+    threads = cfg.actors.adam_threads or node_cores()
+    bandwidth = steptime.memory_bytes_per_s(threads)
+    how = f"{bandwidth / 1e9:.0f} GB/s, this host's memory bandwidth (a copy timed with {threads} threads)"
+    return Basis(rate, bandwidth, how, why)
+
+
+def evaluation_flops(cfg: Config, spec: ModelSpec, steps: int) -> float | None:
+    """The evaluations' FLOPs over the run (a forward: a third of a step's per batch); 0 without evaluation
+    data, None where their size is the held-out set's, which the plan does not read."""
+    d, t = cfg.data, cfg.train
+    if not (d.kind == "arithmetic" or d.eval_path or d.eval_fraction > 0):
+        return 0.0
+    at = {s for s in range(t.eval_every, steps + 1, t.eval_every)} if t.eval_every else set()
+    count = len(at | ({steps} if t.final_eval else set()))
+    batches = t.eval_batches or (8 if d.kind == "arithmetic" else 0)
+    if count and not batches:
+        return None
+    return count * batches * model_step_flops(spec, d.batch_size, d.seq_len) / 3
+
+
+def estimate(cfg: Config, spec: ModelSpec, basis: Basis, executors: int, steps: int) -> steptime.Estimate | None:
+    """`steps` steps (and the evaluations among them) of the run on `basis`'s machine; None without a rate."""
+    if basis.rate is None:
+        return None
+    rate = basis.rate
+    if is_moe(spec.hf_config):  # routing, the experts' smaller matmuls (BENCHMARKS.md)
+        rate = steptime.Rate(rate.flops_per_s * steptime.MOE_FACTOR, rate.how, rate.cpu)
+    flops = model_step_flops(spec, cfg.data.batch_size, cfg.data.seq_len) / executors
+    evals = evaluation_flops(cfg, spec, steps)
+    return steptime.step_estimate(
+        flops,
+        spec.layout.num_params,
+        len(spec.layout.units),
+        rate,
+        basis.host_bytes_per_s,
+        steps,
+        None if evals is None else evals / executors,
+    )
+
+
+def plan_lines(cfg: Config, engine: EngineConfig, executors: int, asked: Asked) -> list[str]:
+    """The plan's time section for the machine planned for."""
+    spec = build_spec(cfg.model, cfg.optim.no_decay_1d)
+    return lines(cfg, spec, plan_basis(cfg, spec, engine, executors, asked), executors)
+
+
+def lines(cfg: Config, spec: ModelSpec, basis: Basis, executors: int) -> list[str]:
+    """The plan's time section."""
+    d, steps = cfg.data, cfg.train.steps
+    est = estimate(cfg, spec, basis, executors, steps)
+    if est is None or basis.rate is None:
+        return [f"time: no estimate: {basis.why}"]
+    head = f"time (an estimate): {steptime.duration(est.step_s)} a step; train.steps {steps:,}: "
+    head += steptime.duration(steps * est.step_s)
+    if est.eval_s is None:
+        head += ", evaluation not counted (train.eval_batches 0: the whole held-out set, which the plan does not read)"
+    elif est.eval_s:
+        head += f", evaluation {steptime.duration(est.eval_s)} more"
+    if d.epochs:
+        head += f" (data.epochs {d.epochs} sets the steps from the data's size instead)"
+    moe = f"; x {steptime.MOE_FACTOR} for a mixture of experts" if is_moe(spec.hf_config) else ""
+    out = [
+        head,
+        f"  compute: {model_step_flops(spec, d.batch_size, d.seq_len):.3g} useful FLOPs a step (6·N·D + 12·L·H·S·D, "
+        f"N = {active_params(spec) / 1e6:,.1f}M active parameters) in {steptime.duration(est.compute_s)}"
+        + (f" on each of {executors} executors" if executors > 1 else ""),
+        f"    at {basis.rate.how}{moe}",
+        f"  the CPU Adam pass: {steptime.ADAM_BYTES_PER_PARAM} bytes per parameter at {basis.host_how}: "
+        f"{steptime.duration(est.adam_s)} a step"
+        + (", beside the compute on the same cores" if basis.rate.cpu else ", a floor once the backward ends"),
+    ]
+    if est.total_s > DAY_S:
+        out.append(f"  WARNING: {long_run(est)}")
+    return out
+
+
+def long_run(est: steptime.Estimate) -> str:
+    """The words of the warning for a run estimated at more than a day."""
+    return (
+        f"the whole run ({est.steps:,} steps at {steptime.duration(est.step_s)}) would take about "
+        f"{steptime.duration(est.total_s)}, more than a day: a smaller model, batch or train.steps, or a faster device"
+    )
+
+
+def warn_if_long(crew: Crew, cfg: Config, spec: ModelSpec, executors: int, steps: int) -> None:
+    """At a run's start: a warning line when its `steps` left are estimated at more than a day, on the rate
+    the executor finds for its device and the bandwidth the Adam updater measures on the store's node."""
+    from megatrain import log
+    from megatrain.actors.adam_updater import AdamUpdater
+    from megatrain.actors.gpu_executor import GpuExecutor
+
+    shape = mlp_shape(cfg, spec, executors)
+    rate = crew.call_one(crew.named("gpu-executor")[0], GpuExecutor.step_rate, *shape)
+    bandwidth = crew.call_one("adam-updater", AdamUpdater.memory_bandwidth)
+    est = estimate(cfg, spec, Basis(rate, bandwidth), executors, steps)
+    if est is not None and rate is not None and est.total_s > DAY_S:
+        flops = model_step_flops(spec, cfg.data.batch_size, cfg.data.seq_len)
+        log(
+            f"warning: {long_run(est)} (an estimate from {flops:.3g} FLOPs a step at {rate.how}; the CPU Adam "
+            f"pass at {bandwidth / 1e9:.0f} GB/s; `megatrain-launch plan` shows it)"
+        )
