@@ -3,16 +3,19 @@ token in ~/.ray/auth_token, `ray start` turns token authentication on wherever i
 HOME of its own (its ~/.ray/auth_token), so the user's token is neither read nor written.
 
 `ray job submit` end to end, against a head with the job server that this module starts the way the README
-says (its own temp dir and ports) and ends by pid: a run that succeeds with its logs and metrics, a run
-stopped by `ray job stop` (STOPPED, a checkpoint, nothing left), and a cluster too small for the run (a
-message per role). Joining the head with --address from a shell that exported nothing; a refused token in
-one line; a local run with no token warning."""
+says (its own temp dir and ports) and ends by pid: a run that succeeds with its logs and metrics; a run
+stopped by `ray job stop` (STOPPED, a checkpoint, nothing left), resumed by the entrypoint its log gives,
+stopped again and resumed by that same entrypoint, ending bit for bit where the uninterrupted run ended; and a
+cluster too small for the run (a message per role). Joining the head with --address from a shell that exported
+nothing; a refused token in one line; a local run with no token warning."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import socket
@@ -20,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,6 +35,7 @@ pytestmark = pytest.mark.slow
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
 LAUNCH = [sys.executable, "-m", "megatrain.launch.cli"]
 SMALL = ["model.hf.hidden_size=32", "model.hf.intermediate_size=64", "data.seq_len=32", "data.batch_size=2"]
+STEPS = 400  # long enough for two `ray job stop`s (each a few seconds) before the run ends
 RECIPE = {"RAY_AUTH_MODE": "token"}  # the README's `export RAY_AUTH_MODE=token` before `ray start` and `ray job`
 
 
@@ -164,41 +169,70 @@ def wait_for(predicate, seconds: float, what: str) -> None:
         time.sleep(0.5)
 
 
-def test_submit_logs_stop_and_a_cluster_too_small(job_head: tuple[str, str], home: Path, tmp_path: Path) -> None:
+def steps_in(out: Path) -> list[int]:
+    metrics = out / "metrics.jsonl"
+    return [json.loads(r)["step"] for r in metrics.read_text().splitlines()] if metrics.is_file() else []
+
+
+def losses(out: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+
+def stop_job(home: Path, head: str, sid: str, out: Callable[[], Path | None], after: int) -> str:
+    """`ray job stop` once the job's run has recorded a step after `after`: STOPPED, a checkpoint, nothing of the
+    run left. Returns the job's log."""
+
+    def going() -> bool:
+        o = out()
+        if o is not None and max(steps_in(o), default=0) >= after + 2:
+            return True
+        state = status(home, head, sid)
+        assert state in ("PENDING", "RUNNING"), f"{sid} {state}:\n" + jobs(home, head, "logs", sid).stdout[-3000:]
+        return False
+
+    wait_for(going, 240, f"{sid}'s steps")
+    assert jobs(home, head, "stop", sid).returncode == 0
+    wait_for(lambda: status(home, head, sid) == "STOPPED", 120, f"{sid} STOPPED")
+    logs = jobs(home, head, "logs", sid).stdout
+    assert "stopped by SIGTERM" in logs and (out() / "checkpoints" / "latest").exists(), logs[-3000:]
+    run = re.search(r"run (\w+); output directory", logs)
+    assert run, logs[-3000:]
+    wait_for(lambda: not run_leftovers(run[1]), 30, "the stopped run's shared memory to go")
+    return logs
+
+
+def test_submit_logs_stop_resume_and_a_cluster_too_small(job_head: tuple[str, str], home: Path, tmp_path: Path):
     head, _ = job_head
     root = tmp_path / "runs"
+    steps = f"train.steps={STEPS}"
     # A run that succeeds: a relative output_dir lands under MEGATRAIN_OUTPUT_ROOT, not in Ray's package cache.
-    done = submit(home, head, "mtok", root, "train.steps=4", "train.run_id=jobok", "train.output_dir=out/{run_id}")
+    done = submit(home, head, "mtok", root, steps, "train.run_id=jobok", "train.output_dir=out/{run_id}")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert status(home, head, "mtok") == "SUCCEEDED"
     logs = jobs(home, head, "logs", "mtok").stdout
-    assert f"output directory {root / 'out' / 'jobok'}" in logs and "done, 4 steps" in logs
+    assert f"output directory {root / 'out' / 'jobok'}" in logs and f"done, {STEPS} steps" in logs
     assert "ETA" in logs and "\r" not in logs  # plain lines under a job, not a bar
-    rows = (root / "out" / "jobok" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(r)["step"] for r in rows] == [1, 2, 3, 4]
+    assert steps_in(root / "out" / "jobok") == list(range(1, STEPS + 1))
 
-    # `ray job stop`: the step in flight finishes, a checkpoint is written, nothing of the run is left.
-    out = root / "out" / "jobstop"
-    submit(
-        home,
-        head,
-        "mtstop",
-        root,
-        "train.steps=100000",
-        "train.run_id=jobstop",
-        "train.output_dir=out/{run_id}",
-        wait=False,
-    )
-    wait_for(
-        lambda: (out / "metrics.jsonl").is_file() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2,
-        120,
-        "the stopped run's first steps",
-    )
-    assert jobs(home, head, "stop", "mtstop").returncode == 0
-    wait_for(lambda: status(home, head, "mtstop") == "STOPPED", 120, "STOPPED")
-    assert (out / "checkpoints" / "latest").exists()
-    assert "stopped by SIGTERM" in jobs(home, head, "logs", "mtstop").stdout
-    wait_for(lambda: not run_leftovers("jobstop"), 30, "the stopped run's shared memory to go")
+    # `ray job stop` of a job in the default output directory, a new runs/<run_id> on every launch: its log ends
+    # with the entrypoint that resumes it, which names that directory.
+    submit(home, head, "mtstop", root, steps, wait=False)
+    logs = stop_job(home, head, "mtstop", lambda: next((p.parent for p in root.glob("runs/*/metrics.jsonl")), None), 0)
+    (out,) = (root / "runs").iterdir()
+    entrypoint = re.search(r"to resume from it, submit the job again with the entrypoint: (.*)$", logs, re.M)
+    assert entrypoint, logs[-3000:]
+    command = shlex.split(entrypoint[1])
+    assert command == ["megatrain-launch", "default.yaml", steps, f"train.output_dir={out}"], command
+    # That entrypoint, stopped again: now the same command resumes (its output directory is fixed) ...
+    submit(home, head, "mtresume", root, *command[2:], wait=False)  # submit() gives default.yaml
+    logs = stop_job(home, head, "mtresume", lambda: out, max(steps_in(out)))
+    assert "the same command resumes from it" in logs, logs[-3000:]
+    # ... and submitting it once more ends where the uninterrupted run ended, bit for bit.
+    again = submit(home, head, "mtagain", root, *command[2:])
+    assert again.returncode == 0 and status(home, head, "mtagain") == "SUCCEEDED", again.stdout[-3000:]
+    assert "resuming from" in jobs(home, head, "logs", "mtagain").stdout
+    assert losses(out) == losses(root / "out" / "jobok")
+    assert list((root / "runs").iterdir()) == [out]
 
     # A cluster with fewer CPUs than the actors ask for: the job fails naming each role's need.
     small = submit(
