@@ -215,6 +215,9 @@ def pretrained_config(cfg: ModelConfig) -> tuple[str, dict]:
     family, base = cfg.family, {}
     if cfg.pretrained:
         path = Path(cfg.pretrained) / "config.json"
+        if not Path(cfg.pretrained).is_dir():
+            what = "is not a directory" if Path(cfg.pretrained).exists() else "does not exist"
+            raise ConfigError(f"model.pretrained: '{cfg.pretrained}' {what} (expected a save_pretrained directory)")
         if not path.is_file():
             raise ConfigError(
                 f"model.pretrained: '{cfg.pretrained}' has no config.json (expected a save_pretrained directory)"

@@ -62,7 +62,7 @@ def usage_error(capsys, *argv: str, ray: bool = False) -> str:
         ),
         (
             ["model.pretrained=/nonexistent/model"],
-            ["command line 'model.pretrained=/nonexistent/model': model.pretrained: '/nonexistent/model'"],
+            ["command line 'model.pretrained=/nonexistent/model': model.pretrained: '/nonexistent/model' does not"],
         ),
         (
             ["data.kind=tokens", "data.path=/nonexistent/t.bin"],
@@ -88,7 +88,7 @@ def test_a_missing_file_names_the_line_that_set_its_key(capsys, tmp_path: Path) 
     cfg = tmp_path / "c.yaml"
     cfg.write_text("model:\n  family: llama\n  pretrained: /nonexistent/model\n")
     err = usage_error(capsys, str(cfg))
-    assert f"{cfg}:3: model.pretrained: '/nonexistent/model'" in err, err
+    assert f"{cfg}:3: model.pretrained: '/nonexistent/model' does not exist" in err, err
     cfg.write_text("data:\n  kind: tokens\n  path: /nonexistent/t.bin\n")
     err = usage_error(capsys, str(cfg))
     assert f"{cfg}:3: data.path: file '/nonexistent/t.bin' does not exist" in err, err
