@@ -187,7 +187,7 @@ def _run(args: argparse.Namespace, stop: Any, program: bool = False) -> int:
         if summary.get("stopped_by"):
             print(
                 f"megatrain-launch: stopped by {summary['stopped_by']} after step {summary['last_step']}; "
-                + _continue(trainer, argv),
+                + (_continue(trainer, argv) or "no checkpoint written"),
                 file=sys.stderr,
             )
             return 128 + stop.signum

@@ -34,8 +34,9 @@ def resume_command(argv: list[str], train: Any, out: Path) -> str:
 
 
 def how_to_continue(argv: list[str], train: Any, out: Path, checkpoint_only: bool = False) -> str:
-    """What running again does for a run whose output directory `out` holds its files, on one line; '' when
-    `checkpoint_only` and there is no checkpoint to resume from."""
+    """What running again does for a run whose output directory `out` holds its files, on one line; '' where
+    there is nothing to say: no checkpoint, and (`checkpoint_only`, or a new directory on every launch) no
+    refusal ahead."""
     latest = ckpt.latest(out / "checkpoints")
     if latest is not None:
         if fixed_output(train) and train.resume == "auto":
@@ -46,7 +47,7 @@ def how_to_continue(argv: list[str], train: Any, out: Path, checkpoint_only: boo
         return ""
     if fixed_output(train) and (out / "metrics.jsonl").is_file():
         return (
-            f"no checkpoint written: nothing to resume; train.overwrite=true starts over in {out}, or choose another "
+            f"no checkpoint to resume from: train.overwrite=true starts over in {out}, or choose another "
             "train.output_dir"
         )
-    return "no checkpoint written"
+    return ""

@@ -112,7 +112,7 @@ def test_a_run_stopped_before_its_first_checkpoint_is_refused_by_name_and_starte
     capsys.readouterr()
     assert cli.main(args) == 128 + signal.SIGTERM
     line = last_line(capsys)
-    assert f"no checkpoint written: nothing to resume; train.overwrite=true starts over in {out}" in line, line
+    assert f"no checkpoint to resume from: train.overwrite=true starts over in {out}, or choose" in line, line
     stopped = losses(out)[-1][0]
     assert cli.main(args) == 2  # the same command: refused, saying why and what to do
     line = last_line(capsys)
