@@ -225,7 +225,8 @@ def test_a_checkpoint_without_an_expert_is_refused_in_one_line(
     args = import_args(src, tmp_path / "run")
     assert cli.main(args) == 2
     err = capsys.readouterr().err
-    assert err == f"megatrain-launch: error: model.pretrained: {words}\n", err
+    # the line names where model.pretrained was set (here: the command line), then the tensor
+    assert err == f"megatrain-launch: error: command line 'model.pretrained={src}': model.pretrained: {words}\n", err
     assert not (tmp_path / "run").exists()
     # the store owner's reader names it too, should the files change after the check
     spec = build_spec(ModelConfig(family=family, pretrained=str(src)))
