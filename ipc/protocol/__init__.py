@@ -49,34 +49,36 @@ Memory ordering: slabs, squared norms and the grads plane change hands through P
 synchronize memory (XBD 4.12); version counters are published and read with explicit fences (fence.py).
 """
 
-from megatrain.ipc.protocol.plan import (
-    PLANES,
-    STAGING,
-    IpcConfig,
-    Item,
-    StoreSpec,
-    blocks,
-    checkpoint_host_bytes,
-    fetch_order,
-    forward_order,
-    grad_order,
-    plan_store,
-    resolve_stall,
-)
-from megatrain.ipc.protocol.store import Store
+from __future__ import annotations
 
-__all__ = [
-    "PLANES",
-    "STAGING",
-    "IpcConfig",
-    "Item",
-    "Store",
-    "StoreSpec",
-    "blocks",
-    "checkpoint_host_bytes",
-    "fetch_order",
-    "forward_order",
-    "grad_order",
-    "plan_store",
-    "resolve_stall",
-]
+import importlib
+from typing import Any
+
+# Loaded on first use: plan.py and store.py import torch and numba, which `megatrain-launch status` (it
+# reads protocol/status.py and protocol/ctl.py alone) and the config tree must not wait for.
+_FROM = {"Store": "store"} | {
+    name: "plan"
+    for name in (
+        "PLANES",
+        "STAGING",
+        "IpcConfig",
+        "Item",
+        "StoreSpec",
+        "blocks",
+        "checkpoint_host_bytes",
+        "fetch_order",
+        "forward_order",
+        "grad_order",
+        "plan_store",
+        "resolve_stall",
+    )
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _FROM:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_FROM[name]}"), name)
+
+
+__all__ = sorted(_FROM)

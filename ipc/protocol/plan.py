@@ -12,24 +12,19 @@ from typing import NamedTuple
 import torch
 
 from megatrain.activations import host_checkpoints
+from megatrain.blocks import blocks
 from megatrain.configbase import opt
-from megatrain.engine import EngineConfig, blocks, fixed_sizes, resolve_dtype
+from megatrain.engine import EngineConfig, fixed_sizes, resolve_dtype
 from megatrain.errors import ConfigError, ProtocolError, ResourceError
 from megatrain.flops import model_step_flops
 from megatrain.ipc.protocol.cpus import Threads
-from megatrain.ipc.shm import CTL_PIDS_OFFSET, MAX_PIDS, check_space, sem_name
+from megatrain.ipc.protocol.ctl import CTL_FIXED
+from megatrain.ipc.shm import MAX_PIDS, check_space, sem_name
 from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
 from megatrain.model import ModelSpec
 
 PLANES = ("params", "exp_avg", "exp_avg_sq", "grads")  # "grads": clipping in slabs mode (see grads_in_resident)
 STAGING = {"bf16": (torch.bfloat16, 2), "fp32": (torch.float32, 4)}
-REASON_BYTES = 1024
-ROLE_BYTES = 128  # per role: heartbeat, progress, calls in flight, waits in flight, what it waits on
-ROLE_TABLE_OFFSET = CTL_PIDS_OFFSET + 8 * MAX_PIDS + REASON_BYTES
-# About the run, as JSON (role names by slot, pieces, model, output directory, steps): what
-# `megatrain-launch status` needs to read a run from its control segment alone, without its StoreSpec.
-ABOUT_OFFSET, ABOUT_BYTES = ROLE_TABLE_OFFSET + ROLE_BYTES * MAX_PIDS, 4096
-CTL_FIXED = ABOUT_OFFSET + ABOUT_BYTES
 
 
 @dataclass

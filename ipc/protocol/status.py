@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatrain.ipc.procs import pid_alive, running
-from megatrain.ipc.protocol.plan import ABOUT_BYTES, ABOUT_OFFSET, CTL_FIXED, ROLE_BYTES, ROLE_TABLE_OFFSET
-from megatrain.ipc.protocol.store import BEAT, CALLS, PROGRESS, WAIT_SINCE, WAITS, WHAT_BYTES, WHAT_OFFSET
+from megatrain.ipc.protocol import ctl
 from megatrain.ipc.segments import LIVE, Found, found
 from megatrain.ipc.shm import (
     CTL_PIDS_OFFSET,
@@ -79,7 +78,7 @@ def read_run(run_id: str, shm_dir: str = "/dev/shm") -> RunStatus | None:
         size = os.stat(os.path.join(shm_dir, f"{PREFIX}{run_id}-ctl")).st_size
     except OSError:
         return None
-    raw = read_ctl(run_id, 0, size, shm_dir) if size >= HEADER_BYTES + CTL_FIXED else None
+    raw = read_ctl(run_id, 0, size, shm_dir) if size >= HEADER_BYTES + ctl.CTL_FIXED else None
     if raw is None:
         return None
     try:
@@ -91,8 +90,8 @@ def read_run(run_id: str, shm_dir: str = "/dev/shm") -> RunStatus | None:
     data = raw[HEADER_BYTES:]
     about = _about(data)
     pieces = int(about.get("pieces", 0))
-    versions = np.frombuffer(data, np.int64, pieces, CTL_FIXED) if pieces else np.zeros(1, np.int64)
-    reason = data[CTL_PIDS_OFFSET + 8 * MAX_PIDS : ROLE_TABLE_OFFSET].rstrip(b"\0").decode(errors="replace")
+    versions = np.frombuffer(data, np.int64, pieces, ctl.CTL_FIXED) if pieces else np.zeros(1, np.int64)
+    reason = data[CTL_PIDS_OFFSET + 8 * MAX_PIDS : ctl.ROLE_TABLE_OFFSET].rstrip(b"\0").decode(errors="replace")
     flags = np.frombuffer(data, np.int64, 1, 0)
     status = RunStatus(run_id, hdr.owner_pid, about, int(versions.min()), 0, aborted=reason if flags[0] else "")
     status.actors = _actors(data, about.get("roles", []), seg_name(run_id, ""))
@@ -100,7 +99,7 @@ def read_run(run_id: str, shm_dir: str = "/dev/shm") -> RunStatus | None:
 
 
 def _about(data: bytes) -> dict:
-    blob = data[ABOUT_OFFSET : ABOUT_OFFSET + ABOUT_BYTES].rstrip(b"\0")
+    blob = data[ctl.ABOUT_OFFSET : ctl.ABOUT_OFFSET + ctl.ABOUT_BYTES].rstrip(b"\0")
     try:
         return json.loads(blob) if blob else {}
     except ValueError:
@@ -113,21 +112,23 @@ def _actors(data: bytes, roles: list[str], prefix: str) -> list[Actor]:
     for slot, role in enumerate(roles[:MAX_PIDS]):
         if pids[slot] <= 0:
             continue  # never attached (a packer of a resident run, the writer of a run that saves nothing)
-        off = ROLE_TABLE_OFFSET + slot * ROLE_BYTES
+        off = ctl.ROLE_TABLE_OFFSET + slot * ctl.ROLE_BYTES
         words = np.frombuffer(data, np.float64, 5, off)
-        what = data[off + WHAT_OFFSET : off + WHAT_OFFSET + WHAT_BYTES].rstrip(b"\0").decode(errors="replace")
-        if words[WAITS] > 0:
-            state, since = "waiting", now - words[WAIT_SINCE]
-        elif words[CALLS] > 0:
-            state, since = "working", now - words[PROGRESS]
+        what = (
+            data[off + ctl.WHAT_OFFSET : off + ctl.WHAT_OFFSET + ctl.WHAT_BYTES].rstrip(b"\0").decode(errors="replace")
+        )
+        if words[ctl.WAITS] > 0:
+            state, since = "waiting", now - words[ctl.WAIT_SINCE]
+        elif words[ctl.CALLS] > 0:
+            state, since = "working", now - words[ctl.PROGRESS]
         else:
-            state, since = "idle", now - words[PROGRESS]
+            state, since = "idle", now - words[ctl.PROGRESS]
         out.append(
             Actor(
                 role,
                 pids[slot],
                 running(pids[slot]),
-                now - words[BEAT],
+                now - words[ctl.BEAT],
                 state,
                 what if state == "waiting" else "",
                 since,

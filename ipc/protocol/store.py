@@ -15,17 +15,23 @@ import posix_ipc
 import torch
 
 from megatrain.errors import AbortError, ProtocolError, ResourceError, WaitTimeout
-from megatrain.ipc.protocol.fence import load, publish, publish_all, reached
-from megatrain.ipc.protocol.plan import (
+from megatrain.ipc.protocol.ctl import (
     ABOUT_BYTES,
     ABOUT_OFFSET,
+    BEAT,
+    CALLS,
     CTL_FIXED,
+    PROGRESS,
     REASON_BYTES,
     ROLE_BYTES,
     ROLE_TABLE_OFFSET,
-    STAGING,
-    StoreSpec,
+    WAIT_SINCE,
+    WAITS,
+    WHAT_BYTES,
+    WHAT_OFFSET,
 )
+from megatrain.ipc.protocol.fence import load, publish, publish_all, reached
+from megatrain.ipc.protocol.plan import STAGING, StoreSpec
 from megatrain.ipc.segments import classify
 from megatrain.ipc.shm import (
     CTL_PIDS_OFFSET,
@@ -38,9 +44,6 @@ from megatrain.ipc.shm import (
     seg_name,
 )
 
-# Role table row (float64/int64 words, then bytes): what the stall monitor reads.
-BEAT, PROGRESS, CALLS, WAITS, WAIT_SINCE = range(5)  # words 0-4
-WHAT_OFFSET, WHAT_BYTES = 48, ROLE_BYTES - 48
 BEAT_S = 1.0
 # A counter wait sleeps in naps that grow from NAP_MIN_S to NAP_MAX_S: a published version is seen
 # within about NAP_MAX_S plus the scheduler's wake-up (bench/wake.py measures it), at a cost of a few
