@@ -17,6 +17,7 @@ import runpy
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -38,11 +39,10 @@ SECTIONS = "model|data|optim|engine|ipc|actors|train|launch"
 # (megatrain.launch.fidelity) or a path (tests/test_data.py).
 KEY = re.compile(rf"(?<![\w./-])(?:{SECTIONS})\.[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*(?![\w/])")
 FILE_SUFFIXES = (".json", ".jsonl", ".py", ".yaml", ".md", ".png", ".npy", ".bin")
-# Documented before its code lands (another change in progress): the command is skipped while absent.
-PENDING = {
-    "tokenizer": lambda: importlib.util.find_spec("megatrain.launch.tokenizer_cmd") is not None,
-    "--official-src": lambda: "--official-src" in script_help("bench/run.py"),
-}
+# Documented before its code lands: a command naming one of these (a subcommand, a flag) is skipped while the
+# check says it is not built. An entry that is built, or that no documented command names, fails
+# test_every_pending_entry_still_skips_something: the list cannot hold dead entries.
+PENDING: dict[str, Callable[[], bool]] = {}
 
 
 def text(path: Path) -> str:
@@ -266,10 +266,21 @@ def config_file(name: str, cwd: Path, tmp: Path) -> Path | None:
     return None
 
 
+def skip_pending(argv: list[str]) -> None:
+    for name, built in PENDING.items():
+        if name in argv and not built():
+            pytest.skip(f"{name} is documented but not built yet")
+
+
+def test_every_pending_entry_still_skips_something() -> None:
+    named = {a for _, argv in documented_commands() for a in argv}
+    dead = [name for name, built in PENDING.items() if built() or name not in named]
+    assert not dead, f"PENDING entries that skip nothing (built, or no documented command names them): {dead}"
+
+
 def check_launch(argv: list[str], cwd: Path, tmp: Path, request: pytest.FixtureRequest) -> None:
     sub = argv[1] if len(argv) > 1 and argv[1] in SUBCOMMANDS else None
-    if sub == "tokenizer" and not PENDING["tokenizer"]():
-        pytest.skip("megatrain-launch tokenizer is documented but not built yet (launch/tokenizer_cmd.py)")
+    skip_pending(argv)
     helptext = launch_help(sub)
     missing = [f for f in flags(argv) if not in_help(f, helptext)]
     assert not missing, f"flags not in `megatrain-launch {sub or ''} --help`: {missing}"
@@ -310,8 +321,7 @@ def check_python(argv: list[str]) -> None:
         assert importlib.util.find_spec(script), f"no module {script}"
     else:
         assert (ROOT / script).is_file(), f"no file {script}"
-    if "--official-src" in argv and not PENDING["--official-src"]():
-        pytest.skip("bench/run.py --official-src is documented but not built yet")
+    skip_pending(argv)
     helptext = script_help(script)
     missing = [f for f in flags(argv) if not in_help(f, helptext)]
     assert not missing, f"flags not in `python {script} --help`: {missing}"
@@ -379,8 +389,6 @@ def test_the_command_scan_finds_the_commands() -> None:
 def test_the_readme_recipe_trains_and_exports(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, rid: str) -> None:
     """The README's own-model recipe as written (its YAML, its five commands), on generated text, with the model
     made tiny and two steps in-process so that it runs in seconds: tokenizer, plan, train, export, load."""
-    if not PENDING["tokenizer"]():
-        pytest.skip("megatrain-launch tokenizer is documented but not built yet (launch/tokenizer_cmd.py)")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     readme = ROOT / "README.md"
@@ -462,6 +470,8 @@ def test_no_history_or_outside_paths(path: Path) -> None:
         "a path outside the repository": r"(\.\./|/work/|/home/)",
         "the development tools": r"device tool|make-bundle|lent machine",
     }
+    if path.name == "correctness.md":  # the record of GPU runs names the date and commit each ran on
+        t = t.replace(block(path, "gpu-runs"), "")
     if not bench:
         rules |= {"a date": r"\b20\d\d-\d\d-\d\d\b", "a commit": r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"}
     found = [f"{what}: {m.group(0)!r}" for what, rx in rules.items() for m in re.finditer(rx, t, re.I)]
@@ -471,3 +481,21 @@ def test_no_history_or_outside_paths(path: Path) -> None:
 @pytest.mark.parametrize("name", ["README.md", "BENCHMARKS.md"])
 def test_at_most_300_lines(name: str) -> None:
     assert len(text(ROOT / name).splitlines()) <= 300, f"{name} is over 300 lines: the rest belongs in docs/"
+
+
+def cuda_test_files() -> set[str]:
+    """tests/*_cuda.py, and every other test file with a test marked cuda."""
+    files = set((ROOT / "tests").glob("test_*_cuda.py"))
+    marked = re.compile(r"^pytestmark = .*(NEEDS_CUDA|mark\.cuda\b)|^\s*@pytest\.mark\.cuda\b", re.M)
+    files |= {f for f in (ROOT / "tests").glob("test_*.py") if marked.search(f.read_text())}
+    return {f"tests/{f.name}" for f in files}
+
+
+def test_every_cuda_test_file_has_a_row_of_its_last_gpu_run() -> None:
+    rows = re.findall(r"^\| `(tests/[\w.]+)`", block(ROOT / "docs" / "correctness.md", "gpu-runs"), re.M)
+    files = cuda_test_files()
+    assert "tests/test_engine_cuda.py" in files and "tests/test_profiling.py" in files, "the scan finds no CUDA tests"
+    missing, stale = sorted(files - set(rows)), sorted(set(rows) - files)
+    assert not missing, f"GPU test files without a row in docs/correctness.md's gpu-runs table: {missing}"
+    assert not stale, f"rows of docs/correctness.md's gpu-runs table for no GPU test file: {stale}"
+    assert len(rows) == len(set(rows)), "a GPU test file with two rows"
