@@ -53,7 +53,8 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from megatrain.activations import host_checkpoints
-from megatrain.engine import FIXED_SIZES, EngineConfig, blocks
+from megatrain.blocks import blocks
+from megatrain.engine import FIXED_SIZES, EngineConfig
 from megatrain.errors import ResourceError
 from megatrain.lean import lean_layer_bytes
 from megatrain.model import ModelSpec, attention_widths, head_dim

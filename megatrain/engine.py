@@ -22,7 +22,8 @@ from megatrain.activations import Checkpoints, host_checkpoints
 from megatrain.collective import Group
 from megatrain.configbase import opt
 from megatrain.documents import LayerContext, documents_of, layer_context
-from megatrain.head import IGNORE, ChunkedHead
+from megatrain.head import ChunkedHead, chunked_loss
+from megatrain.labels import IGNORE, targets
 from megatrain.model import ModelSpec
 from megatrain.moe import RouterStats
 from megatrain.templates import Templates
@@ -147,20 +148,6 @@ FIXED_SIZES = {
     "offload_checkpoints": True,
     "token_tile": 0,
 }
-
-
-def blocks(num_layers: int, k: int, last: int = 0) -> list[list[int]]:
-    """Unit indices of each checkpoint block (layers are units 1..N).
-
-    The last block holds `last` layers (0: k); it is never recomputed (it runs with grad in the
-    forward). The rest are blocks of k counted from the top, so a short block, if any, is the first."""
-    last = min(last or k, num_layers)
-    rest = num_layers - last
-    first = rest % k
-    head = [list(range(1, first + 1))] if first else []
-    return (
-        head + [list(range(s, s + k)) for s in range(first + 1, rest + 1, k)] + [list(range(rest + 1, num_layers + 1))]
-    )
 
 
 def fixed_sizes(cfg: EngineConfig) -> EngineConfig:
@@ -347,14 +334,13 @@ class StepEngine:
         ids, labels = ids.to(self.device), labels.to(self.device)
         h, emb_flat = self._plain_forward(ids, src, positions)
         head_flat = src.fetch(self.n + 1)
-        x = h.reshape(-1, h.shape[-1])
-        tgt = F.pad(labels[:, 1:], (0, 1), value=IGNORE).reshape(-1)
+        tgt = targets(labels).reshape(-1)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for c in range(0, x.shape[0], self.cfg.loss_chunk_tokens):
-            logits = self.t.head(head_flat, emb_flat, x[c : c + self.cfg.loss_chunk_tokens])
-            total += F.cross_entropy(
-                logits.float(), tgt[c : c + self.cfg.loss_chunk_tokens], ignore_index=IGNORE, reduction="sum"
-            )
+
+        def logits_of(x: torch.Tensor) -> torch.Tensor:
+            return self.t.head(head_flat, emb_flat, x)
+
+        chunked_loss(logits_of, h.reshape(-1, h.shape[-1]), tgt, self.cfg.loss_chunk_tokens, total)
         return total, (tgt != IGNORE).sum()
 
     @torch.no_grad()
@@ -436,10 +422,10 @@ class StepEngine:
     ):
         """Per chunk: forward through the last block with grad, head + loss, backward into the block."""
         blk = _Block(self.blocks[-1], src, sink, len(chunks))
-        tgt = F.pad(labels[:, 1:], (0, 1), value=IGNORE)
+        tgt = targets(labels)
         tokens = (tgt != IGNORE).sum()
         every = self.group.all_reduce_(tokens.clone()) if self.group is not None else tokens
-        head = ChunkedHead(self, emb_flat, every.clamp(min=1).float())
+        head = ChunkedHead(self.t.head, self.cfg.loss_chunk_tokens, self.device, emb_flat, every.clamp(min=1).float())
         moe = self.t.moe
         counted = moe is not None and moe.inject and len(chunks) > 1
         if counted:  # the first chunk's backward needs every chunk's routing (megatrain/moe.py)

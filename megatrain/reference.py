@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatrain.adamw import OptimConfig, lr_at
+from megatrain.labels import IGNORE, targets
 
 Batches = Callable[[int], tuple[torch.Tensor, ...]]  # (ids, labels) or (ids, labels, positions)
 
@@ -73,7 +74,7 @@ def _eval_loss(model: torch.nn.Module, batches: list | None, device: str, autoca
         return None
     total, tokens = 0.0, 0
     for batch in batches:
-        n = int((batch[1][:, 1:] != -100).sum())
+        n = int((targets(batch[1]) != IGNORE).sum())
         with torch.autocast(device_type=device, dtype=torch.bfloat16, enabled=autocast_bf16):
             loss = model(**_inputs(batch, device)).loss
         total, tokens = total + float(loss) * n, tokens + n

@@ -8,7 +8,8 @@ import dataclasses
 import pytest
 
 from megatrain import autosize
-from megatrain.engine import EngineConfig, blocks, resolve_engine
+from megatrain.blocks import blocks
+from megatrain.engine import EngineConfig, resolve_engine
 from megatrain.ipc.protocol import checkpoint_host_bytes
 from megatrain.launch.config import load_config
 from megatrain.model import ModelConfig, build_spec

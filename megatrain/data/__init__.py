@@ -20,9 +20,10 @@ from megatrain.data import arithmetic
 from megatrain.data.arithmetic import ByteTokenizer, batch
 from megatrain.data.cache import Builder, TokenFile, stop_workers
 from megatrain.data.config import DataConfig, paths_of
-from megatrain.data.datasets import IGNORE, Order, Packed, Padded, Source, Subset, stack
+from megatrain.data.datasets import Order, Packed, Padded, Source, Subset, stack
 from megatrain.data.records import load_tokenizer
 from megatrain.errors import DataError
+from megatrain.labels import IGNORE
 
 __all__ = ["IGNORE", "ByteTokenizer", "DataConfig", "Data", "Batch", "batch", "open_data"]
 

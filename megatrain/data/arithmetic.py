@@ -13,8 +13,8 @@ import zlib
 import torch
 
 from megatrain.data.config import DataConfig
+from megatrain.labels import IGNORE
 
-IGNORE = -100
 END_ID = ord("\n")  # ends every answer: greedy evaluation stops there, and an exported model's eos
 _EVAL_STREAM = 7_777_777  # separates the evaluation batches' seeds from the training steps'
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megatrain.data import documents
+import megatrain.data.documents as documents
 from megatrain.data.cache import TokenFile
-from megatrain.data.documents import IGNORE
+from megatrain.labels import IGNORE
 
 Item = tuple[np.ndarray, ...]  # (ids, labels), or (ids, labels, positions) with packed documents
 

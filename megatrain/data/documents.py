@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-IGNORE = -100
+from megatrain.labels import IGNORE
 
 
 def eos_starts(part: np.ndarray, eos: np.ndarray, before: int | None) -> np.ndarray:
