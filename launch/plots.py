@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from megatrain.errors import ConfigError
-from megatrain.launch.plots_moe import experts_figure, routing, span
+from megatrain.launch.figures import pyplot, span
+from megatrain.launch.plots_moe import experts_figure, routing
 
 # The compute lane's colours, by the kind of span (the mark's name before ':'), with their legend names.
 COMPUTE_KINDS = {
@@ -44,21 +45,6 @@ def compute_spans(marks: list[tuple[str, float]]) -> list[tuple[str, float, floa
         if name not in ("forward", "end"):
             spans.append((name, t0, t1))
     return spans
-
-
-def pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend (files only); a ConfigError when matplotlib is missing."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise ConfigError(
-            "plotting needs matplotlib, which megatrain installs with itself but this Python "
-            "lacks: pip install matplotlib"
-        ) from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def save(fig: Any, path: Path) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from megatrain.errors import ConfigError
+from megatrain.launch.figures import pyplot, span
 
 HEAT_STEPS = 10  # one step's batch is noisy on a small run; a few pooled show where routing has settled
 ANNOTATE_CELLS = 64  # up to this many cells the heat map prints each share; beyond, the numbers crowd
@@ -82,12 +83,6 @@ def routing(rows: list[dict], source: Path) -> Routing | None:
                 raise ConfigError(f"plot: {source} step {r.get('step', '?')}: aux_loss is not a number")
             aux.append((r["step"], float(r["aux_loss"])))
     return Routing([r["step"] for r in moe], np.stack(loads), aux)
-
-
-def span(steps: list[int]) -> str:
-    """'step 7' or 'steps 1-40': the steps a figure or panel draws."""
-    first, last = min(steps), max(steps)
-    return f"step {last}" if first == last else f"steps {first}-{last}"
 
 
 def shares(load: np.ndarray) -> np.ndarray:
@@ -154,13 +149,6 @@ def aux_panel(ax: Any, r: Routing) -> None:
     ax.plot(steps, values, color="tab:red", linewidth=1, marker="." if len(steps) <= 50 else None)
     ax.set_ylabel("aux_loss\n(before coef)")
     ax.grid(alpha=0.3)
-
-
-def pyplot() -> Any:
-    # plots.py imports this module, so its pyplot() is imported when first called, not at import time.
-    from megatrain.launch.plots import pyplot as plots_pyplot
-
-    return plots_pyplot()
 
 
 def experts_figure(r: Routing, title: str) -> Any:

@@ -4,11 +4,11 @@ GPT-OSS's attention sinks.
 The engine calls HF decoder layers without an attention mask (the causal pattern goes to SDPA as
 `is_causal`, which lets it pick the flash / memory-efficient kernels). HF builds sliding-window masks in
 the model's forward, which the engine does not run, so its SDPA function would silently attend to the
-whole causal past. This function is registered with HF's attention interface under model.ATTENTION and set as
-every model's `_attn_implementation` (megatrain/model.py): a layer with `sliding_window` W (the call's
-argument, else the attention module's attribute, which is all Qwen2-MoE gives) shorter than
-the sequence attends in query tiles of W tokens, each to the keys of its window only (HF's rule: key j
-is seen by query i when i - W < j <= i), through SDPA with that tile's mask; every other layer takes
+whole causal past. model.family_classes registers this function with HF's attention interface under
+model.ATTENTION, which is every model's `_attn_implementation` (megatrain/model.py): a layer with
+`sliding_window` W (the call's argument, else the attention module's attribute, which is all Qwen2-MoE
+gives) shorter than the sequence attends in query tiles of W tokens, each to the keys of its window only
+(HF's rule: key j is seen by query i when i - W < j <= i), through SDPA with that tile's mask; every other layer takes
 HF's SDPA function unchanged. Memory is O(sequence · W) for the masks' tiles, never sequence².
 
 Attention sinks (GPT-OSS: the layer kwarg `s_aux`, one logit per query head): each query's softmax also
@@ -32,10 +32,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-from megatrain.model import ATTENTION
 
 
 def windowed_attention(
@@ -224,6 +221,3 @@ def attention(
         out = document_attention(module, query, key, value, documents, scaling, dropout, sliding_window, s_aux, kwargs)
         return out, None
     return _one_sequence(module, query, key, value, scaling, dropout, sliding_window, s_aux, kwargs), None
-
-
-AttentionInterface.register(ATTENTION, attention)

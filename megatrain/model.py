@@ -67,13 +67,15 @@ def config_class(family: str) -> type:
 
 
 def family_classes(family: str) -> tuple[type, type]:
-    """(config class, causal-LM class) of a family. Registers ATTENTION with HF first: it is imported here,
-    where a model may be built, and not by the processes that never build one (the packers, accumulators,
-    writer and Adam updater), whose start it would slow by the transformers modeling code it pulls in."""
+    """(config class, causal-LM class) of a family. Registers our attention function with HF under ATTENTION
+    first: it is imported here, where a model may be built, and not by the processes that never build one
+    (the packers, accumulators, writer and Adam updater), whose start it would slow by the transformers
+    modeling code it pulls in."""
     import transformers
 
-    import megatrain.attention  # noqa: F401
+    from megatrain.attention import attention
 
+    transformers.AttentionInterface.register(ATTENTION, attention)
     conf, model = FAMILIES[family]
     return getattr(transformers, conf), getattr(transformers, model)
 

@@ -15,7 +15,9 @@ from transformers.models.gpt_oss.modeling_gpt_oss import (
 )
 
 from megatrain.attention import attention
-from megatrain.model import ATTENTION
+from megatrain.model import ATTENTION, family_classes
+
+family_classes("gpt_oss")  # registers our attention function under ATTENTION, as every model build does
 
 
 class _Attn(torch.nn.Module):
