@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return _usage_errors(lambda: plot_main(argv[1:]))
     if argv[:1] == ["plan"]:
-        from megatrain.launch.memplan import main as plan_main
+        from megatrain.launch.plan_cmd import main as plan_main
 
         return _usage_errors(lambda: plan_main(argv[1:]))
     if argv[:1] == ["tokenizer"]:

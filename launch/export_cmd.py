@@ -7,16 +7,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-import torch
-import yaml
-
-from megatrain import checkpoint as ckpt
 from megatrain.errors import ConfigError, DataError, MegatrainError, disk_full, is_disk_full
-from megatrain.export import DTYPES, export
-from megatrain.launch.resume import find_checkpoint
-from megatrain.model import ModelConfig, build_spec
 
+# megatrain/export.py's DTYPES (tests/test_light_launcher.py holds them equal): named here, so that `export --help`
+# and a mistyped flag need no torch; the export's own imports come in run().
+DTYPE_NAMES = ("bf16", "fp32")
 _NOT_FIELDS = ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path")
 
 
@@ -26,13 +21,22 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("source", help="a checkpoint directory, or a run's output directory (its newest checkpoint)")
     p.add_argument("out", help="the HF directory to write")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="fp32")
     p.add_argument("--shard-gb", type=float, default=5.0, help="largest safetensors shard, in GB (default 5)")
     return p
 
 
 def run(source: str, out: str, dtype: str = "fp32", shard_gb: float = 5.0) -> tuple[Path, dict]:
     """Export SOURCE's checkpoint into OUT: (OUT, what RECORD says of the checkpoint: step, path, run id)."""
+    import numpy as np
+    import torch
+    import yaml
+
+    from megatrain import checkpoint as ckpt
+    from megatrain.export import export
+    from megatrain.launch.resume import find_checkpoint
+    from megatrain.model import ModelConfig, build_spec
+
     _check_target(Path(out))
     src = find_checkpoint(source, Path(source), key="SOURCE")
     if src is None:

@@ -425,29 +425,8 @@ def _disk(cfg: Config) -> list[str]:
     return disk_lines(cfg.train, out, 4 * total * 3, 4 * total)  # three fp32 planes; the fp32 weights
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(
-        prog="megatrain-launch plan",
-        description="Host and GPU memory of a run, against this machine, before anything "
-        "is allocated. Exit 0 when it fits, 1 when it does not.",
-    )
-    p.add_argument("config", help="YAML config file")
-    p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
-    p.add_argument(
-        "--gpu-gib",
-        type=float,
-        help="plan for a GPU with this much free memory (default: this machine's GPU; without one, the CPU device)",
-    )
-    p.add_argument(
-        "--host-gib",
-        type=float,
-        help="plan for a host with this much RAM, all of it free (default: this machine's available RAM and /dev/shm)",
-    )
-    p.add_argument(
-        "--gpu", help="the GPU the time estimate assumes: H100, A100, RTX 4090, ... (default: this machine's)"
-    )
-    p.add_argument("--gpu-tflops", type=float, help="the time estimate's GPU by its nominal dense bf16 TFLOPS instead")
-    args = p.parse_intermixed_args(argv)  # overrides may come after the flags too
+def report(args: argparse.Namespace) -> int:
+    """Print the plan of launch/plan_cmd.py's arguments; 0 when it fits, 1 when it does not."""
     cfg, where = load_tree(args.config, args.overrides)
     validate_model(cfg, where, weights=False)  # planning comes before the download: config.json is enough
     free, cuda, note = _gpu(cfg, args.gpu_gib)
