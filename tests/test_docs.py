@@ -430,6 +430,29 @@ def test_the_readme_recipe_trains_and_exports(tmp_path: Path, monkeypatch: pytes
     assert [r["step"] for r in rows] == [1, 2] and "eval_loss" in rows[-1]
 
 
+# ---- the code map -----------------------------------------------------------------------------------
+
+MAPPED = ("megatrain", "actors", "ipc", "launch", "bench", "examples")  # every module of these is on the map
+
+
+def code_map() -> list[str]:
+    """The paths docs/architecture.md's code map names, one per row, in order."""
+    return re.findall(r"^\| `([^`|]+)` \|", block(ROOT / "docs" / "architecture.md", "code-map"), re.M)
+
+
+def test_the_code_map_names_every_module_and_only_modules() -> None:
+    """One row per folder and per module file (an empty __init__.py has nothing to say), each once, and
+    every path the map names exists."""
+    rows = code_map()
+    files = [p for top in MAPPED for p in (ROOT / top).rglob("*.py") if "__pycache__" not in p.parts]
+    modules = {p for p in files if p.read_text().strip()}
+    want = {str(p.relative_to(ROOT)) for p in modules} | {str(p.parent.relative_to(ROOT)) + "/" for p in modules}
+    assert len(rows) > 100, "the code map's scan found almost nothing: is it still a table of `path` rows?"
+    assert sorted(r for r in set(rows) if rows.count(r) > 1) == [], "rows named twice"
+    assert sorted(want - set(rows)) == [], "modules and folders missing from docs/architecture.md's code map"
+    assert [r for r in rows if not (ROOT / r).exists()] == [], "the code map names paths that do not exist"
+
+
 # ---- links, pictures, and what the docs must not say ------------------------------------------------
 
 
