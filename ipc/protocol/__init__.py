@@ -56,12 +56,11 @@ from typing import Any
 
 # Loaded on first use: plan.py and store.py import torch and numba, which `megatrain-launch status` (it
 # reads protocol/status.py and protocol/ctl.py alone) and the config tree must not wait for.
-_FROM = {"Store": "store"} | {
+_FROM = {"Store": "store", "IpcConfig": "ipcconfig"} | {
     name: "plan"
     for name in (
         "PLANES",
         "STAGING",
-        "IpcConfig",
         "Item",
         "StoreSpec",
         "blocks",

@@ -13,12 +13,12 @@ import torch
 
 from megatrain.activations import host_checkpoints
 from megatrain.blocks import blocks
-from megatrain.configbase import opt
 from megatrain.engine import EngineConfig, fixed_sizes, resolve_dtype
 from megatrain.errors import ConfigError, ProtocolError, ResourceError
 from megatrain.flops import model_step_flops
 from megatrain.ipc.protocol.cpus import Threads
 from megatrain.ipc.protocol.ctl import CTL_FIXED
+from megatrain.ipc.protocol.ipcconfig import STALL_FLOOR_S, IpcConfig
 from megatrain.ipc.shm import MAX_PIDS, check_space, sem_name
 from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
 from megatrain.model import ModelSpec
@@ -27,63 +27,6 @@ PLANES = ("params", "exp_avg", "exp_avg_sq", "grads")  # "grads": clipping in sl
 STAGING = {"bf16": (torch.bfloat16, 2), "fp32": (torch.float32, 4)}
 
 
-@dataclass
-class IpcConfig:
-    weight_slabs: int = opt(4, "S: weight staging slabs (compute dtype, ipc.slab_params elements each).")
-    grad_slabs: int = opt(
-        4,
-        "G: gradient staging slabs (fp32); back-pressure when all are in flight. With clipping "
-        "and a resident copy there are none: gradients go straight into the resident copy, "
-        "and G bounds the gradients queued on the GPU.",
-    )
-    slab_params: int = opt(
-        0,
-        "Elements per staging slab; a larger unit streams in slab-sized pieces (weights "
-        "and gradients alike). 0 = the largest decoder layer, so only the embedding "
-        "and LM head are split. Smaller slabs take less pinned memory and more copies.",
-    )
-    wait_timeout_s: float = opt(
-        600.0,
-        "Longest any data-plane wait may block before the run fails (the last "
-        "resort: a stalled actor is found by ipc.stall_timeout_s first).",
-    )
-    stall_timeout_s: float | str = opt(
-        "auto",
-        "Fail the run when no actor has made data-plane progress for this long while "
-        "a step is in flight, naming the actor that stopped (no heartbeat, or working "
-        "without progress) rather than the ones waiting on it; 0 = off. auto: 15 s, "
-        "or 4x a layer's compute at 100 TFLOPS where that is longer (long context: "
-        "one layer of a 7B at 512K tokens computes for minutes). Raise it if one layer "
-        "legitimately computes longer still (a large model on the CPU device).",
-    )
-    poll_s: float = opt(0.05, "How often a blocked wait re-checks the abort flag.")
-    staging: str = opt(
-        "auto",
-        "How weights reach the DMA: 'resident' (a pinned compute-dtype copy of the whole "
-        "model, rewritten by Adam; no packing on the critical path), 'slabs' (S slabs "
-        "filled just in time by the packers; O(layer) pinned memory), or 'auto' "
-        "(resident on cuda when it fits in memory, else slabs).",
-    )
-    shm_dir: str = opt("/dev/shm", "Where POSIX shared memory lives (checked for free space before creating).")
-
-    def __post_init__(self) -> None:
-        if self.weight_slabs < 1 or self.grad_slabs < 1:
-            raise ValueError("ipc.weight_slabs and ipc.grad_slabs must be >= 1")
-        if self.slab_params < 0:
-            raise ValueError("ipc.slab_params must be >= 0 (0 = the largest decoder layer)")
-        if self.staging not in ("auto", "resident", "slabs"):
-            raise ValueError(f"ipc.staging must be auto, resident or slabs, not '{self.staging}'")
-        if self.wait_timeout_s <= 0 or self.poll_s <= 0:
-            raise ValueError("ipc.wait_timeout_s and ipc.poll_s must be > 0")
-        if self.stall_timeout_s != "auto" and (isinstance(self.stall_timeout_s, str) or self.stall_timeout_s < 0):
-            raise ValueError(f"ipc.stall_timeout_s must be auto or >= 0 (0 = off), not {self.stall_timeout_s!r}")
-
-    def stall_seconds(self) -> float:
-        """The stall timeout in seconds (an unresolved auto: the floor)."""
-        return STALL_FLOOR_S if self.stall_timeout_s == "auto" else float(self.stall_timeout_s)
-
-
-STALL_FLOOR_S = 15.0  # a step in flight makes data-plane progress within a fraction of a second
 STALL_FLOPS = 100e12  # a rate any GPU the engine runs on exceeds on a layer's work: the estimate is an upper bound
 STALL_FACTOR = 4
 
