@@ -12,7 +12,7 @@ import zlib
 
 import torch
 
-from megatrain.data.config import DataConfig
+from megatrain.dataconfig import DataConfig
 from megatrain.labels import IGNORE
 
 END_ID = ord("\n")  # ends every answer: greedy evaluation stops there, and an exported model's eos

@@ -1,4 +1,5 @@
-"""The data section of the config tree (owned by megatrain/data/)."""
+"""The data section of the config tree (owned by megatrain/data/). Outside that package, whose __init__
+imports torch, so the config tree and its checks load without it."""
 
 from __future__ import annotations
 
