@@ -6,27 +6,20 @@ import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatrain import gpubudget
-from megatrain.adamw import OptimConfig
 from megatrain.configbase import Where, key_error, load_located, section
-from megatrain.data import ByteTokenizer, DataConfig
-from megatrain.engine import EngineConfig, resolve_engine
+from megatrain.dataconfig import DataConfig
+from megatrain.engineconfig import EngineConfig
 from megatrain.errors import ConfigError
-from megatrain.ipc.protocol import IpcConfig
-from megatrain.ipc.protocol.reduce import reduction_bytes
+from megatrain.ipc.protocol.ipcconfig import IpcConfig
 from megatrain.launch.driver_config import TrainConfig
-from megatrain.launch.placement import ActorsConfig, batch_split_problem, per_executor
+from megatrain.launch.placement import ActorsConfig, batch_split_problem
 from megatrain.launch.runners import LaunchConfig
-from megatrain.model import (
-    ModelConfig,
-    build_spec,
-    check_attention,
-    hf_config_fields,
-    hf_key_error,
-    pretrained_config,
-    resolve_hf_config,
-)
-from megatrain.weights import check_checkpoint, holds_weights
+from megatrain.modelconfig import ModelConfig
+from megatrain.optimconfig import OptimConfig
+
+# The sections and validate_tree import no torch, numba or transformers modeling code (tests/
+# test_light_launcher.py): the checks that need the model (validate_model, check_hf_keys, check_gpu_budget)
+# import it when they run, so loading the tree and `--help` stay quick.
 
 
 @dataclass
@@ -44,6 +37,8 @@ class Config:
 def check_hf_keys(cfg: ModelConfig, where: Where | None = None) -> None:
     """model.hf keys must be fields of the family's HF config: HF configs keep unknown keys silently, so
     a typo would train another model than the one meant."""
+    from megatrain.model import hf_config_fields, pretrained_config
+
     family, base = pretrained_config(cfg)
     valid = hf_config_fields(family, base)
     for key in cfg.hf:
@@ -63,6 +58,10 @@ def validate_model(cfg: Config, where: Where | None = None, weights: bool = True
     """The checks that need the family's HF config (transformers' import: seconds), and a pretrained
     checkpoint's files. The launcher runs them beside its Ray start (launch/inputs.py). `weights` False: a
     pretrained directory may hold config.json alone (the plan, made before the weights are downloaded)."""
+    from megatrain.data import ByteTokenizer
+    from megatrain.model import build_spec, check_attention, hf_key_error, resolve_hf_config
+    from megatrain.weights import check_checkpoint, holds_weights
+
     check_hf_keys(cfg.model, where)
     _, hf = resolve_hf_config(cfg.model, where)
     check_attention(cfg.model, where)
@@ -112,9 +111,16 @@ def validate_model(cfg: Config, where: Where | None = None, weights: bool = True
 def check_gpu_budget(cfg: Config, where: Where | None = None) -> None:
     """engine.gpu_memory_gib must hold the run's plan (explicit sizes included) before anything starts. Only
     where the run computes on a GPU: engine.device cuda, or auto on a machine with one."""
+    from megatrain import gpubudget
+
     if gpubudget.budget_bytes(cfg.engine) is None or cfg.engine.device == "cpu":
         return
     import torch
+
+    from megatrain.engineconfig import resolve_engine
+    from megatrain.ipc.protocol.reduce import reduction_bytes
+    from megatrain.launch.placement import per_executor
+    from megatrain.model import build_spec
 
     gpus = torch.cuda.device_count()
     if cfg.engine.device == "auto" and not gpus:

@@ -19,9 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import yaml
 
-from megatrain.configbase import Where, key_error, opt
+from megatrain.configbase import Where, key_error
 from megatrain.errors import ConfigError
 from megatrain.layout import StoreLayout, build_layout
+from megatrain.modelconfig import FAMILIES as FAMILIES  # the model section, re-exported
+from megatrain.modelconfig import ModelConfig as ModelConfig
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -34,23 +36,6 @@ def _config_errors() -> tuple[type[Exception], ...]:
     except ImportError:  # older huggingface_hub: the configs raise TypeError / ValueError only
         return (TypeError, ValueError)
     return (TypeError, ValueError, StrictDataclassError)
-
-
-# Class names, resolved on use: the modeling code is imported only by the processes that build a
-# model (store owner, executor), not by the packers, accumulators and Adam updater (~90 MB less RSS
-# each on the 2-core dev machine; on the H200 their PSS barely moved, see BENCHMARKS.md).
-FAMILIES: dict[str, tuple[str, str]] = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-    "mistral": ("MistralConfig", "MistralForCausalLM"),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),  # dense Qwen3: q/k norms in attention, sliding windows as qwen2
-    # Mixture of experts (megatrain/moe.py): routed experts stored as HF's 3D tensors, one per projection.
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
-    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),  # a shared expert with its sigmoid gate
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM"),
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),  # attention sinks, alternating sliding windows, biases
-}
 
 
 # The attention function every model of ours runs (megatrain/attention.py). Not named "...sdpa...": HF would
@@ -78,29 +63,6 @@ def family_classes(family: str) -> tuple[type, type]:
     transformers.AttentionInterface.register(ATTENTION, attention)
     conf, model = FAMILIES[family]
     return getattr(transformers, conf), getattr(transformers, model)
-
-
-@dataclass
-class ModelConfig:
-    family: str = opt(
-        "llama",
-        "Model family: llama, qwen2, qwen3, mistral (dense); mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss "
-        "(mixture of experts). Taken from config.json with `pretrained`.",
-    )
-    pretrained: str | None = opt(
-        None, "Local directory written by save_pretrained (config.json + safetensors) to start from; never a hub name."
-    )
-    hf: dict = opt(
-        {},
-        "HF config fields (hidden_size, num_hidden_layers, vocab_size, head_dim, tie_word_embeddings, ...) "
-        "set over the family's defaults or the pretrained config: the fields of the family's HF config class "
-        "and the attributes its modeling code reads (docs/models.md); any other key is an error.",
-    )
-    init_seed: int = opt(0, "Seed of the fresh initialization (HF's init scheme, drawn unit by unit).")
-
-    def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"model.family '{self.family}' is not one of {sorted(FAMILIES)}")
 
 
 @dataclass(frozen=True)
