@@ -43,6 +43,30 @@ def test_status_imports_nothing_heavy(tmp_path) -> None:
     assert heavy_after(CLI, "status", "--shm-dir", str(tmp_path)) == []
 
 
+QWEN7B_YAML = """model:
+  family: qwen2
+  hf: {hidden_size: 3584, intermediate_size: 18944, num_attention_heads: 28, num_key_value_heads: 4,
+       vocab_size: 152064, max_position_embeddings: 32768, num_hidden_layers: 28}
+data: {seq_len: 4096, batch_size: 16}
+"""
+
+
+def test_the_config_tree_and_its_checks_import_nothing_heavy(tmp_path) -> None:
+    """The bundled default and a 7B config, loaded and checked across sections (validate_tree; the model's
+    own checks need its HF config class, which imports torch)."""
+    (tmp_path / "qwen7b.yaml").write_text(QWEN7B_YAML)
+    code = (
+        "from megatrain.configbase import dump_yaml, reference_table\n"
+        "from megatrain.launch.config import Config, load_tree\n"
+        "for path in sys.argv[1:]:\n"
+        "    cfg, where = load_tree(path, ['optim.lr=3e-4'])\n"
+        "    assert dump_yaml(cfg)\n"
+        "assert cfg.model.hf['hidden_size'] == 3584\n"
+        "assert reference_table(Config)\n"
+    )
+    assert heavy_after(code, str(ROOT / "examples" / "default.yaml"), str(tmp_path / "qwen7b.yaml")) == []
+
+
 def test_the_heavy_check_sees_torch() -> None:
     assert "torch" in heavy_after("import torch")
 
