@@ -86,7 +86,7 @@ def _resolved_here(cfg: Any, dump: Callable[[Any], str]) -> str:
 
     import torch
 
-    from megatrain.engine import resolve_engine
+    from megatrain.engineconfig import resolve_engine
 
     engine = resolve_engine(cfg.engine, cfg.engine.device == "cuda" or torch.cuda.is_available())
     head = (
