@@ -9,6 +9,7 @@ event, CUDA will not open its handle: there the handle gives back the event itse
 
 from __future__ import annotations
 
+import gc
 import mmap
 import multiprocessing as mp
 
@@ -86,12 +87,13 @@ def test_a_spawned_process_waits_on_the_event_for_what_the_gpu_wrote_before_it(r
             proc = ctx.Process(target=consume, args=(name, handles[0], ready, recorded, results))
             proc.start()
             assert ready.wait(WAIT_S), f"the spawned process did not open the handle (exit {proc.exitcode})"
-            src = torch.zeros(N, device=dev)
+            # Made before the kernel: an allocation on the side stream could wait for it (a new segment).
+            values, src = torch.arange(N, dtype=torch.float32, device=dev) + FIRST, torch.zeros(N, device=dev)
             stream = torch.cuda.Stream(dev)
             torch.cuda.synchronize(dev)
             with torch.cuda.stream(stream):
                 torch.cuda._sleep(SLEEP_CYCLES)
-                src.copy_(torch.arange(N, dtype=torch.float32, device=dev) + FIRST)
+                src.copy_(values)
                 host.copy_(src, non_blocking=True)
                 events[0].record(stream)
             assert not events[0].query(), "the kernel ended before the event was handed over: the test shows nothing"
@@ -116,10 +118,57 @@ def test_a_spawned_process_waits_on_the_event_for_what_the_gpu_wrote_before_it(r
     assert proc.exitcode == 0
 
 
-def test_the_process_that_made_an_event_gets_the_event_itself_for_its_handle() -> None:
-    """The in-process runner's case: its drainers open the executor's handles in the executor's process."""
+def own_handles(results) -> None:  # noqa: ANN001 - spawn's queue
+    """In a fresh process: its own handles give its events back, and CUDA refuses to open them itself."""
     dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
     events, handles = make_ipc_events(2)
-    assert all(a is b for a, b in zip(open_ipc_events(handles, dev), events, strict=True))
-    with pytest.raises(RuntimeError):  # why: CUDA refuses the handle in the process that made the event
+    own = all(a is b for a, b in zip(open_ipc_events(handles, dev), events, strict=True))
+    try:
         torch.cuda.Event.from_ipc_handle(dev, handles[0])
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e) or type(e).__name__
+    results.put((own, refused))
+
+
+def made_again() -> None:
+    """Make an event, drop it, make another (CUDA gives it the dropped one's handle), then collect garbage."""
+    torch.cuda.set_device(0)
+    events, _ = make_ipc_events(1)
+    events[0].record(torch.cuda.Stream())
+    torch.cuda.synchronize()
+    del events
+    gc.collect()
+    again, _ = make_ipc_events(1)
+    gc.collect()
+    assert again
+
+
+def _spawned(target, *args) -> int:  # noqa: ANN001
+    proc = mp.get_context("spawn").Process(target=target, args=args)
+    proc.start()
+    proc.join(WAIT_S)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+    return proc.exitcode
+
+
+def test_the_process_that_made_an_event_gets_the_event_itself_for_its_handle() -> None:
+    """The in-process runner's case: its drainers open the executor's handles in the executor's process. In a
+    process of its own, so that no event an earlier test made and dropped is in the way (see the next test)."""
+    results = mp.get_context("spawn").Queue()
+    assert _spawned(own_handles, results) == 0
+    own, refused = results.get(timeout=WAIT_S)
+    assert own, "open_ipc_events did not give this process's own events back"
+    assert refused, "CUDA opened an event handle in the process that made the event"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="ipc/cuda_events.py keeps a dropped event's entry in _MADE_HERE (seen on an H100, torch 2.11): the next "
+    "event, given the same handle by CUDA, replaces it and the process dies of a segmentation fault in the collector",
+)
+def test_an_event_made_after_one_was_dropped_does_not_crash_the_process() -> None:
+    assert _spawned(made_again) == 0
