@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import threading
-import time
 
 from megatrain.actors.adam_updater import AdamUpdater
 from megatrain.adamw import OptimConfig, adamw_update
 from megatrain.ipc.protocol import Store
 from tests.shm_fixtures import make_spec
+
+
+class _Watched(threading.Condition):
+    """The updater's turn condition, telling each time a call waits on it: the test knows the later call is
+    blocked on its turn, rather than assuming it after a sleep."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waited.set()
+        return super().wait(timeout)
 
 
 def test_adam_takes_overlapping_step_calls_in_order(rid: str, model_spec) -> None:
@@ -19,13 +31,15 @@ def test_adam_takes_overlapping_step_calls_in_order(rid: str, model_spec) -> Non
     try:
         adam = AdamUpdater(OptimConfig())
         adam.attach(spec)
+        adam.turn = turn = _Watched()
         later: list = []
         thread = threading.Thread(target=lambda: later.append(adam.step(1, 1e-3)))
         thread.start()
-        time.sleep(0.3)
+        assert turn.waited.wait(30), "step 1's call never waited for its turn"
         for _ in range(2 * spec.num_pieces):  # both steps' gradients have arrived
             owner.post("grads_ready")
-        time.sleep(0.3)
+        turn.waited.clear()
+        assert turn.waited.wait(30)  # step 1 looked again with every gradient there, and still waits its turn
         assert not later, "step 1 ran before step 0"
         first = adam.step(0, 1e-3)
         thread.join(30)
