@@ -366,15 +366,31 @@ def test_one_run_stopped_and_killed_mid_checkpoint_resumes_bit_identical(tmp_pat
     last.assert_clean()
 
 
-def test_cleanup_command_runs(tmp_path: Path) -> None:
+def test_the_cleanup_command_removes_a_dead_runs_segments_and_keeps_a_live_ones(tmp_path: Path) -> None:
+    """`megatrain-launch --cleanup` as a command of its own (tests/test_segments.py holds every kind through
+    cli.main): a dead owner's segments and semaphore go and are named, a live owner's (this process) stay."""
+    from megatrain.ipc.procs import start_ticks
+    from tests.test_segments import dead_pid, header, put
+
+    dead, alive, me = "dead" + secrets.token_hex(3), "live" + secrets.token_hex(3), os.getpid()
+    gone = [f"megatrain-{dead}-ctl", f"megatrain-{dead}-params", f"sem.megatrain-{dead}-sem-wfree0"]
+    pid = dead_pid()
+    for name in gone[:2]:
+        put(tmp_path, name, header(dead, pid=pid))
+    put(tmp_path, gone[2], b"")
+    kept = put(tmp_path, f"megatrain-{alive}-ctl", header(alive, pid=me, ticks=start_ticks(me)))
     proc = subprocess.run(
-        [sys.executable, "-m", "megatrain.launch.cli", "--cleanup"],
+        [sys.executable, "-m", "megatrain.launch.cli", "--cleanup", "--shm-dir", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=60,
     )
-    assert proc.returncode == 0 and "removed" in proc.stdout
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [kept.name]
+    said = proc.stdout.splitlines()
+    assert said[0] == f"megatrain-launch: removed 3 shared-memory objects left over in {tmp_path}:", proc.stdout
+    assert sorted(line.strip() for line in said[1:4]) == sorted(gone) and len(said) == 4, proc.stdout
 
 
 def test_the_guard_leaves_a_detached_watchdog_alone() -> None:
