@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatrain.configbase import dump_yaml, reference
-from megatrain.errors import ConfigError
+from megatrain.errors import ConfigError, MegatrainError
 from megatrain.launch.config import Config, load_config, validate
 
 DEFAULT_YAML = Path(__file__).resolve().parents[1] / "examples" / "default.yaml"
@@ -332,16 +332,34 @@ def test_reference_documents_every_key() -> None:
         assert f.metadata.get("doc", "").strip(), f.name
 
 
-def test_a_stalled_actor_is_named_within_30s_with_the_defaults() -> None:
-    """The monitor fails a stalled run after ipc.stall_timeout_s plus one beat; the driver then waits at
-    most 5 s for the others' answers (launch/driver.py _root_cause)."""
-    from megatrain.ipc.protocol import resolve_stall
-    from megatrain.ipc.protocol.store import BEAT_S
-    from megatrain.model import build_spec
+def test_a_stalled_actor_is_named_within_30s_with_the_defaults(tmp_path: Path, rid: str, monkeypatch) -> None:
+    """ipc.stall_timeout_s left at auto: a run whose Adam hangs inside its work fails within 30 s of the hang,
+    naming Adam (the monitor's verdict after the timeout and a beat, then the driver's wait for the others)."""
+    import threading
+    import time
 
-    cfg = load_config(DEFAULT_YAML)
-    ipc = resolve_stall(cfg.ipc, build_spec(cfg.model), cfg.data.batch_size, cfg.data.seq_len)
-    assert ipc.stall_timeout_s + BEAT_S + 5 < 30
+    from megatrain.actors.adam_updater import AdamUpdater
+    from tests.test_faults import run
+
+    assert load_config(None).ipc.stall_timeout_s == "auto"
+    release, hung_at = threading.Event(), []
+    real = AdamUpdater._update
+
+    def update(self, unit, lo, hi, g, t, lr, scale):  # noqa: ANN001
+        if t == 2:
+            hung_at.append(time.monotonic())
+            release.wait(60)  # freed once the run has ended
+        real(self, unit, lo, hi, g, t, lr, scale)
+
+    monkeypatch.setattr(AdamUpdater, "_update", update)
+    try:
+        with pytest.raises(MegatrainError) as info:
+            run(tmp_path, rid, "train.overlap_adam=false")
+        took = time.monotonic() - hung_at[0]
+    finally:
+        release.set()
+    assert "stalled: actor 'adam-updater'" in str(info.value), info.value
+    assert took < 30, f"named {took:.1f} s after the hang"
 
 
 def test_the_stall_timeout_covers_a_long_layer() -> None:
