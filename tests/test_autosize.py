@@ -9,7 +9,7 @@ import pytest
 
 from megatrain import autosize
 from megatrain.blocks import blocks
-from megatrain.engine import EngineConfig, resolve_engine
+from megatrain.engine import FIXED_SIZES, EngineConfig, resolve_engine
 from megatrain.ipc.protocol import checkpoint_host_bytes
 from megatrain.launch.config import load_config
 from megatrain.model import ModelConfig, build_spec
@@ -36,9 +36,41 @@ def cuda_cfg(**kw) -> EngineConfig:
     return resolve_engine(EngineConfig(**kw), cuda=True)
 
 
-def test_the_cpu_device_keeps_the_fixed_defaults(spec8) -> None:
-    sizes, why = autosize.choose(spec8, resolve_engine(EngineConfig(), cuda=False), 4, 128, None, clip=True)
-    assert sizes == autosize.Sizes(2, 0, 0, 2048, 0) and "CPU" in why
+def test_the_cpu_device_keeps_the_fixed_defaults_whatever_the_shape_and_explicit_values(spec8) -> None:
+    """No GPU to size for: the same sizes for every batch and sequence (the loss in chunks of 2048 tokens,
+    as docs/configuration.md says), an explicit value kept."""
+    cpu = resolve_engine(EngineConfig(), cuda=False)
+    for batch, seq in ((4, 128), (16, 4096), (1, 262144)):
+        sizes, why = autosize.choose(spec8, cpu, batch, seq, None, clip=True)
+        assert sizes == autosize.Sizes(**FIXED_SIZES) and "CPU" in why
+    assert sizes.loss_chunk_tokens == 2048
+    given = resolve_engine(EngineConfig(checkpoint_interval=3), cuda=False)
+    assert autosize.choose(spec8, given, 4, 128, None, clip=True)[0].checkpoint_interval == 3
+
+
+SHAPES = [(8, 16, 4096), (28, 16, 4096), (8, 158, 1024), (28, 1, 131072)]  # (layers, batch, seq)
+FREE_GIB = range(24, 145, 8)
+
+
+@pytest.mark.parametrize("layers,batch,seq", SHAPES, ids=str)
+@pytest.mark.parametrize("clip", [True, False], ids=["clip", "no-clip"])
+def test_every_plan_fits_the_memory_it_was_given_and_more_memory_never_takes_from_it(layers, batch, seq, clip) -> None:
+    """Over GPUs of 24 to 144 GiB: what the plan puts on the GPU fits the budget the rule allows (the largest
+    unit's weights and gradient are what the margin covers); more memory never gives smaller loss chunks,
+    nor, among untiled plans, a smaller last block."""
+    spec = build_spec(ModelConfig(family="qwen2", hf={**QWEN7B, "num_hidden_layers": layers}))
+    last, loss = 0, 0
+    for gib in FREE_GIB:
+        sizes, why = autosize.choose(spec, cuda_cfg(), batch, seq, gib * GIB, clip=clip)
+        terms = autosize.gpu_terms(spec, autosize.apply(cuda_cfg(), sizes), batch, seq, sizes)
+        assert terms.pop("largest unit's weights and fp32 gradient") > 0
+        assert sum(terms.values()) <= gib * GIB * autosize.MARGIN, (gib, sizes, terms)
+        assert 1 <= sizes.last_block_layers <= layers and 0 <= sizes.lean_layers <= sizes.last_block_layers
+        assert sizes.loss_chunk_tokens >= loss, (gib, sizes, why)
+        if not sizes.token_tile:
+            assert sizes.last_block_layers >= last, (gib, sizes, why)
+            last = sizes.last_block_layers
+        loss = sizes.loss_chunk_tokens
 
 
 def test_an_h200_gets_the_measured_headline_shape(spec8) -> None:
