@@ -99,8 +99,10 @@ class Sampler:
     def _said(self) -> str:
         if self.output is None:
             return self.said
-        self.output.seek(0)
-        return self.output.read()
+        # pread, not seek+read: py-spy writes through the same open file (one shared offset), and a seek here
+        # would move its next write back over what it had said
+        fd = self.output.fileno()
+        return os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
 
     def _complaint(self) -> str:
         """py-spy's error line (it prints 'Error: ...' and maybe a backtrace under it), else its last line."""
