@@ -119,17 +119,16 @@ def test_a_spawned_process_waits_on_the_event_for_what_the_gpu_wrote_before_it(r
 
 
 def own_handles(results) -> None:  # noqa: ANN001 - spawn's queue
-    """In a fresh process: its own handles give its events back, and CUDA refuses to open them itself."""
+    """In a fresh process: its own handles give its events back (CUDA would refuse to open them here)."""
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     events, handles = make_ipc_events(2)
     own = all(a is b for a, b in zip(open_ipc_events(handles, dev), events, strict=True))
-    try:
-        torch.cuda.Event.from_ipc_handle(dev, handles[0])
-        refused = ""
-    except RuntimeError as e:
-        refused = str(e) or type(e).__name__
-    results.put((own, refused))
+    # CUDA's own refusal (from_ipc_handle on a handle of this process) is not tried here: on an H100 the
+    # process that tried it died of a segmentation fault later, at garbage collection or exit, which points
+    # at the half-made torch Event the refusal leaves behind; the code never calls it for its own handles.
+    torch.cuda.synchronize(dev)
+    results.put(own)
 
 
 def _spawned(target, *args) -> int:  # noqa: ANN001
@@ -148,9 +147,8 @@ def test_the_process_that_made_an_event_gets_the_event_itself_for_its_handle() -
     results = mp.get_context("spawn").Queue()
     code = _spawned(own_handles, results)
     try:
-        own, refused = results.get(timeout=10)
+        own = results.get(timeout=10)
     except queue.Empty:
         pytest.fail(f"the process ended with {code} before it could tell")
     assert own, "open_ipc_events did not give this process's own events back"
-    assert refused, "CUDA opened an event handle in the process that made the event"
     assert code == 0, f"the process ended with {code} after its checks"
