@@ -84,7 +84,8 @@ class GpuExecutor(Role):
         """Start the warm-up (megatrain/warmup.py) on the compute thread with the chosen engine sizes, while
         the store is filled; returns at once. The first step queues behind it on that thread."""
         if self.cuda:
-            self.planned = peak_bytes(model, cfg, batch, seq, sizes_of(cfg))
+            if self.cap:  # named by an OOM under the budget only
+                self.planned = peak_bytes(model, cfg, batch, seq, sizes_of(cfg))
             self.compute.submit(self._warm_up, model, cfg, batch, seq)
 
     def _warm_up(self, model: ModelSpec, cfg: EngineConfig, batch: int, seq: int) -> None:
