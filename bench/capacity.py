@@ -1,4 +1,4 @@
-"""The largest Qwen2.5-shaped dense model per host size, from the memory plan (launch/memplan.py).
+"""The largest Qwen2.5-shaped dense model per host size, from the memory plan (launch/config/memplan.py).
 
   python bench/capacity.py [--hosts 64,128,256,512,1536] [--batch 16] [--seq 4096]
 
@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megatrain.launch.config import load_config  # noqa: E402
-from megatrain.launch.memplan import make_plan, this_host  # noqa: E402
+from megatrain.launch.config.memplan import make_plan, this_host  # noqa: E402
+from megatrain.launch.config.tree import load_config  # noqa: E402
 
 GIB = 2**30
 H200_FREE = 139.3  # GiB free after the CUDA context (measured)

@@ -30,8 +30,8 @@ import numpy as np  # noqa: E402
 
 from bench.run import overrides  # noqa: E402
 from megatrain import checkpoint as ckpt  # noqa: E402
-from megatrain.launch.config import load_config  # noqa: E402
-from megatrain.launch.driver import Trainer  # noqa: E402
+from megatrain.launch.config.tree import load_config  # noqa: E402
+from megatrain.launch.run.driver import Trainer  # noqa: E402
 
 SMALL = {
     "hidden_size": 1024,
@@ -122,7 +122,7 @@ def export_and_import(args: argparse.Namespace, src: Path, dst: Path) -> dict:
     shutil.rmtree(dst, ignore_errors=True)
     t0 = time.perf_counter()
     subprocess.run(
-        [sys.executable, "-m", "megatrain.launch.cli", "export", str(src), str(dst), "--dtype", "bf16"], check=True
+        [sys.executable, "-m", "megatrain.launch.cli.main", "export", str(src), str(dst), "--dtype", "bf16"], check=True
     )
     export_s = time.perf_counter() - t0
     nbytes = sum(f.stat().st_size for f in dst.glob("*.safetensors"))

@@ -47,9 +47,9 @@ from megatrain.configbase import merge_overrides, parse_override  # noqa: E402
 from megatrain.errors import ConfigError, DataError, MegatrainError  # noqa: E402
 from megatrain.flops import step_flops  # noqa: E402
 from megatrain.ipc.procs import started_at  # noqa: E402
-from megatrain.launch.config import load_config  # noqa: E402
-from megatrain.launch.driver import Trainer  # noqa: E402
-from megatrain.launch.plots import plot_timeline  # noqa: E402
+from megatrain.launch.config.tree import load_config  # noqa: E402
+from megatrain.launch.plot.plots import plot_timeline  # noqa: E402
+from megatrain.launch.run.driver import Trainer  # noqa: E402
 from megatrain.model import resolve_hf_config  # noqa: E402
 
 QWEN7B = {
@@ -526,9 +526,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def most_batch(args: argparse.Namespace, most: int = 4096) -> int:
-    """--batch auto: the most sequences per GPU (up to `most`) whose MegaTrain plan (launch/memplan.py) fits this
+    """--batch auto: the most sequences per GPU (up to `most`) whose MegaTrain plan (launch/config/memplan.py) fits this
     machine's host and its GPU's free memory, capped at --gpu-gib; the plan's answer, printed."""
-    from megatrain.launch.memplan import make_plan
+    from megatrain.launch.config.memplan import make_plan
 
     budget = args.gpu_gib
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 __version__ = "0.1.0"
 
-_writer: Callable[[str], None] | None = None  # a progress bar's writer while one is up (launch/progress.py)
+_writer: Callable[[str], None] | None = None  # a progress bar's writer while one is up (launch/report/progress.py)
 
 
 def log(msg: str) -> None:

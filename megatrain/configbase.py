@@ -1,7 +1,7 @@
 """Machinery for the one config tree: documented fields, YAML + `key=value` loading, validation.
 
 Each component owns its dataclass (ModelConfig in model.py, IpcConfig in ipc/protocol.py, ...);
-launch/config.py assembles the tree. YAML and command-line overrides only fill it: every key is
+launch/config/tree.py assembles the tree. YAML and command-line overrides only fill it: every key is
 checked against the dataclasses, and a wrong one is reported with its file and line.
 """
 

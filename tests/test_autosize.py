@@ -11,7 +11,7 @@ from megatrain import autosize
 from megatrain.blocks import blocks
 from megatrain.engine import FIXED_SIZES, EngineConfig, resolve_engine
 from megatrain.ipc.protocol import checkpoint_host_bytes
-from megatrain.launch.config import load_config
+from megatrain.launch.config.tree import load_config
 from megatrain.model import ModelConfig, build_spec
 
 GIB = 2**30

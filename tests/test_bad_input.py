@@ -14,8 +14,8 @@ import psutil
 import pytest
 import torch
 
-from megatrain.launch import cli
-from megatrain.launch.config import load_config
+from megatrain.launch.cli import main as cli
+from megatrain.launch.config.tree import load_config
 from tests.conftest import ROOT, run_leftovers
 from tests.helpers import TINY, started_since, tiny_hf
 
@@ -34,7 +34,7 @@ def launch(capsys, *argv: str) -> tuple[int, str]:
 
 def usage_error(capsys, *argv: str, ray: bool = False) -> str:
     """The run refused with exit 2 and one line. A refusal of the model's checks or of the data comes after the
-    actors were spawned beside them (launch/inputs.py): with the in-process runner here (the test's own
+    actors were spawned beside them (launch/run/inputs.py): with the in-process runner here (the test's own
     overrides come after it, so a bad launch.runner is still the one checked), with Ray where `ray`."""
     if not ray:
         argv = (argv[0], "launch.runner=inprocess", *argv[1:])
@@ -96,7 +96,7 @@ def test_a_missing_file_names_the_line_that_set_its_key(capsys, tmp_path: Path) 
 
 def test_a_message_about_a_key_left_at_its_default_is_not_given_a_place(tmp_path: Path) -> None:
     from megatrain.configbase import Where, locate
-    from megatrain.launch.config import Config
+    from megatrain.launch.config.tree import Config
 
     where = Where(str(tmp_path / "c.yaml"), "data:\n  path: x.bin\n", {"train.steps": "train.steps=3"})
     assert locate("data.path: gone", where, Config) == f"{tmp_path / 'c.yaml'}:2: data.path: gone"
@@ -230,7 +230,7 @@ def test_unreachable_ray_address_names_the_key(tmp_path: Path) -> None:
     hf = json.dumps({**TINY, "num_hidden_layers": 2})
     argv = [DEFAULT, "--address", "127.0.0.1:9", f"train.output_dir={tmp_path / 'o'}", f"model.hf={hf}"]
     proc = subprocess.run(
-        [sys.executable, "-m", "megatrain.launch.cli", *argv], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "megatrain.launch.cli.main", *argv], capture_output=True, text=True, timeout=300
     )
     err = proc.stderr
     assert proc.returncode == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
@@ -258,14 +258,14 @@ def test_an_address_other_than_the_connected_cluster_is_refused(capsys, tmp_path
 
 
 def test_addresses_naming_one_endpoint() -> None:
-    from megatrain.launch.runners import _same_endpoint
+    from megatrain.launch.control.runners import _same_endpoint
 
     assert _same_endpoint("localhost:6379", "127.0.0.1:6379") and _same_endpoint("10.0.0.5:1", "10.0.0.5:1")
     assert not _same_endpoint("127.0.0.1:6379", "127.0.0.1:6380") and not _same_endpoint("auto", "127.0.0.1:6379")
 
 
 def test_fidelity_reports_a_bad_key_in_one_line(capsys) -> None:
-    from megatrain.launch import fidelity
+    from megatrain.launch.cli import fidelity
 
     assert fidelity.main([DEFAULT, "optim.lrr=1"]) == 2
     err = capsys.readouterr().err

@@ -11,8 +11,8 @@ import pytest
 
 from megatrain import checkpoint as ckpt
 from megatrain.errors import ConfigError
-from megatrain.launch.config import load_config
-from megatrain.launch.driver import Trainer
+from megatrain.launch.config.tree import load_config
+from megatrain.launch.run.driver import Trainer
 from tests.data_fixtures import MODEL_VOCAB, chat_records, make_tokenizer, write_jsonl
 from tests.helpers import TINY, tiny_config_dict
 
@@ -142,7 +142,7 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_is_exact
     import signal
     import threading
 
-    from megatrain.launch import cli
+    from megatrain.launch.cli import main as cli
 
     run(tmp_path / "ref", "llama", steps=8)
     out = tmp_path / "run"
@@ -187,7 +187,7 @@ def test_a_signal_stops_after_the_step_with_a_checkpoint_and_the_resume_is_exact
 def test_the_first_signal_asks_the_second_insists(sig: str) -> None:
     import signal
 
-    from megatrain.launch.stopping import StopRequest
+    from megatrain.launch.run.stopping import StopRequest
 
     stop, num = StopRequest(), getattr(signal, sig)
     with stop.installed():

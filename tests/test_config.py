@@ -11,7 +11,7 @@ import pytest
 
 from megatrain.configbase import dump_yaml, reference
 from megatrain.errors import ConfigError, MegatrainError
-from megatrain.launch.config import Config, load_config, validate
+from megatrain.launch.config.tree import Config, load_config, validate
 
 DEFAULT_YAML = Path(__file__).resolve().parents[1] / "examples" / "default.yaml"
 

@@ -18,9 +18,9 @@ import psutil
 import pytest
 
 from megatrain import checkpoint as ckpt
-from megatrain.launch import console
-from megatrain.launch.console import GuardedStream
-from megatrain.launch.stopping import StopRequest, interrupted
+from megatrain.launch.report import console
+from megatrain.launch.report.console import GuardedStream
+from megatrain.launch.run.stopping import StopRequest, interrupted
 from tests.conftest import ROOT
 from tests.test_lifecycle import Cli
 
@@ -49,7 +49,7 @@ def test_ctrl_c_with_the_pipe_reader_gone_still_checkpoints(tmp_path: Path, stde
     cli = Cli(tmp_path, "train.eval_every=0", "train.final_eval=false", steps=100000, wrap=shell)
     wait_for_steps(cli, 3)
     cli.snapshot()
-    (launcher,) = [p for p in psutil.Process(cli.proc.pid).children() if "megatrain.launch.cli" in p.cmdline()]
+    (launcher,) = [p for p in psutil.Process(cli.proc.pid).children() if "megatrain.launch.cli.main" in p.cmdline()]
     launcher.send_signal(signal.SIGPIPE)  # ignored: only a write's EPIPE says that the reader is gone
     os.killpg(cli.proc.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
     assert cli.finish(timeout=180) == 128 + signal.SIGINT, cli.text()
@@ -157,7 +157,7 @@ def test_the_launcher_into_a_closed_pipe_exits_quietly() -> None:
     os.close(read)
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "megatrain.launch.cli", str(ROOT / "examples/default.yaml"), "--print-config"],
+            [sys.executable, "-m", "megatrain.launch.cli.main", str(ROOT / "examples/default.yaml"), "--print-config"],
             cwd=ROOT,
             stdout=write,
             stderr=subprocess.PIPE,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from megatrain import checkpoint as ckpt
-from megatrain.launch import cli
-from megatrain.launch.runners import InProcessRunner, RayRunner
+from megatrain.launch.cli import main as cli
+from megatrain.launch.control.runners import InProcessRunner, RayRunner
 from tests.conftest import ROOT
 
 STEPS = 10

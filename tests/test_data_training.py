@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain.launch import cli
-from megatrain.launch.config import load_config
-from megatrain.launch.fidelity import compare
+from megatrain.launch.cli import main as cli
+from megatrain.launch.cli.fidelity import compare
+from megatrain.launch.config.tree import load_config
 from tests.conftest import run_leftovers
 from tests.data_fixtures import (
     MODEL_VOCAB,
@@ -208,11 +208,11 @@ def test_packed_chat_and_token_files(tmp_path, tok_dir) -> None:
 def test_bad_data_exits_2_with_one_line_and_leaves_nothing(
     tmp_path, tok_dir, capsys, monkeypatch, problem: str, words: str, runner: str
 ) -> None:
-    """With Ray the data is read beside its start and the actors' spawn (launch/inputs.py): the refusal ends
+    """With Ray the data is read beside its start and the actors' spawn (launch/run/inputs.py): the refusal ends
     them again, and nothing of the run is left. In-process nothing is spawned before the data is read."""
     import psutil
 
-    from megatrain.launch.runners import InProcessRunner
+    from megatrain.launch.control.runners import InProcessRunner
 
     def no_spawn(*_):
         raise AssertionError("an actor was spawned before the data was checked")

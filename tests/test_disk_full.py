@@ -20,10 +20,10 @@ import pytest
 
 from megatrain import checkpoint as ckpt
 from megatrain.errors import ConfigError, human_bytes
-from megatrain.launch import cli
-from megatrain.launch.config import load_config
-from megatrain.launch.metrics import MetricsFile
-from megatrain.launch.output import prepare_output
+from megatrain.launch.cli import main as cli
+from megatrain.launch.config.tree import load_config
+from megatrain.launch.report.metrics import MetricsFile
+from megatrain.launch.run.output import prepare_output
 from megatrain.model import build_spec
 from tests.conftest import ROOT
 
@@ -58,7 +58,7 @@ mnt, size, fill_after, copy, *argv = sys.argv[1:]
 subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", mnt], check=True)
 try:
     logs = {k: open(f"{copy}.{k}", "w+") for k in ("stdout", "stderr")}
-    proc = subprocess.Popen([sys.executable, "-m", "megatrain.launch.cli", *argv], stdout=logs["stdout"],
+    proc = subprocess.Popen([sys.executable, "-m", "megatrain.launch.cli.main", *argv], stdout=logs["stdout"],
                             stderr=logs["stderr"])
     metrics = os.path.join(mnt, "run", "metrics.jsonl")
     while int(fill_after) and proc.poll() is None:
@@ -182,7 +182,7 @@ def test_error_log_that_cannot_be_written_still_gives_the_line(tmp_path: Path, c
 PARTIAL = r"""
 import json, resource, signal, sys
 from pathlib import Path
-from megatrain.launch.metrics import MetricsFile
+from megatrain.launch.report.metrics import MetricsFile
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write is cut short, then fails with EFBIG
 resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000))
 f = MetricsFile(Path(sys.argv[1]))

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 
 from megatrain.configbase import reference
-from megatrain.launch.cli import main as launch
-from megatrain.launch.config import Config, load_config
-from megatrain.launch.driver import Trainer
-from megatrain.launch.metrics import METRICS, metrics_table
+from megatrain.launch.cli.main import main as launch
+from megatrain.launch.config.tree import Config, load_config
+from megatrain.launch.report.metrics import METRICS, metrics_table
+from megatrain.launch.run.driver import Trainer
 from tests.conftest import ROOT
 from tests.helpers import TINY
 
@@ -36,7 +36,7 @@ ALL = [*DOCS, ROOT / "BENCHMARKS.md"]
 SUBCOMMANDS = ("export", "plan", "status", "plot", "tokenizer")
 SECTIONS = "model|data|optim|engine|ipc|actors|train|launch"
 # A config key in running text: a section, then lowercase segments; not part of a longer dotted name
-# (megatrain.launch.fidelity) or a path (tests/test_data.py).
+# (megatrain.launch.cli.fidelity) or a path (tests/test_data.py).
 KEY = re.compile(rf"(?<![\w./-])(?:{SECTIONS})\.[a-z_][a-z0-9_]*(?:\.[a-z_][a-z0-9_]*)*(?![\w/])")
 FILE_SUFFIXES = (".json", ".jsonl", ".py", ".yaml", ".md", ".png", ".npy", ".bin")
 # Documented before its code lands: a command naming one of these (a subcommand, a flag) is skipped while the
@@ -81,7 +81,7 @@ def test_configuration_md_is_what_config_reference_prints(capsys) -> None:
 
 def test_metrics_table_is_generated_from_the_code() -> None:
     assert block(ROOT / "docs" / "operations.md", "metrics-table") == metrics_table(), (
-        "docs/operations.md's metrics table is stale (launch/metrics.py metrics_table())"
+        "docs/operations.md's metrics table is stale (launch/report/metrics.py metrics_table())"
     )
 
 
@@ -105,7 +105,7 @@ def test_every_field_a_run_writes_is_documented(tmp_path, rid: str) -> None:
     Trainer(cfg).run()
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     written = set().union(*rows)
-    assert written - set(METRICS) == set(), "fields missing from launch/metrics.py"
+    assert written - set(METRICS) == set(), "fields missing from launch/report/metrics.py"
     assert {"eval_loss", "eval_accuracy", "loop_blocking_calls"} <= written  # the optional groups were exercised
 
 

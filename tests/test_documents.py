@@ -20,8 +20,8 @@ from megatrain.documents import documents_of
 from megatrain.engine import EngineConfig, StepEngine
 from megatrain.errors import ConfigError, DataError
 from megatrain.ipc.protocol import blocks
-from megatrain.launch.config import load_config
-from megatrain.launch.fidelity import compare
+from megatrain.launch.cli.fidelity import compare
+from megatrain.launch.config.tree import load_config
 from megatrain.weights import flat_unit
 from tests.data_fixtures import MODEL_VOCAB, chat_records, make_tokenizer, text_records, write_jsonl
 from tests.helpers import DictSink, DictSource, spec_for, tiny_hf

@@ -13,8 +13,8 @@ import numba
 import pytest
 
 from megatrain.ipc.protocol.cpus import node_cores
-from megatrain.launch.config import load_config
-from megatrain.launch.fidelity import compare
+from megatrain.launch.cli.fidelity import compare
+from megatrain.launch.config.tree import load_config
 from tests.conftest import run_leftovers
 from tests.helpers import tiny_config_dict
 

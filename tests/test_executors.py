@@ -16,11 +16,11 @@ import torch
 
 from megatrain.collective import split_rows
 from megatrain.errors import ConfigError, MegatrainError
-from megatrain.launch.config import load_config
-from megatrain.launch.driver import Trainer
-from megatrain.launch.fidelity import compare
-from megatrain.launch.metrics import merge_executors
-from megatrain.launch.placement import ActorsConfig, demands, resolve_executors
+from megatrain.launch.cli.fidelity import compare
+from megatrain.launch.config.tree import load_config
+from megatrain.launch.control.placement import ActorsConfig, demands, resolve_executors
+from megatrain.launch.report.metrics import merge_executors
+from megatrain.launch.run.driver import Trainer
 from tests.test_equivalence import check, tiny_config
 from tests.test_lifecycle import Cli
 
@@ -147,7 +147,7 @@ def test_a_killed_executor_stops_the_run_with_it_named(tmp_path: Path) -> None:
 
 
 def test_the_plan_sizes_each_gpu_for_its_share_and_counts_every_executor() -> None:
-    from megatrain.launch.memplan import GIB, Host, make_plan
+    from megatrain.launch.config.memplan import GIB, Host, make_plan
 
     hf = json.dumps({"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "vocab_size": 32000})
     base = ["model.family=qwen2", f"model.hf={hf}", "data.seq_len=512", "data.kind=tokens", "data.path=x.bin"]

@@ -18,7 +18,7 @@ from megatrain.data import DataConfig, batch
 from megatrain.data.arithmetic import END_ID
 from megatrain.engine import EngineConfig, StepEngine
 from megatrain.export import RECORD
-from megatrain.launch import cli
+from megatrain.launch.cli import main as cli
 from tests.helpers import DictSource, spec_for
 from tests.test_checkpoint import run
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from megatrain.errors import MegatrainError
-from megatrain.launch.config import load_config
-from megatrain.launch.driver import Trainer
+from megatrain.launch.config.tree import load_config
+from megatrain.launch.run.driver import Trainer
 from tests.conftest import run_leftovers
 from tests.helpers import TINY
 

@@ -16,9 +16,9 @@ from bench import run as bench_run
 from megatrain import autosize, gpubudget
 from megatrain.engine import EngineConfig, resolve_engine
 from megatrain.errors import ConfigError, ResourceError
-from megatrain.launch import memplan
-from megatrain.launch.cli import main
-from megatrain.launch.config import load_config
+from megatrain.launch.cli.main import main
+from megatrain.launch.config import memplan
+from megatrain.launch.config.tree import load_config
 from megatrain.model import ModelConfig, build_spec
 
 GIB = 2**30

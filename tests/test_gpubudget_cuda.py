@@ -13,8 +13,8 @@ import torch
 
 from megatrain import autosize, gpubudget
 from megatrain.engine import resolve_engine
-from megatrain.launch.config import load_config
-from megatrain.launch.driver import Trainer
+from megatrain.launch.config.tree import load_config
+from megatrain.launch.run.driver import Trainer
 from megatrain.model import build_spec
 from tests.helpers import NEEDS_CUDA
 

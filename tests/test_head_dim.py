@@ -16,8 +16,8 @@ from megatrain.data import DataConfig, batch
 from megatrain.errors import ConfigError
 from megatrain.export import export
 from megatrain.flops import active_params, model_step_flops
-from megatrain.launch import memplan
-from megatrain.launch.config import load_config
+from megatrain.launch.config import memplan
+from megatrain.launch.config.tree import load_config
 from megatrain.lean import lean_layer_bytes
 from megatrain.model import FAMILIES, ModelSpec, build_spec, hf_config_fields
 from megatrain.weights import flat_unit

@@ -44,7 +44,7 @@ def test_imports_go_one_way() -> None:
 
 def test_the_checker_sees_a_wrong_import(tmp_path: Path) -> None:
     bad = tmp_path / "m.py"
-    bad.write_text("def f():\n    from megatrain.launch.driver import Trainer\n")
+    bad.write_text("def f():\n    from megatrain.launch.run.driver import Trainer\n")
     assert [(line, layer_of(m)) for line, m in imports(bad)] == [(2, "launch")]
 
 

@@ -76,13 +76,13 @@ def test_a_draw_whose_modeling_code_was_imported_ahead_is_the_same(rid: str) -> 
 
 
 def test_a_run_that_may_resume_is_told_from_a_fresh_one(tmp_path) -> None:
-    """A run that may resume reads its checkpoint before anything starts (launch/driver.py); only the others
+    """A run that may resume reads its checkpoint before anything starts (launch/run/driver.py); only the others
     read their inputs beside the spawn, and have the init's modeling code imported ahead by the owner. A torn
     checkpoint is none to resume from."""
     import json
 
     from megatrain import checkpoint as ckpt
-    from megatrain.launch.resume import may_resume
+    from megatrain.launch.run.resume import may_resume
 
     out = tmp_path / "out"
     assert not may_resume("auto", out) and not may_resume("none", out)

@@ -33,7 +33,7 @@ from tests.conftest import ROOT, run_leftovers
 pytest.importorskip("ray.dashboard.modules.job", reason="needs megatrain[cluster] (ray[default])")
 pytestmark = pytest.mark.slow
 RAY = [sys.executable, "-m", "ray.scripts.scripts"]
-LAUNCH = [sys.executable, "-m", "megatrain.launch.cli"]
+LAUNCH = [sys.executable, "-m", "megatrain.launch.cli.main"]
 SMALL = ["model.hf.hidden_size=32", "model.hf.intermediate_size=64", "data.seq_len=32", "data.batch_size=2"]
 STEPS = 400  # long enough for two `ray job stop`s (each a few seconds) before the run ends
 RECIPE = {"RAY_AUTH_MODE": "token"}  # the README's `export RAY_AUTH_MODE=token` before `ray start` and `ray job`
@@ -149,7 +149,7 @@ def submit(
         "--",
         sys.executable,
         "-m",
-        "megatrain.launch.cli",
+        "megatrain.launch.cli.main",
         "default.yaml",
         *overrides,
     )

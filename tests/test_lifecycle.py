@@ -42,7 +42,7 @@ class Cli:
             *wrap,
             sys.executable,
             "-m",
-            "megatrain.launch.cli",
+            "megatrain.launch.cli.main",
             str(ROOT / "examples/default.yaml"),
             *SMALL,
             f"train.steps={steps}",
@@ -128,7 +128,11 @@ def test_bad_config_key_is_one_clear_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("optim:\n  lr: 1.0e-3\n  lrr: 2.0e-3\n")
     proc = subprocess.run(
-        [sys.executable, "-m", "megatrain.launch.cli", str(bad)], cwd=ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "megatrain.launch.cli.main", str(bad)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2  # a usage error
     assert f"{bad}:3" in proc.stderr and "optim.lrr" in proc.stderr and "did you mean 'optim.lr'" in proc.stderr
@@ -140,7 +144,7 @@ def test_bad_override_names_the_command_line(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "megatrain.launch.cli",
+            "megatrain.launch.cli.main",
             str(ROOT / "examples/default.yaml"),
             "engine.checkpoint_interval=0",
         ],
@@ -312,8 +316,8 @@ def test_one_run_stopped_and_killed_mid_checkpoint_resumes_bit_identical(tmp_pat
     the dead or stopped actor named, nothing left running or in /dev/shm, a torn checkpoint never taken
     for a complete one. At the end the run finishes in its own processes and
     equals an uninterrupted run bit for bit: every loss, every weight and both Adam moments."""
-    from megatrain.launch.config import load_config
-    from megatrain.launch.driver import Trainer
+    from megatrain.launch.config.tree import load_config
+    from megatrain.launch.run.driver import Trainer
 
     ref = tmp_path / "ref"
     Trainer(
@@ -380,7 +384,7 @@ def test_the_cleanup_command_removes_a_dead_runs_segments_and_keeps_a_live_ones(
     put(tmp_path, gone[2], b"")
     kept = put(tmp_path, f"megatrain-{alive}-ctl", header(alive, pid=me, ticks=start_ticks(me)))
     proc = subprocess.run(
-        [sys.executable, "-m", "megatrain.launch.cli", "--cleanup", "--shm-dir", str(tmp_path)],
+        [sys.executable, "-m", "megatrain.launch.cli.main", "--cleanup", "--shm-dir", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -397,7 +401,7 @@ def test_the_guard_leaves_a_detached_watchdog_alone() -> None:
     """A process of the instance starts a watchdog in a session of its own (as spawn_detached does for the
     store owner's reaper), here kept as its child, so that every look of the guard finds it in the instance's
     tree: the guard tracks the process, never the watchdog, and ends what it tracks once the driver is gone."""
-    from megatrain.launch.guard import Guard
+    from megatrain.launch.control.guard import Guard
 
     code = (
         "import subprocess, sys, time; "
@@ -439,7 +443,7 @@ def test_the_launcher_leaves_once_its_inputs_read_has_ended() -> None:
     """A refused placement ends a run while its inputs are still read on their thread: the launcher waits for
     that read before it returns (a thread still importing as the interpreter exits races its exit handlers),
     up to a limit, and not once a signal asks it out."""
-    from megatrain.launch.inputs import Background, settle_reads
+    from megatrain.launch.run.inputs import Background, settle_reads
 
     ended: list[bool] = []
     Background(lambda: (time.sleep(1.0), ended.append(True)), name="inputs")
@@ -456,8 +460,8 @@ def test_the_launcher_leaves_once_its_inputs_read_has_ended() -> None:
 
 def test_the_launcher_returns_after_a_read_in_flight_has_ended() -> None:
     """The launcher's own exit path: an error returned (exit 2 here) still waits for the read beside it."""
-    from megatrain.launch.cli import main
-    from megatrain.launch.inputs import Background
+    from megatrain.launch.cli.main import main
+    from megatrain.launch.run.inputs import Background
 
     ended: list[bool] = []
     Background(lambda: (time.sleep(1.5), ended.append(True)), name="inputs")

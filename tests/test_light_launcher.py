@@ -26,7 +26,7 @@ def heavy_after(code: str, *args: str) -> list[str]:
 
 
 CLI = (
-    "from megatrain.launch.cli import main\n"
+    "from megatrain.launch.cli.main import main\n"
     "try:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n    assert exc.code == 0, exc.code\n"
 )
 
@@ -57,7 +57,7 @@ def test_the_config_tree_and_its_checks_import_nothing_heavy(tmp_path) -> None:
     (tmp_path / "qwen7b.yaml").write_text(QWEN7B_YAML)
     code = (
         "from megatrain.configbase import dump_yaml, reference_table\n"
-        "from megatrain.launch.config import Config, load_tree\n"
+        "from megatrain.launch.config.tree import Config, load_tree\n"
         "for path in sys.argv[1:]:\n"
         "    cfg, where = load_tree(path, ['optim.lr=3e-4'])\n"
         "    assert dump_yaml(cfg)\n"
@@ -73,6 +73,6 @@ def test_the_heavy_check_sees_torch() -> None:
 
 def test_export_names_the_dtypes_the_export_writes() -> None:
     from megatrain.export import DTYPES
-    from megatrain.launch.export_cmd import DTYPE_NAMES
+    from megatrain.launch.cli.export_cmd import DTYPE_NAMES
 
     assert sorted(DTYPE_NAMES) == sorted(DTYPES)

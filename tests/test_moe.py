@@ -13,8 +13,8 @@ from megatrain.data import IGNORE, DataConfig, batch
 from megatrain.engine import EngineConfig, StepEngine, fixed_sizes
 from megatrain.errors import ConfigError
 from megatrain.ipc.protocol import blocks, fetch_order, grad_order
-from megatrain.launch.config import load_config
-from megatrain.launch.fidelity import compare
+from megatrain.launch.cli.fidelity import compare
+from megatrain.launch.config.tree import load_config
 from megatrain.model import resolve_hf_config
 from megatrain.moe import num_experts
 from megatrain.weights import flat_unit

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from megatrain.errors import ConfigError
-from megatrain.launch import cli
+from megatrain.launch.cli import main as cli
 from megatrain.model import ModelConfig, build_spec
 from megatrain.weights import check_checkpoint, checkpoint_index, read_unit
 from tests.helpers import MOE_FAMILIES, import_args, tiny_hf

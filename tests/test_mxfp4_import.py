@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from megatrain import mxfp4
 from megatrain.errors import ConfigError
-from megatrain.launch import cli
+from megatrain.launch.cli import main as cli
 from megatrain.model import ModelConfig, build_spec, family_classes
 from megatrain.weights import checkpoint_index, read_unit
 from tests.helpers import import_args, tiny_config_dict

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.launch.cli import main
-from megatrain.launch.config import load_config
-from megatrain.launch.driver import Trainer
-from megatrain.launch.plots import (
+from megatrain.launch.cli.main import main
+from megatrain.launch.config.tree import load_config
+from megatrain.launch.plot.plots import (
     ACCURACY,
     loss_figure,
     run_flops,
@@ -21,7 +20,8 @@ from megatrain.launch.plots import (
     throughput_figure,
     timeline_figure,
 )
-from megatrain.launch.plots_moe import experts_figure, routing
+from megatrain.launch.plot.plots_moe import experts_figure, routing
+from megatrain.launch.run.driver import Trainer
 from tests.helpers import TINY
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -287,7 +287,7 @@ def test_every_figure_of_a_run_is_titled_with_its_run_and_steps(tmp_path, monkey
     config.yaml's run id, else the directory) and the steps it draws; a run without eval_accuracy (no
     arithmetic evaluation) gets no accuracy axis."""
     pytest.importorskip("matplotlib")
-    import megatrain.launch.plots as plots
+    import megatrain.launch.plot.plots as plots
 
     rows = moe_rows(5)
     rows[2]["eval_loss"] = 3.0

@@ -70,8 +70,8 @@ def test_detector_sees_an_item_in_a_cuda_loop(tmp_path: Path, sync: bool) -> Non
 def _profiled_run(tmp_path: Path, rid: str, actor: str, capsys) -> tuple[Path, str]:
     import json
 
-    from megatrain.launch.config import load_config
-    from megatrain.launch.driver import Trainer
+    from megatrain.launch.config.tree import load_config
+    from megatrain.launch.run.driver import Trainer
     from tests.helpers import TINY
 
     hf = json.dumps({**TINY, "num_hidden_layers": 2})
@@ -267,7 +267,7 @@ def test_nvtx_ranges_follow_the_engines_phase_marks(monkeypatch) -> None:
 
 @pytest.mark.parametrize("value, msg", [("default", "needs launch.runner 'ray'"), ("always", "mapping of nsys")])
 def test_launch_nsight_is_checked_where_it_is_set(value: str, msg: str) -> None:
-    from megatrain.launch.config import load_config
+    from megatrain.launch.config.tree import load_config
 
     runner = ["launch.runner=inprocess"] if "runner" in msg else []
     with pytest.raises(Exception, match=msg) as info:
@@ -282,9 +282,9 @@ def test_launch_nsight_without_nsys_is_refused_before_the_executor_starts(monkey
     import shutil
 
     from megatrain.errors import ConfigError
-    from megatrain.launch.config import load_config
-    from megatrain.launch.placement import Demand
-    from megatrain.launch.runners import RayRunner
+    from megatrain.launch.config.tree import load_config
+    from megatrain.launch.control.placement import Demand
+    from megatrain.launch.control.runners import RayRunner
 
     monkeypatch.setattr(shutil, "which", lambda name: None)
     runner = RayRunner(load_config(None, ["launch.nsight=default"]).launch)

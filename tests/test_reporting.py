@@ -9,10 +9,10 @@ import pytest
 
 import megatrain
 from megatrain.errors import ConfigError
-from megatrain.launch.config import load_config
-from megatrain.launch.driver import Trainer
-from megatrain.launch.output import prepare_output
-from megatrain.launch.progress import WINDOW, Eta, Progress, auto_every, clock
+from megatrain.launch.config.tree import load_config
+from megatrain.launch.report.progress import WINDOW, Eta, Progress, auto_every, clock
+from megatrain.launch.run.driver import Trainer
+from megatrain.launch.run.output import prepare_output
 from tests.helpers import TINY
 
 

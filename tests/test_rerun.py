@@ -17,10 +17,10 @@ import pytest
 
 from megatrain import checkpoint as ckpt
 from megatrain.errors import ConfigError
-from megatrain.launch import cli
-from megatrain.launch.driver_config import TrainConfig
-from megatrain.launch.output import prepare_output
-from megatrain.launch.rerun import resume_command
+from megatrain.launch.cli import main as cli
+from megatrain.launch.config.train import TrainConfig
+from megatrain.launch.report.rerun import resume_command
+from megatrain.launch.run.output import prepare_output
 from tests.conftest import ROOT
 from tests.helpers import TINY
 

@@ -21,7 +21,7 @@ import pytest
 from megatrain.errors import ConfigError
 from megatrain.ipc import procs, segments
 from megatrain.ipc.shm import HEADER_BYTES, LAYOUT_VERSION, Header, seg_name
-from megatrain.launch import cli
+from megatrain.launch.cli import main as cli
 from tests.conftest import ROOT
 from tests.shm_fixtures import HASH
 
@@ -158,7 +158,7 @@ def test_a_live_runs_id_is_refused_at_once_before_anything_starts(
 ) -> None:
     """A launch that names a run id whose shared memory is in use exits 2 before Ray or an actor starts,
     with status's words; and its Store.create says the same where it gets that far."""
-    from megatrain.launch import startup
+    from megatrain.launch.control import startup
 
     def spawned(*_a, **_k):
         raise AssertionError("the launch spawned actors before refusing the run id")
@@ -181,8 +181,8 @@ def test_a_live_runs_id_is_refused_at_once_before_anything_starts(
 def test_a_launch_goes_ahead_over_a_leftover_of_its_run_id_and_removes_it(tmp_path: Path, rid: str) -> None:
     """Garbage where the run's control segment goes, written a moment ago and held by nothing: the launch
     naming that run id is not refused, its store owner's sweep removes the leftover and the run trains."""
-    from megatrain.launch.config import load_config
-    from megatrain.launch.driver import Trainer
+    from megatrain.launch.config.tree import load_config
+    from megatrain.launch.run.driver import Trainer
 
     junk = posix_ipc.SharedMemory(seg_name(rid, "ctl"), posix_ipc.O_CREX, mode=0o600, size=HEADER_BYTES)
     with mmap.mmap(junk.fd, HEADER_BYTES) as mm:

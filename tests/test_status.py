@@ -10,7 +10,7 @@ import pytest
 
 from megatrain.ipc.protocol import Store
 from megatrain.ipc.protocol.status import read_run
-from megatrain.launch.cli import main
+from megatrain.launch.cli.main import main
 from tests.shm_fixtures import ALL_PARTS, SHM, make_spec, owned, remove_all
 from tests.test_shm import DEAD_OWNER, child_env
 

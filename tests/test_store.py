@@ -22,7 +22,7 @@ from megatrain.ipc import shm
 from megatrain.ipc.protocol import PLANES, Store
 from megatrain.ipc.protocol.executor import SyncSink
 from megatrain.ipc.shm import HEADER_BYTES
-from megatrain.launch.placement import ActorsConfig, demands
+from megatrain.launch.control.placement import ActorsConfig, demands
 from megatrain.layout import TILE_ALIGN
 from tests.helpers import spec_for, tiny_hf
 from tests.shm_fixtures import ALL_PARTS, SHM, leftovers, make_spec, owned, remove_all

@@ -1,6 +1,7 @@
-"""The plan's time estimate (megatrain/steptime.py, launch/timeplan.py), its warning for a run of more than a day,
-the plan's word when no setting makes a run fit, and a plan of a pretrained directory without its weights. No
-timing is asserted: the rates are given, or only their presence is checked."""
+"""The plan's time estimate (megatrain/steptime.py, launch/config/timeplan.py), its
+warning for a run of more than a day, the plan's word when no setting makes a run fit, and a plan of a
+pretrained directory without its weights. No timing is asserted: the rates are given, or only their presence
+is checked."""
 
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import torch
 
 from megatrain import steptime
 from megatrain.errors import ConfigError
-from megatrain.launch import timeplan
-from megatrain.launch.cli import main
-from megatrain.launch.config import load_config, load_tree, validate_model
+from megatrain.launch.cli.main import main
+from megatrain.launch.config import timeplan
+from megatrain.launch.config.tree import load_config, load_tree, validate_model
 from megatrain.model import build_spec
 
 ROOT = Path(__file__).resolve().parents[1]

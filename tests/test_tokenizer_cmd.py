@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from megatrain.launch.cli import main
-from megatrain.launch.config import load_config
-from megatrain.launch.driver import Trainer
+from megatrain.launch.cli.main import main
+from megatrain.launch.config.tree import load_config
+from megatrain.launch.run.driver import Trainer
 from tests.data_fixtures import chat_records, text_records, write_jsonl
 from tests.helpers import TINY
 

@@ -10,9 +10,9 @@ import threading
 import pytest
 
 from megatrain.actors.base import Role
-from megatrain.launch.handles import Handle, Runner
-from megatrain.launch.placement import Demand
-from megatrain.launch.runners import InProcessRunner, LaunchConfig, RayRunner
+from megatrain.launch.control.handles import Handle, Runner
+from megatrain.launch.control.placement import Demand
+from megatrain.launch.control.runners import InProcessRunner, LaunchConfig, RayRunner
 
 
 class Probe(Role):

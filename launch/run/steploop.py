@@ -1,5 +1,5 @@
 """The step loop: one call per actor per step, Adam's update overlapping the next step, evaluations and
-checkpoints between steps, a graceful stop on a signal; each step's row to launch/reporting.py."""
+checkpoints between steps, a graceful stop on a signal; each step's row to launch/report/reporting.py."""
 
 from __future__ import annotations
 
@@ -23,16 +23,16 @@ from megatrain.errors import ProtocolError
 from megatrain.flops import model_step_flops
 from megatrain.ipc.protocol import StoreSpec
 from megatrain.ipc.protocol.adam import Applied
-from megatrain.launch.actor_profile import ActorProfile
-from megatrain.launch.checkpointing import Checkpointer
-from megatrain.launch.config import Config
-from megatrain.launch.crew import Crew
-from megatrain.launch.evaluation import Evaluator
-from megatrain.launch.metrics import executor_row, merge_executors
-from megatrain.launch.reporting import Reporter
-from megatrain.launch.runners import Pending
-from megatrain.launch.saving import Saves
-from megatrain.launch.stopping import StopRequest
+from megatrain.launch.config.tree import Config
+from megatrain.launch.control.crew import Crew
+from megatrain.launch.control.runners import Pending
+from megatrain.launch.report.actor_profile import ActorProfile
+from megatrain.launch.report.metrics import executor_row, merge_executors
+from megatrain.launch.report.reporting import Reporter
+from megatrain.launch.run.checkpointing import Checkpointer
+from megatrain.launch.run.evaluation import Evaluator
+from megatrain.launch.run.saving import Saves
+from megatrain.launch.run.stopping import StopRequest
 
 
 @dataclass

@@ -12,13 +12,13 @@ from megatrain.engine import EngineConfig
 from megatrain.errors import ConfigError
 from megatrain.flops import active_params, model_step_flops
 from megatrain.ipc.protocol.cpus import node_cores
-from megatrain.launch.config import Config
-from megatrain.launch.placement import per_executor
+from megatrain.launch.config.tree import Config
+from megatrain.launch.control.placement import per_executor
 from megatrain.model import ModelSpec, build_spec
 from megatrain.moe import is_moe
 
 if TYPE_CHECKING:  # the crew imports the actors, which a plan does not need
-    from megatrain.launch.crew import Crew
+    from megatrain.launch.control.crew import Crew
 
 DAY_S = 86400.0
 

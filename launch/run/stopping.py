@@ -1,7 +1,7 @@
 """Graceful stop: the first SIGINT, SIGTERM or SIGHUP lets the current step finish, writes a checkpoint
 (train.save_on_signal) and exits 128 + the signal's number; a second one stops at once (the same
 cleanup as any failure: every process and segment of the run is released). From the first signal on the
-console is best-effort (launch/console.py): a terminal or pipe gone with the same Ctrl-C or SIGHUP must not
+console is best-effort (launch/report/console.py): a terminal or pipe gone with the same Ctrl-C or SIGHUP must not
 cost the checkpoint. SIGPIPE is ignored: a closed pipe is a write's EPIPE, which the console drops."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from megatrain import checkpoint as ckpt
-from megatrain.launch import console
+from megatrain.launch.report import console
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -66,7 +66,7 @@ def sigint_deferred() -> Iterator[None]:
 def interrupted(signame: str, out: Path | None, start: int, last: int | None) -> str:
     """The head of the line after a second signal (stop at once): what it cost. `out`: the run's output
     directory (None before it is known); `start`: the step the run started after; `last`: the last step recorded
-    in this process (None: none). Where the run resumes from is said after it (launch/rerun.py)."""
+    in this process (None: none). Where the run resumes from is said after it (launch/report/rerun.py)."""
     head = "megatrain-launch: interrupted" + (f" by a second {signame}" if signame else "")
     if last is None:
         return f"{head} before a step was trained"

@@ -13,7 +13,7 @@ import time
 
 from megatrain.ipc.protocol.status import Actor, RunStatus, live_runs
 from megatrain.ipc.shm import gib
-from megatrain.launch.progress import clock
+from megatrain.launch.report.progress import clock
 
 
 def main(argv: list[str]) -> int:

@@ -11,8 +11,8 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from megatrain.actors.base import Role
 from megatrain.actors.store_owner import StoreOwner
 from megatrain.errors import AbortError, ActorFailure, MegatrainError, is_stall_verdict
-from megatrain.launch.handles import Handle, Pending, Runner
-from megatrain.launch.placement import Demand
+from megatrain.launch.control.handles import Handle, Pending, Runner
+from megatrain.launch.control.placement import Demand
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -73,7 +73,7 @@ class Crew:
         self, name: str, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs
     ) -> Pending[R]:
         """Start `method` (the actor class's own, e.g. AdamUpdater.step) on actor `name`; a method of another
-        class or arguments that do not fit its signature raise TypeError here (launch/handles.py)."""
+        class or arguments that do not fit its signature raise TypeError here (launch/control/handles.py)."""
         return self.runner.call(self.actors[name], method, *args, **kwargs)
 
     def call_one(self, name: str, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:

@@ -11,9 +11,9 @@ from megatrain.dataconfig import DataConfig
 from megatrain.engineconfig import EngineConfig
 from megatrain.errors import ConfigError
 from megatrain.ipc.protocol.ipcconfig import IpcConfig
-from megatrain.launch.driver_config import TrainConfig
-from megatrain.launch.placement import ActorsConfig, batch_split_problem
-from megatrain.launch.runners import LaunchConfig
+from megatrain.launch.config.train import TrainConfig
+from megatrain.launch.control.placement import ActorsConfig, batch_split_problem
+from megatrain.launch.control.runners import LaunchConfig
 from megatrain.modelconfig import ModelConfig
 from megatrain.optimconfig import OptimConfig
 
@@ -56,7 +56,7 @@ def validate(cfg: Config, where: Where | None = None) -> None:
 
 def validate_model(cfg: Config, where: Where | None = None, weights: bool = True) -> None:
     """The checks that need the family's HF config (transformers' import: seconds), and a pretrained
-    checkpoint's files. The launcher runs them beside its Ray start (launch/inputs.py). `weights` False: a
+    checkpoint's files. The launcher runs them beside its Ray start (launch/run/inputs.py). `weights` False: a
     pretrained directory may hold config.json alone (the plan, made before the weights are downloaded)."""
     from megatrain.data import ByteTokenizer
     from megatrain.model import build_spec, check_attention, hf_key_error, resolve_hf_config
@@ -119,7 +119,7 @@ def check_gpu_budget(cfg: Config, where: Where | None = None) -> None:
 
     from megatrain.engineconfig import resolve_engine
     from megatrain.ipc.protocol.reduce import reduction_bytes
-    from megatrain.launch.placement import per_executor
+    from megatrain.launch.control.placement import per_executor
     from megatrain.model import build_spec
 
     gpus = torch.cuda.device_count()

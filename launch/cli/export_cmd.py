@@ -34,7 +34,7 @@ def run(source: str, out: str, dtype: str = "fp32", shard_gb: float = 5.0) -> tu
 
     from megatrain import checkpoint as ckpt
     from megatrain.export import export
-    from megatrain.launch.resume import find_checkpoint
+    from megatrain.launch.run.resume import find_checkpoint
     from megatrain.model import ModelConfig, build_spec
 
     _check_target(Path(out))

@@ -27,8 +27,8 @@ from megatrain.configbase import opt
 from megatrain.errors import AbortError, ActorFailure, ConfigError, MegatrainError, ResourceError
 from megatrain.ipc.procs import descendants, spawn_detached, start_ticks
 from megatrain.ipc.shm import RAY_THRESHOLD_ENV
-from megatrain.launch.handles import Handle, Pending, Runner, checked, checked_init
-from megatrain.launch.placement import Demand
+from megatrain.launch.control.handles import Handle, Pending, Runner, checked, checked_init
+from megatrain.launch.control.placement import Demand
 
 A = TypeVar("A")
 P = ParamSpec("P")
@@ -350,7 +350,7 @@ def _memory_monitor_threshold() -> Iterator[None]:
 def _start_guard() -> int:
     """The watchdog of the Ray instance just started: the driver's children now are its head processes."""
     me = os.getpid()
-    return spawn_detached("megatrain.launch.guard", str(me), str(start_ticks(me)), *map(str, descendants([me])))
+    return spawn_detached("megatrain.launch.control.guard", str(me), str(start_ticks(me)), *map(str, descendants([me])))
 
 
 @contextlib.contextmanager

@@ -10,10 +10,10 @@ from typing import Any
 
 from megatrain.actors.checkpoint_writer import CheckpointWriter, Written
 from megatrain.ipc.protocol import StoreSpec
-from megatrain.launch.checkpointing import Checkpointer
-from megatrain.launch.crew import Crew
-from megatrain.launch.placement import Demand
-from megatrain.launch.runners import Pending
+from megatrain.launch.control.crew import Crew
+from megatrain.launch.control.placement import Demand
+from megatrain.launch.control.runners import Pending
+from megatrain.launch.run.checkpointing import Checkpointer
 
 WRITER = "checkpoint-writer"
 

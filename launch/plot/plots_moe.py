@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from megatrain.errors import ConfigError
-from megatrain.launch.figures import pyplot, span
+from megatrain.launch.plot.figures import pyplot, span
 
 HEAT_STEPS = 10  # one step's batch is noisy on a small run; a few pooled show where routing has settled
 ANNOTATE_CELLS = 64  # up to this many cells the heat map prints each share; beyond, the numbers crowd

@@ -1,6 +1,6 @@
 """MegaTrain vs the plain reference, step by step, from identical initial weights.
 
-`python -m megatrain.launch.fidelity CONFIG [key=value ...]` saves a fresh HF model built from the config,
+`python -m megatrain.launch.cli.fidelity CONFIG [key=value ...]` saves a fresh HF model built from the config,
 trains it once through the full actor system and once as a plain PyTorch model (torch.optim.AdamW,
 bf16 autocast on cuda, fp32 on cpu), and prints the per-step loss difference and the final weight
 differences. The tests use the same function on the CPU in fp32.
@@ -20,7 +20,7 @@ import torch
 from megatrain import hfformat
 from megatrain.data import Batch, open_data
 from megatrain.errors import ConfigError, DataError, MegatrainError
-from megatrain.launch.config import Config, load_config
+from megatrain.launch.config.tree import Config, load_config
 from megatrain.model import family_classes, resolve_hf_config
 from megatrain.reference import Batches, train_reference
 
@@ -64,7 +64,7 @@ def compare(cfg: Config, workdir: Path, batches: Batches | None = None) -> dict:
     from the run's own data."""
     from safetensors.torch import load_file
 
-    from megatrain.launch.driver import Trainer
+    from megatrain.launch.run.driver import Trainer
 
     init = save_initial(cfg, workdir / "init")
     cfg = dataclasses.replace(
@@ -110,7 +110,7 @@ def compare(cfg: Config, workdir: Path, batches: Batches | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m megatrain.launch.fidelity")
+    p = argparse.ArgumentParser(prog="python -m megatrain.launch.cli.fidelity")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--json", help="also write the report here")

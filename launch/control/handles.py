@@ -1,5 +1,5 @@
 """Typed actor calls: what the driver holds of an actor (Handle), of a call in flight (Pending), and the
-interface both runners implement (Runner, launch/runners.py).
+interface both runners implement (Runner, launch/control/runners.py).
 
 A call names the actor class's own method, not a string: `runner.call(h, AdamUpdater.step, t, lr)`. A type
 checker checks the arguments against the method's signature (ParamSpec); at run time `checked` refuses a
@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar
 
-from megatrain.launch.placement import Demand
+from megatrain.launch.control.placement import Demand
 
 A = TypeVar("A")  # an actor class
 P = ParamSpec("P")
@@ -73,7 +73,7 @@ def checked_init(cls: type, args: tuple) -> None:
 
 
 class Runner(Protocol):
-    """One interface, two transports (launch/runners.py): Ray actors, each its own process, or threads of
+    """One interface, two transports (launch/control/runners.py): Ray actors, each its own process, or threads of
     this process. `pids`: each actor's pid once attached (named in failures)."""
 
     pids: dict[str, int]

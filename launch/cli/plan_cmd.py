@@ -1,5 +1,5 @@
-"""`megatrain-launch plan CONFIG [overrides]`: its arguments. The plan itself (launch/memplan.py) is imported once
-they are read, so `plan --help` and a mistyped flag answer at once."""
+"""`megatrain-launch plan CONFIG [overrides]`: its arguments. The plan itself (launch/config/memplan.py) is imported
+once they are read, so `plan --help` and a mistyped flag answer at once."""
 
 from __future__ import annotations
 
@@ -33,6 +33,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_intermixed_args(argv)  # overrides may come after the flags too
-    from megatrain.launch.memplan import report
+    from megatrain.launch.config.memplan import report
 
     return report(args)

@@ -3,7 +3,7 @@
 read on a thread of the launcher while Ray starts and the actors spawn: the actors' own start (their imports) is
 the longest part of the start-up, so they start first, and an input refused meanwhile ends them again before
 the output directory or any shared memory is touched. A run that may resume, and the in-process runner, read
-them first (launch/driver.py)."""
+them first (launch/run/driver.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from typing import Any, Generic, TypeVar
 
 from megatrain.configbase import Where
 from megatrain.data import Data, open_data
-from megatrain.launch.config import Config, validate_model
-from megatrain.launch.resume import Start, choose_start
+from megatrain.launch.config.tree import Config, validate_model
+from megatrain.launch.run.resume import Start, choose_start
 from megatrain.model import ModelSpec, build_spec, resolve_hf_config
 
 T = TypeVar("T")

@@ -11,7 +11,7 @@ from pathlib import Path
 from megatrain import checkpoint as ckpt
 from megatrain import log
 from megatrain.errors import free_bytes, human_bytes
-from megatrain.launch.driver_config import TrainConfig
+from megatrain.launch.config.train import TrainConfig
 
 
 class Checkpointer:

@@ -34,10 +34,10 @@ from megatrain.ipc.shm import (
     monitor_room,
     shm_free_bytes,
 )
-from megatrain.launch import timeplan
-from megatrain.launch.config import Config, load_tree, validate_model
-from megatrain.launch.placement import demands, describe_need, per_executor, resolve_executors
-from megatrain.launch.runners import PRIVATE_THRESHOLD
+from megatrain.launch.config import timeplan
+from megatrain.launch.config.tree import Config, load_tree, validate_model
+from megatrain.launch.control.placement import demands, describe_need, per_executor, resolve_executors
+from megatrain.launch.control.runners import PRIVATE_THRESHOLD
 from megatrain.model import ModelSpec, build_spec
 from megatrain.moe import is_moe, num_experts
 from megatrain.weights import holds_weights
@@ -85,7 +85,7 @@ class MemPlan:
     gpu_note: str = ""
     sizes: str = ""
     gpu_error: str = ""
-    need: str = ""  # what the actors ask of one node (launch/placement.py)
+    need: str = ""  # what the actors ask of one node (launch/control/placement.py)
     cuda: bool = False
 
     def run_pss(self) -> int:
@@ -417,8 +417,8 @@ def least_gpu(plan: MemPlan, cfg: Config) -> str:
 
 def _disk(cfg: Config) -> list[str]:
     """The checkpoints' disk against the output directory's free space (a warning; the verdict is memory's)."""
-    from megatrain.launch.checkpointing import disk_lines
-    from megatrain.launch.output import resolve_output
+    from megatrain.launch.run.checkpointing import disk_lines
+    from megatrain.launch.run.output import resolve_output
 
     total = build_spec(cfg.model, cfg.optim.no_decay_1d).layout.total
     out = resolve_output(cfg.train.output_dir, cfg.train.run_id or "{run_id}")
@@ -426,7 +426,7 @@ def _disk(cfg: Config) -> list[str]:
 
 
 def report(args: argparse.Namespace) -> int:
-    """Print the plan of launch/plan_cmd.py's arguments; 0 when it fits, 1 when it does not."""
+    """Print the plan of launch/cli/plan_cmd.py's arguments; 0 when it fits, 1 when it does not."""
     cfg, where = load_tree(args.config, args.overrides)
     validate_model(cfg, where, weights=False)  # planning comes before the download: config.json is enough
     free, cuda, note = _gpu(cfg, args.gpu_gib)

@@ -60,7 +60,7 @@ def cleanup(shm_dir: str = "/dev/shm") -> int:
 REFERENCE_HEAD = """# Configuration
 
 Every key of a run's config, with its default and meaning, generated from the config tree
-(`launch/config.py`). `megatrain-launch --config-reference > docs/configuration.md` rewrites this file;
+(`launch/config/tree.py`). `megatrain-launch --config-reference > docs/configuration.md` rewrites this file;
 `tests/test_docs.py` fails when it is out of date.
 
 A YAML file and the `dotted.key=value` overrides after it on the command line only fill this tree: an
@@ -74,7 +74,7 @@ prints the resolved config; a run saves it as `OUTPUT_DIR/config.yaml`.
 
 def reference() -> int:
     from megatrain.configbase import reference_table
-    from megatrain.launch.config import Config
+    from megatrain.launch.config.tree import Config
 
     print(REFERENCE_HEAD + reference_table(Config), end="")
     return 0
@@ -112,23 +112,23 @@ def main(argv: list[str] | None = None) -> int:
     program = argv is None
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["export"]:
-        from megatrain.launch.export_cmd import main as export_main
+        from megatrain.launch.cli.export_cmd import main as export_main
 
         return export_main(argv[1:])
     if argv[:1] == ["plot"]:
-        from megatrain.launch.plots import main as plot_main
+        from megatrain.launch.plot.plots import main as plot_main
 
         return _usage_errors(lambda: plot_main(argv[1:]))
     if argv[:1] == ["plan"]:
-        from megatrain.launch.plan_cmd import main as plan_main
+        from megatrain.launch.cli.plan_cmd import main as plan_main
 
         return _usage_errors(lambda: plan_main(argv[1:]))
     if argv[:1] == ["tokenizer"]:
-        from megatrain.launch.tokenizer_cmd import main as tokenizer_main
+        from megatrain.launch.cli.tokenizer_cmd import main as tokenizer_main
 
         return _usage_errors(lambda: tokenizer_main(argv[1:]))
     if argv[:1] == ["status"]:
-        from megatrain.launch.status_cmd import main as status_main
+        from megatrain.launch.cli.status_cmd import main as status_main
 
         return status_main(argv[1:])
     args = _parser().parse_intermixed_args(argv)  # overrides may come after --address too
@@ -142,17 +142,17 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error("a CONFIG file is required")
     # Ctrl-C, kill(1) and a dropped SSH session (SIGHUP): finish the step, checkpoint, exit 128 + signum;
     # a second one stops at once. Restored on return, for callers that run main() in-process.
-    from megatrain.launch import console
-    from megatrain.launch.stopping import StopRequest
+    from megatrain.launch.report import console
+    from megatrain.launch.run.stopping import StopRequest
 
     stop = StopRequest()
-    # The console may go while the run goes on (a pipe's reader, a closed terminal): launch/console.py. The
+    # The console may go while the run goes on (a pipe's reader, a closed terminal): launch/report/console.py. The
     # program's own process keeps the guard to its end: Ray's shutdown and the exit's flush write after main().
     with console.guarded(restore=not program), stop.installed():
         code = _run(args, stop, program)
         # A run that failed while its inputs were still read beside Ray's start ends only once that read has
-        # (launch/inputs.py), quietly: its error is already said. A signal means "now": no wait then.
-        reading = sys.modules.get("megatrain.launch.inputs")
+        # (launch/run/inputs.py), quietly: its error is already said. A signal means "now": no wait then.
+        reading = sys.modules.get("megatrain.launch.run.inputs")
         if reading is not None:
             reading.settle_reads(60.0, stop=lambda: stop.signum is not None)
         return code
@@ -163,7 +163,7 @@ def _run(args: argparse.Namespace, stop: Any, program: bool = False) -> int:
     argv = [args.config, *args.overrides, *(["--address", args.address] if args.address else [])]
     try:
         from megatrain.configbase import dump_yaml
-        from megatrain.launch.config import load_tree, validate_model
+        from megatrain.launch.config.tree import load_tree, validate_model
 
         overrides = list(args.overrides) + ([f"launch.address={args.address}"] if args.address else [])
         cfg, where = load_tree(args.config, overrides)  # the model's checks: below, or in the Trainer beside Ray
@@ -172,7 +172,7 @@ def _run(args: argparse.Namespace, stop: Any, program: bool = False) -> int:
             print(_resolved_here(cfg, dump_yaml), end="")
             return 0
         from megatrain.ipc.procs import started_at
-        from megatrain.launch.driver import Trainer
+        from megatrain.launch.run.driver import Trainer
 
         launched = (started_at(os.getpid()) or None) if program else None
         trainer = Trainer(cfg, stop, launched=launched, where=where)
@@ -203,7 +203,7 @@ def _run(args: argparse.Namespace, stop: Any, program: bool = False) -> int:
         return 128 + (stop.signum or signal.SIGINT)
     except (ConfigError, DataError) as exc:  # the user's input: nothing was started
         from megatrain.configbase import locate
-        from megatrain.launch.config import Config
+        from megatrain.launch.config.tree import Config
 
         return _report(exc, locate(str(exc), where, Config), trainer, USAGE_ERROR)
     except MegatrainError as exc:
@@ -216,8 +216,8 @@ def _run(args: argparse.Namespace, stop: Any, program: bool = False) -> int:
 
 
 def _interrupted(stop: Any, trainer: Any) -> str:
-    """What a second signal cost: the steps since the last checkpoint (launch/stopping.py)."""
-    from megatrain.launch.stopping import interrupted
+    """What a second signal cost: the steps since the last checkpoint (launch/run/stopping.py)."""
+    from megatrain.launch.run.stopping import interrupted
 
     loop = getattr(trainer, "loop", None)
     last = loop.metrics[-1]["step"] if loop is not None and loop.metrics else None
@@ -225,10 +225,10 @@ def _interrupted(stop: Any, trainer: Any) -> str:
 
 
 def _continue(trainer: Any, argv: list[str], checkpoint_only: bool = False) -> str:
-    """What running again does, once the run's output directory holds its files (launch/rerun.py); else ''."""
+    """What running again does, once the run's output directory holds its files (launch/report/rerun.py); else ''."""
     if trainer is None or getattr(trainer, "log_dir", None) is None:
         return ""
-    from megatrain.launch.rerun import how_to_continue
+    from megatrain.launch.report.rerun import how_to_continue
 
     return how_to_continue(argv, trainer.cfg.train, trainer.out, checkpoint_only)
 

@@ -3,8 +3,8 @@ logs, and shuts everything down on every path.
 
 It owns no host memory of the run: the store lives in the store owner's actor on the GPU's node, so
 the driver can run anywhere (a laptop attached to a cluster, a `ray job submit` entrypoint).
-The work is split by responsibility: launch/crew.py (the actors, calls and failures), launch/startup.py
-(the actors' start-up), launch/steploop.py (the step loop), launch/saving.py (the checkpoint in flight).
+The work is split by responsibility: launch/control/crew.py (the actors, calls and failures), launch/control/startup.py
+(the actors' start-up), launch/run/steploop.py (the step loop), launch/run/saving.py (the checkpoint in flight).
 """
 
 from __future__ import annotations
@@ -25,19 +25,20 @@ from megatrain.flops import active_params
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, resolve_stall
 from megatrain.ipc.segments import check_run_id_free
 from megatrain.ipc.shm import check_run_id
-from megatrain.launch import memplan, startup, timeplan
-from megatrain.launch.checkpointing import Checkpointer
-from megatrain.launch.config import Config
-from megatrain.launch.crew import OWNER, Crew
-from megatrain.launch.evaluation import Evaluator
-from megatrain.launch.inputs import Background, read_inputs
-from megatrain.launch.output import OutputLock, describe_memory, prepare_output, resolve_output, short
-from megatrain.launch.placement import Demand, per_executor, thread_request
-from megatrain.launch.resume import Start, may_resume
-from megatrain.launch.runners import Pending, make_runner
-from megatrain.launch.steploop import PreparedRun, StepLoop
-from megatrain.launch.stopping import StopRequest, sigint_deferred
-from megatrain.launch.tensorboard import summary_writer
+from megatrain.launch.config import memplan, timeplan
+from megatrain.launch.config.tree import Config
+from megatrain.launch.control import startup
+from megatrain.launch.control.crew import OWNER, Crew
+from megatrain.launch.control.placement import Demand, per_executor, thread_request
+from megatrain.launch.control.runners import Pending, make_runner
+from megatrain.launch.report.tensorboard import summary_writer
+from megatrain.launch.run.checkpointing import Checkpointer
+from megatrain.launch.run.evaluation import Evaluator
+from megatrain.launch.run.inputs import Background, read_inputs
+from megatrain.launch.run.output import OutputLock, describe_memory, prepare_output, resolve_output, short
+from megatrain.launch.run.resume import Start, may_resume
+from megatrain.launch.run.steploop import PreparedRun, StepLoop
+from megatrain.launch.run.stopping import StopRequest, sigint_deferred
 from megatrain.model import ModelSpec
 
 
@@ -47,7 +48,7 @@ class Trainer:
     ):
         """`launched`: when the launcher's process started (time.time()), where the start-up clock begins;
         None for now (a Trainer run inside a process that was doing other things before). `where`: the config's
-        key locations, for the model checks' messages (the launcher runs those checks here, launch/inputs.py)."""
+        key locations, for the model checks' messages (the launcher runs those checks here, launch/run/inputs.py)."""
         self.cfg, self.where = cfg, where
         self.launched = launched
         self.stop = stop  # a graceful-stop request (signal), checked between steps
@@ -60,7 +61,7 @@ class Trainer:
         self.steps = cfg.train.steps
         self.start = 0  # the first step to run (a resumed run's checkpoint step)
         self.resume_dir: Path | None = None
-        self.begin = Start()  # where the run starts (launch/resume.py), verified before anything changes
+        self.begin = Start()  # where the run starts (launch/run/resume.py), verified before anything changes
         self.evaluator: Evaluator | None = None
         self.loop: StepLoop | None = None
         self.store_fill: FillReport | None = None  # how the store was filled
@@ -170,7 +171,7 @@ class Trainer:
             summary_writer()  # a missing package is a usage error before anything starts
         self.lock = OutputLock(self.out, self.run_id)  # before anything in the directory is read or changed
         machine = memplan.this_host(cfg)  # as `megatrain-launch plan` sees it: before Ray and the actors
-        # The inputs (launch/inputs.py) are read on a thread while Ray starts and the actors spawn; a refused one
+        # The inputs (launch/run/inputs.py) are read on a thread while Ray starts and the actors spawn; a refused one
         # ends them again and leaves the directory as it was. Not beside in-process actors: there is no process
         # start to hide, and their threads would import transformers side by side (its lazy module fails so).
         # Nor where a checkpoint may be resumed: a complete run or a corrupt checkpoint starts nothing.

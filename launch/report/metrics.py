@@ -116,7 +116,7 @@ class MetricsFile:
             raise
 
     def flush(self) -> None:
-        """Nothing to flush: every row is written when it comes (sync() in launch/reporting.py fsyncs)."""
+        """Nothing to flush: every row is written when it comes (sync() in launch/report/reporting.py fsyncs)."""
 
     def fileno(self) -> int:
         return self.fd

@@ -15,8 +15,8 @@ from typing import TypeVar
 from megatrain.actors.gpu_executor import GpuExecutor
 from megatrain.actors.packer import Packer
 from megatrain.data import Data, arithmetic
-from megatrain.launch.crew import Crew
-from megatrain.launch.handles import Pending
+from megatrain.launch.control.crew import Crew
+from megatrain.launch.control.handles import Pending
 
 R = TypeVar("R")
 

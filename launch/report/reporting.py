@@ -1,5 +1,5 @@
 """Where a finished step goes: metrics.jsonl (one row per step, kept on disk before a checkpoint that
-includes the step is published), the console (launch/progress.py), TensorBoard (train.tensorboard),
+includes the step is published), the console (launch/report/progress.py), TensorBoard (train.tensorboard),
 timeline.json (train.timeline_step) and the profiled step's verdict (train.profile)."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatrain import log
-from megatrain.launch.driver_config import TrainConfig
-from megatrain.launch.metrics import MetricsFile
-from megatrain.launch.output import log_profile
-from megatrain.launch.progress import Progress
-from megatrain.launch.tensorboard import TensorBoard
+from megatrain.launch.config.train import TrainConfig
+from megatrain.launch.report.metrics import MetricsFile
+from megatrain.launch.report.progress import Progress
+from megatrain.launch.report.tensorboard import TensorBoard
+from megatrain.launch.run.output import log_profile
 
 
 class Reporter:

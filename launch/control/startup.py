@@ -20,11 +20,9 @@ from megatrain.engine import EngineConfig, resolve_engine
 from megatrain.errors import ConfigError, ResourceError
 from megatrain.ipc.protocol import StoreSpec
 from megatrain.ipc.protocol.reduce import reduction_bytes
-from megatrain.launch.config import Config
-from megatrain.launch.crew import OWNER, Crew
-from megatrain.launch.inputs import Background
-from megatrain.launch.output import describe_run
-from megatrain.launch.placement import (
+from megatrain.launch.config.tree import Config
+from megatrain.launch.control.crew import OWNER, Crew
+from megatrain.launch.control.placement import (
     Demand,
     batch_split_problem,
     bundle,
@@ -34,7 +32,9 @@ from megatrain.launch.placement import (
     per_executor,
     resolve_executors,
 )
-from megatrain.launch.runners import Pending
+from megatrain.launch.control.runners import Pending
+from megatrain.launch.run.inputs import Background
+from megatrain.launch.run.output import describe_run
 from megatrain.model import ModelSpec, pretrained_config
 
 
@@ -82,7 +82,7 @@ class Spawned:
 
 def spawn_actors(crew: Crew, cfg: Config, reading: Background, phases: Phases) -> Spawned:
     """Start Ray, place and spawn every actor from the config alone (they import torch and the modeling code,
-    make a CUDA context), while `reading` reads the run's inputs (launch/inputs.py)."""
+    make a CUDA context), while `reading` reads the run's inputs (launch/run/inputs.py)."""
     crew.runner.connect(bundle(demands(cfg.actors, cuda=False))["CPU"])
     phases.close("Ray" + ("" if reading.here else " (the inputs are read meanwhile)"))
     if reading.failed():  # refused while Ray started: no actor is spawned for it

@@ -8,7 +8,7 @@ instance's process tree while the driver lives, and kills exactly the processes 
 time), never anything by name. The store owner's reaper then unlinks the run's shared memory. On a
 normal exit the driver stops the guard with SIGTERM after ray.shutdown(); it then ends whatever of
 the instance still lingers.
-Usage: python -m megatrain.launch.guard DRIVER_PID DRIVER_TICKS ROOT_PID...
+Usage: python -m megatrain.launch.control.guard DRIVER_PID DRIVER_TICKS ROOT_PID...
 """
 
 from __future__ import annotations

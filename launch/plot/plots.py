@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from megatrain.errors import ConfigError
-from megatrain.launch.figures import pyplot, span
-from megatrain.launch.plots_moe import experts_figure, routing
+from megatrain.launch.plot.figures import pyplot, span
+from megatrain.launch.plot.plots_moe import experts_figure, routing
 
 # The compute lane's colours, by the kind of span (the mark's name before ':'), with their legend names.
 COMPUTE_KINDS = {
@@ -180,7 +180,7 @@ def run_id_of(run_dir: Path) -> str:
 def run_flops(run_dir: Path) -> float | None:
     """Useful work per step of the run, from its config.yaml; None when that cannot be read."""
     from megatrain.flops import model_step_flops
-    from megatrain.launch.config import load_config
+    from megatrain.launch.config.tree import load_config
     from megatrain.model import build_spec
 
     try:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from megatrain import log
 from megatrain.actors.base import Role
-from megatrain.launch.crew import Crew
-from megatrain.launch.driver_config import TrainConfig
+from megatrain.launch.config.train import TrainConfig
+from megatrain.launch.control.crew import Crew
 
 
 class ActorProfile:
