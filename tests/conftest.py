@@ -155,7 +155,7 @@ def ray_cluster():
     """A local Ray instance for the whole session; the Trainer joins it instead of starting its own."""
     import ray
 
-    from megatrain.launch.control.runners import LOCAL_SYSTEM_CONFIG  # as the launcher's own: no idle worker per CPU
+    from megatrain.launch.control.cluster import LOCAL_SYSTEM_CONFIG  # as the launcher's own: no idle worker per CPU
 
     ray.init(
         address="local",

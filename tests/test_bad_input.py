@@ -258,7 +258,7 @@ def test_an_address_other_than_the_connected_cluster_is_refused(capsys, tmp_path
 
 
 def test_addresses_naming_one_endpoint() -> None:
-    from megatrain.launch.control.runners import _same_endpoint
+    from megatrain.launch.control.cluster import _same_endpoint
 
     assert _same_endpoint("localhost:6379", "127.0.0.1:6379") and _same_endpoint("10.0.0.5:1", "10.0.0.5:1")
     assert not _same_endpoint("127.0.0.1:6379", "127.0.0.1:6380") and not _same_endpoint("auto", "127.0.0.1:6379")

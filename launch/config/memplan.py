@@ -36,8 +36,8 @@ from megatrain.ipc.shm import (
 )
 from megatrain.launch.config import timeplan
 from megatrain.launch.config.tree import Config, load_tree, validate_model
+from megatrain.launch.control.cluster import PRIVATE_THRESHOLD
 from megatrain.launch.control.placement import demands, describe_need, per_executor, resolve_executors
-from megatrain.launch.control.runners import PRIVATE_THRESHOLD
 from megatrain.model import ModelSpec, build_spec
 from megatrain.moe import is_moe, num_experts
 from megatrain.weights import holds_weights

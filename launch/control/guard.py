@@ -1,5 +1,5 @@
-"""Watchdog of a locally started Ray instance: if the driver dies without shutting Ray down (SIGKILL,
-the OOM killer), end every process of that instance.
+"""Watchdog of a locally started Ray instance (launch/control/cluster.py starts both): if the driver dies
+without shutting Ray down (SIGKILL, the OOM killer), end every process of that instance.
 
 ray.init starts the head processes (GCS, raylet) as the driver's children and the workers as the
 raylet's; killed with the driver, the raylet leaves its agents and workers orphaned for minutes. The
