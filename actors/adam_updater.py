@@ -15,6 +15,7 @@ actor supplies the arithmetic of one piece (_update) and takes its steps in orde
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 import time
@@ -28,7 +29,8 @@ from megatrain.adamw import OptimConfig, adamw_update
 from megatrain.errors import ProtocolError, WaitTimeout
 from megatrain.hostops import warm_up
 from megatrain.ipc.protocol import Store, StoreSpec
-from megatrain.ipc.protocol.adam import Applied, update_clipped, update_unclipped
+from megatrain.ipc.protocol.adam import update_clipped, update_unclipped
+from megatrain.ipc.protocol.messages import Applied
 from megatrain.ipc.protocol.plan import Item
 
 
@@ -75,8 +77,7 @@ class AdamUpdater(Role):
                 out = update_clipped(store, step, saving, self.cfg.max_grad_norm, update)
             else:
                 out = update_unclipped(store, self.events, step, saving, update)
-            out.adam_s = time.perf_counter() - t0
-            return out
+            return dataclasses.replace(out, adam_s=time.perf_counter() - t0)
         finally:
             with self.turn:
                 self.next_step = step + 1

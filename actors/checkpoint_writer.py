@@ -24,7 +24,6 @@ import shutil
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -34,21 +33,10 @@ from megatrain.actors.base import Role, guarded
 from megatrain.errors import DiskFull, disk_full, free_bytes, is_disk_full
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.checkpoints import claim, written
+from megatrain.ipc.protocol.messages import Written
 from megatrain.ipc.protocol.plan import Item
 
 AHEAD = 2  # pieces in flight beyond the oldest: keeps every thread busy across piece boundaries
-
-
-@dataclass(frozen=True)
-class Written:
-    """A checkpoint written (not yet published): where it will be, its bytes, the seconds the write took, how
-    long of that it waited for Adam's updates, and whether every file was written with direct I/O."""
-
-    path: str
-    bytes: int
-    seconds: float
-    waited_for_adam_s: float
-    direct_io: bool
 
 
 class CheckpointWriter(Role):
@@ -96,7 +84,11 @@ class CheckpointWriter(Role):
         }
         self.staged[step] = (tmp, ckpt.step_dir(base, step), manifest)
         return Written(
-            str(ckpt.step_dir(base, step)), nbytes * len(ckpt.PLANES), time.perf_counter() - t0, waited, direct
+            path=str(ckpt.step_dir(base, step)),
+            bytes=nbytes * len(ckpt.PLANES),
+            seconds=time.perf_counter() - t0,
+            waited_for_adam_s=waited,
+            direct_io=direct,
         )
 
     def _write_files(self, step: int, tmp: Path, nbytes: int) -> tuple[dict[str, list], float, bool]:

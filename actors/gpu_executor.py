@@ -7,12 +7,12 @@ slabs, same semaphores, same order (megatrain.ipc.protocol.executor).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,19 +26,11 @@ from megatrain.errors import ResourceError
 from megatrain.gpubudget import GpuCap, budget_bytes, cap_device, peak_bytes, sizes_of
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.executor import Marks, StreamedSink, StreamedSource, SyncSink, SyncSource, copy_intervals
+from megatrain.ipc.protocol.messages import EvalSums, StepReport, StepRequest
 from megatrain.ipc.protocol.reduce import StreamedReducingSink, SyncReducingSink
 from megatrain.model import ModelSpec, family_classes
 from megatrain.profiling import StepProfile
 from megatrain.warmup import warm_up
-
-
-@dataclass(frozen=True)
-class EvalSums:
-    """An evaluation call's sums over its batches: the token loss, the labelled tokens, the executor's seconds."""
-
-    loss_sum: float
-    tokens: int
-    eval_s: float
 
 
 def executor_name(rank: int) -> str:
@@ -173,20 +165,12 @@ class GpuExecutor(Role):
         return torch.cuda.get_device_name(self.device) if self.cuda else "cpu"
 
     @guarded
-    def step(
-        self,
-        step: int,
-        ids: torch.Tensor,
-        labels: torch.Tensor,
-        timeline: bool = False,
-        profile: str = "",
-        positions: torch.Tensor | None = None,
-    ) -> dict:
-        """One step; `timeline` records the per-unit lanes, `profile` (a path) runs the step under
-        torch.profiler and checks that the layer loop never blocks the host; `positions`: the tokens'
-        offsets in their documents (data.pack_documents), None for one causal sequence per row."""
-        run = functools.partial(self._profiled, profile) if profile else self._step
-        return self._on_compute(run, step, ids, labels, timeline, positions)
+    def step(self, request: StepRequest) -> StepReport:
+        """One step of the request's rows; under a profile (a path) the step runs under torch.profiler and
+        is checked for host-blocking calls in the layer loop."""
+        r = request
+        run = functools.partial(self._profiled, r.profile) if r.profile else self._step
+        return self._on_compute(run, r.step, r.ids, r.labels, r.timeline, r.positions)
 
     @guarded
     def evaluate(self, step: int, batches: list[tuple[torch.Tensor, ...]]) -> EvalSums:
@@ -233,7 +217,7 @@ class GpuExecutor(Role):
 
         res = self._walks(step, len(batches), one)
         loss = sum(float(r[0]) for r in res)
-        return EvalSums(loss, sum(int(r[1]) for r in res), time.perf_counter() - t0)
+        return EvalSums(loss_sum=loss, tokens=sum(int(r[1]) for r in res), eval_s=time.perf_counter() - t0)
 
     def _generate(self, step: int, ids: torch.Tensor, pos: torch.Tensor, new_tokens: int) -> torch.Tensor:
         ids, pos = ids.clone(), pos.clone()
@@ -254,14 +238,15 @@ class GpuExecutor(Role):
         labels: torch.Tensor,
         timeline: bool,
         positions: torch.Tensor | None,
-    ) -> dict:
+    ) -> StepReport:
         # Started on the compute thread: torch.profiler records the CPU ops of the thread that starts it.
         with StepProfile(path, self.cuda) as prof:
             out = self._step(step, ids, labels, timeline, positions, prof)
         try:
-            return {**out, **prof.result()}
+            found = prof.result()
         except (OSError, ValueError) as exc:  # a failed diagnostic does not stop the training run
-            return {**out, "profile_trace": path, "profile_error": f"{type(exc).__name__}: {exc}"}
+            found = {"profile_trace": path, "profile_error": f"{type(exc).__name__}: {exc}"}
+        return dataclasses.replace(out, profile=found)
 
     def _step(
         self,
@@ -271,7 +256,7 @@ class GpuExecutor(Role):
         timeline: bool,
         positions: torch.Tensor | None = None,
         prof: StepProfile | None = None,
-    ) -> dict:
+    ) -> StepReport:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         if timeline and self.cuda:
@@ -289,24 +274,21 @@ class GpuExecutor(Role):
         loss, tokens = float(res.loss), int(res.tokens)  # the one host sync of the step
         self.sink.end()
         self.source.end()
-        out = {
-            "loss": loss,
-            "tokens": tokens,
-            "compute_s": time.perf_counter() - t0,
-            "weight_wait_s": self.source.wait_s,
-            "grad_wait_s": self.sink.wait_s,
-            "h2d_bytes": self.source.bytes,
-            "d2h_bytes": self.sink.bytes,
+        routers = res.routers  # mixture of experts (megatrain/moe.py)
+        return StepReport(
+            loss=loss,
+            tokens=tokens,
+            compute_s=time.perf_counter() - t0,
+            weight_wait_s=self.source.wait_s,
+            grad_wait_s=self.sink.wait_s,
+            h2d_bytes=self.source.bytes,
+            d2h_bytes=self.sink.bytes,
             **self._phases(marks),
-        }
-        if res.routers is not None:  # mixture of experts (megatrain/moe.py)
-            out["aux_loss"] = float(res.routers.aux_loss())
-            out["expert_load"] = res.routers.load()
-        if self.cuda:
-            out["gpu_peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
-        if timeline:
-            out["timeline"] = {"wall0": wall0, **self._timeline(marks)}
-        return out
+            aux_loss=None if routers is None else float(routers.aux_loss()),
+            expert_load=None if routers is None else routers.load(),
+            gpu_peak_bytes=torch.cuda.max_memory_allocated(self.device) if self.cuda else None,
+            timeline={"wall0": wall0, **self._timeline(marks)} if timeline else None,
+        )
 
     @staticmethod
     def _phases(marks: Marks) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from megatrain.actors.base import Role, guarded
 from megatrain.hostops import warm_up
 from megatrain.ipc.protocol import Store, StoreSpec
+from megatrain.ipc.protocol.messages import Drained
 from megatrain.ipc.protocol.workers import drain
 
 
@@ -25,7 +26,7 @@ class GradAccumulator(Role):
         self.store = Store.attach(spec, ("grads", "staging"), role=self.name)
 
     @guarded
-    def step(self, step: int) -> dict:
+    def step(self, step: int) -> Drained:
         for item in self.items:
             drain(self.store, self.events, item, step)
-        return {"drained": len(self.items)}
+        return Drained(drained=len(self.items))

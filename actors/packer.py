@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
+from megatrain.ipc.protocol.messages import Packed
 from megatrain.ipc.protocol.workers import pack
 
 
@@ -23,11 +24,11 @@ class Packer(Role):
         self.store = Store.attach(spec, ("params", "staging"), role=self.name)
 
     @guarded
-    def step(self, step: int, walk: str = "step", repeat: int = 1) -> dict:
+    def step(self, step: int, walk: str = "step", repeat: int = 1) -> Packed:
         """Pack `repeat` walks of kind `walk` ('forward': the executor's evaluation and generation passes)
         with the weights after step-1's update."""
         items = self.items[walk]
         for _ in range(repeat):
             for item in items:
                 pack(self.store, item, step)
-        return {"packed": len(items) * repeat}
+        return Packed(packed=len(items) * repeat)

@@ -31,6 +31,7 @@ from megatrain.ipc.procs import live, maps_path, running, spawn_detached, start_
 from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, checkpoint_host_bytes, plan_store
 from megatrain.ipc.protocol.checkpoints import restore_versions
 from megatrain.ipc.protocol.cpus import ThreadRequest, cpu_plan, node_cores
+from megatrain.ipc.protocol.messages import FillReport
 from megatrain.ipc.protocol.monitor import Monitor
 from megatrain.ipc.segments import sweep
 from megatrain.ipc.shm import check_space, pss_split, remove_cuda_ipc_files, seg_name, space_now
@@ -68,16 +69,6 @@ class StoreRequest:
     about: dict = field(default_factory=dict)
     executors: int = 1  # actors.num_gpus, resolved
     spec: ModelSpec | None = None  # the model's spec as the driver built it; None: built here from `model`
-
-
-@dataclass(frozen=True)
-class FillReport:
-    """How the store was filled: from what (a checkpoint directory, model.pretrained, or 'init'), the bytes
-    read (0 for a fresh init) and the seconds it took."""
-
-    source: str
-    bytes: int
-    seconds: float
 
 
 class StoreOwner(Role):
@@ -193,7 +184,7 @@ class StoreOwner(Role):
         else:
             with self._faulting_ahead():
                 source, nbytes = model_cfg.pretrained or "init", self._fill(model_cfg)
-        self.filled = FillReport(source, nbytes, time.perf_counter() - t0)
+        self.filled = FillReport(source=source, bytes=nbytes, seconds=time.perf_counter() - t0)
         self.mark("filled")
         self.monitor = Monitor(self.store).start()
 

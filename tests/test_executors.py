@@ -16,10 +16,10 @@ import torch
 
 from megatrain.collective import split_rows
 from megatrain.errors import ConfigError, MegatrainError
+from megatrain.ipc.protocol.messages import StepReport
 from megatrain.launch.cli.fidelity import compare
 from megatrain.launch.config.tree import load_config
 from megatrain.launch.control.placement import ActorsConfig, demands, resolve_executors
-from megatrain.launch.report.metrics import merge_executors
 from megatrain.launch.run.driver import Trainer
 from tests.test_equivalence import check, tiny_config
 from tests.test_lifecycle import Cli
@@ -124,11 +124,12 @@ def test_rows_and_results_are_split_and_merged() -> None:
     assert split_rows(4, 3) == [slice(0, 2), slice(2, 3), slice(3, 4)]
     with pytest.raises(MegatrainError, match="4 executors"):
         split_rows(3, 4)
+    zero = dict.fromkeys(("weight_wait_s", "grad_wait_s", "d2h_bytes", "forward_s", "head_s", "backward_s"), 0)
     parts = [
-        {"loss": 1.5, "tokens": 10, "compute_s": 2.0, "gpu_peak_bytes": 5, "h2d_bytes": 7, "aux_loss": 0.3},
-        {"loss": 0.5, "tokens": 6, "compute_s": 3.0, "gpu_peak_bytes": 4, "h2d_bytes": 7, "aux_loss": 0.3},
+        StepReport(loss=1.5, tokens=10, compute_s=2.0, gpu_peak_bytes=5, h2d_bytes=7, aux_loss=0.3, **zero),
+        StepReport(loss=0.5, tokens=6, compute_s=3.0, gpu_peak_bytes=4, h2d_bytes=7, aux_loss=0.3, **zero),
     ]
-    got = merge_executors(parts)
+    got = StepReport.merge(parts).row()
     assert (got["loss"], got["tokens"], got["compute_s"], got["gpu_peak_bytes"], got["h2d_bytes"]) == (2, 16, 3, 5, 14)
     assert got["aux_loss"] == 0.3 and got["executor_compute_s"] == [2.0, 3.0]
 

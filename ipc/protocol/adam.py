@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,6 +25,7 @@ from megatrain.adamw import clip_scale
 from megatrain.errors import NonFiniteGradient
 from megatrain.hostops import sqnorm
 from megatrain.ipc.protocol.checkpoints import wait_taken
+from megatrain.ipc.protocol.messages import Applied
 from megatrain.ipc.protocol.plan import Item
 from megatrain.ipc.protocol.store import Store
 from megatrain.ipc.protocol.workers import free_grad, take_grad, wait_all_grads
@@ -34,37 +34,23 @@ from megatrain.ipc.protocol.workers import free_grad, take_grad, wait_all_grads
 PieceUpdate = Callable[[Item, np.ndarray, float], None]
 
 
-@dataclass
-class Applied:
-    """What a step's update did: the global gradient norm, the clip scale, whether it was skipped whole,
-    each piece's (unit, start, end) in time.time() seconds (the timeline's Adam lane), and the updater's
-    time for the whole step, waits included (set by the actor: AdamUpdater.step's result)."""
-
-    grad_norm: float
-    clip_scale: float
-    skipped: bool
-    unit_spans: list[tuple[int, float, float]] = field(default_factory=list)
-    adam_s: float = 0.0
-
-
 def update_clipped(store: Store, step: int, saving: bool, max_grad_norm: float, update: PieceUpdate) -> Applied:
     """Step `step` with global-norm clipping. `saving`: the checkpoint of the state after `step` steps is being
     written; each piece waits until the writer has it."""
     wait_all_grads(store, step)
     norm = math.sqrt(float(store.sqnorms.sum()))
-    finite = math.isfinite(norm)
-    out = Applied(norm, clip_scale(norm, max_grad_norm), not finite)
+    finite, scale, spans = math.isfinite(norm), clip_scale(norm, max_grad_norm), []
     for item in store.spec.update_items:  # forward order: the next step's packer follows right behind
         start, grads = time.time(), store.grad_tile(item.unit)
         if saving:
             wait_taken(store, item, step)
         if finite:  # else the step is skipped whole: no piece has been touched
-            update(item, grads[item.lo : item.hi], out.clip_scale)
+            update(item, grads[item.lo : item.hi], scale)
         elif store.spec.grads_in_resident:  # the tile holds the gradient: the weights back, unchanged
             store.refresh_resident(item.unit, item.lo, item.hi)
         store.publish_version(item.piece, step + 1)
-        out.unit_spans.append((item.unit, start, time.time()))
-    return out
+        spans.append((item.unit, start, time.time()))
+    return Applied(grad_norm=norm, clip_scale=scale, skipped=not finite, unit_spans=tuple(spans))
 
 
 def update_unclipped(store: Store, events: list[Any] | None, step: int, saving: bool, update: PieceUpdate) -> Applied:
@@ -87,7 +73,9 @@ def update_unclipped(store: Store, events: list[Any] | None, step: int, saving: 
         if not direct:
             free_grad(store, item)
         spans.append((item.unit, start, time.time()))
-    return Applied(math.sqrt(float(store.sqnorms.sum())), 1.0, False, spans)
+    return Applied(
+        grad_norm=math.sqrt(float(store.sqnorms.sum())), clip_scale=1.0, skipped=False, unit_spans=tuple(spans)
+    )
 
 
 def _arrived(store: Store, item: Item, step: int) -> np.ndarray:

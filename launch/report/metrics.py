@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from megatrain.errors import disk_full, is_disk_full
+from megatrain.ipc.protocol.messages import StepReport
 
 METRICS: dict[str, str] = {
     "step": "optimizer step, from 1",
@@ -55,37 +56,19 @@ def metrics_table() -> str:
     return "\n".join(lines) + "\n"
 
 
-SUMMED = ("loss", "tokens", "h2d_bytes", "d2h_bytes")  # each executor's part of the whole batch's
-
-
-def merge_executors(parts: list[dict]) -> dict:
-    """Several executors' step results as one: the loss (each normalized by the whole batch's tokens) and
-    the tokens and bytes summed, times and the GPU peak the largest (the step waits for the slowest); the
-    rest (the routers' whole-batch statistics, the timeline, a profile) executor 0's."""
-    if len(parts) == 1:
-        return parts[0]
-    out = dict(parts[0])
-    for k in out:
-        if k in SUMMED:
-            out[k] = sum(p[k] for p in parts)
-        elif k.endswith("_s") or k == "gpu_peak_bytes":
-            out[k] = max(p[k] for p in parts)
-    out["executor_compute_s"] = [p["compute_s"] for p in parts]
-    return out
-
-
-def executor_row(row: dict, ex: dict) -> dict:
-    """A step's metrics row from the driver's part (`t0` of its launch) and the executor's result."""
+def executor_row(row: dict, ex: StepReport) -> dict:
+    """A step's metrics row from the driver's part (`t0` of its launch) and the executors' merged report."""
     dt = time.perf_counter() - row.pop("t0")
+    part = ex.row()
     return {
         "step": row["step"],
         "epoch": row["epoch"],
-        "loss": ex["loss"],
+        "loss": part.pop("loss"),
         "lr": row["lr"],
-        "tokens": ex["tokens"],
+        "tokens": part.pop("tokens"),
         "step_time_s": dt,
         "tokens_per_s": row.pop("batch_tokens") / dt,
-        **{k: v for k, v in ex.items() if k not in ("loss", "tokens")},
+        **part,
     }
 
 

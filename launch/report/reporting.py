@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from megatrain import log
+from megatrain.ipc.protocol.messages import Applied
 from megatrain.launch.config.train import TrainConfig
 from megatrain.launch.report.metrics import MetricsFile
 from megatrain.launch.report.progress import Progress
@@ -34,20 +35,20 @@ class Reporter:
         self.progress = Progress(cfg.progress, first, total, cfg.log_every)
         self.tb = TensorBoard(out) if cfg.tensorboard else None
 
-    def record(self, row: dict, adam: dict) -> dict:
+    def record(self, row: dict, adam: Applied) -> dict:
         """The step's row, completed with its Adam update's results, written everywhere; returned."""
         if "timeline" in row:  # kept out of metrics.jsonl: one file per picture
-            timeline = {**row.pop("timeline"), "adam": adam["unit_spans"], "step": row["step"]}
+            timeline = {**row.pop("timeline"), "adam": adam.unit_spans, "step": row["step"]}
             (self.out / "timeline.json").write_text(json.dumps(timeline))
         if "profile_trace" in row:
             log_profile(row, self.cuda)
         row = {
             **row,
-            "grad_norm": adam["grad_norm"],
-            "clip_scale": adam["clip_scale"],
-            "skipped": adam["skipped"],
-            "adam_s": adam["adam_s"],
-            "adam_update_s": sum(end - start for _, start, end in adam["unit_spans"]),
+            "grad_norm": adam.grad_norm,
+            "clip_scale": adam.clip_scale,
+            "skipped": adam.skipped,
+            "adam_s": adam.adam_s,
+            "adam_update_s": sum(end - start for _, start, end in adam.unit_spans),
         }
         self.file.write_row(row)
         tflops = self.flops / row["step_time_s"] / 1e12

@@ -3,7 +3,6 @@ checkpoints between steps, a graceful stop on a signal; each step's row to launc
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +21,12 @@ from megatrain.data.loader import Prefetcher
 from megatrain.errors import ProtocolError
 from megatrain.flops import model_step_flops
 from megatrain.ipc.protocol import StoreSpec
-from megatrain.ipc.protocol.adam import Applied
+from megatrain.ipc.protocol.messages import Applied, StepReport, StepRequest
 from megatrain.launch.config.tree import Config
 from megatrain.launch.control.crew import Crew
 from megatrain.launch.control.runners import Pending
 from megatrain.launch.report.actor_profile import ActorProfile
-from megatrain.launch.report.metrics import executor_row, merge_executors
+from megatrain.launch.report.metrics import executor_row
 from megatrain.launch.report.reporting import Reporter
 from megatrain.launch.run.checkpointing import Checkpointer
 from megatrain.launch.run.evaluation import Evaluator
@@ -115,7 +114,7 @@ class StepLoop:
                 self._first_step_done()
                 sampled.after(t)
                 self.saves.taken(res)
-                row = executor_row(row, merge_executors([res.pop(n) for n in self.executors]))
+                row = executor_row(row, StepReport.merge([res.pop(n) for n in self.executors]))
                 row.update(self._maybe_evaluate(t + 1))
                 if prev is not None:
                     self._record(prev[0], res["adam-previous"])
@@ -166,7 +165,8 @@ class StepLoop:
         calls: dict[str, Pending] = {}
         parts = split_rows(ids.shape[0], len(self.executors))
         for name, (rid, rlab, rpos) in zip(self.executors, _rows(parts, ids, labels, positions)):
-            calls[name] = crew.call(name, GpuExecutor.step, t, rid, rlab, timeline, profile, rpos)
+            request = StepRequest(step=t, ids=rid, labels=rlab, timeline=timeline, profile=profile, positions=rpos)
+            calls[name] = crew.call(name, GpuExecutor.step, request)
             timeline, profile = False, ""  # executor 0's only
         calls["adam-updater"] = crew.call("adam-updater", AdamUpdater.step, t, lr, saving)
         for name in crew.named(("packer", "grad-accumulator")):
@@ -190,7 +190,7 @@ class StepLoop:
     def _record(self, row: dict, adam: Applied) -> None:
         if self.reporter is None:
             raise ProtocolError(f"step {row['step']} recorded outside the step loop")
-        self.metrics.append(self.reporter.record(row, dataclasses.asdict(adam)))
+        self.metrics.append(self.reporter.record(row, adam))
         self.saves.publish_ready()
 
     def _recorded(self) -> int:

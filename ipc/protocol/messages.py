@@ -1,0 +1,173 @@
+"""The messages that cross a process: what the driver asks an actor for in a step, and what each actor answers.
+
+Every message is a frozen, keyword-only dataclass: it is pickled through Ray (or handed over as is by the
+in-process runner), so nothing may change it on the way, and a field added later cannot shift the others.
+The executor's answer (StepReport) says for each field how the answers of several executors become one
+(`merge`), and in what order its fields become a row of metrics.jsonl (`row`).
+
+Kept free of torch and numba at import: the launcher's light paths (the config tree, `plan`, `status`) may
+name these types without loading the training stack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any
+
+from megatrain.errors import ProtocolError
+
+if TYPE_CHECKING:
+    import torch
+
+# How several executors' values of one StepReport field become the step's (each executor runs its rows of
+# the batch): the sum of their parts, the largest (the step waits for the slowest), or executor 0's (a
+# whole-batch statistic every executor holds, or what executor 0 alone records).
+SUM, MAX, FIRST = "sum", "max", "first"
+
+
+def _sum(values: list[Any]) -> Any:
+    return sum(values)
+
+
+def _max(values: list[Any]) -> Any:
+    return None if values[0] is None else max(values)  # None: no executor measures it (the CPU device)
+
+
+def _first(values: list[Any]) -> Any:
+    return values[0]
+
+
+MERGE: dict[str, Callable[[list[Any]], Any]] = {SUM: _sum, MAX: _max, FIRST: _first}
+
+
+def _merged(rule: str, default: Any = ...) -> Any:
+    """A StepReport field with its merge rule; `default` for the fields an executor may leave out."""
+    if default is ...:
+        return field(metadata={"merge": rule})
+    return field(default=default, metadata={"merge": rule})
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepRequest:
+    """GpuExecutor.step's request: train on rows `ids` / `labels` of step `step`'s batch (the weights after
+    step-1's update). `timeline` records the per-unit lanes; `profile` (a path on the executor's node) runs
+    the step under torch.profiler; `positions`: the tokens' offsets in their documents, None for one causal
+    sequence per row."""
+
+    step: int
+    ids: torch.Tensor
+    labels: torch.Tensor
+    timeline: bool = False
+    profile: str = ""
+    positions: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepReport:
+    """GpuExecutor.step's answer. The field order is the order of the executor's part of a metrics.jsonl row
+    (launch/report/metrics.py documents each field); a None field is left out of the row."""
+
+    loss: float = _merged(SUM)  # each executor's part is normalized by the whole batch's tokens
+    tokens: int = _merged(SUM)
+    compute_s: float = _merged(MAX)
+    weight_wait_s: float = _merged(MAX)
+    grad_wait_s: float = _merged(MAX)
+    h2d_bytes: int = _merged(SUM)
+    d2h_bytes: int = _merged(SUM)
+    forward_s: float = _merged(MAX)
+    head_s: float = _merged(MAX)
+    backward_s: float = _merged(MAX)
+    aux_loss: float | None = _merged(FIRST, None)  # mixture of experts: reduced over the executors already
+    expert_load: list[list[int]] | None = _merged(FIRST, None)
+    gpu_peak_bytes: int | None = _merged(MAX, None)  # CUDA only
+    timeline: dict | None = _merged(FIRST, None)  # executor 0's only (train.timeline_step)
+    profile: dict | None = _merged(FIRST, None)  # executor 0's only: StepProfile.result, or why it failed
+    # Several executors: each one's compute_s, executor 0 first. Made by merge, never by an executor.
+    executor_compute_s: tuple[float, ...] | None = None
+
+    @classmethod
+    def merge(cls, parts: Sequence[StepReport]) -> StepReport:
+        """Several executors' answers as the step's, field by field by its rule; one answer is the step's."""
+        if not parts:
+            raise ProtocolError("a step answered by no executor")
+        if len(parts) == 1:
+            return parts[0]
+        merged = {
+            f.name: MERGE[f.metadata["merge"]]([getattr(p, f.name) for p in parts]) for f in fields(cls) if f.metadata
+        }
+        return cls(**merged, executor_compute_s=tuple(p.compute_s for p in parts))
+
+    def row(self) -> dict[str, Any]:
+        """The executor's part of the step's metrics row: every field that is set, in order, the profile's
+        keys in its place; executor_compute_s as a list (as JSON writes it)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if f.name == "profile":
+                out.update(value)
+            else:
+                out[f.name] = list(value) if f.name == "executor_compute_s" else value
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Applied:
+    """AdamUpdater.step's answer: the global gradient norm, the clip scale, whether the step was skipped
+    whole, each piece's (unit, start, end) in time.time() seconds (the timeline's Adam lane), and the
+    updater's time for the whole step, waits included."""
+
+    grad_norm: float
+    clip_scale: float
+    skipped: bool
+    unit_spans: tuple[tuple[int, float, float], ...] = ()
+    adam_s: float = 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class Packed:
+    """Packer.step's answer: the pieces it cast into weight slabs."""
+
+    packed: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Drained:
+    """GradAccumulator.step's answer: the gradient pieces it drained into the grads plane."""
+
+    drained: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalSums:
+    """GpuExecutor.evaluate's answer, its sums over its batches: the token loss, the labelled tokens, the
+    executor's seconds."""
+
+    loss_sum: float
+    tokens: int
+    eval_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Written:
+    """CheckpointWriter.write's answer, a checkpoint written (not yet published): where it will be, its
+    bytes, the seconds the write took, how long of that it waited for Adam's updates, and whether every
+    file was written with direct I/O."""
+
+    path: str
+    bytes: int
+    seconds: float
+    waited_for_adam_s: float
+    direct_io: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class FillReport:
+    """StoreOwner.fill_report's answer, how the store was filled: from what (a checkpoint directory,
+    model.pretrained, or 'init'), the bytes read (0 for a fresh init) and the seconds it took."""
+
+    source: str
+    bytes: int
+    seconds: float
