@@ -1,0 +1,154 @@
+"""Host memory of a run, term by term: the shared-memory store part by part (the very sizes the store owner
+creates), the executors' pinned activation checkpoints, the kernel's page tables for the store's mappings,
+and the processes themselves (their PSS outside the store, measured on the H200: the executor 1.4 GiB with
+its CUDA context, each CPU role about 0.7 GiB). The processes are the run's reserve beside the store: the
+plan counts them, and the store owner's admission keeps them free."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from megatrain.blocks import blocks
+from megatrain.engineconfig import EngineConfig, fixed_sizes
+from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
+
+GIB = 2**30
+PLANES = ("params", "exp_avg", "exp_avg_sq", "grads")  # "grads": clipping in slabs mode only
+STAGING_BYTES = {"bf16": 2, "fp32": 4}  # a weight's bytes in the staging slabs and the resident copy
+CTL_PIECE_BYTES = 24  # per piece in the control segment: version, squared gradient norm, saved step
+PAGE_TABLE_MAPPERS = 3  # processes that map nearly all of the store: the owner, Adam, the executor or workers
+PROCESS_BYTES = {
+    "gpu-executor": int(1.4 * GIB),
+    "cpu-role": int(0.7 * GIB),
+    "reaper": int(0.01 * GIB),
+    "driver": int(1.0 * GIB),  # the launcher
+    "ray": int(0.8 * GIB),  # a private Ray instance's own processes
+}
+PINNED = "executor: pinned activation checkpoints"
+PAGE_TABLES = "node: page tables of the store's mappings"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreShape:
+    """What fixes the store's sizes: the model's layout, the staging mode (resolved), clipping, the staging
+    dtype, the slabs asked for, and the control segment's fixed part (ipc/protocol/ctl.py)."""
+
+    layout: StoreLayout
+    staging_mode: str  # "slabs" or "resident"
+    clip: bool
+    staging_dtype: str
+    weight_slabs: int
+    grad_slabs: int
+    slab_params: int  # 0: a decoder layer's
+    ctl_fixed: int
+
+    @property
+    def resident(self) -> bool:
+        return self.staging_mode == "resident"
+
+    @property
+    def planes(self) -> tuple[str, ...]:
+        """fp32 planes: only clipping in slabs mode has a gradient plane (see StoreSpec.grads_in_resident)."""
+        return PLANES if self.clip and not self.resident else PLANES[:3]
+
+    @property
+    def num_weight_slabs(self) -> int:
+        return 0 if self.resident else self.weight_slabs
+
+    @property
+    def num_grad_slabs(self) -> int:
+        return 0 if self.resident else self.grad_slabs
+
+    @property
+    def slab_elems(self) -> int:
+        layout = self.layout
+        layers = [layout.structure_of(u.index).numel for u in layout.units if u.kind == "layer"]
+        limit = self.slab_params or max(layers, default=layout.max_unit_numel)
+        return round_up(max(min(limit, layout.max_unit_numel), 1), TILE_ALIGN)
+
+    @property
+    def num_pieces(self) -> int:
+        """Slab-sized pieces over every unit's tile (a unit has at least one)."""
+        e = self.slab_elems
+        return sum(-(-max(self.layout.structure_of(u).numel, 1) // e) for u in range(len(self.layout.units)))
+
+    def part_bytes(self) -> dict[str, int]:
+        """Each segment's data bytes (without its header)."""
+        plane = self.layout.total * 4
+        staging_bytes = STAGING_BYTES[self.staging_dtype]
+        staging = self.slab_elems * (self.num_weight_slabs * staging_bytes + self.num_grad_slabs * 4)
+        staging = max(staging, TILE_ALIGN)  # every run has the segment; with no slabs it is a page
+        ctl = self.ctl_fixed + self.num_pieces * CTL_PIECE_BYTES
+        resident = {"resident": self.layout.total * staging_bytes} if self.resident else {}
+        return {**dict.fromkeys(self.planes, plane), "staging": staging, **resident, "ctl": ctl}
+
+
+def page_table_bytes(parts: Mapping[str, int]) -> int:
+    """The kernel's page tables for the store's mappings (8 bytes per 4 KiB page, per process that maps it):
+    this RAM is in use although no process's PSS shows it."""
+    return PAGE_TABLE_MAPPERS * sum(parts.values()) // 512
+
+
+def host_checkpoints(offload: bool | int, saved: int) -> int:
+    """How many of a step's `saved` activation checkpoints engine.offload_checkpoints (resolved) puts in
+    pinned host memory: all (true), none (false), or the first N blocks' (N)."""
+    if isinstance(offload, bool):
+        return saved if offload else 0
+    return min(offload, saved)
+
+
+def compute_bytes(engine: EngineConfig, cuda: bool) -> int:
+    """A value's bytes in the compute dtype (auto: bf16 on CUDA, fp32 on the CPU)."""
+    if engine.compute_dtype == "auto":
+        return 2 if cuda else 4
+    return STAGING_BYTES[engine.compute_dtype]
+
+
+def pinned_checkpoint_bytes(num_layers: int, hidden: int, engine: EngineConfig, batch: int, seq: int) -> int:
+    """Pinned host RAM one executor takes for offloaded checkpoints (a resolved config; 0 if on the GPU)."""
+    if engine.device != "cuda" or not engine.offload_checkpoints:
+        return 0
+    engine = fixed_sizes(engine)
+    saved = len(blocks(num_layers, engine.checkpoint_interval, engine.last_block_layers)) - 1
+    return host_checkpoints(engine.offload_checkpoints, saved) * batch * seq * hidden * compute_bytes(engine, True)
+
+
+def process_terms(roles: Iterable[str], cuda: bool, launcher: bool, private_ray: bool) -> dict[str, int]:
+    """Each process's own memory: the run's roles (an executor's CUDA context where the engine is on CUDA;
+    the reaper's a few MiB; every other role's a CPU role's), then the node's: the launcher where it is a
+    process of its own beside Ray's, and a private Ray instance's processes."""
+    out = {}
+    for role in roles:
+        kind = (
+            "gpu-executor" if role.startswith("gpu-executor") and cuda else "reaper" if role == "reaper" else "cpu-role"
+        )
+        out[f"process: {role}"] = PROCESS_BYTES[kind]
+    if launcher:
+        out["node: the launcher (megatrain-launch)"] = PROCESS_BYTES["driver"]
+        if private_ray:
+            out["node: Ray's own processes (raylet, GCS, agents)"] = PROCESS_BYTES["ray"]
+    return out
+
+
+def run_roles(executors: int, packers: int, accumulators: int, writer: bool) -> list[str]:
+    """The run's processes that take host memory, by role, with the packers and accumulators that run."""
+    return (
+        ["gpu-executor", *(f"gpu-executor-{r}" for r in range(1, executors))]
+        + ["store-owner", "reaper", "adam-updater"]
+        + [f"packer-{i}" for i in range(packers)]
+        + [f"grad-accumulator-{i}" for i in range(accumulators)]
+        + (["checkpoint-writer"] if writer else [])
+    )
+
+
+def host_terms(
+    parts: Mapping[str, int], header_bytes: int, pinned: int, processes: Mapping[str, int]
+) -> dict[str, int]:
+    """The host part of a plan, term by term: the store's segments with their headers, the pinned
+    checkpoints, the processes, and the page tables (the keys `megatrain-launch plan` prints)."""
+    host = {f"shm: {k}": v + header_bytes for k, v in parts.items()}
+    host[PINNED] = pinned
+    host.update(processes)
+    host[PAGE_TABLES] = page_table_bytes(parts)
+    return host

@@ -1,0 +1,66 @@
+"""The machine a memory plan is made for: its RAM, its /dev/shm, and the share of its RAM Ray's memory
+monitor leaves a run. Read here (this host now), or given (`--host-gib`, or the node the store will live on)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+
+GIB = 2**30
+RAY_THRESHOLD_ENV = "RAY_memory_usage_threshold"
+RAY_DEFAULT_THRESHOLD = 0.95  # Ray's own default
+
+
+def shm_free_bytes(shm_dir: str = "/dev/shm") -> int:
+    st = os.statvfs(shm_dir)
+    return st.f_bavail * st.f_frsize
+
+
+def mem_available_bytes() -> int:
+    """The kernel's MemAvailable: RAM that can be had without swapping (page cache and the like included)."""
+    return int(psutil.virtual_memory().available)
+
+
+def mem_total_bytes() -> int:
+    return int(psutil.virtual_memory().total)
+
+
+def monitor_room(avail: int, threshold: float | None, total: int | None = None) -> int | None:
+    """RAM a run may still take before Ray's memory monitor fires: what is available less the share of the
+    node's RAM the monitor keeps free (shared memory counts as used: it is not reclaimable)."""
+    if threshold is None:
+        return None
+    return avail - int((1 - threshold) * (mem_total_bytes() if total is None else total))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Machine:
+    """A node's memory as a plan sees it: RAM available and in all, free in the store's shm_dir, and Ray's
+    memory-monitor threshold there (a fraction of RAM in use; None: no Ray, nothing is killed for it)."""
+
+    ram: int  # MemAvailable
+    total: int  # MemTotal
+    shm: int  # free in ipc.shm_dir
+    threshold: float | None
+    note: str = ""  # how the figures were had, where not measured on this host now
+
+    @property
+    def limit(self) -> int:
+        """What a run may take: what is available, less what Ray's memory monitor keeps free."""
+        room = monitor_room(self.ram, self.threshold, self.total)
+        return self.ram if room is None else min(self.ram, room)
+
+
+def this_machine(shm_dir: str, threshold: float | None) -> Machine:
+    """This host now."""
+    return Machine(ram=mem_available_bytes(), total=mem_total_bytes(), shm=shm_free_bytes(shm_dir), threshold=threshold)
+
+
+def machine_of(host_gib: float, threshold: float | None) -> Machine:
+    """A host of `host_gib` GiB of RAM, all of it free, with /dev/shm as large (planning for another host)."""
+    size = int(host_gib * GIB)
+    return Machine(
+        ram=size, total=size, shm=size, threshold=threshold, note=" (--host-gib: all of it free, /dev/shm as large)"
+    )

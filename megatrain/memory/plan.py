@@ -1,0 +1,205 @@
+"""One memory plan of a run, made once by the driver before anything is spawned: the staging mode, the
+host terms against the node the store will live on, the room left there for pinned activation
+checkpoints, and the GPU part. The store owner is sent it and only re-checks its admission on its own
+node (ipc/shm.py check_space); `megatrain-launch plan` renders it (launch/config/memplan.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from megatrain.arch import Arch
+from megatrain.engineconfig import EngineConfig, fixed_sizes
+from megatrain.memory.gpu import GpuPart, gpu_part
+from megatrain.memory.host import (
+    PINNED,
+    StoreShape,
+    host_terms,
+    pinned_checkpoint_bytes,
+    process_terms,
+    run_roles,
+)
+from megatrain.memory.machine import Machine
+
+# Pinned checkpoints are optional host memory (the GPU takes those the host does not): they stop this far
+# below the run's limit, so that the processes' transient allocations and the planning error (about half a
+# GiB at the 7B's 512K run) do not take the node over Ray's kill line.
+CHECKPOINT_HEADROOM_FRACTION = 0.02
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunShape:
+    """What of a run's config the memory plan reads (launch/config/memplan.py run_shape builds it)."""
+
+    engine: EngineConfig  # resolved for the device; its sizes may still be `auto`
+    executors: int
+    batch: int  # sequences per step on each executor
+    seq: int
+    clip: bool
+    staging: str  # ipc.staging as asked: auto, slabs or resident
+    weight_slabs: int
+    grad_slabs: int
+    slab_params: int
+    num_packers: int
+    num_accumulators: int
+    saves_checkpoints: bool
+    launcher: bool  # the launcher is a process of its own on the node (not the in-process runner)
+    private_ray: bool  # the run starts its own Ray instance on the node
+    header_bytes: int  # each segment's header (ipc/shm.py)
+    ctl_fixed: int  # the control segment's fixed part (ipc/protocol/ctl.py)
+
+    @property
+    def cuda(self) -> bool:
+        return self.engine.device == "cuda"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryPlan:
+    """A run's memory: where its store lives and how, its host terms on `machine`, and its GPU part."""
+
+    machine: Machine
+    shape: RunShape
+    staging_mode: str  # resolved: slabs or resident
+    store_parts: dict[str, int]  # each segment's data bytes (StoreShape.part_bytes)
+    host: dict[str, int]  # host terms (shm:, executor:, process:, node:)
+    pinned_room: int | None  # host RAM the executors' pinned checkpoints may take in all; None: not bounded
+    gpu: GpuPart
+    engine: EngineConfig  # with the sizes the GPU part chose
+
+    @property
+    def shm_part(self) -> int:
+        """What of the host lives in shared memory."""
+        return sum(v for k, v in self.host.items() if k.startswith("shm:"))
+
+    @property
+    def reserve(self) -> int:
+        """What the run's processes take beside the store: kept free when the owner admits the store."""
+        return sum(v for k, v in self.host.items() if k.startswith("process:"))
+
+    @property
+    def pinned(self) -> int:
+        return self.host.get(PINNED, 0)
+
+    def run_pss(self) -> int:
+        """What the run's own processes take (their PSS, the store counted once): the host part less what the
+        node spends on it besides ("node:" terms), which a run's own PSS report leaves out."""
+        return sum(v for k, v in self.host.items() if not k.startswith("node:"))
+
+    def least_host(self) -> int:
+        """The host need without the pinned activation checkpoints (the GPU takes those the host does not)."""
+        return sum(self.host.values()) - self.pinned
+
+    def host_fits(self) -> bool:
+        return sum(self.host.values()) <= self.machine.limit and self.shm_part <= self.machine.shm
+
+    @property
+    def gpu_limit(self) -> int | None:
+        """What the run may take of the GPU: its free memory, capped at the budget."""
+        known = [v for v in (self.gpu.free, self.gpu.budget) if v is not None]
+        return min(known) if known else None
+
+    def gpu_fits(self) -> bool:
+        limit = self.gpu_limit
+        return not self.gpu.error and (limit is None or sum(self.gpu.terms.values()) <= limit)
+
+    def fits(self) -> bool:
+        return self.host_fits() and self.gpu_fits()
+
+
+def decide_staging(shape: RunShape, fits_resident: bool) -> str:
+    """ipc.staging resolved: as asked, or for 'auto' on CUDA resident with clipping (its copy also holds the
+    gradients, so it is the smallest store there is: slabs would need a gradient plane); without clipping
+    resident where its plan fits the node (`fits_resident`), else slabs. On the CPU device slabs (no DMA to
+    feed). Several executors read the weights from the resident copy (every one streams every unit; slabs
+    are filled for one reader), so they take it whatever the device (ipc/protocol/plan.py refuses slabs)."""
+    if shape.executors > 1 and shape.staging != "slabs":
+        return "resident"
+    if shape.staging != "auto":
+        return shape.staging
+    if not shape.cuda:
+        return "slabs"
+    return "resident" if shape.clip or fits_resident else "slabs"
+
+
+def staging_mode(arch: Arch, shape: RunShape, machine: Machine) -> str:
+    """The staging mode a run takes on `machine` (the node its store will live on), decided from the plan of
+    its host memory before any actor is spawned: the roles that run follow from it."""
+    return _host_plan(arch, shape, machine, None).staging_mode
+
+
+def plan_memory(arch: Arch, shape: RunShape, machine: Machine, gpu_free: int | None = None) -> MemoryPlan:
+    """The run's memory plan on `machine` with `gpu_free` bytes free on each GPU (None: the CPU device, or a
+    GPU not measured here). The staging mode and the room for pinned checkpoints are decided on the host
+    part without those checkpoints; the GPU part is sized within that room; the host part then counts the
+    checkpoints the chosen sizes pin."""
+    plain = _host_plan(arch, shape, machine, None)
+    room = plain.pinned_room
+    each = None if room is None else room // shape.executors  # each executor pins its own checkpoints
+    gpu = gpu_part(arch, shape.engine, shape.batch, shape.seq, shape.executors, gpu_free, shape.clip, each)
+    return _host_plan(arch, shape, machine, gpu, plain.staging_mode)
+
+
+def _host_plan(
+    arch: Arch, shape: RunShape, machine: Machine, gpu: GpuPart | None, mode: str | None = None
+) -> MemoryPlan:
+    """The plan's host part with the GPU part `gpu` (None: the fixed sizes, no checkpoints pinned); `mode`:
+    the staging mode decided (None: decided here, on the plan without pinned checkpoints)."""
+    engine = fixed_sizes(shape.engine) if gpu is None else _applied(shape.engine, gpu.sizes)
+    if mode is None:
+        resident = _plan(arch, shape, machine, engine, "resident", 0, gpu)
+        mode = decide_staging(shape, resident.host_fits())
+    pinned = 0 if gpu is None else shape.executors * _pinned(arch, engine, shape)
+    plan = _plan(arch, shape, machine, engine, mode, pinned, gpu)
+    if gpu is not None or not shape.cuda:
+        return plan
+    headroom = int(machine.limit * CHECKPOINT_HEADROOM_FRACTION)
+    return dataclasses.replace(plan, pinned_room=machine.limit - headroom - sum(plan.host.values()))
+
+
+def _plan(
+    arch: Arch,
+    shape: RunShape,
+    machine: Machine,
+    engine: EngineConfig,
+    mode: str,
+    pinned: int,
+    gpu: GpuPart | None,
+) -> MemoryPlan:
+    store = StoreShape(
+        layout=arch.layout,
+        staging_mode=mode,
+        clip=shape.clip,
+        staging_dtype=engine.compute_dtype,
+        weight_slabs=shape.weight_slabs,
+        grad_slabs=shape.grad_slabs,
+        slab_params=shape.slab_params,
+        ctl_fixed=shape.ctl_fixed,
+    )
+    resident = mode == "resident"
+    roles = run_roles(
+        shape.executors,
+        0 if resident else shape.num_packers,
+        shape.num_accumulators if shape.clip and not resident else 0,
+        shape.saves_checkpoints,
+    )
+    parts = store.part_bytes()
+    processes = process_terms(roles, shape.cuda, shape.launcher, shape.launcher and shape.private_ray)
+    return MemoryPlan(
+        machine=machine,
+        shape=shape,
+        staging_mode=mode,
+        store_parts=parts,
+        host=host_terms(parts, shape.header_bytes, pinned, processes),
+        pinned_room=None,
+        gpu=gpu or GpuPart(sizes=None, why=""),
+        engine=engine,
+    )
+
+
+def _pinned(arch: Arch, engine: EngineConfig, shape: RunShape) -> int:
+    return pinned_checkpoint_bytes(arch.layout.num_layers, arch.hidden_size, engine, shape.batch, shape.seq)
+
+
+def _applied(engine: EngineConfig, sizes: Any) -> EngineConfig:
+    return dataclasses.replace(engine, **dataclasses.asdict(sizes))
