@@ -249,6 +249,7 @@ ALIASES: dict[str, dict[str, str]] = {
     "gpt_oss": {"num_experts": "num_local_experts"},
     "olmoe": {"num_local_experts": "num_experts"},
 }
+_ALIAS_DECLARED = frozenset({"qwen3_moe"})  # families whose config class declares the alias's name
 # Attributes a family's modeling code reads that its config class does not declare (OLMoE's sliding_window)
 EXTRA_READS: dict[str, frozenset[str]] = {"olmoe": frozenset({"sliding_window"})}
 
@@ -360,18 +361,26 @@ def merged_fields(cfg: ModelConfig) -> tuple[str, dict[str, Any]]:
 def resolve_fields(family: str, merged: Mapping[str, Any]) -> dict[str, Any]:
     """The family's config with `merged` over its defaults, aliases under HF's names, what its __post_init__
     derives filled in, as HF would resolve it (for the fields shapes and plans read)."""
+    out = _over_defaults(family, merged)
+    _derive(family, out)
+    return out
+
+
+def _over_defaults(family: str, merged: Mapping[str, Any]) -> dict[str, Any]:
     defaults = DEFAULTS[family]
     aliases = ALIASES.get(family, {})
     out = dict(defaults)
-    for key, value in merged.items():
+    # HF sets the class's declared fields first and any other name after: where both names of one field
+    # are given, the undeclared one's value holds (Qwen3-MoE declares the alias, num_experts)
+    later = set(aliases) if family not in _ALIAS_DECLARED else set(aliases.values())
+    for key, value in sorted(merged.items(), key=lambda kv: kv[0] in later):
         key = aliases.get(key, key)
         if value is None and key not in defaults and key not in COMMON_FIELDS:
             continue  # null for an attribute the class does not declare is its absence (resolve_hf_config)
         if isinstance(defaults.get(key), float) and type(value) is int:
             value = float(value)  # YAML and JSON write 0 for 0.0: HF's strict fields want the float
         out[key] = value
-    _derive(family, out)
-    out["use_cache"] = False
+    out["use_cache"] = False  # resolve_hf_config's
     return out
 
 
@@ -455,9 +464,10 @@ def _arch(family: str, f: Mapping[str, Any], layout: StoreLayout) -> Arch:
 def arch_from_config(cfg: ModelConfig, where: Where | None = None, no_decay_1d: bool = True) -> Arch:
     """The model of a config (model.pretrained's config.json with model.hf over it), with no torch."""
     family, merged = merged_fields(cfg)
-    f = resolve_fields(family, merged)
+    f = _over_defaults(family, merged)
     for key in _SHAPE_FIELDS:
         _int_field(cfg, where, f, key)
+    _derive(family, f)
     return _arch(family, f, layout_of(family, f, no_decay_1d))
 
 
