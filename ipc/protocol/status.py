@@ -9,19 +9,15 @@ one clock for every process of the host.
 
 from __future__ import annotations
 
-import json
 import os
 import struct
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from megatrain.ipc.procs import pid_alive, running
 from megatrain.ipc.protocol import ctl
 from megatrain.ipc.segments import LIVE, Found, found
 from megatrain.ipc.shm import (
-    CTL_PIDS_OFFSET,
     HEADER_BYTES,
     LAYOUT_VERSION,
     MAGIC,
@@ -87,36 +83,31 @@ def read_run(run_id: str, shm_dir: str = "/dev/shm") -> RunStatus | None:
         return None
     if magic != MAGIC or version != LAYOUT_VERSION or not pid_alive(hdr.owner_pid, hdr.owner_ticks):
         return None
-    data = raw[HEADER_BYTES:]
-    about = _about(data)
+    about = ctl.CtlView(raw, 0, HEADER_BYTES).read_about()
     pieces = int(about.get("pieces", 0))
-    versions = np.frombuffer(data, np.int64, pieces, ctl.CTL_FIXED) if pieces else np.zeros(1, np.int64)
-    reason = data[CTL_PIDS_OFFSET + 8 * MAX_PIDS : ctl.ROLE_TABLE_OFFSET].rstrip(b"\0").decode(errors="replace")
-    flags = np.frombuffer(data, np.int64, 1, 0)
-    status = RunStatus(run_id, hdr.owner_pid, about, int(versions.min()), 0, aborted=reason if flags[0] else "")
-    status.actors = _actors(data, about.get("roles", []), seg_name(run_id, ""))
+    if size < HEADER_BYTES + ctl.ctl_bytes(pieces):
+        return None
+    view = ctl.CtlView(raw, pieces, HEADER_BYTES)
+    updates = int(view.versions.min()) if pieces else 0
+    status = RunStatus(
+        run_id=run_id,
+        owner_pid=hdr.owner_pid,
+        about=about,
+        updates=updates,
+        shm_bytes=0,
+        aborted=view.abort_reason() if view.aborted else "",
+    )
+    status.actors = _actors(view, about.get("roles", []), seg_name(run_id, ""))
     return status
 
 
-def _about(data: bytes) -> dict:
-    blob = data[ctl.ABOUT_OFFSET : ctl.ABOUT_OFFSET + ctl.ABOUT_BYTES].rstrip(b"\0")
-    try:
-        return json.loads(blob) if blob else {}
-    except ValueError:
-        return {}
-
-
-def _actors(data: bytes, roles: list[str], prefix: str) -> list[Actor]:
-    pids = struct.unpack_from(f"<{MAX_PIDS}q", data, CTL_PIDS_OFFSET)
+def _actors(view: ctl.CtlView, roles: list[str], prefix: str) -> list[Actor]:
     now, out = time.monotonic(), []
     for slot, role in enumerate(roles[:MAX_PIDS]):
-        if pids[slot] <= 0:
+        pid = int(view.pids[slot])
+        if pid <= 0:
             continue  # never attached (a packer of a resident run, the writer of a run that saves nothing)
-        off = ctl.ROLE_TABLE_OFFSET + slot * ctl.ROLE_BYTES
-        words = np.frombuffer(data, np.float64, 5, off)
-        what = (
-            data[off + ctl.WHAT_OFFSET : off + ctl.WHAT_OFFSET + ctl.WHAT_BYTES].rstrip(b"\0").decode(errors="replace")
-        )
+        words, what = view.role_words[slot], view.waiting_on(slot)
         if words[ctl.WAITS] > 0:
             state, since = "waiting", now - words[ctl.WAIT_SINCE]
         elif words[ctl.CALLS] > 0:
@@ -125,14 +116,14 @@ def _actors(data: bytes, roles: list[str], prefix: str) -> list[Actor]:
             state, since = "idle", now - words[ctl.PROGRESS]
         out.append(
             Actor(
-                role,
-                pids[slot],
-                running(pids[slot]),
-                now - words[ctl.BEAT],
-                state,
-                what if state == "waiting" else "",
-                since,
-                pss_split(pids[slot], prefix)[1],
+                role=role,
+                pid=pid,
+                alive=running(pid),
+                beat_age_s=now - words[ctl.BEAT],
+                state=state,
+                waiting_on=what if state == "waiting" else "",
+                for_s=since,
+                own_bytes=pss_split(pid, prefix)[1],
             )
         )
     return out

@@ -17,26 +17,21 @@ import torch
 from megatrain.errors import AbortError, ProtocolError, ResourceError, WaitTimeout
 from megatrain.ipc.protocol.ctl import (
     ABOUT_BYTES,
-    ABOUT_OFFSET,
     BEAT,
     CALLS,
-    CTL_FIXED,
     PROGRESS,
-    REASON_BYTES,
-    ROLE_BYTES,
-    ROLE_TABLE_OFFSET,
     WAIT_SINCE,
     WAITS,
     WHAT_BYTES,
     WHAT_OFFSET,
+    CtlView,
+    write_text,
 )
 from megatrain.ipc.protocol.fence import load, publish, publish_all, reached
 from megatrain.ipc.protocol.plan import STAGING, StoreSpec
 from megatrain.ipc.segments import classify
 from megatrain.ipc.shm import (
-    CTL_PIDS_OFFSET,
     HEADER_BYTES,
-    MAX_PIDS,
     Header,
     Segment,
     check_space,
@@ -58,20 +53,14 @@ class Store:
     def __init__(self, spec: StoreSpec, segments: dict[str, Segment], sems: dict[str, posix_ipc.Semaphore]):
         self.spec, self.segments, self.sems = spec, segments, sems
         self._unlinked = False
-        ctl = segments["ctl"].mm
-        u = spec.num_pieces
-        self._flags = np.frombuffer(ctl, np.int64, 8, HEADER_BYTES)
-        self.pids = np.frombuffer(ctl, np.int64, MAX_PIDS, HEADER_BYTES + CTL_PIDS_OFFSET)
-        self._reason = np.frombuffer(ctl, np.uint8, REASON_BYTES, HEADER_BYTES + CTL_PIDS_OFFSET + 8 * MAX_PIDS)
-        table = HEADER_BYTES + ROLE_TABLE_OFFSET
-        self.role_words = np.frombuffer(ctl, np.float64, MAX_PIDS * ROLE_BYTES // 8, table).reshape(MAX_PIDS, -1)
-        self.role_bytes = np.frombuffer(ctl, np.uint8, MAX_PIDS * ROLE_BYTES, table).reshape(MAX_PIDS, -1)
-        self.versions = np.frombuffer(ctl, np.int64, u, HEADER_BYTES + CTL_FIXED)
-        self.sqnorms = np.frombuffer(ctl, np.float64, u, HEADER_BYTES + CTL_FIXED + 8 * u)
-        # Per piece, the step of the last checkpoint that has it on disk: Adam's update after that step
-        # waits for it while that checkpoint is being written (see actors/checkpoint_writer.py).
-        self.saved = np.frombuffer(ctl, np.int64, u, HEADER_BYTES + CTL_FIXED + 16 * u)
-        self._about = np.frombuffer(ctl, np.uint8, ABOUT_BYTES, HEADER_BYTES + ABOUT_OFFSET)
+        self.ctl = CtlView(segments["ctl"].mm, spec.num_pieces, HEADER_BYTES)  # the layout: ipc/protocol/ctl.py
+        self._flags, self.pids, self.role_words, self.role_bytes = (
+            self.ctl.flags,
+            self.ctl.pids,
+            self.ctl.role_words,
+            self.ctl.role_bytes,
+        )
+        self.versions, self.sqnorms, self.saved = self.ctl.versions, self.ctl.sqnorms, self.ctl.saved
         self.slot: int | None = None  # this process's role row, if it is a worker
         self._row_lock = threading.Lock()
 
@@ -136,8 +125,7 @@ class Store:
         for key in [k for k in (extra or {}) if len(raw) >= ABOUT_BYTES]:  # a very long path: drop, not fail
             about.pop(key)
             raw = json.dumps(about).encode()
-        self._about[:] = 0
-        self._about[: len(raw)] = np.frombuffer(raw, np.uint8)
+        write_text(self.ctl.about, raw)
 
     def unlink(self) -> None:
         """Owner only, idempotent. Names go away now; memory goes when the last process unmaps."""
@@ -224,9 +212,7 @@ class Store:
     def abort(self, reason: str) -> None:
         if self._flags[0]:
             return  # keep the first (root) cause
-        raw = reason.encode()[: REASON_BYTES - 1]
-        self._reason[:] = 0
-        self._reason[: len(raw)] = np.frombuffer(raw, np.uint8)
+        write_text(self.ctl.reason, reason)
         self._flags[0] = 1
 
     @property
@@ -234,7 +220,7 @@ class Store:
         return bool(self._flags[0])
 
     def abort_reason(self) -> str:
-        return bytes(self._reason).rstrip(b"\0").decode(errors="replace")
+        return self.ctl.abort_reason()
 
     def check_abort(self) -> None:
         if self._flags[0]:
@@ -265,16 +251,12 @@ class Store:
             row[WAITS] += delta
             if delta > 0:
                 row[WAIT_SINCE] = time.monotonic()
-                raw = what.encode()[: WHAT_BYTES - 1]
-                self.role_bytes[self.slot, WHAT_OFFSET : WHAT_OFFSET + WHAT_BYTES] = 0
-                self.role_bytes[self.slot, WHAT_OFFSET : WHAT_OFFSET + len(raw)] = np.frombuffer(raw, np.uint8)
+                write_text(self.role_bytes[self.slot, WHAT_OFFSET : WHAT_OFFSET + WHAT_BYTES], what)
             else:
                 row[PROGRESS] = time.monotonic()
 
     def waiting_on(self, slot: int) -> str:
-        return (
-            bytes(self.role_bytes[slot, WHAT_OFFSET : WHAT_OFFSET + WHAT_BYTES]).rstrip(b"\0").decode(errors="replace")
-        )
+        return self.ctl.waiting_on(slot)
 
     # ---- waits and hand-offs -----------------------------------------------------------------
     def wait(self, key: str, what: str) -> None:
