@@ -14,7 +14,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -22,9 +22,6 @@ from megatrain.configbase import Where, key_error
 from megatrain.errors import ConfigError
 from megatrain.layout import StoreLayout, build_layout
 from megatrain.modelconfig import FAMILIES, ModelConfig
-
-if TYPE_CHECKING:
-    from megatrain.model import ModelSpec
 
 Tensors = list[tuple[str, tuple[int, ...], bool]]
 
@@ -287,6 +284,11 @@ class Arch:
         return self.num_experts > 0 and self.experts_per_token > 0
 
     @property
+    def active_fraction(self) -> float:
+        """The share of a routed expert tensor a token uses: top-k of E (1 for a dense model)."""
+        return self.experts_per_token / self.num_experts if self.is_moe else 1.0
+
+    @property
     def attention_widths(self) -> tuple[int, int]:
         """(the queries' width, the keys' and the values' width each) of an attention layer, per token."""
         return self.head_dim * self.num_attention_heads, self.head_dim * self.num_key_value_heads
@@ -419,6 +421,11 @@ def _int_field(cfg: ModelConfig | None, where: Where | None, f: Mapping[str, Any
     return value
 
 
+def is_expert_slot(name: str) -> bool:
+    """A routed expert's tensor (not a shared expert's, which every token runs)."""
+    return ".experts." in "." + name
+
+
 def experts_of(f: Mapping[str, Any]) -> int:
     """Routed experts per MoE layer (0: a dense model), under either of HF's names."""
     return int(f.get("num_local_experts") or f.get("num_experts") or 0)
@@ -471,7 +478,17 @@ def arch_from_config(cfg: ModelConfig, where: Where | None = None, no_decay_1d: 
     return _arch(family, f, layout_of(family, f, no_decay_1d))
 
 
-def arch_of_spec(spec: ModelSpec) -> Arch:
+class BuiltSpec(Protocol):
+    """What arch_of_spec reads of megatrain.model.ModelSpec (named so, not imported: the model imports this)."""
+
+    family: str
+    layout: StoreLayout
+
+    @property
+    def hf_config(self) -> Any: ...
+
+
+def arch_of_spec(spec: BuiltSpec) -> Arch:
     """The Arch of an already built ModelSpec (inside a run, where torch is there anyway)."""
     hf = spec.hf_config
     f = {**resolve_fields(spec.family, {}), **hf.to_dict()}

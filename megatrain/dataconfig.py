@@ -10,6 +10,7 @@ from megatrain.configbase import opt
 
 KINDS = ("arithmetic", "text", "chat", "prompt_completion", "tokens")
 TOKEN_DTYPES = ("uint16", "uint32", "int32", "int64")
+BYTE_VOCAB_SIZE = 256  # the arithmetic data's tokens are UTF-8 bytes (megatrain/data/arithmetic.py)
 
 
 @dataclass

@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import importlib.util
 import inspect
-import json
 import pickle
 import re
 import threading
@@ -17,9 +16,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import yaml
 
-from megatrain.configbase import Where, key_error
+from megatrain.arch import hf_key_error, merged_fields
+from megatrain.arch import pretrained_config as pretrained_config  # the model's config.json, re-exported
+from megatrain.configbase import Where
 from megatrain.errors import ConfigError
 from megatrain.layout import StoreLayout, build_layout
 from megatrain.modelconfig import FAMILIES as FAMILIES  # the model section, re-exported
@@ -174,43 +174,6 @@ def attention_widths(hf: PretrainedConfig) -> tuple[int, int]:
     return head_dim(hf) * hf.num_attention_heads, head_dim(hf) * kv_heads
 
 
-def pretrained_config(cfg: ModelConfig) -> tuple[str, dict]:
-    """(family, config.json as a dict) of model.pretrained, or (model.family, {}) without one."""
-    family, base = cfg.family, {}
-    if cfg.pretrained:
-        path = Path(cfg.pretrained) / "config.json"
-        if not Path(cfg.pretrained).is_dir():
-            what = "is not a directory" if Path(cfg.pretrained).exists() else "does not exist"
-            raise ConfigError(f"model.pretrained: '{cfg.pretrained}' {what} (expected a save_pretrained directory)")
-        if not path.is_file():
-            raise ConfigError(
-                f"model.pretrained: '{cfg.pretrained}' has no config.json (expected a save_pretrained directory)"
-            )
-        base = json.loads(path.read_text())
-        family = base.get("model_type", family)
-        if family not in FAMILIES:
-            raise ConfigError(
-                f"model.pretrained: model_type '{family}' is not supported; use one of {sorted(FAMILIES)}"
-            )
-    return family, base
-
-
-def _drop_mxfp4(merged: dict) -> None:
-    """Take a checkpoint's MXFP4 `quantization_config` (GPT-OSS as published) out of the config: its experts
-    are dequantized on import into the fp32 masters (megatrain/hfformat.py), so the model trained, checkpointed
-    and exported is not quantized, and a config that said it was would send from_pretrained looking for
-    packed tensors the export does not write. Other quantizations are not read here: refused by name."""
-    quant = merged.pop("quantization_config", None)
-    if quant is None:
-        return
-    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
-    if str(getattr(method, "value", method)).lower() != "mxfp4":
-        raise ConfigError(
-            f"model.pretrained: quantization_config with quant_method '{method}' is not supported; "
-            "only MXFP4 experts (GPT-OSS) are read, dequantized into the fp32 weights"
-        )
-
-
 def _float_fields(conf_cls: type) -> set[str]:
     """The config fields HF types as float and not int (a strict dataclass refuses an int there)."""
     if not dataclasses.is_dataclass(conf_cls):
@@ -223,27 +186,11 @@ def _float_fields(conf_cls: type) -> set[str]:
     return fields
 
 
-def hf_key_error(cfg: ModelConfig, where: Where | None, key: str, msg: str) -> ConfigError:
-    """An error about the HF config field `key`, naming where its value came from: model.hf (the config
-    file's line or the override), or model.pretrained's config.json where model.hf does not set it."""
-    path = Path(cfg.pretrained or "") / "config.json"
-    if key in cfg.hf or not cfg.pretrained or key not in pretrained_config(cfg)[1]:
-        return key_error(where, f"model.hf.{key}", msg)
-    try:
-        lines = Where(str(path), path.read_text(encoding="utf-8"))  # JSON is YAML: the key's line
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        lines = Where(str(path), None)
-    return ConfigError(f"{lines(key)}: key '{key}' of model.pretrained's config.json: {msg}")
-
-
 def resolve_hf_config(cfg: ModelConfig, where: Where | None = None) -> tuple[str, PretrainedConfig]:
     """(family, the HF config) of model.pretrained's config.json with model.hf over it; `where`: where
     model.hf's keys were set, for the error naming a value HF refuses."""
-    family, base = pretrained_config(cfg)
+    family, merged = merged_fields(cfg)
     conf_cls = config_class(family)
-    merged = {**base, **cfg.hf}
-    merged.pop("architectures", None)
-    _drop_mxfp4(merged)
     # YAML and JSON write 0 for 0.0 (`router_aux_loss_coef: 0`): a whole number where HF wants a float is one
     floats = _float_fields(conf_cls)
     merged = {k: float(v) if k in floats and type(v) is int else v for k, v in merged.items()}

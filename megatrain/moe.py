@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from megatrain.arch import is_expert_slot as is_expert_slot  # its home is the torch-free arch.py
 from megatrain.collective import Group
 
 if TYPE_CHECKING:
@@ -63,11 +64,6 @@ def num_experts(hf: PretrainedConfig) -> int:
 
 def is_moe(hf: PretrainedConfig) -> bool:
     return num_experts(hf) > 0 and bool(getattr(hf, "num_experts_per_tok", 0))
-
-
-def is_expert_slot(name: str) -> bool:
-    """A routed expert's tensor (not a shared expert's, which every token runs)."""
-    return ".experts." in "." + name
 
 
 def active_fraction(hf: PretrainedConfig) -> float:

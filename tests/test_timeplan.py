@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from megatrain import steptime
+from megatrain.arch import arch_from_config
 from megatrain.errors import ConfigError
 from megatrain.launch.cli.main import main
 from megatrain.launch.config import timeplan
 from megatrain.launch.config.tree import load_config, load_tree, validate_model
-from megatrain.model import build_spec
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {
@@ -41,7 +41,7 @@ def gpu_basis(tflops: float = 100.0, host_gb_s: float = 100.0) -> timeplan.Basis
 
 def test_a_step_takes_its_flops_at_the_rate() -> None:
     """Twice the tokens per step, twice the compute; the run is its steps times the step."""
-    cfg, spec = small_cfg(), build_spec(small_cfg().model)
+    cfg, spec = small_cfg(), arch_from_config(small_cfg().model)
     one = timeplan.estimate(cfg, spec, gpu_basis(), 1, 1000)
     two = timeplan.estimate(small_cfg("data.batch_size=16"), spec, gpu_basis(), 1, 1000)
     assert one is not None and two is not None
@@ -95,7 +95,7 @@ def test_an_unknown_gpu_falls_back_to_its_properties() -> None:
 
 def test_a_run_of_more_than_a_day_is_warned_of() -> None:
     cfg = small_cfg("train.steps=1000")
-    spec = build_spec(cfg.model)
+    spec = arch_from_config(cfg.model)
     slow = timeplan.lines(cfg, spec, gpu_basis(tflops=1e-4), 1)
     assert slow[0].startswith("time (an estimate):") and "train.steps 1,000" in slow[0]
     warning = [line for line in slow if "WARNING" in line]
@@ -105,7 +105,7 @@ def test_a_run_of_more_than_a_day_is_warned_of() -> None:
 
 
 def test_evaluation_is_counted_when_its_size_is_known() -> None:
-    spec = build_spec(small_cfg().model)
+    spec = arch_from_config(small_cfg().model)
     fwd = 8 * 256 * (6 * spec.layout.num_params + 12 * 4 * 256 * 256) / 3
     cfg = small_cfg("data.kind=arithmetic", "train.steps=100", "train.eval_every=30", "train.eval_batches=2")
     assert timeplan.evaluation_flops(cfg, spec, 100) == pytest.approx(4 * 2 * fwd)  # 30, 60, 90 and the last

@@ -8,17 +8,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megatrain import steptime
-from megatrain.engine import EngineConfig
+from megatrain.arch import Arch, arch_from_config, arch_of_spec
+from megatrain.engineconfig import EngineConfig
 from megatrain.errors import ConfigError
 from megatrain.flops import active_params, model_step_flops
 from megatrain.ipc.protocol.cpus import node_cores
 from megatrain.launch.config.tree import Config
 from megatrain.launch.control.placement import per_executor
-from megatrain.model import ModelSpec, build_spec
-from megatrain.moe import is_moe
 
-if TYPE_CHECKING:  # the crew imports the actors, which a plan does not need
+if TYPE_CHECKING:  # the crew imports the actors, which a plan does not need; the spec, torch
     from megatrain.launch.control.crew import Crew
+    from megatrain.model import ModelSpec
 
 DAY_S = 86400.0
 
@@ -39,19 +39,20 @@ def executor_threads(cfg: Config, executors: int) -> int:
     return cfg.actors.executor_threads or max(1, node_cores() // max(executors, 1))
 
 
-def mlp_shape(cfg: Config, spec: ModelSpec, executors: int) -> tuple[int, int, int]:
-    """(hidden, intermediate, tokens of an executor's batch): the matmul a CPU's rate is timed on."""
-    hf = spec.hf_config
-    inner = getattr(hf, "intermediate_size", 0) or 4 * hf.hidden_size
-    return hf.hidden_size, inner, per_executor(cfg.data.batch_size, executors) * cfg.data.seq_len
+def mlp_shape(cfg: Config, arch: Arch, executors: int) -> tuple[int, int, int]:
+    """(hidden, intermediate, tokens of an executor's batch): the matmul a CPU's rate is timed on (HF's
+    intermediate_size, which is an expert's width in the families with no dense MLP)."""
+    inner = arch.fields.get("intermediate_size") or 4 * arch.hidden_size
+    return arch.hidden_size, inner, per_executor(cfg.data.batch_size, executors) * cfg.data.seq_len
 
 
-def cpu_rate(cfg: Config, spec: ModelSpec, engine: EngineConfig, executors: int) -> steptime.Rate:
-    """This CPU's rate for the model, measured with the threads the executor would run."""
+def cpu_rate(cfg: Config, arch: Arch, engine: EngineConfig, executors: int) -> steptime.Rate:
+    """This CPU's rate for the model, measured with the threads the executor would run (with torch, as the
+    executor computes: only a plan for this machine's CPU imports it)."""
     import torch
 
     dtype = torch.bfloat16 if engine.compute_dtype == "bf16" else torch.float32
-    return steptime.cpu_rate(*mlp_shape(cfg, spec, executors), dtype, executor_threads(cfg, executors))
+    return steptime.cpu_rate(*mlp_shape(cfg, arch, executors), dtype, executor_threads(cfg, executors))
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,7 @@ def gpu_rate(engine: EngineConfig, asked: Asked) -> tuple[steptime.Rate | None, 
     return rate, ""
 
 
-def plan_basis(cfg: Config, spec: ModelSpec, engine: EngineConfig, executors: int, asked: Asked) -> Basis:
+def plan_basis(cfg: Config, arch: Arch, engine: EngineConfig, executors: int, asked: Asked) -> Basis:
     """What the plan's time assumes: the planned device (this CPU measured, a GPU by --gpu or this machine's),
     and this host's measured memory bandwidth, or, planning a GPU for a host of --host-gib, the bandwidth
     of BENCHMARKS.md's GPU hosts."""
@@ -116,7 +117,7 @@ def plan_basis(cfg: Config, spec: ModelSpec, engine: EngineConfig, executors: in
         raise ConfigError(
             "--gpu and --gpu-tflops name the GPU the time assumes, but the plan is for the CPU device: add --gpu-gib N"
         )
-    rate, why = gpu_rate(engine, asked) if cuda else (cpu_rate(cfg, spec, engine, executors), "")
+    rate, why = gpu_rate(engine, asked) if cuda else (cpu_rate(cfg, arch, engine, executors), "")
     if cuda and asked.host_gib:
         bench = steptime.BENCH_HOST_BYTES_PER_S
         return Basis(rate, bench, f"{bench / 1e9:.0f} GB/s, BENCHMARKS.md's 16-core GPU hosts (--host-gib)", why)
@@ -126,7 +127,7 @@ def plan_basis(cfg: Config, spec: ModelSpec, engine: EngineConfig, executors: in
     return Basis(rate, bandwidth, how, why)
 
 
-def evaluation_flops(cfg: Config, spec: ModelSpec, steps: int) -> float | None:
+def evaluation_flops(cfg: Config, arch: Arch, steps: int) -> float | None:
     """The evaluations' FLOPs over the run (a forward: a third of a step's per batch); 0 without evaluation
     data, None where their size is the held-out set's, which the plan does not read."""
     d, t = cfg.data, cfg.train
@@ -137,22 +138,22 @@ def evaluation_flops(cfg: Config, spec: ModelSpec, steps: int) -> float | None:
     batches = t.eval_batches or (8 if d.kind == "arithmetic" else 0)
     if count and not batches:
         return None
-    return count * batches * model_step_flops(spec, d.batch_size, d.seq_len) / 3
+    return count * batches * model_step_flops(arch, d.batch_size, d.seq_len) / 3
 
 
-def estimate(cfg: Config, spec: ModelSpec, basis: Basis, executors: int, steps: int) -> steptime.Estimate | None:
+def estimate(cfg: Config, arch: Arch, basis: Basis, executors: int, steps: int) -> steptime.Estimate | None:
     """`steps` steps (and the evaluations among them) of the run on `basis`'s machine; None without a rate."""
     if basis.rate is None:
         return None
     rate = basis.rate
-    if is_moe(spec.hf_config):  # routing, the experts' smaller matmuls (BENCHMARKS.md)
+    if arch.is_moe:  # routing, the experts' smaller matmuls (BENCHMARKS.md)
         rate = steptime.Rate(rate.flops_per_s * steptime.MOE_FACTOR, rate.how, rate.cpu)
-    flops = model_step_flops(spec, cfg.data.batch_size, cfg.data.seq_len) / executors
-    evals = evaluation_flops(cfg, spec, steps)
+    flops = model_step_flops(arch, cfg.data.batch_size, cfg.data.seq_len) / executors
+    evals = evaluation_flops(cfg, arch, steps)
     return steptime.step_estimate(
         flops,
-        spec.layout.num_params,
-        len(spec.layout.units),
+        arch.layout.num_params,
+        len(arch.layout.units),
         rate,
         basis.host_bytes_per_s,
         steps,
@@ -162,14 +163,14 @@ def estimate(cfg: Config, spec: ModelSpec, basis: Basis, executors: int, steps: 
 
 def plan_lines(cfg: Config, engine: EngineConfig, executors: int, asked: Asked) -> list[str]:
     """The plan's time section for the machine planned for."""
-    spec = build_spec(cfg.model, cfg.optim.no_decay_1d)
-    return lines(cfg, spec, plan_basis(cfg, spec, engine, executors, asked), executors)
+    arch = arch_from_config(cfg.model, no_decay_1d=cfg.optim.no_decay_1d)
+    return lines(cfg, arch, plan_basis(cfg, arch, engine, executors, asked), executors)
 
 
-def lines(cfg: Config, spec: ModelSpec, basis: Basis, executors: int) -> list[str]:
+def lines(cfg: Config, arch: Arch, basis: Basis, executors: int) -> list[str]:
     """The plan's time section."""
     d, steps = cfg.data, cfg.train.steps
-    est = estimate(cfg, spec, basis, executors, steps)
+    est = estimate(cfg, arch, basis, executors, steps)
     if est is None or basis.rate is None:
         return [f"time: no estimate: {basis.why}"]
     head = f"time (an estimate): {steptime.duration(est.step_s)} a step; train.steps {steps:,}: "
@@ -180,11 +181,11 @@ def lines(cfg: Config, spec: ModelSpec, basis: Basis, executors: int) -> list[st
         head += f", evaluation {steptime.duration(est.eval_s)} more"
     if d.epochs:
         head += f" (data.epochs {d.epochs} sets the steps from the data's size instead)"
-    moe = f"; x {steptime.MOE_FACTOR} for a mixture of experts" if is_moe(spec.hf_config) else ""
+    moe = f"; x {steptime.MOE_FACTOR} for a mixture of experts" if arch.is_moe else ""
     out = [
         head,
-        f"  compute: {model_step_flops(spec, d.batch_size, d.seq_len):.3g} useful FLOPs a step (6·N·D + 12·L·H·S·D, "
-        f"N = {active_params(spec) / 1e6:,.1f}M active parameters) in {steptime.duration(est.compute_s)}"
+        f"  compute: {model_step_flops(arch, d.batch_size, d.seq_len):.3g} useful FLOPs a step (6·N·D + 12·L·H·S·D, "
+        f"N = {active_params(arch) / 1e6:,.1f}M active parameters) in {steptime.duration(est.compute_s)}"
         + (f" on each of {executors} executors" if executors > 1 else ""),
         f"    at {basis.rate.how}{moe}",
         f"  the CPU Adam pass: {steptime.ADAM_BYTES_PER_PARAM} bytes per parameter at {basis.host_how}: "
@@ -210,13 +211,15 @@ def warn_if_long(crew: Crew, cfg: Config, spec: ModelSpec, executors: int, steps
     from megatrain import log
     from megatrain.actors.adam_updater import AdamUpdater
     from megatrain.actors.gpu_executor import GpuExecutor
+    from megatrain.roster import ADAM, EXECUTOR
 
-    shape = mlp_shape(cfg, spec, executors)
-    rate = crew.call_one(crew.named("gpu-executor")[0], GpuExecutor.step_rate, *shape)
-    bandwidth = crew.call_one("adam-updater", AdamUpdater.memory_bandwidth)
-    est = estimate(cfg, spec, Basis(rate, bandwidth), executors, steps)
+    arch = arch_of_spec(spec)
+    shape = mlp_shape(cfg, arch, executors)
+    rate = crew.call_one(EXECUTOR, GpuExecutor.step_rate, *shape)
+    bandwidth = crew.call_one(ADAM, AdamUpdater.memory_bandwidth)
+    est = estimate(cfg, arch, Basis(rate, bandwidth), executors, steps)
     if est is not None and rate is not None and est.total_s > DAY_S:
-        flops = model_step_flops(spec, cfg.data.batch_size, cfg.data.seq_len)
+        flops = model_step_flops(arch, cfg.data.batch_size, cfg.data.seq_len)
         log(
             f"warning: {long_run(est)} (an estimate from {flops:.3g} FLOPs a step at {rate.how}; the CPU Adam "
             f"pass at {bandwidth / 1e9:.0f} GB/s; `megatrain-launch plan` shows it)"

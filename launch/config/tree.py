@@ -6,8 +6,9 @@ import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatrain.arch import PLAIN_HEAD_DIM_ONLY, Arch, accepted_fields, arch_from_config, hf_key_error, pretrained_config
 from megatrain.configbase import Where, key_error, load_located, section
-from megatrain.dataconfig import DataConfig
+from megatrain.dataconfig import BYTE_VOCAB_SIZE, DataConfig
 from megatrain.engineconfig import EngineConfig
 from megatrain.errors import ConfigError
 from megatrain.ipc.protocol.ipcconfig import IpcConfig
@@ -17,9 +18,9 @@ from megatrain.launch.control.runners import LaunchConfig
 from megatrain.modelconfig import ModelConfig
 from megatrain.optimconfig import OptimConfig
 
-# The sections and validate_tree import no torch, numba or transformers modeling code (tests/
-# test_light_launcher.py): the checks that need the model (validate_model, check_hf_keys, check_gpu_budget)
-# import it when they run, so loading the tree and `--help` stay quick.
+# The sections, validate_tree and check_model import no torch, numba or transformers modeling code (tests/
+# test_light_launcher.py): the checks that need the model (validate_model's others, check_gpu_budget) import
+# it when they run, so loading the tree, `--help` and `plan` stay quick.
 
 
 @dataclass
@@ -37,10 +38,8 @@ class Config:
 def check_hf_keys(cfg: ModelConfig, where: Where | None = None) -> None:
     """model.hf keys must be fields of the family's HF config: HF configs keep unknown keys silently, so
     a typo would train another model than the one meant."""
-    from megatrain.model import hf_config_fields, pretrained_config
-
     family, base = pretrained_config(cfg)
-    valid = hf_config_fields(family, base)
+    valid = accepted_fields(family, base)
     for key in cfg.hf:
         if key not in valid:
             close = difflib.get_close_matches(key, sorted(valid), n=1)
@@ -55,16 +54,29 @@ def validate(cfg: Config, where: Where | None = None) -> None:
 
 
 def validate_model(cfg: Config, where: Where | None = None, weights: bool = True) -> None:
-    """The checks that need the family's HF config (transformers' import: seconds), and a pretrained
-    checkpoint's files. The launcher runs them beside its Ray start (launch/run/inputs.py). `weights` False: a
-    pretrained directory may hold config.json alone (the plan, made before the weights are downloaded)."""
-    from megatrain.data import ByteTokenizer
-    from megatrain.model import build_spec, check_attention, hf_key_error, resolve_hf_config
+    """Every check of the model: HF's own of its config (transformers' import: seconds), its attention run on
+    the meta device, check_model's, a pretrained checkpoint's files and the GPU budget. The launcher runs them
+    beside its Ray start (launch/run/inputs.py). `weights` False: a pretrained directory may hold config.json
+    alone (made before the weights are downloaded)."""
+    from megatrain.model import build_spec, check_attention, resolve_hf_config
     from megatrain.weights import check_checkpoint, holds_weights
 
     check_hf_keys(cfg.model, where)
-    _, hf = resolve_hf_config(cfg.model, where)
+    resolve_hf_config(cfg.model, where)  # HF's strict fields: a value of the wrong type, named
     check_attention(cfg.model, where)
+    check_model(cfg, where)
+    if cfg.model.pretrained and (weights or holds_weights(cfg.model.pretrained)):
+        # every file whole, every parameter there in a layout read_unit reads, of its shape
+        check_checkpoint(build_spec(cfg.model, cfg.optim.no_decay_1d), cfg.model.pretrained)
+    check_gpu_budget(cfg, where)
+
+
+def check_model(cfg: Config, where: Where | None = None) -> Arch:
+    """The model's checks that need no torch or transformers (`megatrain-launch plan` runs these alone): its
+    fields against the family's (megatrain/arch.py) and the other sections; the model, described."""
+    check_hf_keys(cfg.model, where)
+    arch = arch_from_config(cfg.model, where, cfg.optim.no_decay_1d)
+    hf = arch.fields
 
     def fail(key: str, msg: str) -> ConfigError:
         return key_error(where, key, msg)
@@ -72,13 +84,17 @@ def validate_model(cfg: Config, where: Where | None = None, weights: bool = True
     def fail_hf(key: str, msg: str) -> ConfigError:  # named where the value came from: model.hf or config.json
         return hf_key_error(cfg.model, where, key, msg)
 
-    if cfg.data.kind == "arithmetic" and hf.vocab_size < ByteTokenizer.vocab_size:
-        raise fail_hf("vocab_size", f"{hf.vocab_size} is below the byte tokenizer's {ByteTokenizer.vocab_size}")
-    if cfg.data.seq_len > hf.max_position_embeddings:
+    plain = arch.hidden_size // arch.num_attention_heads
+    if arch.family in PLAIN_HEAD_DIM_ONLY and arch.head_dim != plain:
+        msg = f"{arch.head_dim}: HF's {arch.family} attention takes only hidden_size / num_attention_heads"
+        raise fail_hf("head_dim", f"{msg} ({plain}); leave head_dim out or set it to {plain}")
+    if cfg.data.kind == "arithmetic" and arch.vocab_size < BYTE_VOCAB_SIZE:
+        raise fail_hf("vocab_size", f"{arch.vocab_size} is below the byte tokenizer's {BYTE_VOCAB_SIZE}")
+    if cfg.data.seq_len > hf["max_position_embeddings"]:
         raise fail(
-            "data.seq_len", f"{cfg.data.seq_len} exceeds model max_position_embeddings {hf.max_position_embeddings}"
+            "data.seq_len", f"{cfg.data.seq_len} exceeds model max_position_embeddings {hf['max_position_embeddings']}"
         )
-    dropout = [(k, v) for k, v in hf.to_dict().items() if k.endswith("dropout") and isinstance(v, int | float) and v]
+    dropout = [(k, v) for k, v in hf.items() if k.endswith("dropout") and isinstance(v, int | float) and v]
     if dropout:
         key, value = dropout[0]
         raise fail_hf(
@@ -87,7 +103,7 @@ def validate_model(cfg: Config, where: Where | None = None, weights: bool = True
             "backward (checkpoint blocks, lean layers), which would draw other masks than "
             f"the forward did; set model.hf.{key}: 0",
         )
-    jitter = getattr(hf, "router_jitter_noise", 0.0)
+    jitter = hf.get("router_jitter_noise", 0.0)
     if jitter:  # Mixtral: a fresh uniform draw scales each MoE layer's input, in the layer's forward, for its routing
         raise fail_hf(
             "router_jitter_noise",
@@ -95,17 +111,14 @@ def validate_model(cfg: Config, where: Where | None = None, weights: bool = True
             "(checkpoint blocks, lean layers, token tiles), which would draw other noise and route the tokens "
             "otherwise than the forward did; set model.hf.router_jitter_noise: 0",
         )
-    if cfg.engine.checkpoint_interval != "auto" and cfg.engine.checkpoint_interval > hf.num_hidden_layers:
+    if cfg.engine.checkpoint_interval != "auto" and cfg.engine.checkpoint_interval > arch.num_layers:
         raise fail(
             "engine.checkpoint_interval",
             f"{cfg.engine.checkpoint_interval} exceeds the model's "
-            f"{hf.num_hidden_layers} layers (model.hf.num_hidden_layers); "
-            f"use at most {hf.num_hidden_layers}",
+            f"{arch.num_layers} layers (model.hf.num_hidden_layers); "
+            f"use at most {arch.num_layers}",
         )
-    if cfg.model.pretrained and (weights or holds_weights(cfg.model.pretrained)):
-        # every file whole, every parameter there in a layout read_unit reads, of its shape
-        check_checkpoint(build_spec(cfg.model, cfg.optim.no_decay_1d), cfg.model.pretrained)
-    check_gpu_budget(cfg, where)
+    return arch
 
 
 def check_gpu_budget(cfg: Config, where: Where | None = None) -> None:

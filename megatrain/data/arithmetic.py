@@ -12,7 +12,7 @@ import zlib
 
 import torch
 
-from megatrain.dataconfig import DataConfig
+from megatrain.dataconfig import BYTE_VOCAB_SIZE, DataConfig
 from megatrain.labels import IGNORE
 
 END_ID = ord("\n")  # ends every answer: greedy evaluation stops there, and an exported model's eos
@@ -22,7 +22,7 @@ _EVAL_STREAM = 7_777_777  # separates the evaluation batches' seeds from the tra
 class ByteTokenizer:
     """UTF-8 bytes are the tokens (vocab 256); models may have larger vocabularies."""
 
-    vocab_size = 256
+    vocab_size = BYTE_VOCAB_SIZE
 
     @staticmethod
     def encode(text: str) -> list[int]:
