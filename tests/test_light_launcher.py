@@ -5,10 +5,12 @@ seconds. Each runs in a fresh interpreter, which then prints the heavy modules i
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
+import yaml
 
 from tests.conftest import ROOT
 
@@ -65,6 +67,58 @@ def test_the_config_tree_and_its_checks_import_nothing_heavy(tmp_path) -> None:
         "assert reference_table(Config)\n"
     )
     assert heavy_after(code, str(ROOT / "examples" / "default.yaml"), str(tmp_path / "qwen7b.yaml")) == []
+
+
+MOE_YAML = """model:
+  family: qwen3_moe
+  hf: {hidden_size: 2048, num_hidden_layers: 48, num_attention_heads: 32, num_key_value_heads: 4, head_dim: 128,
+       moe_intermediate_size: 768, num_experts: 128, num_experts_per_tok: 8, vocab_size: 151936, mlp_only_layers: [0]}
+data: {seq_len: 4096, batch_size: 16}
+"""
+
+# What `megatrain-launch plan` runs of the model for a plan made for another machine (--gpu H100): the model's
+# checks, its description and the time section.
+PLAN_MODEL = (
+    "from megatrain.launch.config import timeplan\n"
+    "from megatrain.launch.config.tree import check_model, load_tree\n"
+    "from megatrain.engineconfig import resolve_engine\n"
+    "cfg, where = load_tree(sys.argv[1], ['engine.device=cuda'])\n"
+    "arch = check_model(cfg, where)\n"
+    "asked = timeplan.Asked('H100', None, True, True)\n"
+    "lines = timeplan.plan_lines(cfg, resolve_engine(cfg.engine, True), 1, asked)\n"
+    "assert lines[0].startswith('time (an estimate)'), lines\n"
+    "print(arch.family, arch.layout.num_params)\n"
+)
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe", "pretrained"])
+def test_the_plans_model_checks_and_time_import_nothing_heavy(tmp_path, kind: str) -> None:
+    """A dense 7B, an MoE and a model.pretrained directory holding config.json alone (planned before the
+    weights are downloaded) are checked, described and timed without torch, numba or modeling code."""
+    config = tmp_path / "run.yaml"
+    if kind == "pretrained":
+        hf = yaml.safe_load(MOE_YAML)["model"]["hf"]
+        (tmp_path / "model").mkdir()
+        (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", **hf}))
+        config.write_text(f"model: {{pretrained: {tmp_path / 'model'}}}\ndata: {{seq_len: 4096, batch_size: 16}}\n")
+    else:
+        config.write_text(QWEN7B_YAML if kind == "dense" else MOE_YAML)
+    assert heavy_after(PLAN_MODEL, str(config)) == []
+
+
+def test_the_plans_model_check_still_refuses(tmp_path) -> None:
+    """The torch-free checks are the checks: a mistyped field and a dropout are refused, as validate_model does."""
+    from megatrain.errors import ConfigError
+    from megatrain.launch.config.tree import check_model, load_tree
+
+    for hf, words in [
+        ("{hiden_size: 64}", "did you mean 'model.hf.hidden_size'"),
+        ("{attention_dropout: 0.1}", "dropout"),
+    ]:
+        (tmp_path / "bad.yaml").write_text(f"model: {{family: llama, hf: {hf}}}\n")
+        cfg, where = load_tree(tmp_path / "bad.yaml")
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            check_model(cfg, where)
 
 
 def test_the_heavy_check_sees_torch() -> None:
