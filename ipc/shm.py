@@ -23,6 +23,14 @@ import psutil
 from megatrain.errors import LayoutMismatch, ResourceError
 from megatrain.ipc.mapping import map_shards, shard_names, shard_sizes, split
 from megatrain.ipc.procs import live, start_ticks
+from megatrain.memory.machine import (  # re-exported: the readings check_space compares with
+    RAY_DEFAULT_THRESHOLD as RAY_DEFAULT_THRESHOLD,
+)
+from megatrain.memory.machine import RAY_THRESHOLD_ENV as RAY_THRESHOLD_ENV
+from megatrain.memory.machine import mem_available_bytes as mem_available_bytes
+from megatrain.memory.machine import mem_total_bytes as mem_total_bytes
+from megatrain.memory.machine import monitor_room as monitor_room
+from megatrain.memory.machine import shm_free_bytes as shm_free_bytes
 
 MAGIC = b"MEGATRN\x01"
 LAYOUT_VERSION = 2  # 2: the control segment's 'about' area
@@ -181,24 +189,6 @@ def _map_existing(name: str, sizes: list[int]) -> ctypes.Array:
             s.close_fd()
 
 
-def shm_free_bytes(shm_dir: str = "/dev/shm") -> int:
-    st = os.statvfs(shm_dir)
-    return st.f_bavail * st.f_frsize
-
-
-def mem_available_bytes() -> int:
-    """The kernel's MemAvailable: RAM that can be had without swapping (page cache and the like included)."""
-    return int(psutil.virtual_memory().available)
-
-
-def mem_total_bytes() -> int:
-    return int(psutil.virtual_memory().total)
-
-
-RAY_THRESHOLD_ENV = "RAY_memory_usage_threshold"
-RAY_DEFAULT_THRESHOLD = 0.95  # Ray's own default
-
-
 def ray_memory_threshold() -> float | None:
     """The fraction of the node's RAM in use above which Ray's memory monitor kills its workers, where this
     process is a Ray worker (the raylet's setting reaches its workers' environment, with the raylet's pid);
@@ -209,14 +199,6 @@ def ray_memory_threshold() -> float | None:
         return float(os.environ.get(RAY_THRESHOLD_ENV, RAY_DEFAULT_THRESHOLD))
     except ValueError:
         return RAY_DEFAULT_THRESHOLD
-
-
-def monitor_room(avail: int, threshold: float | None, total: int | None = None) -> int | None:
-    """RAM a run may still take before Ray's memory monitor fires: what is available less the share of the
-    node's RAM the monitor keeps free (shared memory counts as used: it is not reclaimable)."""
-    if threshold is None:
-        return None
-    return avail - int((1 - threshold) * (mem_total_bytes() if total is None else total))
 
 
 def pss_split(pid: int, prefix: str) -> tuple[int, int]:
@@ -269,7 +251,7 @@ def check_space(
             f"available (MemAvailable){_lighter(parts, ram_only)}"
         )
     threshold = ray_memory_threshold()
-    room = monitor_room(avail, threshold)
+    room = monitor_room(avail, threshold, mem_total_bytes())
     if avail and room is not None and need > room:
         raise ResourceError(
             f"the host store needs {gib(need)} of RAM ({detail}); {gib(avail)} is available, but "

@@ -15,14 +15,7 @@ from __future__ import annotations
 import torch
 
 from megatrain.cudahost import register_host, unregister_host
-
-
-def host_checkpoints(offload: bool | int, saved: int) -> int:
-    """How many of a step's `saved` activation checkpoints engine.offload_checkpoints (resolved) puts in
-    pinned host memory: all (true), none (false), or the first N blocks' (N)."""
-    if isinstance(offload, bool):
-        return saved if offload else 0
-    return min(offload, saved)
+from megatrain.memory.host import host_checkpoints as host_checkpoints  # the engine counts them so
 
 
 class _Registered:

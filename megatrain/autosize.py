@@ -52,11 +52,11 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from megatrain.activations import host_checkpoints
 from megatrain.blocks import blocks
 from megatrain.engine import FIXED_SIZES, EngineConfig
 from megatrain.errors import ResourceError
 from megatrain.lean import lean_layer_bytes
+from megatrain.memory.host import host_checkpoints
 from megatrain.model import ModelSpec, attention_widths, head_dim
 from megatrain.moe import mlp_width
 

@@ -16,7 +16,6 @@ from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
 GIB = 2**30
 PLANES = ("params", "exp_avg", "exp_avg_sq", "grads")  # "grads": clipping in slabs mode only
 STAGING_BYTES = {"bf16": 2, "fp32": 4}  # a weight's bytes in the staging slabs and the resident copy
-CTL_PIECE_BYTES = 24  # per piece in the control segment: version, squared gradient norm, saved step
 PAGE_TABLE_MAPPERS = 3  # processes that map nearly all of the store: the owner, Adam, the executor or workers
 PROCESS_BYTES = {
     "gpu-executor": int(1.4 * GIB),
@@ -32,7 +31,7 @@ PAGE_TABLES = "node: page tables of the store's mappings"
 @dataclass(frozen=True, kw_only=True)
 class StoreShape:
     """What fixes the store's sizes: the model's layout, the staging mode (resolved), clipping, the staging
-    dtype, the slabs asked for, and the control segment's fixed part (ipc/protocol/ctl.py)."""
+    dtype, the slabs asked for, and the control segment's layout (ipc/protocol/ctl.py)."""
 
     layout: StoreLayout
     staging_mode: str  # "slabs" or "resident"
@@ -41,7 +40,8 @@ class StoreShape:
     weight_slabs: int
     grad_slabs: int
     slab_params: int  # 0: a decoder layer's
-    ctl_fixed: int
+    ctl_fixed: int  # the control segment's bytes besides its pieces'
+    ctl_piece_bytes: int  # and per piece
 
     @property
     def resident(self) -> bool:
@@ -79,7 +79,7 @@ class StoreShape:
         staging_bytes = STAGING_BYTES[self.staging_dtype]
         staging = self.slab_elems * (self.num_weight_slabs * staging_bytes + self.num_grad_slabs * 4)
         staging = max(staging, TILE_ALIGN)  # every run has the segment; with no slabs it is a page
-        ctl = self.ctl_fixed + self.num_pieces * CTL_PIECE_BYTES
+        ctl = self.ctl_fixed + self.num_pieces * self.ctl_piece_bytes
         resident = {"resident": self.layout.total * staging_bytes} if self.resident else {}
         return {**dict.fromkeys(self.planes, plane), "staging": staging, **resident, "ctl": ctl}
 

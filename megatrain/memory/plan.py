@@ -48,6 +48,7 @@ class RunShape:
     private_ray: bool  # the run starts its own Ray instance on the node
     header_bytes: int  # each segment's header (ipc/shm.py)
     ctl_fixed: int  # the control segment's fixed part (ipc/protocol/ctl.py)
+    ctl_piece_bytes: int  # and its bytes per piece
 
     @property
     def cuda(self) -> bool:
@@ -137,7 +138,7 @@ def plan_memory(arch: Arch, shape: RunShape, machine: Machine, gpu_free: int | N
     room = plain.pinned_room
     each = None if room is None else room // shape.executors  # each executor pins its own checkpoints
     gpu = gpu_part(arch, shape.engine, shape.batch, shape.seq, shape.executors, gpu_free, shape.clip, each)
-    return _host_plan(arch, shape, machine, gpu, plain.staging_mode)
+    return dataclasses.replace(_host_plan(arch, shape, machine, gpu, plain.staging_mode), pinned_room=room)
 
 
 def _host_plan(
@@ -175,6 +176,7 @@ def _plan(
         grad_slabs=shape.grad_slabs,
         slab_params=shape.slab_params,
         ctl_fixed=shape.ctl_fixed,
+        ctl_piece_bytes=shape.ctl_piece_bytes,
     )
     resident = mode == "resident"
     roles = run_roles(
