@@ -27,6 +27,7 @@ from megatrain.hostops import sqnorm
 from megatrain.ipc.protocol.checkpoints import wait_taken
 from megatrain.ipc.protocol.messages import Applied
 from megatrain.ipc.protocol.plan import Item
+from megatrain.ipc.protocol.sems import GRADS_READY
 from megatrain.ipc.protocol.store import Store
 from megatrain.ipc.protocol.workers import free_grad, take_grad, wait_all_grads
 
@@ -81,7 +82,7 @@ def update_unclipped(store: Store, events: list[Any] | None, step: int, saving: 
 def _arrived(store: Store, item: Item, step: int) -> np.ndarray:
     """The next piece in the resident copy: pieces arrive (grads_ready) in the order they are updated without
     clipping, the gradient order, so the k-th post is the k-th piece."""
-    store.wait("grads_ready", f"the gradient of unit {item.unit} (step {step})")
+    store.wait(GRADS_READY, f"the gradient of unit {item.unit} (step {step})")
     return store.grad_tile(item.unit)[item.lo : item.hi]
 
 

@@ -10,29 +10,30 @@ import numpy as np
 
 from megatrain.hostops import copy_sqnorm
 from megatrain.ipc.protocol.plan import Item
+from megatrain.ipc.protocol.sems import GRADS_READY, g_free, g_full, w_free, w_full
 from megatrain.ipc.protocol.store import Store
 
 
 def pack(store: Store, item: Item, step: int) -> None:
     """Packer: the piece's fp32 weights after step-1's update, cast into its weight slab."""
     unit, lo, hi, slab, piece = item
-    store.wait(f"w_free{slab}", f"weight slab {slab} to be free (unit {unit}, step {step})")
+    store.wait(w_free(slab), f"weight slab {slab} to be free (unit {unit}, step {step})")
     store.wait_version(unit, step, f"Adam's update of unit {unit} before step {step}", piece)
     store.weight_slab(slab)[: hi - lo].copy_(store.torch_tile("params", unit)[lo:hi])
-    store.post(f"w_full{slab}")
+    store.post(w_full(slab))
 
 
 def take_grad(store: Store, events: list[Any] | None, item: Item, step: int) -> np.ndarray:
     """Wait for the item's gradient slab to hold its piece (and, on the GPU, for its D2H copy, through the
     slab's interprocess event); the piece as a numpy view of the slab. Hand the slab back with free_grad."""
-    store.wait(f"g_full{item.slab}", f"the gradient of unit {item.unit} (step {step})")
+    store.wait(g_full(item.slab), f"the gradient of unit {item.unit} (step {step})")
     if events is not None:
         events[item.slab].synchronize()
     return store.grad_slab(item.slab)[: item.hi - item.lo].numpy()
 
 
 def free_grad(store: Store, item: Item) -> None:
-    store.post(f"g_free{item.slab}")
+    store.post(g_free(item.slab))
 
 
 def drain(store: Store, events: list[Any] | None, item: Item, step: int) -> None:
@@ -41,11 +42,11 @@ def drain(store: Store, events: list[Any] | None, item: Item, step: int) -> None
     grad = take_grad(store, events, item, step)
     store.sqnorms[item.piece] = copy_sqnorm(grad, store.tile("grads", item.unit)[item.lo : item.hi])
     free_grad(store, item)
-    store.post("grads_ready")
+    store.post(GRADS_READY)
 
 
 def wait_all_grads(store: Store, step: int) -> None:
     """Adam with clipping: every piece of the step's gradient is in the grads plane."""
     pieces = store.spec.num_pieces
     for i in range(pieces):
-        store.wait("grads_ready", f"the gradients of step {step} ({i} of {pieces} pieces arrived)")
+        store.wait(GRADS_READY, f"the gradients of step {step} ({i} of {pieces} pieces arrived)")
