@@ -322,6 +322,13 @@ def pretrained_config(cfg: ModelConfig) -> tuple[str, dict]:
     return family, base
 
 
+def holds_weights(directory: str | Path) -> bool:
+    """Whether a save_pretrained directory holds its weights (model.safetensors or a sharded index), whole
+    or not: a directory of config.json alone can be planned, not trained."""
+    root = Path(directory)
+    return (root / "model.safetensors.index.json").is_file() or (root / "model.safetensors").is_file()
+
+
 def hf_key_error(cfg: ModelConfig, where: Where | None, key: str, msg: str) -> ConfigError:
     """An error about the HF config field `key`, naming where its value came from: model.hf (the config
     file's line or the override), or model.pretrained's config.json where model.hf does not set it."""

@@ -9,6 +9,7 @@ import torch
 from safetensors import safe_open
 
 from megatrain import hfformat
+from megatrain.arch import holds_weights as holds_weights  # its home is the torch-free arch.py
 from megatrain.errors import ConfigError
 from megatrain.model import ModelSpec
 
@@ -78,13 +79,6 @@ def check_checkpoint(spec: ModelSpec, directory: str | Path) -> None:
             problem = hfformat.check(spec.family, spec.layout.hf_name(u.index, s.name), s.shape, tensors)
             if problem:
                 raise ConfigError(f"model.pretrained: {problem}")
-
-
-def holds_weights(directory: str | Path) -> bool:
-    """Whether a save_pretrained directory holds its weights (model.safetensors or a sharded index), whole
-    or not: a directory of config.json alone can be planned, not trained."""
-    root = Path(directory)
-    return (root / "model.safetensors.index.json").is_file() or (root / "model.safetensors").is_file()
 
 
 def _headers(directory: str | Path) -> dict[str, tuple[Path, dict]]:

@@ -6,7 +6,15 @@ import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatrain.arch import PLAIN_HEAD_DIM_ONLY, Arch, accepted_fields, arch_from_config, hf_key_error, pretrained_config
+from megatrain.arch import (
+    PLAIN_HEAD_DIM_ONLY,
+    Arch,
+    accepted_fields,
+    arch_from_config,
+    hf_key_error,
+    holds_weights,
+    pretrained_config,
+)
 from megatrain.configbase import Where, key_error, load_located, section
 from megatrain.dataconfig import BYTE_VOCAB_SIZE, DataConfig
 from megatrain.engineconfig import EngineConfig
@@ -59,7 +67,7 @@ def validate_model(cfg: Config, where: Where | None = None, weights: bool = True
     beside its Ray start (launch/run/inputs.py). `weights` False: a pretrained directory may hold config.json
     alone (made before the weights are downloaded)."""
     from megatrain.model import build_spec, check_attention, resolve_hf_config
-    from megatrain.weights import check_checkpoint, holds_weights
+    from megatrain.weights import check_checkpoint
 
     check_hf_keys(cfg.model, where)
     resolve_hf_config(cfg.model, where)  # HF's strict fields: a value of the wrong type, named
@@ -69,6 +77,21 @@ def validate_model(cfg: Config, where: Where | None = None, weights: bool = True
         # every file whole, every parameter there in a layout read_unit reads, of its shape
         check_checkpoint(build_spec(cfg.model, cfg.optim.no_decay_1d), cfg.model.pretrained)
     check_gpu_budget(cfg, where)
+
+
+def validate_plan(cfg: Config, where: Where | None = None) -> Arch:
+    """The checks `megatrain-launch plan` makes: check_model's, with no torch; a pretrained checkpoint's files
+    where the directory holds them already (it may hold config.json alone: planned before the download), and
+    the GPU budget where one is set, which import the model code. HF's own check of the config and the meta
+    attention wait for the run (validate_model), whose start they would cost seconds here."""
+    arch = check_model(cfg, where)
+    if cfg.model.pretrained and holds_weights(cfg.model.pretrained):
+        from megatrain.model import build_spec
+        from megatrain.weights import check_checkpoint
+
+        check_checkpoint(build_spec(cfg.model, cfg.optim.no_decay_1d), cfg.model.pretrained)
+    check_gpu_budget(cfg, where)
+    return arch
 
 
 def check_model(cfg: Config, where: Where | None = None) -> Arch:
@@ -124,12 +147,11 @@ def check_model(cfg: Config, where: Where | None = None) -> Arch:
 def check_gpu_budget(cfg: Config, where: Where | None = None) -> None:
     """engine.gpu_memory_gib must hold the run's plan (explicit sizes included) before anything starts. Only
     where the run computes on a GPU: engine.device cuda, or auto on a machine with one."""
-    from megatrain import gpubudget
-
-    if gpubudget.budget_bytes(cfg.engine) is None or cfg.engine.device == "cpu":
-        return
+    if cfg.engine.gpu_memory_gib in (None, "auto") or cfg.engine.device == "cpu":
+        return  # no budget (gpubudget.budget_bytes None): nothing to check, and the model code is not imported
     import torch
 
+    from megatrain import gpubudget
     from megatrain.engineconfig import resolve_engine
     from megatrain.ipc.protocol.reduce import reduction_bytes
     from megatrain.launch.control.placement import per_executor
