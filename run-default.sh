@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")"
 source ./bootstrap.sh
 megatrain_env
-exec "$PY" -m megatrain.launch.cli.main examples/default.yaml "$@"
+exec "$PY" -m megatrain.launch.cli examples/default.yaml "$@"

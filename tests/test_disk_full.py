@@ -23,7 +23,7 @@ from megatrain.errors import ConfigError, human_bytes
 from megatrain.launch.cli import main as cli
 from megatrain.launch.config.tree import load_config
 from megatrain.launch.report.metrics import MetricsFile
-from megatrain.launch.run.output import prepare_output
+from megatrain.launch.run.outdir import prepare_output
 from megatrain.model import build_spec
 from tests.conftest import ROOT
 

@@ -202,3 +202,53 @@ def test_the_store_workers_start_without_transformers() -> None:
     assert again.hf_config.to_dict() == spec.hf_config.to_dict() and again.layout == spec.layout
     again.hf_config.rms_norm_eps = 0.125  # once unpickled, the object itself travels on, changes and all
     assert pickle.loads(pickle.dumps(again)).hf_config.rms_norm_eps == 0.125 != spec.hf_config.rms_norm_eps
+
+
+# ---- launch/ in rooms ------------------------------------------------------------------------------------------
+
+ROOM_SIZE = 8  # the modules a folder of launch/ may hold (__init__.py not counted): one job per folder
+
+
+def crowded_rooms(launch: Path) -> list[str]:
+    """What breaks launch/'s layout: a module at its top (every module lives in the folder of its job), or a
+    folder, at any depth, of more than ROOM_SIZE modules."""
+    wrong = [f"{p.name} is at the top of launch/" for p in sorted(launch.glob("*.py")) if p.name != "__init__.py"]
+    for room in sorted(p for p in launch.rglob("*") if p.is_dir() and p.name != "__pycache__"):
+        modules = sorted(p.name for p in room.glob("*.py") if p.name != "__init__.py")
+        if len(modules) > ROOM_SIZE:
+            wrong.append(f"{room.relative_to(launch)}/ holds {len(modules)} modules: {', '.join(modules)}")
+    return wrong
+
+
+def test_launch_is_in_folders_of_at_most_8_modules() -> None:
+    assert (ROOT / "launch" / "cli" / "main.py").is_file(), "the scan is not looking at launch/"
+    wrong = crowded_rooms(ROOT / "launch")
+    assert not wrong, f"launch/ holds its modules in folders of at most {ROOM_SIZE}:\n" + "\n".join(wrong)
+
+
+def test_the_room_check_sees_a_module_at_the_top_and_a_crowded_folder(tmp_path: Path) -> None:
+    files = ["__init__.py", "loose.py", "full/__init__.py", *(f"full/m{i}.py" for i in range(ROOM_SIZE))]
+    files += [f"full/deep/m{i}.py" for i in range(ROOM_SIZE + 1)]
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("")
+    wrong = crowded_rooms(tmp_path)
+    assert [w.split(" ")[0] for w in wrong] == ["loose.py", "full/deep/"]
+
+
+def test_the_launchers_entry_points_reach_main() -> None:
+    """The console script pyproject.toml names, and `python -m megatrain.launch.cli` (run-default.sh's)."""
+    import importlib
+    import re
+    import subprocess
+    import sys
+
+    from megatrain.launch.cli.main import main
+
+    (script,) = re.findall(r'^megatrain-launch = "([\w.]+:\w+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    module, _, attr = script.partition(":")
+    assert getattr(importlib.import_module(module), attr) is main
+    done = subprocess.run(
+        [sys.executable, "-m", "megatrain.launch.cli", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.startswith("usage: megatrain-launch"), done.stderr

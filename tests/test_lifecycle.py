@@ -443,7 +443,7 @@ def test_the_launcher_leaves_once_its_inputs_read_has_ended() -> None:
     """A refused placement ends a run while its inputs are still read on their thread: the launcher waits for
     that read before it returns (a thread still importing as the interpreter exits races its exit handlers),
     up to a limit, and not once a signal asks it out."""
-    from megatrain.launch.run.inputs import Background, settle_reads
+    from megatrain.launch.run.stopping import Background, settle_reads
 
     ended: list[bool] = []
     Background(lambda: (time.sleep(1.0), ended.append(True)), name="inputs")
@@ -461,7 +461,7 @@ def test_the_launcher_leaves_once_its_inputs_read_has_ended() -> None:
 def test_the_launcher_returns_after_a_read_in_flight_has_ended() -> None:
     """The launcher's own exit path: an error returned (exit 2 here) still waits for the read beside it."""
     from megatrain.launch.cli.main import main
-    from megatrain.launch.run.inputs import Background
+    from megatrain.launch.run.stopping import Background
 
     ended: list[bool] = []
     Background(lambda: (time.sleep(1.5), ended.append(True)), name="inputs")

@@ -12,7 +12,7 @@ from megatrain.errors import ConfigError
 from megatrain.launch.config.tree import load_config
 from megatrain.launch.report.progress import WINDOW, Eta, Progress, auto_every, clock
 from megatrain.launch.run.driver import Trainer
-from megatrain.launch.run.output import prepare_output
+from megatrain.launch.run.outdir import prepare_output
 from tests.helpers import TINY
 
 

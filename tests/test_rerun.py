@@ -20,7 +20,7 @@ from megatrain.errors import ConfigError
 from megatrain.launch.cli import main as cli
 from megatrain.launch.config.train import TrainConfig
 from megatrain.launch.report.rerun import resume_command
-from megatrain.launch.run.output import prepare_output
+from megatrain.launch.run.outdir import prepare_output
 from tests.conftest import ROOT
 from tests.helpers import TINY
 

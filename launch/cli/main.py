@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     # Ctrl-C, kill(1) and a dropped SSH session (SIGHUP): finish the step, checkpoint, exit 128 + signum;
     # a second one stops at once. Restored on return, for callers that run main() in-process.
     from megatrain.launch.report import console
-    from megatrain.launch.run.stopping import StopRequest
+    from megatrain.launch.run.stopping import StopRequest, settle_reads
 
     stop = StopRequest()
     # The console may go while the run goes on (a pipe's reader, a closed terminal): launch/report/console.py. The
@@ -151,10 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     with console.guarded(restore=not program), stop.installed():
         code = _run(args, stop, program)
         # A run that failed while its inputs were still read beside Ray's start ends only once that read has
-        # (launch/run/inputs.py), quietly: its error is already said. A signal means "now": no wait then.
-        reading = sys.modules.get("megatrain.launch.run.inputs")
-        if reading is not None:
-            reading.settle_reads(60.0, stop=lambda: stop.signum is not None)
+        # (launch/run/stopping.py), quietly: its error is already said. A signal means "now": no wait then.
+        settle_reads(60.0, stop=lambda: stop.signum is not None)
         return code
 
 

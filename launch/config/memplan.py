@@ -417,8 +417,8 @@ def least_gpu(plan: MemPlan, cfg: Config) -> str:
 
 def _disk(cfg: Config) -> list[str]:
     """The checkpoints' disk against the output directory's free space (a warning; the verdict is memory's)."""
-    from megatrain.launch.run.checkpointing import disk_lines
-    from megatrain.launch.run.output import resolve_output
+    from megatrain.launch.config.diskplan import disk_lines
+    from megatrain.launch.run.outdir import resolve_output
 
     total = build_spec(cfg.model, cfg.optim.no_decay_1d).layout.total
     out = resolve_output(cfg.train.output_dir, cfg.train.run_id or "{run_id}")

@@ -33,8 +33,8 @@ from megatrain.launch.control.placement import (
     resolve_executors,
 )
 from megatrain.launch.control.runners import Pending
-from megatrain.launch.run.inputs import Background
-from megatrain.launch.run.output import describe_run
+from megatrain.launch.report.describe import describe_run
+from megatrain.launch.run.stopping import Background
 from megatrain.model import ModelSpec, pretrained_config
 
 

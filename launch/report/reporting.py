@@ -12,10 +12,10 @@ from pathlib import Path
 from megatrain import log
 from megatrain.ipc.protocol.messages import Applied
 from megatrain.launch.config.train import TrainConfig
+from megatrain.launch.report.describe import log_profile
 from megatrain.launch.report.metrics import MetricsFile
 from megatrain.launch.report.progress import Progress
 from megatrain.launch.report.tensorboard import TensorBoard
-from megatrain.launch.run.output import log_profile
 
 
 class Reporter:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from megatrain import checkpoint as ckpt
-from megatrain.launch.run.output import in_ray_job
+from megatrain.launch.run.outdir import in_ray_job
 
 PROGRAM = "megatrain-launch"
 

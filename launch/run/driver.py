@@ -4,7 +4,7 @@ logs, and shuts everything down on every path.
 It owns no host memory of the run: the store lives in the store owner's actor on the GPU's node, so
 the driver can run anywhere (a laptop attached to a cluster, a `ray job submit` entrypoint).
 The work is split by responsibility: launch/control/crew.py (the actors, calls and failures), launch/control/startup.py
-(the actors' start-up), launch/run/steploop.py (the step loop), launch/run/saving.py (the checkpoint in flight).
+(the actors' start-up), launch/run/steploop.py (the step loop), launch/run/checkpoints.py (the checkpoints).
 """
 
 from __future__ import annotations
@@ -31,14 +31,15 @@ from megatrain.launch.control import startup
 from megatrain.launch.control.crew import OWNER, Crew
 from megatrain.launch.control.placement import Demand, per_executor, thread_request
 from megatrain.launch.control.runners import Pending, make_runner
+from megatrain.launch.report.describe import describe_memory, short
 from megatrain.launch.report.tensorboard import summary_writer
-from megatrain.launch.run.checkpointing import Checkpointer
+from megatrain.launch.run.checkpoints import Checkpointer
 from megatrain.launch.run.evaluation import Evaluator
-from megatrain.launch.run.inputs import Background, read_inputs
-from megatrain.launch.run.output import OutputLock, describe_memory, prepare_output, resolve_output, short
+from megatrain.launch.run.inputs import read_inputs
+from megatrain.launch.run.outdir import OutputLock, prepare_output, resolve_output
 from megatrain.launch.run.resume import Start, may_resume
 from megatrain.launch.run.steploop import PreparedRun, StepLoop
-from megatrain.launch.run.stopping import StopRequest, sigint_deferred
+from megatrain.launch.run.stopping import Background, StopRequest, sigint_deferred
 from megatrain.model import ModelSpec
 
 

@@ -28,9 +28,8 @@ from megatrain.launch.control.runners import Pending
 from megatrain.launch.report.actor_profile import ActorProfile
 from megatrain.launch.report.metrics import executor_row
 from megatrain.launch.report.reporting import Reporter
-from megatrain.launch.run.checkpointing import Checkpointer
+from megatrain.launch.run.checkpoints import Checkpointer, Saves
 from megatrain.launch.run.evaluation import Evaluator
-from megatrain.launch.run.saving import Saves
 from megatrain.launch.run.stopping import StopRequest
 
 

@@ -2,19 +2,30 @@
 (train.save_on_signal) and exits 128 + the signal's number; a second one stops at once (the same
 cleanup as any failure: every process and segment of the run is released). From the first signal on the
 console is best-effort (launch/report/console.py): a terminal or pipe gone with the same Ctrl-C or SIGHUP must not
-cost the checkpoint. SIGPIPE is ignored: a closed pipe is a write's EPIPE, which the console drops."""
+cost the checkpoint. SIGPIPE is ignored: a closed pipe is a write's EPIPE, which the console drops.
+
+The launcher's end waits for the calls it left running on threads of its own (Background: the run's inputs,
+read beside Ray's start), up to a limit and not once a signal asks it out: a thread still running Python
+while the interpreter exits races the exit handlers."""
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any, Generic, TypeVar
 
 from megatrain import checkpoint as ckpt
 from megatrain.launch.report import console
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+T = TypeVar("T")
+
+_RUNNING: set[Background] = set()  # the calls still running on their threads
+_LOCK = threading.Lock()
 
 
 class StopRequest:
@@ -78,3 +89,63 @@ def interrupted(signame: str, out: Path | None, start: int, last: int | None) ->
         f"{head} after step {last}: no checkpoint was written for the work since the last checkpoint (steps "
         f"{saved + 1}-{last} are lost)"
     )
+
+
+class Background(Generic[T]):
+    """A call on a daemon thread: a Ctrl-C on the main thread is not held up at exit by a long read (a large
+    dataset's tokenization), as a pool's thread would hold it."""
+
+    def __init__(self, fn: Callable[..., T], *args: Any, name: str, here: bool = False) -> None:
+        """`here`: call it on this thread, now (where nothing could run beside it)."""
+        self._done = threading.Event()
+        self._value: T | None = None
+        self._error: BaseException | None = None
+        self.here = here
+        if here:
+            self._run(fn, args)
+            return
+        with _LOCK:
+            _RUNNING.add(self)
+        threading.Thread(target=self._run, args=(fn, args), name=name, daemon=True).start()
+
+    def _run(self, fn: Callable[..., T], args: tuple) -> None:
+        try:
+            self._value = fn(*args)
+        except BaseException as exc:  # handed to the caller of result()
+            self._error = exc
+        finally:
+            self._done.set()
+            with _LOCK:
+                _RUNNING.discard(self)
+
+    def failed(self) -> bool:
+        """Done, with an exception (result() raises it)."""
+        return self._done.is_set() and self._error is not None
+
+    def wait(self, limit_s: float = float("inf"), stop: Callable[[], bool] = lambda: False) -> bool:
+        """Wait for the call to end, up to `limit_s` or until `stop()`; whether it ended. In short pieces: a
+        signal on the main thread still interrupts it."""
+        deadline = time.monotonic() + limit_s
+        while not self._done.wait(0.1):
+            if time.monotonic() >= deadline or stop():
+                return False
+        return True
+
+    def result(self) -> T:
+        """Wait, then the value or the call's exception."""
+        self.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value  # type: ignore[return-value]
+
+
+def settle_reads(limit_s: float, stop: Callable[[], bool] = lambda: False) -> bool:
+    """Wait, up to `limit_s` in all, for every call still running on its thread; whether all ended. A run that
+    failed while its inputs were read beside it (a placement refused in seconds, while transformers still
+    imports) calls this after its error is reported: a thread still running Python while the interpreter
+    exits races the exit handlers (weakref's "dictionary changed size during iteration") or crashes the exit.
+    The wait is in short pieces and ends as soon as `stop()` (a signal came: the user wants out)."""
+    deadline = time.monotonic() + limit_s
+    with _LOCK:
+        calls = list(_RUNNING)
+    return all(call.wait(deadline - time.monotonic(), stop) for call in calls)

@@ -1,21 +1,66 @@
-"""The checkpoint in flight, as the driver drives it: launched with the step after it, taken when the
-writer answers, published (CheckpointWriter.publish) only once metrics.jsonl holds its step's row on disk.
+"""The run's checkpoints as the driver drives them. When one is due (train.save_every,
+train.save_every_minutes, and after the last step) and the bookkeeping around each, pruning and the log
+line (Checkpointer); and the one in flight (Saves): launched with the step after it, taken when the writer
+answers, published (CheckpointWriter.publish) only once metrics.jsonl holds its step's row on disk.
 actors/checkpoint_writer.py says what the writer and Adam do meanwhile."""
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+from megatrain import checkpoint as ckpt
+from megatrain import log
 from megatrain.actors.checkpoint_writer import CheckpointWriter, Written
 from megatrain.ipc.protocol import StoreSpec
+from megatrain.launch.config.train import TrainConfig
 from megatrain.launch.control.crew import Crew
 from megatrain.launch.control.placement import Demand
 from megatrain.launch.control.runners import Pending
-from megatrain.launch.run.checkpointing import Checkpointer
+from megatrain.roster import WRITER
 
-WRITER = "checkpoint-writer"
+
+class Checkpointer:
+    """When a checkpoint is due, and what a finished one leaves: the older ones pruned, a log line, its record."""
+
+    def __init__(self, cfg: TrainConfig, root: Path, steps: int):
+        self.cfg, self.root, self.steps = cfg, root, steps
+        self.enabled = cfg.saves_checkpoints
+        self.since = time.monotonic()
+        self.written: int | None = None  # the step of the newest complete checkpoint of this run
+        self.writing: int | None = None  # the step of the one being written
+        self.history: list[dict] = []  # what each write reported (path, bytes, seconds, ...)
+
+    def due(self, step: int) -> bool:
+        """Whether to write one after `step` optimizer steps."""
+        if not self.enabled or step in (self.written, self.writing):
+            return False
+        every, minutes = self.cfg.save_every, self.cfg.save_every_minutes
+        return (
+            step == self.steps
+            or bool(every and step % every == 0)
+            or bool(minutes and time.monotonic() - self.since >= 60 * minutes)
+        )
+
+    def started(self, step: int) -> None:
+        self.since, self.writing = time.monotonic(), step
+
+    def finished(self, res: dict) -> None:
+        """A write is complete (renamed into place, `latest` updated): prune the older ones and log it."""
+        step, self.writing = self.writing, None
+        self.written = step
+        self.history.append({"step": step, **res})
+        gone = ckpt.prune(self.root, self.cfg.keep_last)
+        log(
+            f"checkpoint after step {step}: {res['path']}, {res['bytes'] / 1e9:.2f} GB in {res['seconds']:.1f} s "
+            f"({res['bytes'] / 1e9 / max(res['seconds'], 1e-9):.2f} GB/s"
+            + ("" if res.get("direct_io", True) else ", buffered: the filesystem refused O_DIRECT")
+            + ")"
+            + (f"; removed {', '.join(gone)}" if gone else "")
+        )
 
 
 class Saves:

@@ -1,5 +1,5 @@
-"""The run's output directory (refuse to mix two runs' files, make sure it can be written), and the
-log line about a profiled step."""
+"""The run's output directory: one live run in it at a time (its lock), and no mixing of two runs' files (a
+fresh run refuses another run's metrics, a resumed one keeps its own up to its checkpoint's step)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import shutil
 import socket
 import time
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -18,9 +17,6 @@ from megatrain import checkpoint as ckpt
 from megatrain import log
 from megatrain.errors import ConfigError
 from megatrain.ipc.procs import pid_alive
-from megatrain.ipc.protocol import StoreSpec
-from megatrain.ipc.protocol.cpus import describe as describe_cpu_plan
-from megatrain.ipc.shm import gib
 
 # What a run writes at the top of its output directory (final/ is the saved model).
 RUN_FILES = ("metrics.jsonl", "config.yaml", "error.log", "timeline.json")
@@ -234,57 +230,3 @@ def _keep_rows_up_to(metrics: Path, step: int) -> None:
         tmp.unlink(missing_ok=True)  # a full disk: metrics.jsonl stays as it was
         raise
     os.replace(tmp, metrics)
-
-
-def log_profile(row: dict, cuda: bool) -> None:
-    """The executor's verdict on a profiled step (train.profile), on one line."""
-    where = f"profiled step {row['step']} into {row['profile_trace']} (on the executor's node)"
-    if "profile_error" in row:
-        log(f"{where}, but the check failed: {row['profile_error']}")
-        return
-    verdict = (
-        "inconclusive: no CUDA runtime call was attributed to the compute thread"
-        if cuda and not row["loop_runtime_calls"]
-        else f"{row['loop_blocking_calls']} host-blocking CUDA calls on the compute thread inside the layer "
-        f"loop {row['loop_blocking_names']} (of {row['loop_runtime_calls']} runtime calls there)"
-    )
-    log(f"{where}: {verdict}; {row['helper_thread_blocking_calls']} on the copy threads (slab hand-offs)")
-
-
-def short(value: Any) -> str:
-    """A config value on one console line."""
-    return json.dumps(value) if isinstance(value, (dict, list, tuple)) else str(value)
-
-
-def describe_run(
-    spec: StoreSpec, device: str, dtype: str, pids: dict[str, int], roles: list[str], inprocess: bool
-) -> None:
-    """The start-up summary: model, host store, actors and the node's CPU plan."""
-    parts = spec.part_bytes()
-    n = spec.layout.num_params
-    log(
-        f"model: {spec.model.family}, {spec.layout.num_layers} layers, {n / 1e6:.2f}M params, "
-        f"tied={spec.layout.tied}; executor on {device} ({dtype})"
-    )
-    log(
-        f"host store: {gib(sum(parts.values()))} in shared memory = {sum(parts.values()) / n:.2f} bytes/param "
-        f"({', '.join(f'{k} {gib(v)}' for k, v in parts.items())})"
-    )
-    log("actors: " + ", ".join(f"{k} pid {v}" for k, v in pids.items()))
-    log(
-        describe_cpu_plan(spec.threads, spec.cores, roles)
-        + (
-            "; in one process (launch.runner=inprocess): torch's count is shared, left at its default"
-            if inprocess
-            else ""
-        )
-    )
-
-
-def describe_memory(mem: dict, num_params: int) -> None:
-    """The run's host memory (StoreOwner.host_memory) after the last step."""
-    log(
-        f"host memory of the run's {mem['processes']} processes (PSS): {gib(mem['pss_bytes'])}, "
-        f"{mem['pss_bytes'] / num_params:.2f} bytes per parameter; outside the store: "
-        + ", ".join(f"{r} {gib(b)}" for r, b in mem["pss_own_by_role"].items())
-    )
