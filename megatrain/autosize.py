@@ -52,16 +52,15 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from megatrain.arch import Arch, arch_of_spec
 from megatrain.blocks import blocks
-from megatrain.engine import FIXED_SIZES, EngineConfig
+from megatrain.engineconfig import FIXED_SIZES, EngineConfig
 from megatrain.errors import ResourceError
-from megatrain.lean import lean_layer_bytes
 from megatrain.memory.host import host_checkpoints
-from megatrain.model import ModelSpec, attention_widths, head_dim
-from megatrain.moe import mlp_width
+from megatrain.memory.layer import lean_layer_bytes, mlp_width
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    from megatrain.model import ModelSpec
 
 GIB = 2**30
 LOSS_BYTES = 12  # per logit element: bf16 logits, fp32 upcast, fp32 gradient of the upcast
@@ -85,40 +84,45 @@ class Sizes:
         return ", ".join(f"{f.name} {getattr(self, f.name)}" for f in dataclasses.fields(self))
 
 
-def layer_activation_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, tile: int = 0) -> int:
+def as_arch(model: Arch | ModelSpec) -> Arch:
+    """The shape the memory model reads: an Arch as it is, a run's built ModelSpec as its Arch."""
+    return model if isinstance(model, Arch) else arch_of_spec(model)
+
+
+def layer_activation_bytes(model: Arch | ModelSpec, tokens: int, dtype_bytes: int, tile: int = 0) -> int:
     """One decoder layer's activations kept for its backward, for `tokens` tokens; with token tiles
     (megatrain/tiling.py), its attention half's (q, k, v, the attention output, the log-sum-exp and three
     hidden-state copies: the input, the normed input and the MLP half's input), plus one tile's worth of an
     untiled layer: the tile in flight. Calibrated with stream_bytes on the tiled runs measured."""
-    hf = spec.hf_config
+    arch = as_arch(model)
     if not tile or tile >= tokens:
-        width = 8 * hf.hidden_size + 11 * mlp_width(hf) + 2 * _attention_excess(hf)  # in half dtypes
+        width = 8 * arch.hidden_size + 11 * mlp_width(arch) + 2 * _attention_excess(arch)  # in half dtypes
         return int(tokens * width * dtype_bytes // 2)
-    q, kv = attention_widths(hf)
-    kept = tokens * ((3 * hf.hidden_size + 2 * q + 2 * kv) * dtype_bytes + 4 * hf.num_attention_heads)
-    return kept + layer_activation_bytes(spec, tile, dtype_bytes)
+    q, kv = arch.attention_widths
+    kept = tokens * ((3 * arch.hidden_size + 2 * q + 2 * kv) * dtype_bytes + 4 * arch.num_attention_heads)
+    return kept + layer_activation_bytes(arch, tile, dtype_bytes)
 
 
-def _attention_excess(hf: PretrainedConfig) -> int:
+def _attention_excess(arch: Arch) -> int:
     """Per token, what a layer's attention keeps (q and its output, k and v) beyond the widths that heads of
     hidden_size / heads would have, which the calibrated `8·hidden` counts: nonzero where the config's
     head_dim is another (Qwen3-30B-A3B: 128 at 2048 / 32 heads, twice the calibrated q)."""
-    q, kv = attention_widths(hf)
-    kv_heads = kv // head_dim(hf)
-    return 2 * (q - hf.hidden_size) + 2 * (kv - hf.hidden_size * kv_heads // hf.num_attention_heads)
+    q, kv = arch.attention_widths
+    kv_heads = kv // arch.head_dim
+    return 2 * (q - arch.hidden_size) + 2 * (kv - arch.hidden_size * kv_heads // arch.num_attention_heads)
 
 
-def token_tile(spec: ModelSpec, tokens: int) -> int:
+def token_tile(model: Arch | ModelSpec, tokens: int) -> int:
     """The tile an `auto` engine.token_tile takes where a layer's untiled activations do not fit: TILE_TOKENS,
     or fewer where the layer is so wide that one tile would take more than a layer of attention half."""
+    arch = as_arch(model)
     tile = TILE_TOKENS
-    hf = spec.hf_config
-    while tile > 1024 and tile * (8 * hf.hidden_size + 11 * mlp_width(hf)) > tokens * 8 * hf.hidden_size:
+    while tile > 1024 and tile * (8 * arch.hidden_size + 11 * mlp_width(arch)) > tokens * 8 * arch.hidden_size:
         tile //= 2
     return min(tile, tokens)
 
 
-def stream_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, tile: int = 0) -> int:
+def stream_bytes(model: Arch | ModelSpec, tokens: int, dtype_bytes: int, tile: int = 0) -> int:
     """What grows with the tokens outside the kept activations: hidden-state copies (the last block's input,
     the head's input gradient, the gradient flowing down and the one a layer's backward makes), the
     checkpoint in flight, and the transients of the layer whose backward runs. Untiled, those transients
@@ -127,27 +131,30 @@ def stream_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, tile: int = 0) 
     attention backward's (its gradients of q, k, v and output, an fp32 accumulator, the norms' fp32
     upcasts) dominate: 10 copies, calibrated with the tiled layer's term on the 7B shape's peaks at 1x524288
     tokens (8 and 28 layers) and 8 layers at 1x1048576 (an H200; within 5 % of each)."""
+    arch = as_arch(model)
     copies = TILED_STREAM_COPIES if tile and tile < tokens else STREAM_COPIES
-    return tokens * copies * spec.hf_config.hidden_size * dtype_bytes
+    return tokens * copies * arch.hidden_size * dtype_bytes
 
 
-def buffer_bytes(spec: ModelSpec, prefetch: int, dtype_bytes: int) -> int:
+def buffer_bytes(model: Arch | ModelSpec, prefetch: int, dtype_bytes: int) -> int:
     """Weight buffers: the unit computing and `prefetch` loading ahead, a decoder layer each (larger units
     stream through them in layer-sized pieces)."""
-    return _layer_numel(spec) * (prefetch + 1) * dtype_bytes
+    arch = as_arch(model)
+    return _layer_numel(arch) * (prefetch + 1) * dtype_bytes
 
 
-def sum_bytes(spec: ModelSpec, layers: int) -> int:
+def sum_bytes(model: Arch | ModelSpec, layers: int) -> int:
     """fp32 gradient sums over sequence chunks, one per layer of a block that runs in chunks."""
-    return layers * _layer_numel(spec) * 4
+    arch = as_arch(model)
+    return layers * _layer_numel(arch) * 4
 
 
-def _layer_numel(spec: ModelSpec) -> int:
-    return max(spec.layout.structure_of(u.index).numel for u in spec.layout.units if u.kind == "layer")
+def _layer_numel(arch: Arch) -> int:
+    return max(arch.layout.structure_of(u.index).numel for u in arch.layout.units if u.kind == "layer")
 
 
 def choose(
-    spec: ModelSpec,
+    model: Arch | ModelSpec,
     cfg: EngineConfig,
     batch: int,
     seq: int,
@@ -160,38 +167,39 @@ def choose(
     `host_room`: the host RAM the executor's pinned checkpoints may take beside the store and the processes
     (None: not known here; then they all go to host memory when they leave the GPU, and the store owner
     checks the host)."""
+    arch = as_arch(model)
     if gpu_free is None:
         return _keep(cfg, Sizes(**FIXED_SIZES)), "the CPU device: fixed defaults"
     dtype_bytes = 2 if cfg.compute_dtype == "bf16" else 4
-    budget = _usable(spec, gpu_free, dtype_bytes) - buffer_bytes(spec, cfg.prefetch, dtype_bytes)
-    loss = _loss_chunk(spec.hf_config.vocab_size, budget)
-    room = budget - loss * spec.hf_config.vocab_size * LOSS_BYTES  # before the hidden states, which tiles change
+    budget = _usable(arch, gpu_free, dtype_bytes) - buffer_bytes(arch, cfg.prefetch, dtype_bytes)
+    loss = _loss_chunk(arch.vocab_size, budget)
+    room = budget - loss * arch.vocab_size * LOSS_BYTES  # before the hidden states, which tiles change
     tile = 0 if cfg.token_tile == "auto" else cfg.token_tile
-    budget = room - stream_bytes(spec, batch * seq, dtype_bytes, tile)
-    shape = _Shape(spec, cfg, batch, seq, dtype_bytes, clip, gpu_free, tile)
+    budget = room - stream_bytes(arch, batch * seq, dtype_bytes, tile)
+    shape = _Shape(arch, cfg, batch, seq, dtype_bytes, clip, gpu_free, tile)
     try:
         plan = _explicit(cfg, shape.blocks(budget))
     except ResourceError:  # one sequence's layer does not fit whole: its MLP half in tiles (auto only)
         if cfg.token_tile != "auto":
             raise
-        tile = token_tile(spec, seq)
-        budget = room - stream_bytes(spec, batch * seq, dtype_bytes, tile)
-        shape = _Shape(spec, cfg, batch, seq, dtype_bytes, clip, gpu_free, tile)
+        tile = token_tile(arch, seq)
+        budget = room - stream_bytes(arch, batch * seq, dtype_bytes, tile)
+        shape = _Shape(arch, cfg, batch, seq, dtype_bytes, clip, gpu_free, tile)
         plan = _explicit(cfg, shape.blocks(budget))
     offload = cfg.offload_checkpoints
-    each = checkpoint_bytes(spec, batch * seq, dtype_bytes)
+    each = checkpoint_bytes(arch, batch * seq, dtype_bytes)
     if offload == "auto":  # on the GPU where they take at most an eighth of the room (see the docstring)
         kept = shape.with_checkpoints(budget, each, limit=budget // 8)
-        offload = kept is None and _saved(spec, plan) > 0
+        offload = kept is None and _saved(arch, plan) > 0
         plan = plan if kept is None else kept
-        if offload and host_room is not None and _saved(spec, plan) * each > host_room:
+        if offload and host_room is not None and _saved(arch, plan) * each > host_room:
             plan, offload = _split(shape, plan, budget, each, max(host_room, 0) // each)
     elif offload is False:
         plan = shape.with_checkpoints(budget, each, limit=budget) or plan
     elif offload is not True:  # a count in host memory: the rest on the GPU
         plan = shape.with_checkpoints(budget, each, limit=budget, on_host=offload) or plan
     k, last, chunk, lean, why = plan
-    saved = _saved(spec, plan)
+    saved = _saved(arch, plan)
     on_host = host_checkpoints(offload, saved)
     where = (
         "none"
@@ -208,10 +216,10 @@ def choose(
     return _keep(cfg, Sizes(k, last, chunk, loss, lean, offload, tile)), why
 
 
-def _usable(spec: ModelSpec, gpu_free: int, dtype_bytes: int) -> int:
+def _usable(arch: Arch, gpu_free: int, dtype_bytes: int) -> int:
     """What the modelled terms may take of `gpu_free`: its MARGIN, and never the room the largest unit's
     weights and fp32 gradient need (the margin covers them on a large GPU, not on a small one or a budget)."""
-    return min(int(gpu_free * MARGIN), gpu_free - spec.layout.max_unit_numel * (dtype_bytes + 4))
+    return min(int(gpu_free * MARGIN), gpu_free - arch.layout.max_unit_numel * (dtype_bytes + 4))
 
 
 def _split(shape: _Shape, plan: tuple, budget: int, each: int, on_host: int) -> tuple[tuple, bool | int]:
@@ -229,7 +237,7 @@ class _Shape:
 
     def __init__(
         self,
-        spec: ModelSpec,
+        arch: Arch,
         cfg: EngineConfig,
         batch: int,
         seq: int,
@@ -238,19 +246,19 @@ class _Shape:
         gpu_free: int,
         tile: int = 0,
     ):
-        self.spec, self.cfg, self.batch, self.seq, self.dtype_bytes = spec, cfg, batch, seq, dtype_bytes
+        self.arch, self.cfg, self.batch, self.seq, self.dtype_bytes = arch, cfg, batch, seq, dtype_bytes
         self.clip, self.gpu_free, self.tile = clip, gpu_free, tile
-        self.per_layer = layer_activation_bytes(spec, batch * seq, dtype_bytes, tile)
+        self.per_layer = layer_activation_bytes(arch, batch * seq, dtype_bytes, tile)
 
     def blocks(self, budget: int) -> tuple[int, int, int, int, str]:
         """(K, last block layers, sequences per chunk, lean layers, why) for `budget` bytes of activations."""
-        spec, cfg, batch, seq, per_layer = self.spec, self.cfg, self.batch, self.seq, self.per_layer
-        layers = spec.layout.num_layers
+        arch, cfg, batch, seq, per_layer = self.arch, self.cfg, self.batch, self.seq, self.per_layer
+        layers = arch.layout.num_layers
         fit = max(budget // per_layer, 0)
         k = 2 if fit >= 2 and layers >= 2 else 1
-        room = budget - sum_bytes(spec, k)  # chunks keep an fp32 gradient sum per layer of the block
+        room = budget - sum_bytes(arch, k)  # chunks keep an fp32 gradient sum per layer of the block
         # only a batch run in chunks keeps the gradient sums: K whole layers that fit need none
-        one = layer_activation_bytes(spec, seq, self.dtype_bytes, self.tile)  # a tiled one keeps a tile's worth
+        one = layer_activation_bytes(arch, seq, self.dtype_bytes, self.tile)  # a tiled one keeps a tile's worth
         if k * per_layer > budget and k * one > room and cfg.chunk_sequences == "auto":
             raise ResourceError(
                 f"the GPU cannot hold one sequence of {seq} tokens through {k} layer(s): {self.gpu_free / GIB:.1f} "
@@ -261,7 +269,7 @@ class _Shape:
             )
         chunk = 0 if k * per_layer <= budget else self._chunk(room, k)
         # A tiled layer keeps about what a lean one does (its MLP half is recomputed per tile): no lean layers.
-        cost = (per_layer, per_layer if self.tile else lean_bytes(spec, batch * seq, self.dtype_bytes), budget)
+        cost = (per_layer, per_layer if self.tile else lean_bytes(arch, batch * seq, self.dtype_bytes), budget)
         chunked = 0 < (chunk if cfg.chunk_sequences == "auto" else cfg.chunk_sequences) < batch
         if chunked:  # sequence chunks are what make the batch fit, not lean layers: the whole batch's fit
             last, lean = max(min(fit, layers), 1), (0 if cfg.lean_layers == "auto" else cfg.lean_layers)
@@ -276,7 +284,7 @@ class _Shape:
         )
         both_auto = cfg.last_block_layers == "auto" and cfg.chunk_sequences == "auto"
         if self.clip and both_auto and chunk == 0 and 4 * (layers - last) >= layers:
-            every = _chunk_for_every_layer(spec, batch, seq, self.dtype_bytes, budget)
+            every = _chunk_for_every_layer(arch, batch, seq, self.dtype_bytes, budget)
             if every:
                 last, chunk, lean = layers, every, (0 if cfg.lean_layers == "auto" else cfg.lean_layers)
                 why += f"; every layer in the last block, in chunks of {every} sequences (clipping on)"
@@ -288,7 +296,7 @@ class _Shape:
         """The most sequences per chunk whose K layers' activations fit `room` (a tiled layer keeps a tile's
         worth whatever the chunk: not in proportion to the sequences)."""
         chunk = max(1, int(room // (k * self.per_layer / self.batch)))
-        while chunk > 1 and k * layer_activation_bytes(self.spec, chunk * self.seq, self.dtype_bytes, self.tile) > room:
+        while chunk > 1 and k * layer_activation_bytes(self.arch, chunk * self.seq, self.dtype_bytes, self.tile) > room:
             chunk -= 1
         return chunk
 
@@ -296,8 +304,8 @@ class _Shape:
         """K for a whole batch: as many layers as a recompute block can hold at once, weights included (the last
         block's activations are freed before the first recompute), up to the layers left to recompute. The
         time is the same (one recompute per layer whatever K); fewer, larger blocks keep fewer checkpoints."""
-        whole = self.per_layer + _layer_numel(self.spec) * self.dtype_bytes
-        rest = self.spec.layout.num_layers - (last or least)
+        whole = self.per_layer + _layer_numel(self.arch) * self.dtype_bytes
+        rest = self.arch.layout.num_layers - (last or least)
         return max(least, min(budget // whole, rest))
 
     def with_checkpoints(
@@ -313,7 +321,7 @@ class _Shape:
                 plan = _explicit(self.cfg, self.blocks(budget - reserve))
             except ResourceError:  # the reservation leaves too little for a layer: not this way
                 return None
-            need = max(_saved(self.spec, plan) - on_host, 0) * each
+            need = max(_saved(self.arch, plan) - on_host, 0) * each
             if need > limit:
                 return None
             if need <= reserve:
@@ -322,9 +330,10 @@ class _Shape:
         return None
 
 
-def checkpoint_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int) -> int:
+def checkpoint_bytes(model: Arch | ModelSpec, tokens: int, dtype_bytes: int) -> int:
     """One activation checkpoint: a block's input hidden state."""
-    return tokens * spec.hf_config.hidden_size * dtype_bytes
+    arch = as_arch(model)
+    return tokens * arch.hidden_size * dtype_bytes
 
 
 def _explicit(cfg: EngineConfig, plan: tuple) -> tuple:
@@ -337,15 +346,16 @@ def _explicit(cfg: EngineConfig, plan: tuple) -> tuple:
     )
 
 
-def _saved(spec: ModelSpec, plan: tuple) -> int:
+def _saved(arch: Arch, plan: tuple) -> int:
     """Checkpoints a plan keeps: one per recompute block."""
     k, last = plan[0], plan[1]
-    return len(blocks(spec.layout.num_layers, k, last)) - 1
+    return len(blocks(arch.layout.num_layers, k, last)) - 1
 
 
-def lean_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int) -> int:
+def lean_bytes(model: Arch | ModelSpec, tokens: int, dtype_bytes: int) -> int:
     """A lean layer's activations and weights (megatrain/lean.py), for `tokens` tokens."""
-    return lean_layer_bytes(spec, tokens, dtype_bytes, _layer_numel(spec))
+    arch = as_arch(model)
+    return lean_layer_bytes(arch, tokens, dtype_bytes, _layer_numel(arch))
 
 
 def _kept_bytes(n: int, lean: int, full: int, thin: int) -> tuple[int, int]:
@@ -381,24 +391,25 @@ def _last_block(layers: int, last, lean, cost: tuple[int, int, int]) -> tuple[in
     return last, lean
 
 
-def _chunk_for_every_layer(spec: ModelSpec, batch: int, seq: int, dtype_bytes: int, budget: int) -> int:
+def _chunk_for_every_layer(arch: Arch, batch: int, seq: int, dtype_bytes: int, budget: int) -> int:
     """Sequences per chunk for the fewest chunks (of at least MIN_CHUNK_TOKENS tokens) in which every layer
     fits in the last block; 0 if none."""
-    layers = spec.layout.num_layers
+    layers = arch.layout.num_layers
     for n in range(2, batch + 1):
         size = -(-batch // n)
         if size * seq < MIN_CHUNK_TOKENS:
             return 0
-        if layers * layer_activation_bytes(spec, size * seq, dtype_bytes) + sum_bytes(spec, layers) <= budget:
+        if layers * layer_activation_bytes(arch, size * seq, dtype_bytes) + sum_bytes(arch, layers) <= budget:
             return size
     return 0
 
 
-def gpu_terms(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, sizes: Sizes) -> dict[str, int]:
+def gpu_terms(model: Arch | ModelSpec, cfg: EngineConfig, batch: int, seq: int, sizes: Sizes) -> dict[str, int]:
     """GPU bytes of a step at the given sizes, by the model above, term by term (megatrain-launch plan). Plus
     what the rule leaves to its margin: the head's unit (the LM head or embedding, the largest) in bf16
     and its fp32 gradient, summed over the step; that is what the margin covers at small token counts."""
-    hf, dtype_bytes = spec.hf_config, 2 if cfg.compute_dtype == "bf16" else 4
+    arch = as_arch(model)
+    dtype_bytes = 2 if cfg.compute_dtype == "bf16" else 4
     chunk_tokens = (sizes.chunk_sequences or batch) * seq
     last = sizes.last_block_layers or sizes.checkpoint_interval
     kept = max(last, sizes.checkpoint_interval)
@@ -406,28 +417,28 @@ def gpu_terms(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, sizes: S
     whole, lean_kept = _kept_bytes(
         kept,
         lean,
-        layer_activation_bytes(spec, chunk_tokens, dtype_bytes, sizes.token_tile),
-        lean_bytes(spec, chunk_tokens, dtype_bytes),
+        layer_activation_bytes(arch, chunk_tokens, dtype_bytes, sizes.token_tile),
+        lean_bytes(arch, chunk_tokens, dtype_bytes),
     )
     chunked = 0 < sizes.chunk_sequences < batch
-    largest = spec.layout.max_unit_numel
-    saved = len(blocks(spec.layout.num_layers, sizes.checkpoint_interval, sizes.last_block_layers)) - 1
+    largest = arch.layout.max_unit_numel
+    saved = len(blocks(arch.layout.num_layers, sizes.checkpoint_interval, sizes.last_block_layers)) - 1
     on_gpu = saved - host_checkpoints(sizes.offload_checkpoints, saved)
     return {
-        f"weight buffers ({cfg.prefetch + 1} layers, compute dtype)": buffer_bytes(spec, cfg.prefetch, dtype_bytes),
+        f"weight buffers ({cfg.prefetch + 1} layers, compute dtype)": buffer_bytes(arch, cfg.prefetch, dtype_bytes),
         f"loss chunk logits ({sizes.loss_chunk_tokens} tokens x vocab, 12 B each)": sizes.loss_chunk_tokens
-        * hf.vocab_size
+        * arch.vocab_size
         * LOSS_BYTES,
         "hidden states, checkpoint in flight, head input": stream_bytes(
-            spec, batch * seq, dtype_bytes, sizes.token_tile
+            arch, batch * seq, dtype_bytes, sizes.token_tile
         ),
         f"activations of {kept - lean} layers ({chunk_tokens} tokens each"
         + (f", MLP in tiles of {sizes.token_tile})" if sizes.token_tile else ")"): whole,
         f"{lean} lean layers ({chunk_tokens} tokens each, weights too)": lean_kept,
-        f"fp32 gradient sums over sequence chunks ({kept if chunked else 0} layers)": sum_bytes(spec, kept)
+        f"fp32 gradient sums over sequence chunks ({kept if chunked else 0} layers)": sum_bytes(arch, kept)
         if chunked
         else 0,
-        f"activation checkpoints on the GPU ({on_gpu})": on_gpu * checkpoint_bytes(spec, batch * seq, dtype_bytes),
+        f"activation checkpoints on the GPU ({on_gpu})": on_gpu * checkpoint_bytes(arch, batch * seq, dtype_bytes),
         "largest unit's weights and fp32 gradient": largest * (dtype_bytes + 4),
     }
 

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megatrain import autosize
-from megatrain.engine import EngineConfig
+from megatrain.arch import Arch
+from megatrain.engineconfig import EngineConfig
 from megatrain.errors import ResourceError
-from megatrain.model import ModelSpec
+
+if TYPE_CHECKING:
+    from megatrain.model import ModelSpec
 
 GIB = 2**30
 KEY = "engine.gpu_memory_gib"
@@ -59,13 +63,14 @@ def sizes_of(cfg: EngineConfig) -> autosize.Sizes:
     return autosize.Sizes(**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(autosize.Sizes)})
 
 
-def peak_bytes(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, sizes: autosize.Sizes) -> int:
+def peak_bytes(model: Arch | ModelSpec, cfg: EngineConfig, batch: int, seq: int, sizes: autosize.Sizes) -> int:
     """The plan's GPU peak at these sizes (autosize.gpu_terms, summed)."""
-    return sum(autosize.gpu_terms(spec, cfg, batch, seq, sizes).values())
+    arch = autosize.as_arch(model)
+    return sum(autosize.gpu_terms(arch, cfg, batch, seq, sizes).values())
 
 
 def fitting(
-    spec: ModelSpec,
+    model: Arch | ModelSpec,
     cfg: EngineConfig,
     batch: int,
     seq: int,
@@ -76,15 +81,16 @@ def fitting(
 ) -> autosize.Sizes | None:
     """The sizes chosen for `room` bytes (less `reserve`, what several executors keep beside the
     activations), where the plan's peak fits it; None where it does not."""
+    arch = autosize.as_arch(model)
     try:
-        sizes, _ = autosize.choose(spec, cfg, batch, seq, room - reserve, clip, host_room)
+        sizes, _ = autosize.choose(arch, cfg, batch, seq, room - reserve, clip, host_room)
     except ResourceError:
         return None
-    return sizes if peak_bytes(spec, cfg, batch, seq, sizes) + reserve <= room else None
+    return sizes if peak_bytes(arch, cfg, batch, seq, sizes) + reserve <= room else None
 
 
 def least_room(
-    spec: ModelSpec,
+    model: Arch | ModelSpec,
     cfg: EngineConfig,
     batch: int,
     seq: int,
@@ -94,12 +100,13 @@ def least_room(
 ) -> int | None:
     """The least GPU memory beside the CUDA context (to LEAST_STEP) with which the run's plan fits; None where
     no memory does (explicit sizes the model cannot run with)."""
-    if fitting(spec, cfg, batch, seq, MOST_BYTES, clip, host_room, reserve) is None:
+    arch = autosize.as_arch(model)
+    if fitting(arch, cfg, batch, seq, MOST_BYTES, clip, host_room, reserve) is None:
         return None
     lo, hi = 0, MOST_BYTES // LEAST_STEP
     while lo < hi:
         mid = (lo + hi) // 2
-        if fitting(spec, cfg, batch, seq, mid * LEAST_STEP, clip, host_room, reserve) is None:
+        if fitting(arch, cfg, batch, seq, mid * LEAST_STEP, clip, host_room, reserve) is None:
             lo = mid + 1
         else:
             hi = mid
@@ -120,22 +127,23 @@ def all_auto(cfg: EngineConfig) -> EngineConfig:
 
 
 def budget_problem(
-    spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int, clip: bool, reserve: int = 0
+    model: Arch | ModelSpec, cfg: EngineConfig, batch: int, seq: int, clip: bool, reserve: int = 0
 ) -> str | None:
     """Why the budget cannot hold the run (its sizes planned for the budget less CONTEXT_BYTES), in a line;
     None where it can or there is no budget. `batch`: each executor's share; `reserve`: what several executors
     keep beside the activations."""
+    arch = autosize.as_arch(model)
     budget = budget_bytes(cfg)
     if budget is None:
         return None
     room = budget - CONTEXT_BYTES
-    if room > 0 and fitting(spec, cfg, batch, seq, room, clip, None, reserve) is not None:
+    if room > 0 and fitting(arch, cfg, batch, seq, room, clip, None, reserve) is not None:
         return None
     shape = f"{batch}x{seq} tokens per GPU"
     given = explicit_sizes(cfg)
-    least = least_room(spec, all_auto(cfg), batch, seq, clip, None, reserve)
+    least = least_room(arch, all_auto(cfg), batch, seq, clip, None, reserve)
     if given:
-        own = least_room(spec, cfg, batch, seq, clip, None, reserve)
+        own = least_room(arch, cfg, batch, seq, clip, None, reserve)
         with_them = f"the least budget with them is {_budget(own)}" if own else "no budget holds them"
         auto = f"; with every size auto, {_budget(least)}" if least else ""
         return (

@@ -24,9 +24,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from megatrain.layout import StoreLayout
-from megatrain.model import ModelSpec, attention_widths, head_dim
-from megatrain.moe import mlp_width, num_experts
+from megatrain.memory.layer import experts_rerun as experts_rerun  # what a lean layer keeps: sized there
 
 _aten = torch.ops.aten
 # The GEMMs (F.linear lowers to mm, or addmm with a bias) and every fused attention kernel SDPA may pick;
@@ -66,41 +64,3 @@ def lean_call(fn: Callable[..., torch.Tensor], *args, save_grouped: bool = True)
         return fn(*args)
     # preserve_rng_state: no layer draws random numbers, and stashing the CUDA generator per layer costs
     return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False, context_fn=_CONTEXTS[save_grouped])
-
-
-def lean_layer_bytes(spec: ModelSpec, tokens: int, dtype_bytes: int, layer_numel: int) -> int:
-    """GPU bytes a lean decoder layer holds from its forward to its backward, for `tokens` tokens.
-
-    Per token: the layer's input and the outputs of o and down (hidden each), of q and attention (heads x
-    head_dim each), of k and v (kv heads x head_dim each), of gate and up (intermediate each; a mixture of
-    experts' routed width, megatrain/moe.py mlp_width), and the attention's fp32 log-sum-exp (one per head);
-    plus the layer's weights in compute dtype, which the last block keeps until its backward."""
-    hf = spec.hf_config
-    q, kv = attention_widths(hf)
-    attention = q
-    if has_sinks(spec.layout):  # the sinks' virtual key pads the attention's head dim (megatrain/attention.py)
-        attention = hf.num_attention_heads * -(-(head_dim(hf) + 1) // 8) * 8
-    if experts_rerun(spec.layout):
-        # the experts' grouped GEMMs run again in the backward: of the MLP half only the router's logits
-        # (and a shared expert's GEMM outputs) are kept, not the routed rows
-        shared = getattr(hf, "shared_expert_intermediate_size", 0) or 0
-        mlp = 2 * hf.hidden_size + num_experts(hf) + (hf.hidden_size + 2 * shared if shared else 0)
-    else:
-        mlp = 3 * hf.hidden_size + 2 * mlp_width(hf)
-    per_token = int((mlp + q + attention + 2 * kv) * dtype_bytes)
-    return tokens * (per_token + 4 * hf.num_attention_heads) + layer_numel * dtype_bytes
-
-
-def experts_rerun(layout: StoreLayout) -> bool:
-    """Whether a lean layer runs its experts' grouped GEMMs again in the backward: where the experts carry
-    biases (GPT-OSS), which HF adds in place into the GEMM's output, so that output cannot be kept."""
-    return _has_slot(layout, "experts.gate_up_proj_bias")
-
-
-def has_sinks(layout: StoreLayout) -> bool:
-    """Whether attention has sinks (GPT-OSS)."""
-    return _has_slot(layout, "self_attn.sinks")
-
-
-def _has_slot(layout: StoreLayout, suffix: str) -> bool:
-    return any(s.name.endswith(suffix) for st in layout.structures.values() for s in st.slots)

@@ -71,29 +71,6 @@ def active_fraction(hf: PretrainedConfig) -> float:
     return hf.num_experts_per_tok / num_experts(hf) if is_moe(hf) else 1.0
 
 
-CLAMPED_GLU = 2.2
-
-
-def mlp_width(hf: PretrainedConfig) -> float:
-    """The MLP's per-token activation width in units of a dense MLP's intermediate size, for the memory
-    plan's `8·hidden + 11·intermediate` rule: a routed token runs top-k experts of the expert width, and
-    the grouped path also holds the gathered and scattered hidden rows (about 8 hidden-sized copies per
-    routed token, counted as 8/11 of a width each); a shared expert runs for every token."""
-    dense = float(hf.intermediate_size)
-    if not is_moe(hf):
-        return dense
-    k = hf.num_experts_per_tok
-    expert = getattr(hf, "moe_intermediate_size", None) or hf.intermediate_size
-    shared = getattr(hf, "shared_expert_intermediate_size", 0) or 0
-    # GPT-OSS's clamped GLU (swiglu_limit) keeps about twice a SwiGLU's tensors per routed row for its
-    # backward (the clamps, the sigmoid gate, the biases added in place): 2.2x, from the saved tensors of
-    # its layer on the CPU and the peak of a 16x4096 run on an H100
-    expert *= CLAMPED_GLU if getattr(hf, "swiglu_limit", None) is not None else 1.0
-    routed = k * expert + k * hf.hidden_size * 8 / 11 + shared
-    sparse_every_layer = not getattr(hf, "mlp_only_layers", None) and getattr(hf, "decoder_sparse_step", 1) == 1
-    return routed if sparse_every_layer else max(routed, dense)
-
-
 class RouterStats:
     """One step's router statistics, on the compute device: per MoE layer the tokens each expert took
     (C, for the load metric and the aux loss) and over all layers the summed probabilities (S)."""

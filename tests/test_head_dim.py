@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from megatrain.arch import arch_of_spec
 from megatrain.autosize import layer_activation_bytes
 from megatrain.data import DataConfig, batch
 from megatrain.errors import ConfigError
@@ -18,7 +19,7 @@ from megatrain.export import export
 from megatrain.flops import active_params, model_step_flops
 from megatrain.launch.config import memplan
 from megatrain.launch.config.tree import load_config
-from megatrain.lean import lean_layer_bytes
+from megatrain.memory.layer import lean_layer_bytes
 from megatrain.model import FAMILIES, ModelSpec, build_spec, hf_config_fields
 from megatrain.weights import flat_unit
 from tests.helpers import TINY, tiny_config_dict, tiny_hf
@@ -78,7 +79,9 @@ def test_head_dim_is_accepted_and_counted(tmp_path: Path, family: str) -> None:
     assert layer_activation_bytes(wide, tokens, 2) - layer_activation_bytes(plain, tokens, 2) == tokens * extra * 2
     tiled = layer_activation_bytes(wide, tokens, 2, 32) - layer_activation_bytes(plain, tokens, 2, 32)
     assert tiled == (tokens + 32) * extra * 2  # the attention half kept, and the tile in flight
-    lean = lean_layer_bytes(wide, tokens, 2, numel) - lean_layer_bytes(plain, tokens, 2, numel)
+    lean = lean_layer_bytes(arch_of_spec(wide), tokens, 2, numel) - lean_layer_bytes(
+        arch_of_spec(plain), tokens, 2, numel
+    )
     assert lean == tokens * extra * 2
 
 

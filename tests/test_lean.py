@@ -6,10 +6,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatrain.arch import arch_of_spec
 from megatrain.data import DataConfig, batch
 from megatrain.engine import EngineConfig, StepEngine
 from megatrain.ipc.protocol import blocks
-from megatrain.lean import _GROUPED, SAVED_OPS, experts_rerun, lean_call, lean_layer_bytes
+from megatrain.lean import _GROUPED, SAVED_OPS, lean_call
+from megatrain.memory.layer import experts_rerun, lean_layer_bytes
 from megatrain.model import ATTENTION
 from tests.helpers import MOE_FAMILIES, DictSink, DictSource, spec_for, tiny_hf
 
@@ -73,7 +75,7 @@ def test_the_memory_model_counts_what_a_lean_layer_keeps(family: str) -> None:
         layer(x, position_embeddings=pe, position_ids=pos_ids, attention_mask=None)
     numel = sum(p.numel() for p in layer.parameters())
     tokens = 32
-    assert lean_layer_bytes(spec, tokens, 4, numel) == counted.bytes + tokens * hidden * 4 + numel * 4
+    assert lean_layer_bytes(arch_of_spec(spec), tokens, 4, numel) == counted.bytes + tokens * hidden * 4 + numel * 4
 
     def run(x):
         return layer(x, position_embeddings=pe, position_ids=pos_ids, attention_mask=None)[0]
@@ -111,7 +113,7 @@ def test_the_memory_model_holds_a_mixture_of_experts_lean_layer(family: str) -> 
         layer(x, position_embeddings=model.model.rotary_emb(x, pos_ids), position_ids=pos_ids, attention_mask=None)
     numel = sum(p.numel() for p in layer.parameters())
     kept = counted.bytes + x.numel() * 4 + numel * 4
-    planned = lean_layer_bytes(spec, x.shape[0] * x.shape[1], 4, numel)
+    planned = lean_layer_bytes(arch_of_spec(spec), x.shape[0] * x.shape[1], 4, numel)
     assert rerun == (family == "gpt_oss")
     assert planned == kept if rerun else kept <= planned <= 1.25 * kept
 

@@ -5,9 +5,8 @@ terms of its memory model at those sizes (megatrain/autosize.py), the budget eng
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Any
 
+from megatrain import autosize, gpubudget
 from megatrain.arch import Arch
 from megatrain.engineconfig import EngineConfig
 from megatrain.errors import ResourceError
@@ -28,19 +27,13 @@ def reduction_bytes(layout: StoreLayout) -> int:
 class GpuPart:
     """The sizes chosen for one executor's GPU and the terms of its peak at them."""
 
-    sizes: Any  # autosize.Sizes
+    sizes: autosize.Sizes | None  # None: not sized (a plan of the host part alone)
     why: str
     error: str = ""  # why no sizes fit ("" where some do)
     terms: dict[str, int] = field(default_factory=dict)  # empty: the CPU device
     free: int | None = None  # the GPU's free memory planned for (None: not known here)
     budget: int | None = None  # engine.gpu_memory_gib less the CUDA context; None: no budget
     budget_note: str = ""
-
-
-def model_of(arch: Arch) -> Any:
-    """What autosize.py reads of a model (`.layout`, `.hf_config`), from an Arch: its layout and its resolved
-    HF config values."""
-    return SimpleNamespace(layout=arch.layout, hf_config=SimpleNamespace(**arch.fields))
 
 
 def gpu_part(
@@ -56,23 +49,20 @@ def gpu_part(
     """Sizes and terms for `batch` sequences of `seq` tokens on each of `executors` GPUs with `gpu_free` free
     (None: the CPU device, or a GPU not measured here: the fixed sizes stand in), each executor's pinned
     checkpoints within `host_room` bytes (None: not bounded here)."""
-    from megatrain import autosize, gpubudget
-
-    model = model_of(arch)
     cuda = engine.device == "cuda"
     sized, budget_note = gpubudget.planning_room(engine, gpu_free) if cuda else (None, "")
     reduction = reduction_bytes(arch.layout) if executors > 1 else 0
     if sized is not None:
         sized -= reduction  # beside the activations, as the run's choose_sizes() leaves it
     try:
-        sizes, why = autosize.choose(model, engine, batch, seq, sized, clip, host_room)
+        sizes, why = autosize.choose(arch, engine, batch, seq, sized, clip, host_room)
         error = ""
     except ResourceError as exc:
         error, why = str(exc), ""
         sizes = autosize.Sizes(1, 1, 1, 512, 1)  # the least the engine can do, to show the rest of the plan
     if not cuda:
         return GpuPart(sizes=sizes, why=why, error=error)
-    terms = autosize.gpu_terms(model, autosize.apply(engine, sizes), batch, seq, sizes)
+    terms = autosize.gpu_terms(arch, autosize.apply(engine, sizes), batch, seq, sizes)
     if reduction:
         terms[REDUCTION] = reduction
     budget = gpubudget.budget_bytes(engine)
