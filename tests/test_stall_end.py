@@ -34,7 +34,7 @@ def test_the_run_ends_within_seconds_of_the_stall_verdict(tmp_path: Path) -> Non
     cli = Cli(tmp_path, "ipc.stall_timeout_s=5", "train.log_every=1", steps=100000, env=NO_AUTH)
     pids = cli.actor_pids()
     cli.wait_for(r"step 3/100000")
-    # The local instance started no idle worker per CPU beside the actors' own (launch/control/runners.py).
+    # The local instance started no idle worker per CPU beside the actors' own (launch/control/cluster.py).
     assert prestarted_workers(cli.proc.pid) == []
     cli.snapshot()
     os.kill(pids["adam-updater"], signal.SIGSTOP)
