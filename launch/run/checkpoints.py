@@ -20,7 +20,8 @@ from megatrain.launch.config.train import TrainConfig
 from megatrain.launch.control.crew import Crew
 from megatrain.launch.control.placement import Demand
 from megatrain.launch.control.runners import Pending
-from megatrain.roster import WRITER
+
+WRITER = "checkpoint-writer"
 
 
 class Checkpointer:
