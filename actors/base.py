@@ -7,12 +7,12 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from megatrain.errors import AbortError
 from megatrain.ipc.procs import started_at
 from megatrain.ipc.protocol import StoreSpec
+from megatrain.ipc.protocol.messages import ActorInfo
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -39,16 +39,6 @@ def guarded(fn: F) -> F:
                 store.call_ended()
 
     return wrapper  # type: ignore[return-value]
-
-
-@dataclass(frozen=True)
-class ActorInfo:
-    """Who answers for a role: its process, host, and start-up timeline (time.time() per stage)."""
-
-    name: str
-    pid: int
-    host: str
-    marks: dict[str, float]
 
 
 class Role:
@@ -115,7 +105,7 @@ class Role:
         self.marks[what] = time.time()
 
     def info(self) -> ActorInfo:
-        return ActorInfo(self.name, os.getpid(), socket.gethostname(), dict(self.marks))
+        return ActorInfo(name=self.name, pid=os.getpid(), host=socket.gethostname(), marks=dict(self.marks))
 
     def abort(self, reason: str) -> None:
         """Callable while a step is blocked (actors run with max_concurrency=3: Adam may hold two overlapping steps)."""

@@ -49,6 +49,17 @@ def _merged(rule: str, default: Any = ...) -> Any:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ActorInfo:
+    """Role.info's answer, who answers for a role: its process, host, and start-up timeline (time.time() per
+    stage)."""
+
+    name: str
+    pid: int
+    host: str
+    marks: dict[str, float]
+
+
+@dataclass(frozen=True, kw_only=True)
 class StepRequest:
     """GpuExecutor.step's request: train on rows `ids` / `labels` of step `step`'s batch (the weights after
     step-1's update). `timeline` records the per-unit lanes; `profile` (a path on the executor's node) runs
@@ -111,6 +122,17 @@ class StepReport:
             else:
                 out[f.name] = list(value) if f.name == "executor_compute_s" else value
         return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamRequest:
+    """AdamUpdater.step's request: apply step `step`'s gradients at learning rate `lr`. `saving`: the checkpoint
+    of the state before this update (after `step` steps) is being written; each piece is updated only once
+    the writer has it on disk."""
+
+    step: int
+    lr: float
+    saving: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)

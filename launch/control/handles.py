@@ -1,7 +1,7 @@
 """Typed actor calls: what the driver holds of an actor (Handle), of a call in flight (Pending), and the
 interface both runners implement (Runner, launch/control/runners.py).
 
-A call names the actor class's own method, not a string: `runner.call(h, AdamUpdater.step, t, lr)`. A type
+A call names the actor class's own method, not a string: `runner.call(h, AdamUpdater.step, request)`. A type
 checker checks the arguments against the method's signature (ParamSpec); at run time `checked` refuses a
 method of another class or arguments that do not bind to its signature with a TypeError in the driver,
 before anything is sent, where a string name would fail in the actor's process, or not at all until the
