@@ -30,13 +30,14 @@ from megatrain.errors import ProtocolError, WaitTimeout
 from megatrain.hostops import warm_up
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.adam import update_clipped, update_unclipped
-from megatrain.ipc.protocol.messages import Applied
+from megatrain.ipc.protocol.messages import AdamRequest, Applied
 from megatrain.ipc.protocol.plan import Item
+from megatrain.roster import ADAM
 
 
 class AdamUpdater(Role):
     def __init__(self, cfg: OptimConfig):
-        super().__init__("adam-updater")
+        super().__init__(ADAM)
         self.cfg = cfg
         self.turn = threading.Condition()
         self.next_step = 0
@@ -64,11 +65,10 @@ class AdamUpdater(Role):
         return steptime.memory_bytes_per_s(torch.get_num_threads())
 
     @guarded
-    def step(self, step: int, lr: float, saving: bool = False) -> Applied:
+    def step(self, request: AdamRequest) -> Applied:
         """With overlap the driver launches step t+1's call while step t's still runs (the actor is
-        threaded): the data plane must still see the steps one after the other, in order. `saving`: the
-        checkpoint of the state before this update (after `step` steps) is being written; each piece is
-        updated only once the writer has it on disk."""
+        threaded): the data plane must still see the steps one after the other, in order."""
+        step, lr, saving = request.step, request.lr, request.saving
         self._wait_turn(step)
         try:
             t0 = time.perf_counter()

@@ -35,13 +35,14 @@ from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.checkpoints import claim, written
 from megatrain.ipc.protocol.messages import Written
 from megatrain.ipc.protocol.plan import Item
+from megatrain.roster import WRITER
 
 AHEAD = 2  # pieces in flight beyond the oldest: keeps every thread busy across piece boundaries
 
 
 class CheckpointWriter(Role):
     def __init__(self, threads: int = 4):
-        super().__init__("checkpoint-writer")
+        super().__init__(WRITER)
         self.threads = max(threads, 1)
         self.staged: dict[int, tuple[Path, Path, dict]] = {}  # step -> (temporary dir, final dir, manifest)
 

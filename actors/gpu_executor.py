@@ -1,7 +1,7 @@
 """GPU executor: runs the whole step's layer loop, streaming weights in from and gradients out to shm.
 
 Without a GPU the same engine runs on the CPU device with the synchronous source and sink: same
-slabs, same semaphores, same order (megatrain.ipc.protocol.executor).
+slabs, same semaphores, same order (actors/executor_streams.py, over the verbs of ipc/protocol/executor.py).
 """
 
 from __future__ import annotations
@@ -19,23 +19,19 @@ import torch
 
 from megatrain import steptime
 from megatrain.actors.base import Role, guarded
+from megatrain.actors.executor_reduce import StreamedReducingSink, SyncReducingSink
+from megatrain.actors.executor_streams import Marks, StreamedSink, StreamedSource, SyncSink, SyncSource, copy_intervals
 from megatrain.collective import HOST, Group, open_rendezvous
 from megatrain.cudahost import use_expandable_segments
 from megatrain.engine import EngineConfig, StepEngine, resolve_device, resolve_dtype
 from megatrain.errors import ResourceError
 from megatrain.gpubudget import GpuCap, budget_bytes, cap_device, peak_bytes, sizes_of
 from megatrain.ipc.protocol import Store, StoreSpec
-from megatrain.ipc.protocol.executor import Marks, StreamedSink, StreamedSource, SyncSink, SyncSource, copy_intervals
 from megatrain.ipc.protocol.messages import EvalSums, StepReport, StepRequest
-from megatrain.ipc.protocol.reduce import StreamedReducingSink, SyncReducingSink
 from megatrain.model import ModelSpec, family_classes
 from megatrain.profiling import StepProfile
+from megatrain.roster import Kind, role_name
 from megatrain.warmup import warm_up
-
-
-def executor_name(rank: int) -> str:
-    """Executor 0 keeps the one-executor name: the evaluations, the timeline and the profile are its."""
-    return "gpu-executor" if rank == 0 else f"gpu-executor-{rank}"
 
 
 class GpuExecutor(Role):
@@ -43,7 +39,7 @@ class GpuExecutor(Role):
         """Process-level set-up, done while the store owner makes the store: the CUDA context, and the
         modeling code of the model's family (the engine's templates come from it). `rank`: this executor's
         place among the run's executors (actors.num_gpus), one GPU each."""
-        super().__init__(executor_name(rank))
+        super().__init__(role_name(Kind.EXECUTOR, rank))
         self.cfg, self.rank = cfg, rank
         self.group: Group | None = None
         self.rendezvous = None  # executor 0's, while the group forms

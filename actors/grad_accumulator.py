@@ -12,11 +12,12 @@ from megatrain.hostops import warm_up
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.messages import Drained
 from megatrain.ipc.protocol.workers import drain
+from megatrain.roster import Kind, role_name
 
 
 class GradAccumulator(Role):
     def __init__(self, index: int):
-        super().__init__(f"grad-accumulator-{index}")
+        super().__init__(role_name(Kind.ACCUMULATOR, index))
         self.index = index
         warm_up()  # compiled (or loaded from Numba's cache) while the store is being made, not in a step
 

@@ -11,11 +11,12 @@ from megatrain.actors.base import Role, guarded
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.messages import Packed
 from megatrain.ipc.protocol.workers import pack
+from megatrain.roster import Kind, role_name
 
 
 class Packer(Role):
     def __init__(self, index: int):
-        super().__init__(f"packer-{index}")
+        super().__init__(role_name(Kind.PACKER, index))
         self.index = index
 
     def attach(self, spec: StoreSpec) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from megatrain import checkpoint as ckpt
 from megatrain.actors.base import Role, guarded
+from megatrain.arch import arch_of_spec
 from megatrain.engine import EngineConfig, fixed_sizes
 from megatrain.errors import AbortError, ConfigError, ProtocolError
 from megatrain.export import export
@@ -31,17 +32,26 @@ from megatrain.ipc.procs import live, maps_path, running, spawn_detached, start_
 from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, checkpoint_host_bytes, plan_store
 from megatrain.ipc.protocol.checkpoints import restore_versions
 from megatrain.ipc.protocol.cpus import ThreadRequest, cpu_plan, node_cores
+from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
 from megatrain.ipc.protocol.messages import FillReport
 from megatrain.ipc.protocol.monitor import Monitor
 from megatrain.ipc.segments import sweep
-from megatrain.ipc.shm import check_space, pss_split, remove_cuda_ipc_files, seg_name, space_now
+from megatrain.ipc.shm import (
+    HEADER_BYTES,
+    check_space,
+    mem_total_bytes,
+    pss_split,
+    ray_memory_threshold,
+    remove_cuda_ipc_files,
+    seg_name,
+    space_now,
+)
+from megatrain.memory.machine import Machine
+from megatrain.memory.plan import MemoryPlan, RunShape, plan_memory
 from megatrain.model import ModelConfig, ModelSpec, build_spec, family_classes, init_unit, meta_model, unit_seed
+from megatrain.roster import OWNER, Roster, build_roster
 from megatrain.weights import checkpoint_index, copy_slots, fill_tile, read_unit, slot_views
 
-# What the run's processes take after the store is admitted (the executor's CUDA context and pinned buffers,
-# the workers' heaps): a 9.0B store admitted with less than this left got the run killed by Ray's memory
-# monitor in its first step.
-RUN_RESERVE = 2 << 30
 STRAGGLER_S = 1.0  # how long workers get to exit after the driver's kill before they are ended by pid
 LOADERS = 2  # units read from a pretrained checkpoint at once: one is read while the other is converted
 PAGE_IN_THREADS = 8  # page faults are the kernel's work: half the cores leave step 1 theirs
@@ -69,10 +79,37 @@ class StoreRequest:
     about: dict = field(default_factory=dict)
     executors: int = 1  # actors.num_gpus, resolved
     spec: ModelSpec | None = None  # the model's spec as the driver built it; None: built here from `model`
+    roster: Roster | None = None  # the run's actors, for `ipc.staging` resolved; None: the spec's whole roster
+    memory: MemoryPlan | None = None  # the driver's plan (megatrain/memory/); None: one made here, on this node
+
+
+def run_shape(request: StoreRequest) -> RunShape:
+    """What of a request the memory plan reads, where the driver sent none (a store made outside a run: its
+    roles are the spec's, the checkpoint writer included; no launcher or Ray of its own on the node)."""
+    executors = max(request.executors, 1)
+    return RunShape(
+        engine=request.engine,
+        executors=executors,
+        batch=request.batch_shape[0] // executors,
+        seq=request.batch_shape[1],
+        clip=request.clip,
+        staging=request.ipc.staging,
+        weight_slabs=request.ipc.weight_slabs,
+        grad_slabs=request.ipc.grad_slabs,
+        slab_params=request.ipc.slab_params,
+        num_packers=request.num_packers,
+        num_accumulators=request.num_accumulators,
+        saves_checkpoints=True,
+        launcher=False,
+        private_ray=False,
+        header_bytes=HEADER_BYTES,
+        ctl_fixed=CTL_FIXED,
+        ctl_piece_bytes=PIECE_BYTES,
+    )
 
 
 class StoreOwner(Role):
-    def __init__(self, name: str = "store-owner", family: str = ""):
+    def __init__(self, name: str = OWNER, family: str = ""):
         """`family`: a fresh init's model family, whose modeling code (the init's) this process imports on a
         thread from now, while the launcher still reads the run's inputs and then while the segments are
         made; '' where the store is filled from files."""
@@ -88,6 +125,7 @@ class StoreOwner(Role):
         self.paging: threading.Thread | None = None  # pages in the zero planes (_page_in)
         self.paging_stop = threading.Event()
         self.space: tuple[int, int] | None = None  # shm free and MemAvailable before the store (create)
+        self.memory: MemoryPlan | None = None  # the run's memory plan (create)
 
     def _import(self, family: str) -> None:
         if family:
@@ -111,44 +149,46 @@ class StoreOwner(Role):
         removed = sweep(shm_dir=shm_dir)
         if removed:
             print(f"[{self.name}] swept {len(removed)} objects left over in {shm_dir}", flush=True)
-        self.space = space_now(shm_dir)  # settle() re-decides against the memory as it was before
-        self.request = request
+        self.space = space_now(shm_dir)  # settle() re-checks against the memory as it was before
         # The driver's spec: its structure is built once, and the modeling code this process imports for the
         # init comes after the segments, while their pages are faulted in (_make).
         self.model = request.spec if request.spec is not None else build_spec(request.model, request.no_decay_1d)
+        self.memory = request.memory or plan_memory(
+            arch_of_spec(self.model), run_shape(request), self.node_machine(shm_dir)
+        )
+        # the staging mode is the plan's: decided once, before the store; admission only re-checks it here
+        self.request = dataclasses.replace(
+            request, ipc=dataclasses.replace(request.ipc, staging=self.memory.staging_mode)
+        )
         # The activation checkpoints the executor will pin depend on the engine's sizes; while some are still
         # `auto` they are unknown (the fixed sizes would count every block's, where the chosen ones may keep
         # them on the GPU), so the store is checked alone now and with them in settle().
         known = not any(v == "auto" for v in dataclasses.asdict(request.engine).values())
-        spec, ram_only = self._plan(fixed_sizes(request.engine), checkpoints=known)
+        spec, ram_only = self._plan(fixed_sizes(self.request.engine), checkpoints=known)
         self._make(spec, ram_only)
         return spec
 
     def settle(self, engine: EngineConfig) -> StoreSpec:
         """The spec with the engine's chosen sizes. The checkpoint plan they fix orders the walk, not the
-        memory; but the staging mode is decided again with the pinned checkpoints they imply (against the
-        memory as it was before the store): a store made for the other mode is made again (rare: only
-        near the host's limit), and one that no longer fits is refused with the numbers."""
+        memory; the pinned checkpoints they imply are admitted beside the store against the memory as it was
+        before it, and a store they no longer leave room for is refused with the numbers."""
         spec, ram_only = self._plan(engine)
         check_space(spec.part_bytes(), spec.ipc.shm_dir, ram_only, self.space)
-        if spec.staging_mode != self.store.spec.staging_mode:
-            print(
-                f"[{self.name}] weight staging {spec.staging_mode}, not {self.store.spec.staging_mode}, with the "
-                f"chosen engine sizes: making the store again",
-                flush=True,
-            )
-            old = self.store
-            self._release()
-            for seg in old.segments.values():  # the first fill's pages go now, not when this process ends
-                seg.close()
-            self._make(spec, ram_only)
         self.store.spec = spec
         return spec
+
+    def node_machine(self, shm_dir: str = "/dev/shm") -> Machine:
+        """This node's memory now, with Ray's memory-monitor threshold as its workers have it: the machine a
+        store here is planned for."""
+        free, avail = space_now(shm_dir)
+        return Machine(ram=avail, total=mem_total_bytes(), shm=free, threshold=ray_memory_threshold())
 
     def _plan(self, engine: EngineConfig, checkpoints: bool = True) -> tuple[StoreSpec, dict[str, int]]:
         req, model = self.request, self.model
         pinned = checkpoint_host_bytes(model, engine, *req.batch_shape) if checkpoints else 0
-        ram_only = {"activation checkpoints (executor, pinned)": pinned, "processes, after the store": RUN_RESERVE}
+        # what the run's processes take beside the store (megatrain/memory/host.py): kept free at admission
+        reserve = self.memory.reserve
+        ram_only = {"activation checkpoints (executor, pinned)": pinned, "processes, after the store": reserve}
         spec = plan_store(
             req.run_id,
             model,
@@ -159,9 +199,7 @@ class StoreOwner(Role):
             req.ipc,
             cuda=engine.device == "cuda",
             clip=req.clip,
-            ram_only=ram_only,
             last_block_layers=engine.last_block_layers,
-            space=self.space,
             executors=req.executors,
         )
         ram_only["page tables of its mappings"] = spec.page_table_bytes()
@@ -248,18 +286,35 @@ class StoreOwner(Role):
         import numba
 
         cores = node_cores()
-        plan = cpu_plan(
-            cores,
-            cuda,
-            spec.running_packers,
-            spec.running_accumulators,
-            request,
-            numba.config.NUMBA_NUM_THREADS,
-            spec.num_executors,
-        )
+        plan = cpu_plan(cores, self._roster(spec, cuda), request, numba.config.NUMBA_NUM_THREADS)
         spec = dataclasses.replace(spec, threads=plan, cores=cores)
         self.apply_threads(spec)  # the fill (init, import, resume) runs on this process's threads
         return spec
+
+    def _roster(self, spec: StoreSpec, cuda: bool) -> Roster:
+        """The driver's roster, which must be for the store's staging mode; without one (a store made outside
+        a run), every role of the spec, the writer included."""
+        roster = self.request.roster
+        if roster is None:
+            return build_roster(
+                executors=spec.num_executors,
+                packers=spec.num_packers,
+                accumulators=spec.num_accumulators,
+                cuda=cuda,
+                clip=spec.clip,
+                writer=True,
+                staging=spec.staging_mode,
+            )
+        if roster.staging != spec.staging_mode:
+            raise ProtocolError(
+                f"the store is planned for weight staging {spec.staging_mode}, the run's actors for {roster.staging}"
+            )
+        return roster
+
+    def node_space(self, shm_dir: str) -> tuple[int, int]:
+        """Free shared memory and MemAvailable on this node now: what the driver decides the staging mode
+        against, where the memory decides it, before the workers are spawned (launch/control/startup.py)."""
+        return space_now(shm_dir)
 
     def _start_reaper(self, run_id: str) -> None:
         pid = os.getpid()
@@ -300,7 +355,7 @@ class StoreOwner(Role):
         # Largest first (the embedding and the head are a few layers' worth each): no thread is left with a
         # big unit at the end. The draws do not depend on the order (each unit has its own generator).
         largest = sorted(units, key=lambda u: -spec.layout.structure_of(u).numel)
-        with ThreadPoolExecutor(self.store.spec.threads["store-owner"].torch, thread_name_prefix="init") as pool:
+        with ThreadPoolExecutor(self.store.spec.threads[OWNER].torch, thread_name_prefix="init") as pool:
             for _ in pool.map(lambda u: self._draw_unit(model, u, seed), largest):
                 pass
         if not torch.equal(before, torch.random.get_rng_state()):

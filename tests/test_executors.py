@@ -19,7 +19,7 @@ from megatrain.errors import ConfigError, MegatrainError
 from megatrain.ipc.protocol.messages import StepReport
 from megatrain.launch.cli.fidelity import compare
 from megatrain.launch.config.tree import load_config
-from megatrain.launch.control.placement import ActorsConfig, demands, resolve_executors
+from megatrain.launch.control.placement import ActorsConfig, demands, resolve_executors, roster_for
 from megatrain.launch.run.driver import Trainer
 from tests.test_equivalence import check, tiny_config
 from tests.test_lifecycle import Cli
@@ -115,7 +115,8 @@ def test_what_several_executors_cannot_run_is_refused_by_name(tmp_path) -> None:
         resolve_executors(ActorsConfig(num_gpus=4), cuda=True, gpus=2)
     assert resolve_executors(ActorsConfig(num_gpus="auto"), cuda=True, gpus=8) == 8
     assert resolve_executors(ActorsConfig(num_gpus="auto"), cuda=False, gpus=0) == 1
-    d = demands(ActorsConfig(num_gpus=2), cuda=True, executors=2)
+    roster = roster_for(ActorsConfig(num_gpus=2), cuda=True, clip=True, writer=False, staging="resident", executors=2)
+    d = demands(roster)
     assert d["gpu-executor"].gpus + d["gpu-executor-1"].gpus == 2.0 and "packer-0" not in d
 
 
@@ -152,7 +153,7 @@ def test_the_plan_sizes_each_gpu_for_its_share_and_counts_every_executor() -> No
 
     hf = json.dumps({"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 4, "vocab_size": 32000})
     base = ["model.family=qwen2", f"model.hf={hf}", "data.seq_len=512", "data.kind=tokens", "data.path=x.bin"]
-    host = Host(64 * GIB, 64 * GIB, 64 * GIB, None)
+    host = Host(ram=64 * GIB, total=64 * GIB, shm=64 * GIB, threshold=None)
     one = make_plan(load_config(None, [*base, "data.batch_size=8"]), 20 * GIB, True, host)
     two = make_plan(load_config(None, [*base, "data.batch_size=16", "actors.num_gpus=2"]), 20 * GIB, True, host)
     assert "over 2 executors (at most 8 sequences each)" in two.title

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 import torch
 
+from megatrain.actors.executor_streams import SyncSink
 from megatrain.errors import AbortError, LayoutMismatch, ProtocolError, ResourceError, WaitTimeout
 from megatrain.ipc import shm
 from megatrain.ipc.protocol import PLANES, Store
-from megatrain.ipc.protocol.executor import SyncSink
 from megatrain.ipc.shm import HEADER_BYTES
-from megatrain.launch.control.placement import ActorsConfig, demands
+from megatrain.launch.control.placement import ActorsConfig, roster_for
 from megatrain.layout import TILE_ALIGN
 from tests.helpers import spec_for, tiny_hf
 from tests.shm_fixtures import ALL_PARTS, SHM, leftovers, make_spec, owned, remove_all
@@ -177,9 +177,9 @@ def test_pieces_tile_every_unit_within_one_slab(model_spec) -> None:
 @pytest.mark.parametrize("packers, accs", [(1, 1), (2, 3), (4, 2)])
 def test_every_worker_role_has_its_own_pid_slot(model_spec, packers: int, accs: int) -> None:
     spec = make_spec("slots", model_spec, packers=packers, accs=accs, weight_slabs=4, grad_slabs=4)
-    roles = [
-        r for r in demands(ActorsConfig(num_packers=packers, num_accumulators=accs), cuda=False) if r != "store-owner"
-    ]
+    actors = ActorsConfig(num_packers=packers, num_accumulators=accs)
+    roster = roster_for(actors, cuda=False, clip=True, writer=True, staging="slabs", executors=1)
+    roles = [r.name for r in roster.workers]
     slots = [spec.pid_slot(r) for r in roles]
     assert len(set(slots)) == len(roles)
     assert all(0 <= s < shm.MAX_PIDS for s in slots)

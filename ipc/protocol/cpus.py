@@ -14,13 +14,16 @@ Who runs at the same time decides the split (C = the cores this node lets the st
     and gets all C;
   * the store owner fills the store before any step (init, a pretrained import, a resume): all C;
   * the checkpoint writer's work is its own I/O threads (actors.writer_threads): 1 each.
-An explicit actors.*_threads value replaces the rule for its role.
+An explicit actors.*_threads value replaces the rule for its role. Each role's rule is in its roster row
+(megatrain/roster.py ThreadRule); the numbers are worked out here, by the store owner, on the node the roles share.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+
+from megatrain.roster import Kind, Roster, ThreadRule
 
 
 @dataclass(frozen=True)
@@ -46,33 +49,34 @@ def node_cores() -> int:
 
 
 def cpu_plan(
-    cores: int,
-    cuda: bool,
-    num_packers: int,
-    num_accumulators: int,
-    request: ThreadRequest | None = None,
-    numba_max: int = 0,
-    executors: int = 1,
+    cores: int, roster: Roster, request: ThreadRequest | None = None, numba_max: int = 0
 ) -> dict[str, Threads]:
-    """Per role name (the names of StoreSpec.roles() and the store owner), its thread counts. `numba_max`:
-    Numba's pool size (NUMBA_NUM_THREADS, fixed when Numba loads); no role may ask for more."""
+    """Per role of the roster, its thread counts by its row's rule. `numba_max`: Numba's pool size
+    (NUMBA_NUM_THREADS, fixed when Numba loads); no role may ask for more."""
     c, request = max(cores, 1), request or ThreadRequest()
-    executor = request.executor or (min(2, c) if cuda else max(1, c // max(executors, 1)))
-    adam = request.adam or c
-    packer = request.packer or max(1, c // 2 // max(num_packers, 1))
-    accumulator = request.accumulator or max(1, c // max(num_accumulators, 1))
-    plan = {
-        "store-owner": Threads(c, c),
-        "gpu-executor": Threads(executor, 1 if cuda else executor),
-        **{f"gpu-executor-{r}": Threads(executor, 1 if cuda else executor) for r in range(1, executors)},
-        "adam-updater": Threads(adam, adam),
-        "checkpoint-writer": Threads(1, 1),
-    }
-    plan.update({f"packer-{i}": Threads(packer, 1) for i in range(num_packers)})
-    plan.update({f"grad-accumulator-{i}": Threads(1, accumulator) for i in range(num_accumulators)})
+    plan = {r.name: _threads(r.threads, c, roster, request) for r in roster.roles}
     if numba_max:
         plan = {r: Threads(t.torch, min(t.numba, numba_max)) for r, t in plan.items()}
     return plan
+
+
+def _threads(rule: ThreadRule, c: int, roster: Roster, request: ThreadRequest) -> Threads:
+    """One role's threads on a node of `c` cores (the rules of this module's docstring)."""
+    if rule is ThreadRule.ALL:
+        return Threads(c, c)
+    if rule is ThreadRule.UPDATER:
+        return Threads(request.adam or c, request.adam or c)
+    if rule is ThreadRule.EXECUTOR:
+        split = max(1, c // max(roster.count(Kind.EXECUTOR), 1))
+        n = request.executor or (min(2, c) if roster.cuda else split)
+        return Threads(n, 1 if roster.cuda else n)
+    if rule is ThreadRule.PACKER:
+        return Threads(request.packer or max(1, c // 2 // max(roster.count(Kind.PACKER), 1)), 1)
+    if rule is ThreadRule.ACCUMULATOR:
+        return Threads(1, request.accumulator or max(1, c // max(roster.count(Kind.ACCUMULATOR), 1)))
+    if rule is ThreadRule.ONE:
+        return Threads(1, 1)
+    raise ValueError(f"no thread rule {rule}")
 
 
 def describe(plan: dict[str, Threads], cores: int, roles: list[str]) -> str:

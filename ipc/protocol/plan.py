@@ -11,17 +11,19 @@ from typing import NamedTuple
 
 import torch
 
-from megatrain.activations import host_checkpoints
 from megatrain.blocks import blocks
-from megatrain.engine import EngineConfig, fixed_sizes, resolve_dtype
-from megatrain.errors import ConfigError, ProtocolError, ResourceError
+from megatrain.engine import EngineConfig
+from megatrain.errors import ConfigError, ProtocolError
 from megatrain.flops import model_step_flops
 from megatrain.ipc.protocol.cpus import Threads
-from megatrain.ipc.protocol.ctl import CTL_FIXED
+from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
 from megatrain.ipc.protocol.ipcconfig import STALL_FLOOR_S, IpcConfig
-from megatrain.ipc.shm import MAX_PIDS, check_space, sem_name
-from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
+from megatrain.ipc.protocol.sems import semaphores
+from megatrain.ipc.shm import MAX_PIDS
+from megatrain.layout import StoreLayout
+from megatrain.memory.host import StoreShape, page_table_bytes, pinned_checkpoint_bytes
 from megatrain.model import ModelSpec
+from megatrain.roster import slot_names
 
 PLANES = ("params", "exp_avg", "exp_avg_sq", "grads")  # "grads": clipping in slabs mode (see grads_in_resident)
 STAGING = {"bf16": (torch.bfloat16, 2), "fp32": (torch.float32, 4)}
@@ -122,11 +124,23 @@ class StoreSpec:
         return len(self.layout.units)
 
     @cached_property
+    def shape(self) -> StoreShape:
+        """What fixes the segments' sizes (megatrain/memory/host.py)."""
+        return StoreShape(
+            layout=self.layout,
+            staging_mode=self.staging_mode,
+            clip=self.clip,
+            staging_dtype=self.staging_dtype,
+            weight_slabs=self.ipc.weight_slabs,
+            grad_slabs=self.ipc.grad_slabs,
+            slab_params=self.ipc.slab_params,
+            ctl_fixed=CTL_FIXED,
+            ctl_piece_bytes=PIECE_BYTES,
+        )
+
+    @cached_property
     def slab_elems(self) -> int:
-        layout = self.layout
-        layers = [layout.structure_of(u.index).numel for u in layout.units if u.kind == "layer"]
-        limit = self.ipc.slab_params or max(layers, default=layout.max_unit_numel)
-        return round_up(max(min(limit, layout.max_unit_numel), 1), TILE_ALIGN)
+        return self.shape.slab_elems
 
     @cached_property
     def piece_table(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
@@ -227,18 +241,10 @@ class StoreSpec:
         ]
 
     def part_bytes(self) -> dict[str, int]:
-        plane = self.layout.total * 4
-        staging = self.slab_elems * (self.num_weight_slabs * self.staging_bytes + self.num_grad_slabs * 4)
-        staging = max(staging, TILE_ALIGN)  # every run has the segment; with no slabs it is a page
-        ctl = CTL_FIXED + self.num_pieces * 24  # per piece: version, squared gradient norm, saved step
-        resident = {"resident": self.layout.total * self.staging_bytes} if self.resident else {}
-        return {**dict.fromkeys(self.planes, plane), "staging": staging, **resident, "ctl": ctl}
+        return self.shape.part_bytes()
 
     def page_table_bytes(self) -> int:
-        """The kernel's page tables for the store's mappings (8 bytes per 4 KiB page, per process that maps
-        it): about three processes map nearly all of it (the owner, the Adam updater, the executor or the
-        workers), and this RAM is in use although no process's PSS shows it."""
-        return 3 * sum(self.part_bytes().values()) // 512
+        return page_table_bytes(self.part_bytes())
 
     def layout_hash(self) -> bytes:
         """What the segments' bytes mean. Not the checkpoint plan (K, the last block): it orders the walk,
@@ -251,14 +257,7 @@ class StoreSpec:
 
     def roles(self) -> list[str]:
         """Worker role names; a role's index is its pid slot in ctl."""
-        return (
-            ["gpu-executor"]
-            + [f"gpu-executor-{r}" for r in range(1, self.num_executors)]
-            + ["adam-updater"]
-            + [f"packer-{i}" for i in range(self.num_packers)]
-            + [f"grad-accumulator-{i}" for i in range(self.num_accumulators)]
-            + ["checkpoint-writer"]
-        )
+        return slot_names(executors=self.num_executors, packers=self.num_packers, accumulators=self.num_accumulators)
 
     def pid_slot(self, role: str) -> int:
         """Where a worker records its pid in ctl, so cleanup can find what the CUDA driver left for it."""
@@ -270,13 +269,8 @@ class StoreSpec:
         return roles.index(role)
 
     def sem_names(self) -> dict[str, tuple[str, int]]:
-        """Semaphore key -> (name, initial value)."""
-        out = {"grads_ready": (sem_name(self.run_id, "grads-ready"), 0)}
-        for kind, n in (("w", self.num_weight_slabs), ("g", self.num_grad_slabs)):
-            for i in range(n):
-                out[f"{kind}_free{i}"] = (sem_name(self.run_id, f"{kind}free{i}"), 1)
-                out[f"{kind}_full{i}"] = (sem_name(self.run_id, f"{kind}full{i}"), 0)
-        return out
+        """Semaphore key -> (name, initial value) (ipc/protocol/sems.py)."""
+        return semaphores(self.run_id, self.num_weight_slabs, self.num_grad_slabs)
 
 
 def plan_store(
@@ -289,16 +283,12 @@ def plan_store(
     ipc: IpcConfig,
     cuda: bool,
     clip: bool = True,
-    ram_only: dict[str, int] | None = None,
     last_block_layers: int = 0,
-    space: tuple[int, int] | None = None,
     executors: int = 1,
 ) -> StoreSpec:
-    """Resolve ipc.staging: as asked, or for 'auto' on cuda: resident with clipping (its copy also holds the
-    gradients, so it is the smallest store there is: slabs would need a gradient plane); without clipping
-    resident when it fits in memory (`space`, as check_space takes it; None: now), else slabs. Several
-    executors read the weights from the resident copy (every one streams every unit; slabs are filled for
-    one reader), so they take it whatever the device."""
+    """The store of ipc.staging as asked, or for 'auto' by staging_by_rule. Where the memory decides ('auto'
+    on CUDA without clipping) the memory plan has decided it before (megatrain/memory/plan.py staging_mode):
+    an 'auto' that reaches here is refused."""
 
     def make(mode: str) -> StoreSpec:
         return StoreSpec(
@@ -315,25 +305,31 @@ def plan_store(
             num_executors=executors,
         )
 
+    mode = staging_by_rule(ipc.staging, cuda, clip, executors)
+    if mode is None:
+        raise ProtocolError(
+            "ipc.staging 'auto' without clipping on CUDA is decided by the memory plan on the store's node "
+            "(megatrain/memory/plan.py staging_mode): plan the store with the mode it decided"
+        )
+    return make(mode)
+
+
+def staging_by_rule(staging: str, cuda: bool, clip: bool, executors: int = 1) -> str | None:
+    """ipc.staging resolved where the memory does not decide it (plan_store's rules); None where it does:
+    'auto' on CUDA without clipping, one executor (resident if it fits, else slabs). The driver resolves it
+    with this before any worker is spawned (launch/control/startup.py)."""
     if executors > 1:
-        if ipc.staging == "slabs":
+        if staging == "slabs":
             raise ConfigError(
                 f"ipc.staging: slabs streams weights to one executor; actors.num_gpus {executors} needs the "
                 "resident copy (ipc.staging: resident or auto)"
             )
-        return make("resident")
-    if ipc.staging != "auto":
-        return make(ipc.staging)
+        return "resident"
+    if staging != "auto":
+        return staging
     if not cuda:
-        return make("slabs")  # no DMA to feed: a resident copy would only cost memory
-    resident = make("resident")
-    if clip:
-        return resident
-    try:
-        check_space(resident.part_bytes(), ipc.shm_dir, ram_only, space)
-        return resident
-    except ResourceError:
-        return make("slabs")
+        return "slabs"  # no DMA to feed: a resident copy would only cost memory
+    return "resident" if clip else None
 
 
 # ---- the orders: pure functions of the layer count and the checkpoint plan --------------------------
@@ -360,9 +356,4 @@ def grad_order(num_layers: int) -> list[int]:
 
 def checkpoint_host_bytes(spec: ModelSpec, cfg: EngineConfig, batch: int, seq: int) -> int:
     """Pinned host RAM the executor takes for offloaded checkpoints (a resolved config; 0 if on the GPU)."""
-    if cfg.device != "cuda" or not cfg.offload_checkpoints:
-        return 0
-    cfg = fixed_sizes(cfg)
-    saved = len(blocks(spec.layout.num_layers, cfg.checkpoint_interval, cfg.last_block_layers)) - 1
-    each = batch * seq * spec.hf_config.hidden_size * resolve_dtype(cfg, torch.device("cuda")).itemsize
-    return host_checkpoints(cfg.offload_checkpoints, saved) * each
+    return pinned_checkpoint_bytes(spec.layout.num_layers, spec.hf_config.hidden_size, cfg, batch, seq)

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import ClassVar
 
 from megatrain.configbase import opt, section
 from megatrain.ipc.shm import check_run_id
+from megatrain.roster import EXECUTOR, parse_role
 
 
 @dataclass
 class ProfileConfig:
     step: int = opt(0, "The step to profile; 0 = none.")
     actor: str = opt(
-        "gpu-executor",
+        EXECUTOR,
         "Which actor: 'gpu-executor' runs that step under torch.profiler (a Chrome "
         "trace in OUTPUT_DIR/profile-step-N.json, and a count of host-blocking CUDA "
         "calls the compute thread made inside the layer loop: logged, should be 0); a "
@@ -28,14 +28,10 @@ class ProfileConfig:
     def __post_init__(self) -> None:
         if self.step < 0:
             raise ValueError("train.profile.step must be >= 0 (0 = none)")
-        if not re.fullmatch(
-            r"gpu-executor(-\d+)?|adam-updater|store-owner|checkpoint-writer|packer-\d+|grad-accumulator-\d+",
-            self.actor,
-        ):
-            raise ValueError(
-                f"train.profile.actor: '{self.actor}' is not an actor (gpu-executor, gpu-executor-N, "
-                "adam-updater, store-owner, checkpoint-writer, packer-N, grad-accumulator-N)"
-            )
+        try:
+            parse_role(self.actor)
+        except ValueError as exc:
+            raise ValueError(f"train.profile.actor: {exc}") from None
 
 
 @dataclass

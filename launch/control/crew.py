@@ -13,11 +13,11 @@ from megatrain.actors.store_owner import StoreOwner
 from megatrain.errors import AbortError, ActorFailure, MegatrainError, is_stall_verdict
 from megatrain.launch.control.handles import Handle, Pending, Runner
 from megatrain.launch.control.placement import Demand
+from megatrain.roster import OWNER, Kind, Roster, kind_of
 
 P = ParamSpec("P")
 R = TypeVar("R")
 SHUTDOWN_S = 15.0
-OWNER = "store-owner"
 
 
 class Crew:
@@ -27,6 +27,7 @@ class Crew:
     def __init__(self, runner: Runner, setup_timeout_s: float):
         self.runner, self.setup_timeout_s = runner, setup_timeout_s
         self.actors: dict[str, Handle[Any]] = {}
+        self.roster: Roster | None = None  # the run's actors (megatrain/roster.py), once spawned
         self.pids: dict[str, int] = {}
         self.marks: dict[str, dict] = {}  # each actor's start-up timeline (Role.mark)
         self.sentinel: Pending | None = None
@@ -41,9 +42,9 @@ class Crew:
         """End an actor the run turned out not to need."""
         self.runner.kill(self.actors.pop(name))
 
-    def named(self, prefix: str | tuple[str, ...]) -> list[str]:
-        """The actors whose names start with `prefix` (or one of them), in spawning order."""
-        return [n for n in self.actors if n.startswith(prefix)]
+    def of(self, *kinds: Kind) -> list[str]:
+        """The actors of these kinds, in spawning order (executor 0 first)."""
+        return [n for n in self.actors if kind_of(n) in kinds]
 
     def serve_owner(self) -> None:
         self.serving = True

@@ -1,4 +1,4 @@
-"""How many of each actor, with how many threads, and what each asks of the scheduler."""
+"""The actors section of the config, and what the run's roster (megatrain/roster.py) asks of the scheduler."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from megatrain.configbase import opt
 from megatrain.errors import ConfigError
 from megatrain.ipc.protocol.cpus import ThreadRequest
+from megatrain.roster import Roster, build_roster
 
 
 @dataclass
@@ -71,34 +72,29 @@ class Demand:
     gpus: float
 
 
-def demands(
-    cfg: ActorsConfig,
-    cuda: bool,
-    clip: bool = True,
-    writer: bool = False,
-    staging: str = "auto",
-    executors: int = 1,
-) -> dict[str, Demand]:
-    """Per role. On CUDA the processes that drain gradient slabs (the accumulators, or the Adam updater
-    without clipping) need a sliver of the GPU: Ray hides GPUs from actors that ask for none, and they
-    must open the executor's IPC events on the same device. Several executors (one GPU each) read the
-    resident copy: no packers or accumulators drain for them."""
-    sliver = 0.01 if cuda else 0.0
-    if executors > 1:
-        staging = "resident"
-    accumulators = cfg.num_accumulators if expect_accumulators(staging, cuda, clip) else 0
-    drainers = accumulators if clip else 1
-    out = {
-        "store-owner": Demand(0.0, 0.0),
-        "gpu-executor": Demand(1.0, round(1.0 - sliver * drainers, 4) if cuda else 0.0),
-        **{f"gpu-executor-{r}": Demand(1.0, 1.0 if cuda else 0.0) for r in range(1, executors)},
-        "adam-updater": Demand(1.0, 0.0 if clip else sliver),
-    }
-    out.update({f"packer-{i}": Demand(1.0, 0.0) for i in range(cfg.num_packers if executors == 1 else 0)})
-    out.update({f"grad-accumulator-{i}": Demand(1.0, sliver) for i in range(accumulators)})
-    if writer:  # disk-bound (it waits on the disk, not a core), so it asks for none
-        out["checkpoint-writer"] = Demand(0.0, 0.0)
-    return out
+def roster_for(actors: ActorsConfig, *, cuda: bool, clip: bool, writer: bool, staging: str, executors: int) -> Roster:
+    """The run's roster (megatrain/roster.py) from the actors section, with the staging mode resolved."""
+    return build_roster(
+        executors=executors,
+        packers=actors.num_packers,
+        accumulators=actors.num_accumulators,
+        cuda=cuda,
+        clip=clip,
+        writer=writer,
+        staging=staging,
+    )
+
+
+def demands(roster: Roster) -> dict[str, Demand]:
+    """Per role started with the run, its scheduler resources (the roster's)."""
+    return {r.name: Demand(r.cpus, r.gpus) for r in roster.at_launch}
+
+
+def local_cpus(actors: ActorsConfig) -> float:
+    """The CPUs a private Ray instance is started with at least, before the device is known: a CPU-device run
+    of one executor, which runs every kind of worker."""
+    most = roster_for(actors, cuda=False, clip=True, writer=False, staging="slabs", executors=1)
+    return bundle(demands(most))["CPU"]
 
 
 def bundle(d: dict[str, Demand]) -> dict[str, float]:
@@ -138,19 +134,6 @@ def batch_split_problem(batch: int, executors: int) -> str | None:
 def per_executor(batch: int, executors: int) -> int:
     """The most sequences one executor runs per step (the rows split as evenly as they go)."""
     return -(-batch // max(executors, 1))
-
-
-def expect_packers(staging: str, cuda: bool, executors: int = 1) -> bool:
-    """Whether the store will be in slabs mode (packers needed), as far as the driver can tell before the
-    store owner resolves 'auto' on the GPU's node: auto means slabs on the CPU device, resident on CUDA
-    unless it does not fit (then the packers start late)."""
-    return executors == 1 and (staging == "slabs" or (staging == "auto" and not cuda))
-
-
-def expect_accumulators(staging: str, cuda: bool, clip: bool) -> bool:
-    """Whether accumulators will run: with clipping, unless the gradients wait in the resident copy, which
-    is where 'auto' puts them on CUDA (ipc/protocol/plan.py plan_store)."""
-    return clip and (staging == "slabs" or (staging == "auto" and not cuda))
 
 
 def describe_need(d: dict[str, Demand]) -> str:

@@ -19,6 +19,7 @@ from megatrain.errors import AbortError, ActorFailure, ConfigError, MegatrainErr
 from megatrain.launch.control import cluster
 from megatrain.launch.control.handles import Handle, Pending, Runner, checked, checked_init
 from megatrain.launch.control.placement import Demand
+from megatrain.roster import EXECUTOR
 
 A = TypeVar("A")
 P = ParamSpec("P")
@@ -162,7 +163,7 @@ class RayRunner:
         checked_init(cls, args)
 
         env: dict[str, Any] = {"env_vars": {"PYTHONUNBUFFERED": "1"}}
-        if name == "gpu-executor" and self.cfg.nsight:
+        if name == EXECUTOR and self.cfg.nsight:
             if self.started_ray and shutil.which("nsys") is None:
                 raise ConfigError("launch.nsight: nsys (Nsight Systems) is not on PATH on this node")
             env["nsight"] = self.cfg.nsight

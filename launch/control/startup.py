@@ -5,6 +5,7 @@ then every worker attaches. Each phase is timed (Phases)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -12,30 +13,46 @@ from megatrain import autosize, gpubudget, log
 from megatrain.actors.adam_updater import AdamUpdater
 from megatrain.actors.base import Role
 from megatrain.actors.checkpoint_writer import CheckpointWriter
-from megatrain.actors.gpu_executor import GpuExecutor, executor_name
+from megatrain.actors.gpu_executor import GpuExecutor
 from megatrain.actors.grad_accumulator import GradAccumulator
 from megatrain.actors.packer import Packer
 from megatrain.actors.store_owner import FillReport, StoreOwner
+from megatrain.arch import arch_of_spec
 from megatrain.engine import EngineConfig, resolve_engine
-from megatrain.errors import ConfigError, ResourceError
+from megatrain.errors import ConfigError, ProtocolError, ResourceError
 from megatrain.ipc.protocol import StoreSpec
+from megatrain.ipc.protocol.plan import staging_by_rule
 from megatrain.ipc.protocol.reduce import reduction_bytes
+from megatrain.launch.config import memplan
 from megatrain.launch.config.tree import Config
-from megatrain.launch.control.crew import OWNER, Crew
+from megatrain.launch.control.crew import Crew
 from megatrain.launch.control.placement import (
     Demand,
     batch_split_problem,
     bundle,
     demands,
     describe_need,
-    expect_packers,
+    local_cpus,
     per_executor,
     resolve_executors,
+    roster_for,
 )
 from megatrain.launch.control.runners import Pending
 from megatrain.launch.report.describe import describe_run
 from megatrain.launch.run.stopping import Background
+from megatrain.memory.plan import staging_mode
 from megatrain.model import ModelSpec, pretrained_config
+from megatrain.roster import EXECUTOR, OWNER, Attach, Kind, RoleSpec, Roster
+
+# Each kind's actor class (megatrain/roster.py says how a role is added).
+ACTORS: dict[Kind, type[Role]] = {
+    Kind.OWNER: StoreOwner,
+    Kind.EXECUTOR: GpuExecutor,
+    Kind.ADAM: AdamUpdater,
+    Kind.PACKER: Packer,
+    Kind.ACCUMULATOR: GradAccumulator,
+    Kind.WRITER: CheckpointWriter,
+}
 
 
 class Phases:
@@ -72,18 +89,20 @@ class Phases:
         )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Spawned:
     cuda: bool  # the run uses a GPU
     executors: int  # actors.num_gpus, resolved
     engine: EngineConfig  # resolved for the device, `auto` sizes still open
-    demands: dict[str, Demand]  # each actor's resources, as placed
+    roster: Roster  # the run's actors, for the staging mode resolved before any worker was spawned
 
 
 def spawn_actors(crew: Crew, cfg: Config, reading: Background, phases: Phases) -> Spawned:
-    """Start Ray, place and spawn every actor from the config alone (they import torch and the modeling code,
-    make a CUDA context), while `reading` reads the run's inputs (launch/run/inputs.py)."""
-    crew.runner.connect(bundle(demands(cfg.actors, cuda=False))["CPU"])
+    """Start Ray, resolve the staging mode, place and spawn every actor of the run's roster (they import torch
+    and the modeling code, make a CUDA context), while `reading` reads the run's inputs (launch/run/inputs.py).
+    Where the staging mode depends on the memory of the store's node, the owner is spawned first and the
+    workers once it is decided: the roster has only the workers the run uses."""
+    crew.runner.connect(local_cpus(cfg.actors))
     phases.close("Ray" + ("" if reading.here else " (the inputs are read meanwhile)"))
     if reading.failed():  # refused while Ray started: no actor is spawned for it
         reading.result()
@@ -93,38 +112,55 @@ def spawn_actors(crew: Crew, cfg: Config, reading: Background, phases: Phases) -
     if split:
         raise ConfigError(f"data.batch_size {split}")
     engine = resolve_engine(cfg.engine, cuda)
-    writer = cfg.train.saves_checkpoints
-    dem = demands(cfg.actors, cuda, clip=cfg.optim.clips, writer=writer, staging=cfg.ipc.staging, executors=n)
-    crew.runner.place(bundle(dem), describe_need(dem))
+    staging = staging_by_rule(cfg.ipc.staging, cuda, cfg.optim.clips, n)
+    # Where the memory decides, the node is placed for the larger roster (slabs: the packers' CPUs too).
+    roster = _roster(cfg, cuda, n, staging or "slabs")
+    crew.runner.place(bundle(demands(roster)), describe_need(demands(roster)))
     family = pretrained_config(cfg.model)[0]
     # Beside the inputs means a Ray run with no checkpoint to resume (driver.py): a fresh init, unless pretrained.
     ahead = not reading.here and not cfg.model.pretrained
-    crew.spawn(OWNER, StoreOwner, (OWNER, family if ahead else ""), dem[OWNER])
-    spawn_workers(crew, cfg, family, engine, dem, expect_packers(cfg.ipc.staging, cuda, n), writer)
+    _spawn(crew, roster[OWNER], (OWNER, family if ahead else ""))
+    if staging is None:
+        roster = _roster(cfg, cuda, n, staging_by_memory(crew, cfg, engine, reading, n))
+    crew.roster = roster
+    for role in roster.workers:
+        _spawn(crew, role, actor_args(role, cfg, family, engine))
     phases.close("placement, actors spawned")
-    return Spawned(cuda, n, engine, dem)
+    return Spawned(cuda=cuda, executors=n, engine=engine, roster=roster)
 
 
-def packer_plan(num_packers: int) -> list[tuple[str, type, tuple]]:
-    return [(f"packer-{i}", Packer, (i,)) for i in range(num_packers)]
+def _roster(cfg: Config, cuda: bool, executors: int, staging: str) -> Roster:
+    writer = cfg.train.saves_checkpoints
+    return roster_for(cfg.actors, cuda=cuda, clip=cfg.optim.clips, writer=writer, staging=staging, executors=executors)
 
 
-def spawn_workers(
-    crew: Crew, cfg: Config, family: str, engine: EngineConfig, dem: dict[str, Demand], packers: bool, writer: bool
-) -> None:
-    ranks = [n for n in dem if n.startswith("gpu-executor")]  # as demands() made them, executor 0 first
-    plan: list[tuple[str, type, tuple]] = [
-        (executor_name(r), GpuExecutor, (engine, family, r)) for r in range(len(ranks))
-    ]
-    accumulators = [n for n in dem if n.startswith("grad-accumulator-")]  # as demands() expects them
-    plan += [(name, GradAccumulator, (i,)) for i, name in enumerate(accumulators)]
-    plan += [("adam-updater", AdamUpdater, (cfg.optim,))]
-    if writer:
-        plan += [("checkpoint-writer", CheckpointWriter, (cfg.actors.writer_threads,))]
-    if packers:
-        plan += packer_plan(cfg.actors.num_packers)
-    for name, cls, args in plan:
-        crew.spawn(name, cls, args, dem[name])
+def _spawn(crew: Crew, role: RoleSpec, args: tuple) -> None:
+    crew.spawn(role.name, ACTORS[role.kind], args, Demand(role.cpus, role.gpus))
+
+
+def actor_args(role: RoleSpec, cfg: Config, family: str, engine: EngineConfig) -> tuple:
+    """A worker's constructor arguments (each class's own)."""
+    if role.kind is Kind.EXECUTOR:
+        return (engine, family, role.index)
+    if role.kind in (Kind.PACKER, Kind.ACCUMULATOR):
+        return (role.index,)
+    if role.kind is Kind.ADAM:
+        return (cfg.optim,)
+    if role.kind is Kind.WRITER:
+        return (cfg.actors.writer_threads,)
+    raise ProtocolError(f"'{role.name}' is not a worker spawned with the run")
+
+
+def staging_by_memory(crew: Crew, cfg: Config, engine: EngineConfig, reading: Background, executors: int) -> str:
+    """ipc.staging 'auto' where the memory decides (CUDA, no clipping), by the memory plan (megatrain/memory/)
+    on the memory of the owner's node now. It waits for the inputs (the model's spec)."""
+    model = reading.result().model
+    machine = crew.call_one(OWNER, StoreOwner.node_machine, cfg.ipc.shm_dir)
+    # measured with the launcher and Ray running: their memory is no longer available, not to be kept free
+    shape = dataclasses.replace(memplan.run_shape(cfg, engine.device == "cuda", executors), launcher=False)
+    mode = staging_mode(arch_of_spec(model), shape, machine)
+    log(f"weight staging {mode}: decided on the store's node before the workers start")
+    return mode
 
 
 def choose_sizes(
@@ -133,7 +169,7 @@ def choose_sizes(
     """Resolve the engine's `auto` sizes from the GPU memory the executor finds free (autosize.py) and the host
     RAM left beside the store for pinned activation checkpoints (None where the store's node is not this
     machine: the owner checks the host then)."""
-    executors = crew.named("gpu-executor")
+    executors = crew.of(Kind.EXECUTOR)
     batch = per_executor(cfg.data.batch_size, len(executors))  # every executor is sized for the largest share
     free = None
     if engine.device == "cuda":
@@ -174,7 +210,7 @@ def budget_note(engine: EngineConfig, found: dict[str, tuple[int, int | None]]) 
 def form_group(crew: Crew, size: int, timeout: float) -> None:
     """The executors' process group (megatrain/collective.py): executor 0 opens the rendezvous, all join
     at once (a group forms only when every member is there)."""
-    executors = crew.named("gpu-executor")
+    executors = crew.of(Kind.EXECUTOR)
     port = crew.call_one(executors[0], GpuExecutor.open_group, size)
     backends = crew.gather(
         {n: crew.call(n, GpuExecutor.join_group, port, size) for n in executors},
@@ -188,7 +224,7 @@ def settle_store(
     crew: Crew, creating: Pending[StoreSpec], engine: EngineConfig, timeout: float
 ) -> tuple[StoreSpec, FillReport]:
     """Wait for the owner's create call, settle the store with the chosen sizes; (spec, how it was filled)."""
-    crew.gather({OWNER: creating}, timeout, "store-owner.create")
+    crew.gather({OWNER: creating}, timeout, f"{OWNER}.create")
     spec = crew.call_one(OWNER, StoreOwner.settle, engine)
     log(
         f"weight staging: {spec.staging_mode}; gradients: "
@@ -214,53 +250,38 @@ def settle_store(
     return spec, fill
 
 
-def attach_workers(
-    crew: Crew, cfg: Config, spec: StoreSpec, dem: dict[str, Demand], engine: EngineConfig, start: int
-) -> None:
-    """End the workers the settled store does not need (or start packers it does), attach the others, and
-    connect the executor's CUDA IPC events to the processes that drain its gradient slabs."""
+def attach_workers(crew: Crew, cfg: Config, spec: StoreSpec, roster: Roster, engine: EngineConfig, start: int) -> None:
+    """Attach every worker of the roster, and connect the executor's CUDA IPC events to the processes that
+    drain its gradient slabs."""
+    if spec.staging_mode != roster.staging:
+        raise ProtocolError(
+            f"the store was made for weight staging {spec.staging_mode}, the actors were spawned for {roster.staging}"
+        )
     timeout = cfg.train.setup_timeout_s
-    packers = crew.named("packer-")
-    if spec.resident:  # nothing to pack per step: Adam writes the resident copy
-        for name in packers:
-            crew.drop(name)
-    if not spec.running_accumulators:  # gradients go straight to Adam, or into the resident copy
-        for name in crew.named("grad-accumulator-"):
-            crew.drop(name)
-    elif not packers:
-        for name, cls, args in packer_plan(cfg.actors.num_packers):
-            crew.spawn(name, cls, args, dem[name])
-    crew.gather(
-        {n: _attach(crew, n, spec, engine, start) for n in crew.actors if n != OWNER}, timeout, "starting the actors"
-    )
+    crew.gather({r.name: _attach(crew, r, spec, engine, start) for r in roster.workers}, timeout, "starting the actors")
     infos = crew.gather({n: crew.call(n, Role.info) for n in crew.actors}, timeout, "starting the actors")
     crew.pids = {n: i.pid for n, i in infos.items()}
     crew.marks = {n: i.marks for n, i in infos.items()}
     crew.runner.pids = crew.pids
     crew.call_one(OWNER, StoreOwner.page_in)  # now, not beside the fill or the pinning (it slows both)
-    handles = crew.call_one("gpu-executor", GpuExecutor.event_handles)
+    handles = crew.call_one(EXECUTOR, GpuExecutor.event_handles)
     if handles is not None:
-        drainers = crew.named("grad-accumulator") if spec.clip else ["adam-updater"]
+        drainers = roster.drainers()
         crew.gather({n: crew.call(n, Role.open_events, handles) for n in drainers}, 120, "opening CUDA IPC events")
 
 
-def _attach(crew: Crew, name: str, spec: StoreSpec, engine: EngineConfig, start: int) -> Pending[None]:
-    """A worker's attach call: each class's own, with what its role needs besides the spec."""
-    cls = crew.actors[name].cls
-    if cls is AdamUpdater:
-        return crew.call(name, AdamUpdater.attach, spec, start)  # Adam's step count (bias correction) continues
-    if cls is GpuExecutor:
-        return crew.call(name, GpuExecutor.attach, spec, engine)  # with the sizes chosen since it started
-    if cls is CheckpointWriter:
-        return crew.call(name, CheckpointWriter.attach, spec)
-    if cls is Packer:
-        return crew.call(name, Packer.attach, spec)
-    if cls is GradAccumulator:
-        return crew.call(name, GradAccumulator.attach, spec)
-    raise TypeError(f"actor '{name}' ({cls.__name__}) is not a worker that attaches to the store")
+def _attach(crew: Crew, role: RoleSpec, spec: StoreSpec, engine: EngineConfig, start: int) -> Pending[None]:
+    """A worker's attach call, with what its roster row says it attaches with besides the spec."""
+    if role.attach is Attach.ENGINE:
+        return crew.call(role.name, GpuExecutor.attach, spec, engine)  # with the sizes chosen since it started
+    if role.attach is Attach.START:
+        return crew.call(role.name, AdamUpdater.attach, spec, start)  # Adam's step count (bias correction) continues
+    if role.attach is Attach.SPEC:
+        return crew.call(role.name, ACTORS[role.kind].attach, spec)  # type: ignore[attr-defined]
+    raise ProtocolError(f"actor '{role.name}' does not attach to the store")
 
 
 def describe(crew: Crew, spec: StoreSpec, engine: EngineConfig, inprocess: bool, phases: Phases) -> None:
-    device = crew.call_one("gpu-executor", GpuExecutor.device_name)
+    device = crew.call_one(EXECUTOR, GpuExecutor.device_name)
     describe_run(spec, device, engine.compute_dtype, crew.pids, list(crew.actors), inprocess)
     phases.describe(crew.marks)

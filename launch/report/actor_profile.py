@@ -10,11 +10,12 @@ from megatrain import log
 from megatrain.actors.base import Role
 from megatrain.launch.config.train import TrainConfig
 from megatrain.launch.control.crew import Crew
+from megatrain.roster import EXECUTOR
 
 
 class ActorProfile:
     def __init__(self, cfg: TrainConfig, out: Path, crew: Crew):
-        self.step = cfg.profile.step if cfg.profile.actor != "gpu-executor" else 0
+        self.step = cfg.profile.step if cfg.profile.actor != EXECUTOR else 0
         self.actor, self.actors, self.crew = cfg.profile.actor, list(crew.actors), crew
         self.path = str((out / "profiles" / f"{self.actor}-step-{self.step}.speedscope.json").resolve())
 

@@ -28,8 +28,8 @@ from megatrain.ipc.shm import check_run_id
 from megatrain.launch.config import memplan, timeplan
 from megatrain.launch.config.tree import Config
 from megatrain.launch.control import startup
-from megatrain.launch.control.crew import OWNER, Crew
-from megatrain.launch.control.placement import Demand, per_executor, thread_request
+from megatrain.launch.control.crew import Crew
+from megatrain.launch.control.placement import per_executor, thread_request
 from megatrain.launch.control.runners import Pending, make_runner
 from megatrain.launch.report.describe import describe_memory, short
 from megatrain.launch.report.tensorboard import summary_writer
@@ -40,7 +40,9 @@ from megatrain.launch.run.outdir import OutputLock, prepare_output, resolve_outp
 from megatrain.launch.run.resume import Start, may_resume
 from megatrain.launch.run.steploop import PreparedRun, StepLoop
 from megatrain.launch.run.stopping import Background, StopRequest, sigint_deferred
+from megatrain.memory.plan import MemoryPlan
 from megatrain.model import ModelSpec
+from megatrain.roster import OWNER, Roster
 
 
 class Trainer:
@@ -70,9 +72,10 @@ class Trainer:
         self.lock: OutputLock | None = None  # the output directory's, for the run's life
         self.phases = startup.Phases()
         self.host_room: int | None = None  # host RAM for pinned checkpoints beside the store (a local store)
+        self.memory: MemoryPlan | None = None  # the run's memory plan (megatrain/memory/), made once
         self.model: ModelSpec | None = None  # the model's layout and config (build_spec), once
         self.executors = 1  # actors.num_gpus, resolved
-        self.demands: dict[str, Demand] = {}  # each actor's resources, as placed
+        self.roster: Roster | None = None  # the run's actors (megatrain/roster.py), as spawned
 
     # ---- public -----------------------------------------------------------------------------
     def run(self) -> dict:
@@ -184,7 +187,9 @@ class Trainer:
         cuda = False
         if beside or not reading.result().begin.complete:
             s = startup.spawn_actors(self.crew, cfg, reading, self.phases)
-            cuda, self.executors, self.engine_cfg, self.demands = s.cuda, s.executors, s.engine, s.demands
+            cuda, self.executors, self.engine_cfg, self.roster = s.cuda, s.executors, s.engine, s.roster
+            # the staging mode the actors were spawned for: the store, the plan and config.yaml take it
+            self.cfg = cfg = dataclasses.replace(cfg, ipc=dataclasses.replace(cfg.ipc, staging=s.roster.staging))
         inputs = reading.result()
         self.data, self.steps, self.begin, spec = inputs.data, inputs.steps, inputs.begin, inputs.model
         self.resume_dir, self.start = self.begin.directory, self.begin.step
@@ -208,7 +213,8 @@ class Trainer:
         )  # the monitor's timeout for this model's layers, in the config.yaml written next
         # Where the store will be on this machine: the RAM its pinned checkpoints may take, measured before it.
         local = cuda and not (cfg.launch.address or os.environ.get("RAY_ADDRESS"))
-        self.host_room = memplan.host_room(cfg, spec, cuda, machine) if local else None
+        self.memory = memplan.run_plan(cfg, spec, cuda, self.executors, machine)
+        self.host_room = self.memory.pinned_room if local else None
         self._write_config()
         changed = differences(self._resolved(), Config())
         log(f"run {self.run_id}; output directory {self.out}")
@@ -232,7 +238,7 @@ class Trainer:
         self.spec, self.store_fill = startup.settle_store(crew, creating, self.engine_cfg, cfg.train.setup_timeout_s)
         phases.close("store made and filled (beyond the executor's start)")
         self._write_config()  # now with ipc.staging as the store owner resolved it
-        startup.attach_workers(crew, cfg, self.spec, self.demands, self.engine_cfg, self.start)
+        startup.attach_workers(crew, cfg, self.spec, self.roster, self.engine_cfg, self.start)
         phases.close("actors attached (pinning, CUDA IPC events)")
         if n > 1:
             startup.form_group(crew, n, cfg.train.setup_timeout_s)
@@ -258,6 +264,8 @@ class Trainer:
             {"output_dir": str(self.out), "steps": self.steps, "first": self.start},
             self.executors,
             spec=self.model,
+            roster=self.roster,
+            memory=self.memory,
         )
         return self.crew.call(OWNER, StoreOwner.create, request)
 

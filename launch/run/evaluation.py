@@ -17,6 +17,7 @@ from megatrain.actors.packer import Packer
 from megatrain.data import Data, arithmetic
 from megatrain.launch.control.crew import Crew
 from megatrain.launch.control.handles import Pending
+from megatrain.roster import EXECUTOR, Kind
 
 R = TypeVar("R")
 
@@ -28,7 +29,7 @@ class Evaluator:
 
     def __init__(self, data: Data, eval_batches: int, crew: Crew, timeout_s: float):
         self.data, self.crew, self.timeout_s = data, crew, timeout_s
-        self.packers = crew.named("packer")
+        self.packers = crew.of(Kind.PACKER)
         self.count = data.eval_count(eval_batches)
         self.examples: list[tuple[str, str, str]] = []
 
@@ -43,9 +44,7 @@ class Evaluator:
             loss_sum, tokens, seconds = 0.0, 0, 0.0
             for lo in range(0, self.count, GROUP):
                 batches = [self.data.eval_batch(i) for i in range(lo, min(lo + GROUP, self.count))]
-                res = self._walks(
-                    step, len(batches), self.crew.call("gpu-executor", GpuExecutor.evaluate, step, batches)
-                )
+                res = self._walks(step, len(batches), self.crew.call(EXECUTOR, GpuExecutor.evaluate, step, batches))
                 loss_sum, tokens, seconds = loss_sum + res.loss_sum, tokens + res.tokens, seconds + res.eval_s
             out.update(eval_tokens=tokens, eval_s=seconds)
             if tokens:  # an evaluation set without a labelled token has no loss (it is said so, not 0)
@@ -54,7 +53,7 @@ class Evaluator:
         if self.data.problems:
             ids, pos, new = arithmetic.prompts(self.data.cfg, self.data.problems)
             got = arithmetic.answers(
-                self._walks(step, new, self.crew.call("gpu-executor", GpuExecutor.generate, step, ids, pos, new))
+                self._walks(step, new, self.crew.call(EXECUTOR, GpuExecutor.generate, step, ids, pos, new))
             )
             out["eval_accuracy"] = arithmetic.accuracy(self.data.problems, got)
             self.examples = [(q, a, g) for (q, a), g in zip(self.data.problems, got)]
@@ -62,9 +61,9 @@ class Evaluator:
 
     def _walks(self, step: int, walks: int, executor: Pending[R]) -> R:
         """The executor's call (issued) and, in slabs mode, the packers' for as many forward walks."""
-        calls: dict[str, Pending] = {"gpu-executor": executor}
+        calls: dict[str, Pending] = {EXECUTOR: executor}
         calls.update({p: self.crew.call(p, Packer.step, step, "forward", walks) for p in self.packers})
-        return self.crew.gather(calls, self.timeout_s, f"evaluation after step {step}")["gpu-executor"]
+        return self.crew.gather(calls, self.timeout_s, f"evaluation after step {step}")[EXECUTOR]
 
     def describe(self, step: int, row: dict) -> str:
         parts = []

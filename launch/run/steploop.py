@@ -12,8 +12,6 @@ import torch
 from megatrain import log
 from megatrain.actors.adam_updater import AdamUpdater
 from megatrain.actors.gpu_executor import GpuExecutor
-from megatrain.actors.grad_accumulator import GradAccumulator
-from megatrain.actors.packer import Packer
 from megatrain.adamw import lr_at
 from megatrain.collective import split_rows
 from megatrain.data import Data
@@ -21,7 +19,7 @@ from megatrain.data.loader import Prefetcher
 from megatrain.errors import ProtocolError
 from megatrain.flops import model_step_flops
 from megatrain.ipc.protocol import StoreSpec
-from megatrain.ipc.protocol.messages import Applied, StepReport, StepRequest
+from megatrain.ipc.protocol.messages import AdamRequest, Applied, StepReport, StepRequest
 from megatrain.launch.config.tree import Config
 from megatrain.launch.control.crew import Crew
 from megatrain.launch.control.runners import Pending
@@ -31,6 +29,7 @@ from megatrain.launch.report.reporting import Reporter
 from megatrain.launch.run.checkpoints import Checkpointer, Saves
 from megatrain.launch.run.evaluation import Evaluator
 from megatrain.launch.run.stopping import StopRequest
+from megatrain.roster import ADAM, EXECUTOR, Kind, Verb
 
 
 @dataclass
@@ -59,7 +58,10 @@ class StepLoop:
         self.stopped_after: int | None = None
         self.first_step_s: float | None = None  # launch -> the first step's end (s)
         self.reporter: Reporter | None = None  # while the loop runs
-        self.executors = run.crew.named("gpu-executor")  # executor 0 first; each runs its rows of a batch
+        self.executors = run.crew.of(Kind.EXECUTOR)  # executor 0 first; each runs its rows of a batch
+        if run.crew.roster is None:
+            raise ProtocolError("the step loop calls the spawned actors of the run's roster, and there is none")
+        self.streaming = run.crew.roster.stepping(Verb.STREAM)  # called with step(t) each step
         self.loader: Prefetcher | None = None
         self.saves = Saves(
             run.crew,
@@ -104,11 +106,11 @@ class StepLoop:
                     break
                 sampled.before(t)
                 calls, row = self._launch(t, loader, saving=run.checkpointer.writing == t)
-                adam = calls.pop("adam-updater")
+                adam = calls.pop(ADAM)
                 if prev is not None:
                     calls["adam-previous"] = prev[1]
                 if not cfg.train.overlap_adam:
-                    calls["adam-updater"] = adam
+                    calls[ADAM] = adam
                 res = self.crew.gather(calls, timeout, f"step {t}", self.saves.writing())
                 self._first_step_done()
                 sampled.after(t)
@@ -120,7 +122,7 @@ class StepLoop:
                 if cfg.train.overlap_adam:
                     prev = (row, adam)
                 else:
-                    self._record(row, res["adam-updater"])
+                    self._record(row, res[ADAM])
                     prev = None
                 if run.checkpointer.due(t + 1):
                     self.saves.start(t + 1, row["epoch"], cfg.data.seed)
@@ -158,7 +160,7 @@ class StepLoop:
         # Absolute: the executor writes it, from its own working directory (on the GPU's node).
         profile = (
             str((self.run.out / f"profile-step-{t + 1}.json").resolve())
-            if t + 1 == cfg.train.profile.step and cfg.train.profile.actor == "gpu-executor"
+            if t + 1 == cfg.train.profile.step and cfg.train.profile.actor == EXECUTOR
             else ""
         )
         calls: dict[str, Pending] = {}
@@ -167,9 +169,9 @@ class StepLoop:
             request = StepRequest(step=t, ids=rid, labels=rlab, timeline=timeline, profile=profile, positions=rpos)
             calls[name] = crew.call(name, GpuExecutor.step, request)
             timeline, profile = False, ""  # executor 0's only
-        calls["adam-updater"] = crew.call("adam-updater", AdamUpdater.step, t, lr, saving)
-        for name in crew.named(("packer", "grad-accumulator")):
-            calls[name] = crew.call(name, Packer.step if name.startswith("packer") else GradAccumulator.step, t)
+        calls[ADAM] = crew.call(ADAM, AdamUpdater.step, AdamRequest(step=t, lr=lr, saving=saving))
+        for name in self.streaming:  # packers and accumulators: step(t), their share of the slabs
+            calls[name] = crew.call(name, crew.actors[name].cls.step, t)
         return calls, row
 
     def _maybe_evaluate(self, step: int) -> dict:
