@@ -202,7 +202,7 @@ def test_the_bench_applies_its_budget_to_megatrain(tmp_path: Path) -> None:
 
 def test_bench_batch_auto_is_the_most_the_plan_fits_in_the_budget(tmp_path: Path, monkeypatch) -> None:
     """--batch auto on a planned host of 512 GiB: the batch the plan fits in 24 GiB, and one more does not."""
-    host = memplan.Host(512 * GIB, 512 * GIB, 512 * GIB, None)
+    host = memplan.Host(ram=512 * GIB, total=512 * GIB, shm=512 * GIB, threshold=None)
     monkeypatch.setattr(memplan, "this_host", lambda cfg, host_gib=None: host)
     args = bench_run.parse(["--out", str(tmp_path), "--layers", "4", "--seq", "8192", "--batch", "auto",
                             "--gpu-gib", "24"])  # fmt: skip

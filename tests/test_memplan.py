@@ -95,7 +95,7 @@ def test_a_plan_that_does_not_fit_says_so_and_what_needs_less(capsys, tmp_path) 
     overrides = ["model.family=qwen2", f"model.hf={json.dumps({**QWEN7B, 'num_hidden_layers': 8})}"]
     cfg = load_config(None, [*overrides, "data.seq_len=4096", "data.batch_size=16"])
     gpu = int(139.3 * GIB)
-    host = memplan.Host(40 * GIB, 48 * GIB, 64 * GIB, 0.98)
+    host = memplan.Host(ram=40 * GIB, total=48 * GIB, shm=64 * GIB, threshold=0.98)
     plan = memplan.make_plan(cfg, gpu, cuda=True, machine=host)
     assert "lean_layers 2," in plan.sizes and "activation checkpoints: none" in plan.sizes
     assert sum(plan.host.values()) / GIB == pytest.approx(43.36, abs=0.005)
@@ -135,7 +135,7 @@ def test_pinned_checkpoints_leave_headroom_below_the_hosts_limit() -> None:
     limit Ray's monitor sets (one more would take the plan within half a GiB of the kill line); the rest
     stay on the GPU, which still fits."""
     cfg = qwen_cfg(28, 1, 524288, ["engine.device=cuda", "ipc.staging=auto", "model.hf.max_position_embeddings=524288"])
-    host = memplan.Host(125 * GIB, 125 * GIB, 125 * GIB, 0.98)
+    host = memplan.Host(ram=125 * GIB, total=125 * GIB, shm=125 * GIB, threshold=0.98)
     plan = memplan.make_plan(cfg, int(139.3 * GIB), cuda=True, machine=host)
     each = 524288 * 3584 * 2
     pinned = plan.host["executor: pinned activation checkpoints"]

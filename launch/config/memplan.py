@@ -1,13 +1,10 @@
-"""`megatrain-launch plan CONFIG [overrides]`: host and GPU memory of a run, before anything is allocated.
+"""`megatrain-launch plan CONFIG [overrides]`: the run's memory plan (megatrain/memory/), rendered.
 
-Host: the shared-memory store part by part (ipc/protocol/plan.py, the very sizes the store owner will
-create), the executor's pinned activation checkpoints, and the processes themselves (PSS outside the
-store, measured on the H200: the executor 1.4 GiB with its CUDA context, each CPU role about 0.7 GiB).
-GPU: the terms of megatrain/autosize.py's memory model at the sizes the run would choose, plus the
-largest unit's weights and gradient. Both against what this machine has (RAM available, /dev/shm free,
-the GPU's free memory), with a verdict and the settings that need less. The run itself refuses a plan
-that does not fit before it allocates anything: the store owner checks the host part (ipc/shm.py
-check_space), the auto sizes the GPU part.
+The plan is the one a run makes (megatrain/memory/plan.py plan_memory): the host part against this machine
+(RAM available, /dev/shm free, Ray's memory monitor) or the host `--host-gib` names, the GPU part against the
+GPU's free memory or `--gpu-gib`, with a verdict and the settings that need less. The run itself refuses a
+plan that does not fit before it allocates anything: the store owner re-checks the host part on its node
+(ipc/shm.py check_space), the auto sizes the GPU part.
 """
 
 from __future__ import annotations
@@ -16,160 +13,113 @@ import argparse
 import dataclasses
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from megatrain import autosize, gpubudget
-from megatrain.engine import EngineConfig, fixed_sizes, resolve_engine
-from megatrain.errors import ConfigError, ResourceError
+from megatrain import gpubudget
+from megatrain.arch import Arch, arch_from_config, arch_of_spec, holds_weights
+from megatrain.engineconfig import resolve_engine
+from megatrain.errors import ConfigError
 from megatrain.flops import active_params, expert_params
-from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, plan_store
-from megatrain.ipc.protocol.reduce import reduction_bytes
-from megatrain.ipc.shm import (
-    HEADER_BYTES,
-    RAY_DEFAULT_THRESHOLD,
-    RAY_THRESHOLD_ENV,
-    gib,
-    mem_available_bytes,
-    mem_total_bytes,
-    monitor_room,
-    shm_free_bytes,
-)
+from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
+from megatrain.ipc.shm import HEADER_BYTES, RAY_DEFAULT_THRESHOLD, RAY_THRESHOLD_ENV, gib
 from megatrain.launch.config import timeplan
-from megatrain.launch.config.tree import Config, load_tree, validate_model
+from megatrain.launch.config.tree import Config, load_tree, validate_plan
 from megatrain.launch.control.cluster import PRIVATE_THRESHOLD
-from megatrain.launch.control.placement import demands, describe_need, per_executor, resolve_executors
-from megatrain.model import ModelSpec, build_spec
-from megatrain.moe import is_moe, num_experts
-from megatrain.weights import holds_weights
+from megatrain.launch.control.placement import demands, describe_need, per_executor, resolve_executors, roster_for
+from megatrain.memory.gpu import reduction_bytes
+from megatrain.memory.machine import GIB, Machine, machine_of, this_machine
+from megatrain.memory.plan import CHECKPOINT_HEADROOM_FRACTION, MemoryPlan, RunShape, plan_memory
 
-GIB = 2**30
-PROCESS_BYTES = {
-    "gpu-executor": int(1.4 * GIB),
-    "cpu-role": int(0.7 * GIB),
-    "reaper": int(0.01 * GIB),
-    "driver": int(1.0 * GIB),
-    "ray": int(0.8 * GIB),
-}  # the launcher; Ray's own processes
+if TYPE_CHECKING:
+    from megatrain.model import ModelSpec
+
+Host = Machine  # the machine a plan is made for
+__all__ = ["CHECKPOINT_HEADROOM_FRACTION", "GIB", "Host", "MemPlan", "make_plan", "render", "report", "this_host"]
 
 
-@dataclass
-class Host:
-    """The host a plan is made for: this machine now, or one of `--host-gib` GiB."""
-
-    ram: int  # MemAvailable
-    total: int  # MemTotal
-    shm: int  # free in ipc.shm_dir
-    threshold: float | None  # Ray's memory monitor (fraction of RAM in use); None: no Ray
-    note: str = ""
-
-    @property
-    def limit(self) -> int:
-        """What the run may take: what is available, less what Ray's memory monitor keeps free."""
-        room = monitor_room(self.ram, self.threshold, self.total)
-        return self.ram if room is None else min(self.ram, room)
-
-
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class MemPlan:
+    """A memory plan as `megatrain-launch plan` shows it: the plan, and what the rendering says of the model."""
+
+    memory: MemoryPlan
     title: str
-    host: dict[str, int]
-    machine: Host
-    shm_part: int  # what of the host lives in shared memory
     num_params: int = 0
     active_params: int = 0  # what a token computes with (megatrain/flops.py); num_params for a dense model
     expert_params: int = 0  # the routed experts' tensors, all of them; 0 for a dense model
-    gpu: dict[str, int] = field(default_factory=dict)
-    gpu_free: int | None = None
-    gpu_budget: int | None = None  # engine.gpu_memory_gib less the CUDA context; None: no budget
-    budget_note: str = ""
-    gpu_note: str = ""
-    sizes: str = ""
-    gpu_error: str = ""
     need: str = ""  # what the actors ask of one node (launch/control/placement.py)
-    cuda: bool = False
-
-    def run_pss(self) -> int:
-        """What the run's own processes take (their PSS, the store counted once): the plan's host part less
-        what the node spends on it besides ("node:" terms), which a run's own PSS report leaves out."""
-        return sum(v for k, v in self.host.items() if not k.startswith("node:"))
-
-    def host_fits(self) -> bool:
-        return sum(self.host.values()) <= self.machine.limit and self.shm_part <= self.machine.shm
+    gpu_note: str = ""
 
     @property
-    def gpu_limit(self) -> int | None:
-        """What the run may take of the GPU: its free memory, capped at the budget."""
-        known = [v for v in (self.gpu_free, self.gpu_budget) if v is not None]
-        return min(known) if known else None
+    def machine(self) -> Machine:
+        return self.memory.machine
+
+    @property
+    def host(self) -> dict[str, int]:
+        return self.memory.host
+
+    @property
+    def gpu(self) -> dict[str, int]:
+        return self.memory.gpu.terms
+
+    @property
+    def cuda(self) -> bool:
+        return self.memory.shape.cuda
+
+    @property
+    def gpu_free(self) -> int | None:
+        return self.memory.gpu.free
+
+    @property
+    def gpu_budget(self) -> int | None:
+        return self.memory.gpu.budget
+
+    @property
+    def gpu_error(self) -> str:
+        return self.memory.gpu.error
+
+    @property
+    def sizes(self) -> str:
+        part = self.memory.gpu
+        return str(part.sizes) + (f" ({part.why})" if part.why else "")
+
+    def run_pss(self) -> int:
+        return self.memory.run_pss()
+
+    def host_fits(self) -> bool:
+        return self.memory.host_fits()
 
     def gpu_fits(self) -> bool:
-        limit = self.gpu_limit
-        return not self.gpu_error and (limit is None or sum(self.gpu.values()) <= limit)
+        return self.memory.gpu_fits()
 
     def fits(self) -> bool:
-        return self.host_fits() and self.gpu_fits()
+        return self.memory.fits()
 
 
-def this_host(cfg: Config, host_gib: float | None = None) -> Host:
-    """This machine (or, with `host_gib`, one with that much RAM, all of it free and /dev/shm as large), with
-    the memory-monitor threshold the run's Ray would have: the user's RAY_memory_usage_threshold, else a
+def ray_threshold(cfg: Config) -> float | None:
+    """The memory-monitor threshold the run's Ray would have: the user's RAY_memory_usage_threshold, else a
     private instance's, else (joining a cluster) Ray's default; none with the in-process runner."""
     if cfg.launch.runner == "inprocess":
-        threshold = None
-    elif RAY_THRESHOLD_ENV in os.environ:
-        threshold = float(os.environ[RAY_THRESHOLD_ENV])
-    elif cfg.launch.address or os.environ.get("RAY_ADDRESS"):
-        threshold = RAY_DEFAULT_THRESHOLD
-    else:
-        threshold = PRIVATE_THRESHOLD
-    if host_gib is not None:
-        if host_gib <= 0:
-            raise ConfigError("--host-gib must be > 0")
-        size = int(host_gib * GIB)
-        return Host(size, size, size, threshold, " (--host-gib: all of it free, /dev/shm as large)")
-    return Host(mem_available_bytes(), mem_total_bytes(), shm_free_bytes(cfg.ipc.shm_dir), threshold)
+        return None
+    if RAY_THRESHOLD_ENV in os.environ:
+        return float(os.environ[RAY_THRESHOLD_ENV])
+    if _joins_cluster(cfg):
+        return RAY_DEFAULT_THRESHOLD
+    return PRIVATE_THRESHOLD
 
 
-# Pinned checkpoints are optional host memory (the GPU takes those the host does not): they stop this far
-# below the run's limit, so that the processes' transient allocations and the planning error (about half a
-# GiB at the 7B's 512K run) do not take the node over Ray's kill line.
-CHECKPOINT_HEADROOM_FRACTION = 0.02
+def _joins_cluster(cfg: Config) -> bool:
+    return bool(cfg.launch.address or os.environ.get("RAY_ADDRESS"))
 
 
-def host_room(cfg: Config, spec: ModelSpec, cuda: bool, machine: Host) -> int:
-    """Host RAM left for the executor's pinned activation checkpoints on `machine`: its limit less the store
-    (as planned without them), the processes, the node's share and a headroom (autosize.choose places the
-    rest on the GPU)."""
-    engine = fixed_sizes(resolve_engine(cfg.engine, cuda))
-    _, host = _host_terms(cfg, spec, engine, cuda, machine, 0)
-    headroom = int(machine.limit * CHECKPOINT_HEADROOM_FRACTION)
-    return machine.limit - headroom - sum(host.values())
-
-
-def _host_terms(
-    cfg: Config, spec: ModelSpec, engine: EngineConfig, cuda: bool, machine: Host, pinned: int
-) -> tuple[StoreSpec, dict[str, int]]:
-    """The store the run would make on `machine` and the host memory of the run, term by term."""
-    store = plan_store(
-        "plan",
-        spec,
-        engine.compute_dtype,
-        engine.checkpoint_interval,
-        cfg.actors.num_packers,
-        cfg.actors.num_accumulators,
-        cfg.ipc,
-        cuda,
-        cfg.optim.clips,
-        {"checkpoints": pinned},
-        engine.last_block_layers,
-        space=(machine.shm, machine.limit),
-        executors=executors_of(cfg, cuda),
-    )
-    host = {f"shm: {k}": v + HEADER_BYTES for k, v in store.part_bytes().items()}
-    host["executor: pinned activation checkpoints"] = pinned
-    host.update(_processes(store, cfg, cuda))
-    host["node: page tables of the store's mappings"] = store.page_table_bytes()
-    return store, host
+def this_host(cfg: Config, host_gib: float | None = None) -> Machine:
+    """This machine (or, with `host_gib`, one with that much RAM, all of it free and /dev/shm as large), with
+    the memory-monitor threshold the run's Ray would have."""
+    if host_gib is None:
+        return this_machine(cfg.ipc.shm_dir, ray_threshold(cfg))
+    if host_gib <= 0:
+        raise ConfigError("--host-gib must be > 0")
+    return machine_of(host_gib, ray_threshold(cfg))
 
 
 def executors_of(cfg: Config, cuda: bool) -> int:
@@ -182,97 +132,92 @@ def executors_of(cfg: Config, cuda: bool) -> int:
     return resolve_executors(cfg.actors, cuda, max(torch.cuda.device_count(), 1) if cuda else 0)
 
 
-def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Host | None = None) -> MemPlan:
-    engine = resolve_engine(cfg.engine, cuda)
-    spec = build_spec(cfg.model, cfg.optim.no_decay_1d)
-    d = cfg.data
-    gpu_error = ""
-    machine = machine or this_host(cfg)
-    n = executors_of(cfg, cuda)
-    room = host_room(cfg, spec, cuda, machine) // n if cuda else None  # each executor pins its own checkpoints
-    batch = per_executor(d.batch_size, n)  # each executor's GPU holds its share of the batch
-    sized, budget_note = gpubudget.planning_room(engine, gpu_free) if cuda else (None, "")
-    if sized is not None and n > 1:
-        sized -= reduction_bytes(spec)  # beside the activations, as the run's choose_sizes() leaves it
-    try:
-        sizes, why = autosize.choose(spec, engine, batch, d.seq_len, sized, cfg.optim.clips, room)
-    except ResourceError as exc:
-        gpu_error, why = str(exc), ""
-        sizes = autosize.Sizes(1, 1, 1, 512, 1)  # the least the engine can do, to show the rest of the plan
-    engine = autosize.apply(engine, sizes)
-    pinned = n * checkpoint_host_bytes(spec, engine, batch, d.seq_len)
-    store, host = _host_terms(cfg, spec, engine, cuda, machine, pinned)
-    active, experts = active_params(spec), expert_params(spec)
-    plan = MemPlan(
-        f"{_params(spec, active, experts)}, "
+def run_shape(cfg: Config, cuda: bool, executors: int | None = None) -> RunShape:
+    """What of `cfg` the memory plan reads, on a machine with (`cuda`) or without a GPU."""
+    n = executors_of(cfg, cuda) if executors is None else executors
+    return RunShape(
+        engine=resolve_engine(cfg.engine, cuda),
+        executors=n,
+        batch=per_executor(cfg.data.batch_size, n),  # each executor's GPU holds its share of the batch
+        seq=cfg.data.seq_len,
+        clip=cfg.optim.clips,
+        staging=cfg.ipc.staging,
+        weight_slabs=cfg.ipc.weight_slabs,
+        grad_slabs=cfg.ipc.grad_slabs,
+        slab_params=cfg.ipc.slab_params,
+        num_packers=cfg.actors.num_packers,
+        num_accumulators=cfg.actors.num_accumulators,
+        saves_checkpoints=cfg.train.saves_checkpoints,
+        launcher=cfg.launch.runner != "inprocess",
+        private_ray=not _joins_cluster(cfg),
+        header_bytes=HEADER_BYTES,
+        ctl_fixed=CTL_FIXED,
+        ctl_piece_bytes=PIECE_BYTES,
+    )
+
+
+def run_plan(cfg: Config, spec: ModelSpec, cuda: bool, executors: int, machine: Machine) -> MemoryPlan:
+    """A run's memory plan, made once by its driver before the store: the GPU's free memory is measured later,
+    in the executor, which sizes the engine within the plan's room for pinned checkpoints."""
+    return plan_memory(arch_of_spec(spec), run_shape(cfg, cuda, executors), machine)
+
+
+def host_room(cfg: Config, arch: Arch, cuda: bool, machine: Machine) -> int | None:
+    """Host RAM left on `machine` for the executors' pinned activation checkpoints (None off CUDA)."""
+    return plan_memory(arch, run_shape(cfg, cuda), machine).pinned_room
+
+
+def arch_of(cfg: Config) -> Arch:
+    """The model of the config, read without torch (model.pretrained's config.json where set)."""
+    return arch_from_config(cfg.model, no_decay_1d=cfg.optim.no_decay_1d)
+
+
+def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Machine | None = None) -> MemPlan:
+    arch = arch_of(cfg)
+    shape = run_shape(cfg, cuda)
+    plan = plan_memory(arch, shape, machine or this_host(cfg), gpu_free)
+    n, d, engine = shape.executors, cfg.data, plan.engine
+    active, experts = active_params(arch), expert_params(arch)
+    title = (
+        f"{_params(arch, active, experts)}, "
         f"{d.batch_size}x{d.seq_len} tokens per step"
-        + (f" over {n} executors (at most {batch} sequences each)" if n > 1 else "")
+        + (f" over {n} executors (at most {shape.batch} sequences each)" if n > 1 else "")
         + f", engine on {engine.device} ({engine.compute_dtype}), "
-        f"staging {store.staging_mode}, clipping {'on' if store.clip else 'off'}",
-        host,
-        machine,
-        sum(v for k, v in host.items() if k.startswith("shm:")),
-        spec.layout.num_params,
-        active,
-        experts,
-        gpu_error=gpu_error,
+        f"staging {plan.staging_mode}, clipping {'on' if shape.clip else 'off'}"
+    )
+    roster = roster_for(
+        cfg.actors,
         cuda=cuda,
+        clip=shape.clip,
+        writer=cfg.train.saves_checkpoints,
+        staging=plan.staging_mode,
+        executors=n,
     )
-    plan.need = describe_need(
-        demands(cfg.actors, cuda, store.clip, cfg.train.saves_checkpoints, store.staging_mode, executors=n)
+    return MemPlan(
+        memory=plan,
+        title=title,
+        num_params=arch.layout.num_params,
+        active_params=active,
+        expert_params=experts,
+        need=describe_need(demands(roster)),
     )
-    plan.sizes = str(sizes) + (f" ({why})" if why else "")
-    if cuda:
-        plan.gpu = autosize.gpu_terms(spec, engine, batch, d.seq_len, sizes)
-        if n > 1:
-            plan.gpu["fp32 gradients awaiting the executors' sum"] = reduction_bytes(spec)
-        plan.gpu_free = gpu_free
-        budget = gpubudget.budget_bytes(engine)
-        plan.gpu_budget = None if budget is None else budget - gpubudget.CONTEXT_BYTES
-        plan.budget_note = budget_note
-    return plan
 
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
 
 
-def _params(spec: ModelSpec, active: int, experts: int) -> str:
+def _params(arch: Arch, active: int, experts: int) -> str:
     """The title's model part: family, layers, parameters; of a mixture of experts also the active
     parameters per token and the routed experts' (`active`, `experts`: flops.py's counts)."""
-    head = f"{spec.family}, {spec.layout.num_layers} layers"
-    hf = spec.hf_config
-    if not is_moe(hf):
-        return f"{head}, {spec.layout.num_params / 1e6:.2f}M params"
-    shared = ", plus a shared expert" if getattr(hf, "shared_expert_intermediate_size", 0) else ""
+    head = f"{arch.family}, {arch.layout.num_layers} layers"
+    if not arch.is_moe:
+        return f"{head}, {arch.layout.num_params / 1e6:.2f}M params"
+    shared = ", plus a shared expert" if arch.shared_expert_intermediate_size else ""
     return (
-        f"{head}, {_count(spec.layout.num_params)} params ({_count(active)} active per token; "
-        f"experts {_count(experts)}: {num_experts(hf)} per layer, top-{hf.num_experts_per_tok}{shared})"
+        f"{head}, {_count(arch.layout.num_params)} params ({_count(active)} active per token; "
+        f"experts {_count(experts)}: {arch.num_experts} per layer, top-{arch.experts_per_token}{shared})"
     )
-
-
-def _processes(store: StoreSpec, cfg: Config, cuda: bool) -> dict[str, int]:
-    """Each process's own memory; packers run only with slabs, accumulators only with clipping, the writer
-    only when checkpoints are written."""
-    executor = PROCESS_BYTES["gpu-executor"] if cuda else PROCESS_BYTES["cpu-role"]
-    out = {
-        "process: gpu-executor": executor,
-        **{f"process: gpu-executor-{r}": executor for r in range(1, store.num_executors)},
-        "process: store-owner": PROCESS_BYTES["cpu-role"],
-        "process: reaper": PROCESS_BYTES["reaper"],
-    }
-    roles = (
-        ["adam-updater"]
-        + [f"packer-{i}" for i in range(store.running_packers)]
-        + [f"grad-accumulator-{i}" for i in range(store.running_accumulators)]
-        + (["checkpoint-writer"] if cfg.train.saves_checkpoints else [])
-    )
-    out.update({f"process: {role}": PROCESS_BYTES["cpu-role"] for role in roles})
-    if cfg.launch.runner != "inprocess":  # the launcher itself, and a private Ray instance's processes
-        out["node: the launcher (megatrain-launch)"] = PROCESS_BYTES["driver"]
-        if not (cfg.launch.address or os.environ.get("RAY_ADDRESS")):
-            out["node: Ray's own processes (raylet, GCS, agents)"] = PROCESS_BYTES["ray"]
-    return out
 
 
 # Settings that take host memory away, each re-planned to show what it saves on this model and machine.
@@ -298,7 +243,7 @@ HOST_LEVERS = [
 
 
 def _quarter_layer(cfg: Config) -> int:
-    layout = build_spec(cfg.model, cfg.optim.no_decay_1d).layout
+    layout = arch_of(cfg).layout
     return max(max(layout.structure_of(u.index).numel for u in layout.units if u.kind == "layer") // 4, 1)
 
 
@@ -310,14 +255,14 @@ def suggestions(plan: MemPlan, cfg: Config) -> list[str]:
     """The settings that make a plan that does not fit need less, with what each saves (host: re-planned)."""
     tips = []
     if not plan.host_fits():
-        total, least, fits = sum(plan.host.values()), _least_host(plan), False
+        total, least, fits = sum(plan.host.values()), plan.memory.least_host(), False
         for setting, what, change in HOST_LEVERS:
             other = make_plan(change(cfg), plan.gpu_free, plan.cuda, plan.machine)
             saved = total - sum(other.host.values())
             if saved > 0:
                 setting = setting.replace("QUARTER", str(_quarter_layer(cfg)))
                 tips.append(f"{setting}: {what} (-{gib(saved)} of host RAM)")
-                fits, least = fits or other.host_fits(), min(least, _least_host(other))
+                fits, least = fits or other.host_fits(), min(least, other.memory.least_host())
         if not fits:
             tips.append(_host_needed(plan, least))
     if not plan.gpu_fits():
@@ -336,11 +281,6 @@ def suggestions(plan: MemPlan, cfg: Config) -> list[str]:
                 "data.seq_len or a GPU with more memory does"
             )
     return tips
-
-
-def _least_host(plan: MemPlan) -> int:
-    """A plan's host need without its pinned activation checkpoints (the GPU takes those the host does not)."""
-    return sum(plan.host.values()) - plan.host.get("executor: pinned activation checkpoints", 0)
 
 
 def _host_needed(plan: MemPlan, least: int) -> str:
@@ -367,7 +307,7 @@ def render(plan: MemPlan, cfg: Config, extra: list[str] | None = None) -> str:
         "",
         f"host: {gib(total)} needed (the run's processes {gib(run)}{per_param}; the rest is the node's); "
         f"this machine{m.note}: {gib(m.ram)} RAM available, "
-        f"{gib(m.shm)} free in {cfg.ipc.shm_dir} (the store needs {gib(plan.shm_part)} there)",
+        f"{gib(m.shm)} free in {cfg.ipc.shm_dir} (the store needs {gib(plan.memory.shm_part)} there)",
     ]
     if m.threshold is not None:
         lines.append(
@@ -380,8 +320,8 @@ def render(plan: MemPlan, cfg: Config, extra: list[str] | None = None) -> str:
     if plan.gpu:
         have = f"{gib(plan.gpu_free)} free on this machine's GPU" if plan.gpu_free is not None else "no GPU here"
         lines += ["", f"GPU: {gib(sum(plan.gpu.values()))} at the peak; {have}{plan.gpu_note}"]
-        if plan.budget_note:
-            lines.append(f"  budget: {plan.budget_note}")
+        if plan.memory.gpu.budget_note:
+            lines.append(f"  budget: {plan.memory.gpu.budget_note}")
         lines += [f"  {k:<52} {gib(v):>12}" for k, v in plan.gpu.items()]
         lines.append(
             f"  -> {'fits' if plan.gpu_fits() else 'DOES NOT FIT'}" + (f": {plan.gpu_error}" if plan.gpu_error else "")
@@ -399,13 +339,13 @@ def render(plan: MemPlan, cfg: Config, extra: list[str] | None = None) -> str:
 
 def least_gpu(plan: MemPlan, cfg: Config) -> str:
     """The least GPU memory with which the plan fits, as free memory and as engine.gpu_memory_gib."""
-    spec = build_spec(cfg.model, cfg.optim.no_decay_1d)
+    arch = arch_of(cfg)
     engine = resolve_engine(cfg.engine, True)
     n = executors_of(cfg, True)
-    reserve = reduction_bytes(spec) if n > 1 else 0
-    room = host_room(cfg, spec, True, plan.machine) // n
+    reserve = reduction_bytes(arch.layout) if n > 1 else 0
+    room = (host_room(cfg, arch, True, plan.machine) or 0) // n
     least = gpubudget.least_room(
-        spec, engine, per_executor(cfg.data.batch_size, n), cfg.data.seq_len, cfg.optim.clips, room, reserve
+        arch, engine, per_executor(cfg.data.batch_size, n), cfg.data.seq_len, cfg.optim.clips, room, reserve
     )
     if least is None:
         return "no GPU holds the engine sizes set: set them auto"
@@ -420,7 +360,7 @@ def _disk(cfg: Config) -> list[str]:
     from megatrain.launch.config.diskplan import disk_lines
     from megatrain.launch.run.outdir import resolve_output
 
-    total = build_spec(cfg.model, cfg.optim.no_decay_1d).layout.total
+    total = arch_of(cfg).layout.total
     out = resolve_output(cfg.train.output_dir, cfg.train.run_id or "{run_id}")
     return disk_lines(cfg.train, out, 4 * total * 3, 4 * total)  # three fp32 planes; the fp32 weights
 
@@ -428,10 +368,9 @@ def _disk(cfg: Config) -> list[str]:
 def report(args: argparse.Namespace) -> int:
     """Print the plan of launch/cli/plan_cmd.py's arguments; 0 when it fits, 1 when it does not."""
     cfg, where = load_tree(args.config, args.overrides)
-    validate_model(cfg, where, weights=False)  # planning comes before the download: config.json is enough
+    validate_plan(cfg, where)  # planning comes before the download: config.json is enough
     free, cuda, note = _gpu(cfg, args.gpu_gib)
-    plan = make_plan(cfg, free, cuda, this_host(cfg, args.host_gib))
-    plan.gpu_note = note
+    plan = dataclasses.replace(make_plan(cfg, free, cuda, this_host(cfg, args.host_gib)), gpu_note=note)
     engine, n = resolve_engine(cfg.engine, cuda), executors_of(cfg, cuda)
     asked = timeplan.Asked(args.gpu, args.gpu_tflops, args.gpu_gib is not None, args.host_gib is not None)
     timing = timeplan.plan_lines(cfg, engine, n, asked)
