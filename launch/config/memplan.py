@@ -22,13 +22,20 @@ from megatrain.engineconfig import resolve_engine
 from megatrain.errors import ConfigError
 from megatrain.flops import active_params, expert_params
 from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
-from megatrain.ipc.shm import HEADER_BYTES, RAY_DEFAULT_THRESHOLD, RAY_THRESHOLD_ENV, gib
+from megatrain.ipc.shm import HEADER_BYTES, gib
 from megatrain.launch.config import timeplan
 from megatrain.launch.config.tree import Config, load_tree, validate_plan
-from megatrain.launch.control.cluster import PRIVATE_THRESHOLD
 from megatrain.launch.control.placement import demands, describe_need, per_executor, resolve_executors, roster_for
 from megatrain.memory.gpu import reduction_bytes
-from megatrain.memory.machine import GIB, Machine, machine_of, this_machine
+from megatrain.memory.machine import (
+    GIB,
+    PRIVATE_THRESHOLD,
+    RAY_THRESHOLD_ENV,
+    Machine,
+    machine_of,
+    run_threshold,
+    this_machine,
+)
 from megatrain.memory.plan import CHECKPOINT_HEADROOM_FRACTION, MemoryPlan, RunShape, plan_memory
 
 if TYPE_CHECKING:
@@ -97,15 +104,8 @@ class MemPlan:
 
 
 def ray_threshold(cfg: Config) -> float | None:
-    """The memory-monitor threshold the run's Ray would have: the user's RAY_memory_usage_threshold, else a
-    private instance's, else (joining a cluster) Ray's default; none with the in-process runner."""
-    if cfg.launch.runner == "inprocess":
-        return None
-    if RAY_THRESHOLD_ENV in os.environ:
-        return float(os.environ[RAY_THRESHOLD_ENV])
-    if _joins_cluster(cfg):
-        return RAY_DEFAULT_THRESHOLD
-    return PRIVATE_THRESHOLD
+    """The memory-monitor threshold the run's Ray would have (megatrain/memory/machine.py run_threshold)."""
+    return run_threshold(cfg.launch.runner == "inprocess", _joins_cluster(cfg))
 
 
 def _joins_cluster(cfg: Config) -> bool:

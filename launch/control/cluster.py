@@ -24,9 +24,8 @@ from types import ModuleType
 
 from megatrain.errors import ConfigError, MegatrainError
 from megatrain.ipc.procs import descendants, spawn_detached, start_ticks
-from megatrain.ipc.shm import RAY_THRESHOLD_ENV
+from megatrain.memory.machine import PRIVATE_THRESHOLD, RAY_THRESHOLD_ENV  # a node's memory facts live there
 
-PRIVATE_THRESHOLD = 0.98  # Ray's memory monitor in a private instance (see _memory_monitor_threshold)
 # A local instance starts no idle workers for its first driver: Ray would start one per logical CPU (16 on a
 # 16-core node), each importing Ray, at the moment the actors import torch, and no actor takes one (each
 # gets a process of its own, with its own environment).

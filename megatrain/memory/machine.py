@@ -11,6 +11,7 @@ import psutil
 GIB = 2**30
 RAY_THRESHOLD_ENV = "RAY_memory_usage_threshold"
 RAY_DEFAULT_THRESHOLD = 0.95  # Ray's own default
+PRIVATE_THRESHOLD = 0.98  # a private instance's (launch/control/cluster.py starts it so)
 
 
 def shm_free_bytes(shm_dir: str = "/dev/shm") -> int:
@@ -51,6 +52,16 @@ class Machine:
         """What a run may take: what is available, less what Ray's memory monitor keeps free."""
         room = monitor_room(self.ram, self.threshold, self.total)
         return self.ram if room is None else min(self.ram, room)
+
+
+def run_threshold(inprocess: bool, joins_cluster: bool) -> float | None:
+    """The memory-monitor threshold a run's Ray has: the user's RAY_memory_usage_threshold, else a private
+    instance's, else (joining a cluster) Ray's default; none with the in-process runner (no Ray)."""
+    if inprocess:
+        return None
+    if RAY_THRESHOLD_ENV in os.environ:
+        return float(os.environ[RAY_THRESHOLD_ENV])
+    return RAY_DEFAULT_THRESHOLD if joins_cluster else PRIVATE_THRESHOLD
 
 
 def this_machine(shm_dir: str, threshold: float | None) -> Machine:
