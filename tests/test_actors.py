@@ -7,6 +7,7 @@ import threading
 from megatrain.actors.adam_updater import AdamUpdater
 from megatrain.adamw import OptimConfig, adamw_update
 from megatrain.ipc.protocol import Store
+from megatrain.ipc.protocol.messages import AdamRequest
 from tests.shm_fixtures import make_spec
 
 
@@ -33,7 +34,7 @@ def test_adam_takes_overlapping_step_calls_in_order(rid: str, model_spec) -> Non
         adam.attach(spec)
         adam.turn = turn = _Watched()
         later: list = []
-        thread = threading.Thread(target=lambda: later.append(adam.step(1, 1e-3)))
+        thread = threading.Thread(target=lambda: later.append(adam.step(AdamRequest(step=1, lr=1e-3))))
         thread.start()
         assert turn.waited.wait(30), "step 1's call never waited for its turn"
         for _ in range(2 * spec.num_pieces):  # both steps' gradients have arrived
@@ -41,7 +42,7 @@ def test_adam_takes_overlapping_step_calls_in_order(rid: str, model_spec) -> Non
         turn.waited.clear()
         assert turn.waited.wait(30)  # step 1 looked again with every gradient there, and still waits its turn
         assert not later, "step 1 ran before step 0"
-        first = adam.step(0, 1e-3)
+        first = adam.step(AdamRequest(step=0, lr=1e-3))
         thread.join(30)
         assert later and list(owner.versions) == [2] * spec.num_pieces
         assert later[0].unit_spans[0][1] >= first.unit_spans[-1][2]
@@ -86,7 +87,7 @@ def test_adam_takes_bf16_gradients_from_the_resident_copy_and_writes_the_new_wei
         adam.attach(spec)
         for _ in range(spec.num_pieces):
             owner.post("grads_ready")  # squared norms left at 0: no clipping scale
-        adam.step(0, 1e-2)
+        adam.step(AdamRequest(step=0, lr=1e-2))
         for u in range(spec.num_units):
             np.testing.assert_array_equal(owner.tile("params", u), want[u])
             cast = torch.from_numpy(want[u]).to(torch.bfloat16)

@@ -112,7 +112,7 @@ def test_a_wait_timeout_names_what_was_awaited(tmp_path, rid: str, monkeypatch) 
 
 def _poison(monkeypatch, at_step: int) -> None:
     """The executor's gradient of layer 0 (unit 1) gets a NaN in step `at_step` (1-based)."""
-    from megatrain.ipc.protocol.executor import SyncSink
+    from megatrain.actors.executor_streams import SyncSink
 
     real, seen = SyncSink.emit, {"n": 0}
 

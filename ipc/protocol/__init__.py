@@ -2,11 +2,13 @@
 
 One package, every verb: plan.py (the StoreSpec: segments, slabs, pieces, and the fetch, forward and
 gradient orders as data; the engine takes its checkpoint blocks from it), store.py (a process's view:
-waits, posts, versions, abort, the role table), executor.py (the executor's weight sources and gradient
-sinks), workers.py (pack, drain, take/free a gradient, wait for a step's gradients), adam.py (the Adam
+waits, posts, versions, abort, the role table), ctl.py (the control segment's layout), executor.py (the
+executor's walk and each piece's hand-off; its CUDA stream pipelines run beside it, actors/executor_streams.py),
+workers.py (pack, drain, take/free a gradient, wait for a step's gradients), adam.py (the Adam
 updater's step: its waits, piece order and versions, around the AdamW arithmetic the actor supplies),
 checkpoints.py (the writer's claim and release of each piece, Adam's wait for it, the versions of a
-restored store), monitor.py (stall detection), fence.py (memory ordering of the version counters).
+restored store), monitor.py (stall detection), fence.py (memory ordering of the version counters),
+messages.py (what the actors' calls send and answer across processes).
 The actors call these and touch no version, semaphore or slab themselves (tests/test_protocol_boundary.py).
 
 Segments of a run (all /megatrain-<run_id>-<part>):
