@@ -13,7 +13,7 @@ import torch
 
 from megatrain.blocks import blocks
 from megatrain.engine import EngineConfig
-from megatrain.errors import ConfigError, ProtocolError
+from megatrain.errors import ProtocolError
 from megatrain.flops import model_step_flops
 from megatrain.ipc.protocol.cpus import Threads
 from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
@@ -22,6 +22,7 @@ from megatrain.ipc.protocol.sems import semaphores
 from megatrain.ipc.shm import MAX_PIDS
 from megatrain.layout import StoreLayout
 from megatrain.memory.host import StoreShape, page_table_bytes, pinned_checkpoint_bytes
+from megatrain.memory.plan import staging_by_rule
 from megatrain.model import ModelSpec
 from megatrain.roster import slot_names
 
@@ -312,24 +313,6 @@ def plan_store(
             "(megatrain/memory/plan.py staging_mode): plan the store with the mode it decided"
         )
     return make(mode)
-
-
-def staging_by_rule(staging: str, cuda: bool, clip: bool, executors: int = 1) -> str | None:
-    """ipc.staging resolved where the memory does not decide it (plan_store's rules); None where it does:
-    'auto' on CUDA without clipping, one executor (resident if it fits, else slabs). The driver resolves it
-    with this before any worker is spawned (launch/control/startup.py)."""
-    if executors > 1:
-        if staging == "slabs":
-            raise ConfigError(
-                f"ipc.staging: slabs streams weights to one executor; actors.num_gpus {executors} needs the "
-                "resident copy (ipc.staging: resident or auto)"
-            )
-        return "resident"
-    if staging != "auto":
-        return staging
-    if not cuda:
-        return "slabs"  # no DMA to feed: a resident copy would only cost memory
-    return "resident" if clip else None
 
 
 # ---- the orders: pure functions of the layer count and the checkpoint plan --------------------------

@@ -16,12 +16,12 @@ from megatrain.actors.checkpoint_writer import CheckpointWriter
 from megatrain.actors.gpu_executor import GpuExecutor
 from megatrain.actors.grad_accumulator import GradAccumulator
 from megatrain.actors.packer import Packer
-from megatrain.actors.store_owner import FillReport, StoreOwner
+from megatrain.actors.store_owner import StoreOwner
 from megatrain.arch import arch_of_spec
 from megatrain.engine import EngineConfig, resolve_engine
 from megatrain.errors import ConfigError, ProtocolError, ResourceError
 from megatrain.ipc.protocol import StoreSpec
-from megatrain.ipc.protocol.plan import staging_by_rule
+from megatrain.ipc.protocol.messages import FillReport
 from megatrain.ipc.protocol.reduce import reduction_bytes
 from megatrain.launch.config import memplan
 from megatrain.launch.config.tree import Config
@@ -40,7 +40,7 @@ from megatrain.launch.control.placement import (
 from megatrain.launch.control.runners import Pending
 from megatrain.launch.report.describe import describe_run
 from megatrain.launch.run.stopping import Background
-from megatrain.memory.plan import staging_mode
+from megatrain.memory.plan import staging_by_rule, staging_mode
 from megatrain.model import ModelSpec, pretrained_config
 from megatrain.roster import EXECUTOR, OWNER, Attach, Kind, RoleSpec, Roster
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from megatrain.arch import Arch
 from megatrain.engineconfig import EngineConfig, fixed_sizes
+from megatrain.errors import ConfigError
 from megatrain.memory.gpu import GpuPart, gpu_part
 from megatrain.memory.host import (
     PINNED,
@@ -108,19 +109,33 @@ class MemoryPlan:
         return self.host_fits() and self.gpu_fits()
 
 
-def decide_staging(shape: RunShape, fits_resident: bool) -> str:
-    """ipc.staging resolved: as asked, or for 'auto' on CUDA resident with clipping (its copy also holds the
-    gradients, so it is the smallest store there is: slabs would need a gradient plane); without clipping
-    resident where its plan fits the node (`fits_resident`), else slabs. On the CPU device slabs (no DMA to
-    feed). Several executors read the weights from the resident copy (every one streams every unit; slabs
-    are filled for one reader), so they take it whatever the device (ipc/protocol/plan.py refuses slabs)."""
-    if shape.executors > 1 and shape.staging != "slabs":
+def staging_by_rule(staging: str, cuda: bool, clip: bool, executors: int = 1) -> str | None:
+    """ipc.staging resolved where the memory does not decide it; None where it does: 'auto' on CUDA without
+    clipping, one executor (resident if it fits, else slabs). With clipping resident: its copy also holds the
+    gradients, so it is the smallest store there is (slabs would need a gradient plane). On the CPU device
+    slabs: no DMA to feed. Several executors read the weights from the resident copy (every one streams every
+    unit; slabs are filled for one reader), so they take it whatever the device."""
+    if executors > 1:
+        if staging == "slabs":
+            raise ConfigError(
+                f"ipc.staging: slabs streams weights to one executor; actors.num_gpus {executors} needs the "
+                "resident copy (ipc.staging: resident or auto)"
+            )
         return "resident"
-    if shape.staging != "auto":
-        return shape.staging
-    if not shape.cuda:
+    if staging != "auto":
+        return staging
+    if not cuda:
         return "slabs"
-    return "resident" if shape.clip or fits_resident else "slabs"
+    return "resident" if clip else None
+
+
+def decide_staging(shape: RunShape, fits_resident: bool) -> str:
+    """ipc.staging resolved: by the rule, or where the memory decides, resident where its plan fits the node
+    (`fits_resident`), else slabs."""
+    mode = staging_by_rule(shape.staging, shape.cuda, shape.clip, shape.executors)
+    if mode is not None:
+        return mode
+    return "resident" if fits_resident else "slabs"
 
 
 def staging_mode(arch: Arch, shape: RunShape, machine: Machine) -> str:
