@@ -15,7 +15,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,11 +28,11 @@ from megatrain.errors import AbortError, ConfigError, ProtocolError
 from megatrain.export import export
 from megatrain.hostmem import fault_in
 from megatrain.ipc.procs import live, maps_path, running, spawn_detached, start_ticks
-from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, checkpoint_host_bytes, plan_store
+from megatrain.ipc.protocol import Store, StoreSpec, checkpoint_host_bytes, plan_store
 from megatrain.ipc.protocol.checkpoints import restore_versions
 from megatrain.ipc.protocol.cpus import ThreadRequest, cpu_plan, node_cores
 from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
-from megatrain.ipc.protocol.messages import FillReport
+from megatrain.ipc.protocol.messages import FillReport, StoreRequest
 from megatrain.ipc.protocol.monitor import Monitor
 from megatrain.ipc.segments import sweep
 from megatrain.ipc.shm import (
@@ -48,39 +47,13 @@ from megatrain.ipc.shm import (
 )
 from megatrain.memory.machine import Machine
 from megatrain.memory.plan import MemoryPlan, RunShape, plan_memory
-from megatrain.model import ModelConfig, ModelSpec, build_spec, family_classes, init_unit, meta_model, unit_seed
+from megatrain.model import ModelConfig, build_spec, family_classes, init_unit, meta_model, unit_seed
 from megatrain.roster import OWNER, Roster, build_roster
 from megatrain.weights import checkpoint_index, copy_slots, fill_tile, read_unit, slot_views
 
 STRAGGLER_S = 1.0  # how long workers get to exit after the driver's kill before they are ended by pid
 LOADERS = 2  # units read from a pretrained checkpoint at once: one is read while the other is converted
 PAGE_IN_THREADS = 8  # page faults are the kernel's work: half the cores leave step 1 theirs
-
-
-@dataclass(frozen=True)
-class StoreRequest:
-    """What StoreOwner.create plans, makes and fills the store from. `engine` may still have `auto` sizes
-    (the driver chooses them while the store is made; settle() gets the chosen ones). `batch_shape`
-    (sequences, tokens each) sizes the executor's pinned checkpoints for the fit check; `resume`: a
-    checkpoint directory to fill from; `about`: what the driver adds to the run's description in ctl
-    (megatrain-launch status)."""
-
-    run_id: str
-    model: ModelConfig
-    no_decay_1d: bool
-    clip: bool
-    engine: EngineConfig
-    num_packers: int
-    num_accumulators: int
-    ipc: IpcConfig
-    batch_shape: tuple[int, int] = (0, 0)
-    resume: str | None = None
-    threads: ThreadRequest = field(default_factory=ThreadRequest)
-    about: dict = field(default_factory=dict)
-    executors: int = 1  # actors.num_gpus, resolved
-    spec: ModelSpec | None = None  # the model's spec as the driver built it; None: built here from `model`
-    roster: Roster | None = None  # the run's actors, for `ipc.staging` resolved; None: the spec's whole roster
-    memory: MemoryPlan | None = None  # the driver's plan (megatrain/memory/); None: one made here, on this node
 
 
 def run_shape(request: StoreRequest) -> RunShape:

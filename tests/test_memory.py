@@ -10,13 +10,14 @@ import sys
 
 import pytest
 
-from megatrain.actors.store_owner import StoreOwner, StoreRequest
+from megatrain.actors.store_owner import StoreOwner
 from megatrain.arch import arch_of_spec
 from megatrain.engine import EngineConfig
 from megatrain.errors import ResourceError
 from megatrain.ipc import shm
 from megatrain.ipc.protocol import IpcConfig
 from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
+from megatrain.ipc.protocol.messages import StoreRequest
 from megatrain.ipc.shm import HEADER_BYTES
 from megatrain.layout import TILE_ALIGN
 from megatrain.memory.machine import Machine
@@ -179,7 +180,18 @@ def test_the_owner_refuses_a_plan_its_node_has_no_room_for_naming_the_numbers(ri
     plan = counted.plan(gpu_free=None)
     avail = sum(plan.store_parts.values()) + len(plan.store_parts) * HEADER_BYTES + plan.reserve - 1
     monkeypatch.setattr(shm, "mem_available_bytes", lambda: avail)
-    request = StoreRequest(rid, counted.config, True, True, ENGINE, 1, 1, IpcConfig(), (BATCH, SEQ), memory=plan)
+    request = StoreRequest(
+        run_id=rid,
+        model=counted.config,
+        no_decay_1d=True,
+        clip=True,
+        engine=ENGINE,
+        num_packers=1,
+        num_accumulators=1,
+        ipc=IpcConfig(),
+        batch_shape=(BATCH, SEQ),
+        memory=plan,
+    )
     owner = StoreOwner()
     try:
         with pytest.raises(ResourceError) as refused:

@@ -14,12 +14,13 @@ import pytest
 import torch
 
 from megatrain import hostmem
-from megatrain.actors.store_owner import StoreOwner, StoreRequest, run_shape
+from megatrain.actors.store_owner import StoreOwner, run_shape
 from megatrain.arch import arch_of_spec
 from megatrain.engine import EngineConfig, fixed_sizes
 from megatrain.errors import ResourceError
 from megatrain.ipc import shm
 from megatrain.ipc.protocol import IpcConfig, Store, checkpoint_host_bytes, plan_store
+from megatrain.ipc.protocol.messages import StoreRequest
 from megatrain.ipc.shm import HEADER_BYTES
 from megatrain.memory.machine import Machine
 from megatrain.memory.plan import plan_memory
@@ -36,13 +37,35 @@ CHOSEN = dataclasses.replace(
 
 
 def create(owner: StoreOwner, rid: str, ipc: IpcConfig, clip: bool = True) -> None:
-    owner.create(StoreRequest(rid, MODEL, True, clip, AUTO, 1, 1, ipc, BATCH))
+    owner.create(
+        StoreRequest(
+            run_id=rid,
+            model=MODEL,
+            no_decay_1d=True,
+            clip=clip,
+            engine=AUTO,
+            num_packers=1,
+            num_accumulators=1,
+            ipc=ipc,
+            batch_shape=BATCH,
+        )
+    )
 
 
 def reserve(mode: str, clip: bool) -> int:
     """The processes' memory beside the store as the owner's memory plan counts it (the machine does not
     change it: any will do)."""
-    request = StoreRequest("x", MODEL, True, clip, AUTO, 1, 1, IpcConfig(staging=mode), BATCH)
+    request = StoreRequest(
+        run_id="x",
+        model=MODEL,
+        no_decay_1d=True,
+        clip=clip,
+        engine=AUTO,
+        num_packers=1,
+        num_accumulators=1,
+        ipc=IpcConfig(staging=mode),
+        batch_shape=BATCH,
+    )
     machine = Machine(ram=2**40, total=2**40, shm=2**40, threshold=None)
     return plan_memory(arch_of_spec(build_spec(MODEL)), run_shape(request), machine).reserve
 
@@ -174,7 +197,20 @@ def test_the_drivers_spec_is_used_and_the_fills_pages_are_faulted_in_ahead(rid: 
     spec = build_spec(MODEL)
     owner = StoreOwner()
     try:
-        owner.create(StoreRequest(rid, MODEL, True, True, AUTO, 1, 1, IpcConfig(), BATCH, spec=spec))
+        owner.create(
+            StoreRequest(
+                run_id=rid,
+                model=MODEL,
+                no_decay_1d=True,
+                clip=True,
+                engine=AUTO,
+                num_packers=1,
+                num_accumulators=1,
+                ipc=IpcConfig(),
+                batch_shape=BATCH,
+                spec=spec,
+            )
+        )
         assert owner.model is spec and owner.store.spec.staging_mode == "resident"
         segs = owner.store.segments
         assert seen == [

@@ -16,9 +16,17 @@ from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from megatrain.errors import ProtocolError
+from megatrain.ipc.protocol.cpus import ThreadRequest
 
 if TYPE_CHECKING:
     import torch
+
+    from megatrain.engineconfig import EngineConfig
+    from megatrain.ipc.protocol.ipcconfig import IpcConfig
+    from megatrain.memory.plan import MemoryPlan
+    from megatrain.model import ModelSpec
+    from megatrain.modelconfig import ModelConfig
+    from megatrain.roster import Roster
 
 # How several executors' values of one StepReport field become the step's (each executor runs its rows of
 # the batch): the sum of their parts, the largest (the step waits for the slowest), or executor 0's (a
@@ -183,6 +191,32 @@ class Written:
     seconds: float
     waited_for_adam_s: float
     direct_io: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreRequest:
+    """StoreOwner.create's request: what it plans, makes and fills the store from. `engine` may still have `auto` sizes
+    (the driver chooses them while the store is made; settle() gets the chosen ones). `batch_shape`
+    (sequences, tokens each) sizes the executor's pinned checkpoints for the fit check; `resume`: a
+    checkpoint directory to fill from; `about`: what the driver adds to the run's description in ctl
+    (megatrain-launch status)."""
+
+    run_id: str
+    model: ModelConfig
+    no_decay_1d: bool
+    clip: bool
+    engine: EngineConfig
+    num_packers: int
+    num_accumulators: int
+    ipc: IpcConfig
+    batch_shape: tuple[int, int] = (0, 0)
+    resume: str | None = None
+    threads: ThreadRequest = field(default_factory=ThreadRequest)
+    about: dict = field(default_factory=dict)
+    executors: int = 1  # actors.num_gpus, resolved
+    spec: ModelSpec | None = None  # the model's spec as the driver built it; None: built here from `model`
+    roster: Roster | None = None  # the run's actors, for `ipc.staging` resolved; None: the spec's whole roster
+    memory: MemoryPlan | None = None  # the driver's plan (megatrain/memory/); None: one made here, on this node
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,12 +17,13 @@ from pathlib import Path
 
 from megatrain import log
 from megatrain.actors.base import Role
-from megatrain.actors.store_owner import FillReport, StoreOwner, StoreRequest
+from megatrain.actors.store_owner import StoreOwner
 from megatrain.checkpoint import step_dir as ckpt_step_dir
 from megatrain.configbase import Where, differences, dump_yaml, to_dict
 from megatrain.data import Data
 from megatrain.flops import active_params
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, resolve_stall
+from megatrain.ipc.protocol.messages import FillReport, StoreRequest
 from megatrain.ipc.segments import check_run_id_free
 from megatrain.ipc.shm import check_run_id
 from megatrain.launch.config import memplan, timeplan
@@ -250,19 +251,19 @@ class Trainer:
         cfg = self.cfg
         self.crew.serve_owner()
         request = StoreRequest(
-            self.run_id,
-            cfg.model,
-            cfg.optim.no_decay_1d,
-            cfg.optim.clips,
-            self.engine_cfg,
-            cfg.actors.num_packers,
-            cfg.actors.num_accumulators,
-            cfg.ipc,
-            (self.executors * per_executor(cfg.data.batch_size, self.executors), cfg.data.seq_len),
-            str(self.resume_dir) if self.resume_dir else None,
-            thread_request(cfg.actors),
-            {"output_dir": str(self.out), "steps": self.steps, "first": self.start},
-            self.executors,
+            run_id=self.run_id,
+            model=cfg.model,
+            no_decay_1d=cfg.optim.no_decay_1d,
+            clip=cfg.optim.clips,
+            engine=self.engine_cfg,
+            num_packers=cfg.actors.num_packers,
+            num_accumulators=cfg.actors.num_accumulators,
+            ipc=cfg.ipc,
+            batch_shape=(self.executors * per_executor(cfg.data.batch_size, self.executors), cfg.data.seq_len),
+            resume=str(self.resume_dir) if self.resume_dir else None,
+            threads=thread_request(cfg.actors),
+            about={"output_dir": str(self.out), "steps": self.steps, "first": self.start},
+            executors=self.executors,
             spec=self.model,
             roster=self.roster,
             memory=self.memory,
