@@ -32,7 +32,7 @@ from megatrain.ipc.protocol import Store, StoreSpec, checkpoint_host_bytes, plan
 from megatrain.ipc.protocol.checkpoints import restore_versions
 from megatrain.ipc.protocol.cpus import ThreadRequest, cpu_plan, node_cores
 from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
-from megatrain.ipc.protocol.messages import FillReport, StoreRequest
+from megatrain.ipc.protocol.messages import FillReport, HostMemory, StoreRequest
 from megatrain.ipc.protocol.monitor import Monitor
 from megatrain.ipc.segments import sweep
 from megatrain.ipc.shm import (
@@ -405,7 +405,7 @@ class StoreOwner(Role):
             tile = functools.partial(self.store.torch_tile, "params")
             return str(export(self.store.spec.model, tile, directory, run=run, record=record))
 
-    def host_memory(self) -> dict:
+    def host_memory(self) -> HostMemory:
         """Host memory of the run's processes on this node, as PSS: the owner, its reaper and every worker
         recorded in ctl (the shared store counted once, split among the processes that map it), in all
         and per role outside the store (what each process costs beyond the shared segments; roles
@@ -417,11 +417,11 @@ class StoreOwner(Role):
                 named.setdefault(pid, []).append(role)
         store = seg_name(self.store.spec.run_id, "")
         pss = {"+".join(roles): pss_split(pid, store) for pid, roles in named.items()}
-        return {
-            "processes": len(named),
-            "pss_bytes": sum(total for total, _ in pss.values()),
-            "pss_own_by_role": {role: own for role, (_, own) in pss.items()},
-        }
+        return HostMemory(
+            processes=len(named),
+            pss_bytes=sum(total for total, _ in pss.values()),
+            pss_own_by_role={role: own for role, (_, own) in pss.items()},
+        )
 
     def shutdown(self) -> None:
         """Unlink every name of the run (idempotent); processes still attached keep their mappings.

@@ -220,6 +220,18 @@ class StoreRequest:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HostMemory:
+    """StoreOwner.host_memory's answer, the host memory of a run's processes on the owner's node as PSS: how
+    many, their total (the shared store counted once, split among the processes that map it), and per role
+    what each costs outside the store (roles sharing a process, as in the in-process runner, named together
+    with '+')."""
+
+    processes: int
+    pss_bytes: int
+    pss_own_by_role: dict[str, int]
+
+
+@dataclass(frozen=True, kw_only=True)
 class FillReport:
     """StoreOwner.fill_report's answer, how the store was filled: from what (a checkpoint directory,
     model.pretrained, or 'init'), the bytes read (0 for a fresh init) and the seconds it took."""

@@ -10,6 +10,7 @@ from typing import Any
 from megatrain import log
 from megatrain.ipc.protocol import StoreSpec
 from megatrain.ipc.protocol.cpus import describe as describe_cpu_plan
+from megatrain.ipc.protocol.messages import HostMemory
 from megatrain.ipc.shm import gib
 
 
@@ -58,10 +59,10 @@ def describe_run(
     )
 
 
-def describe_memory(mem: dict, num_params: int) -> None:
+def describe_memory(mem: HostMemory, num_params: int) -> None:
     """The run's host memory (StoreOwner.host_memory) after the last step."""
     log(
-        f"host memory of the run's {mem['processes']} processes (PSS): {gib(mem['pss_bytes'])}, "
-        f"{mem['pss_bytes'] / num_params:.2f} bytes per parameter; outside the store: "
-        + ", ".join(f"{r} {gib(b)}" for r, b in mem["pss_own_by_role"].items())
+        f"host memory of the run's {mem.processes} processes (PSS): {gib(mem.pss_bytes)}, "
+        f"{mem.pss_bytes / num_params:.2f} bytes per parameter; outside the store: "
+        + ", ".join(f"{r} {gib(b)}" for r, b in mem.pss_own_by_role.items())
     )

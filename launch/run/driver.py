@@ -23,7 +23,7 @@ from megatrain.configbase import Where, differences, dump_yaml, to_dict
 from megatrain.data import Data
 from megatrain.flops import active_params
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, resolve_stall
-from megatrain.ipc.protocol.messages import FillReport, StoreRequest
+from megatrain.ipc.protocol.messages import FillReport, HostMemory, StoreRequest
 from megatrain.ipc.segments import check_run_id_free
 from megatrain.ipc.shm import check_run_id
 from megatrain.launch.config import memplan, timeplan
@@ -125,7 +125,7 @@ class Trainer:
             self.shutdown()
             atexit.unregister(self.shutdown)
 
-    def _summary(self, mem: dict, observed: dict) -> dict:
+    def _summary(self, mem: HostMemory, observed: dict) -> dict:
         loop, spec, written = self.loop, self.spec, self.checkpointer.written
         return {
             "run_id": self.run_id,
@@ -149,12 +149,12 @@ class Trainer:
             "executor_host_bytes": checkpoint_host_bytes(
                 spec.model, self.engine_cfg, self.cfg.data.batch_size, self.cfg.data.seq_len
             ),
-            "process_pss_bytes": mem["pss_bytes"],
-            "pss_own_by_role": mem["pss_own_by_role"],
-            "processes": mem["processes"],
+            "process_pss_bytes": mem.pss_bytes,
+            "pss_own_by_role": mem.pss_own_by_role,
+            "processes": mem.processes,
         }
 
-    def _finish(self, mem: dict) -> None:
+    def _finish(self, mem: HostMemory) -> None:
         """After the last step (not after a graceful stop)."""
         describe_memory(mem, self.spec.layout.num_params)
         if self.evaluator is not None and self.evaluator.examples and self.cfg.train.final_eval:
