@@ -24,7 +24,7 @@ from megatrain.ipc.protocol.messages import StoreRequest
 from megatrain.ipc.shm import HEADER_BYTES
 from megatrain.memory.machine import Machine
 from megatrain.memory.plan import plan_memory
-from megatrain.model import ModelConfig, build_spec
+from megatrain.model import ModelConfig, ModelSpec, build_spec
 from tests.helpers import TINY
 from tests.shm_fixtures import leftovers
 
@@ -36,38 +36,32 @@ CHOSEN = dataclasses.replace(
 )  # 3 checkpoints where the fixed sizes keep 1
 
 
-def create(owner: StoreOwner, rid: str, ipc: IpcConfig, clip: bool = True) -> None:
-    owner.create(
-        StoreRequest(
-            run_id=rid,
-            model=MODEL,
-            no_decay_1d=True,
-            clip=clip,
-            engine=AUTO,
-            num_packers=1,
-            num_accumulators=1,
-            ipc=ipc,
-            batch_shape=BATCH,
-        )
-    )
-
-
-def reserve(mode: str, clip: bool) -> int:
-    """The processes' memory beside the store as the owner's memory plan counts it (the machine does not
-    change it: any will do)."""
-    request = StoreRequest(
-        run_id="x",
+def request(rid: str, ipc: IpcConfig, clip: bool = True, spec: ModelSpec | None = None) -> StoreRequest:
+    """The owner's request for MODEL, one packer and one accumulator, the engine's sizes still `auto`."""
+    return StoreRequest(
+        run_id=rid,
         model=MODEL,
         no_decay_1d=True,
         clip=clip,
         engine=AUTO,
         num_packers=1,
         num_accumulators=1,
-        ipc=IpcConfig(staging=mode),
+        ipc=ipc,
         batch_shape=BATCH,
+        spec=spec,
     )
+
+
+def create(owner: StoreOwner, rid: str, ipc: IpcConfig, clip: bool = True) -> None:
+    owner.create(request(rid, ipc, clip))
+
+
+def reserve(mode: str, clip: bool) -> int:
+    """The processes' memory beside the store as the owner's memory plan counts it (the machine does not
+    change it: any will do)."""
     machine = Machine(ram=2**40, total=2**40, shm=2**40, threshold=None)
-    return plan_memory(arch_of_spec(build_spec(MODEL)), run_shape(request), machine).reserve
+    shape = run_shape(request("x", IpcConfig(staging=mode), clip))
+    return plan_memory(arch_of_spec(build_spec(MODEL)), shape, machine).reserve
 
 
 def need(mode: str, engine: EngineConfig, clip: bool = True) -> int:
@@ -197,20 +191,7 @@ def test_the_drivers_spec_is_used_and_the_fills_pages_are_faulted_in_ahead(rid: 
     spec = build_spec(MODEL)
     owner = StoreOwner()
     try:
-        owner.create(
-            StoreRequest(
-                run_id=rid,
-                model=MODEL,
-                no_decay_1d=True,
-                clip=True,
-                engine=AUTO,
-                num_packers=1,
-                num_accumulators=1,
-                ipc=IpcConfig(),
-                batch_shape=BATCH,
-                spec=spec,
-            )
-        )
+        owner.create(request(rid, IpcConfig(), spec=spec))
         assert owner.model is spec and owner.store.spec.staging_mode == "resident"
         segs = owner.store.segments
         assert seen == [
