@@ -33,7 +33,7 @@ from megatrain.actors.base import Role, guarded
 from megatrain.errors import DiskFull, disk_full, free_bytes, is_disk_full
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.checkpoints import claim, written
-from megatrain.ipc.protocol.messages import Written
+from megatrain.ipc.protocol.messages import WriteRequest, Written
 from megatrain.ipc.protocol.plan import Item
 from megatrain.roster import WRITER
 
@@ -51,10 +51,11 @@ class CheckpointWriter(Role):
         self.store = Store.attach(spec, ckpt.PLANES, role=self.name)
 
     @guarded
-    def write(self, step: int, root: str, meta: dict) -> Written:
-        """Write the state after `step` into a temporary directory under `root`, every file fsync'ed; it
-        is not a checkpoint until publish(step). Its bytes and seconds, and how long it waited for Adam's
-        update of the step."""
+    def write(self, request: WriteRequest) -> Written:
+        """Write the state after the request's step into a temporary directory under its root, every file
+        fsync'ed; it is not a checkpoint until publish(step). Its bytes and seconds, and how long it waited
+        for Adam's update of the step."""
+        step, root, meta = request.step, request.root, request.meta
         t0 = time.perf_counter()
         base = Path(root)
         base.mkdir(parents=True, exist_ok=True)

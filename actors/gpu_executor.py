@@ -27,7 +27,7 @@ from megatrain.engine import EngineConfig, StepEngine, resolve_device, resolve_d
 from megatrain.errors import ResourceError
 from megatrain.gpubudget import GpuCap, budget_bytes, cap_device, peak_bytes, sizes_of
 from megatrain.ipc.protocol import Store, StoreSpec
-from megatrain.ipc.protocol.messages import EvalSums, StepReport, StepRequest
+from megatrain.ipc.protocol.messages import EvalRequest, EvalSums, GenerateRequest, StepReport, StepRequest
 from megatrain.model import ModelSpec, family_classes
 from megatrain.profiling import StepProfile
 from megatrain.roster import Kind, role_name
@@ -169,17 +169,16 @@ class GpuExecutor(Role):
         return self._on_compute(run, r.step, r.ids, r.labels, r.timeline, r.positions)
 
     @guarded
-    def evaluate(self, step: int, batches: list[tuple[torch.Tensor, ...]]) -> EvalSums:
-        """Forward-only passes (one weight walk per batch) with the weights after step-1's update: the
-        summed token loss and the labelled tokens over all batches. A batch is (ids, labels), or (ids,
-        labels, positions) with data.pack_documents."""
-        return self._on_compute(self._evaluate, step, batches)
+    def evaluate(self, request: EvalRequest) -> EvalSums:
+        """The request's forward-only passes: the summed token loss and the labelled tokens over its batches."""
+        return self._on_compute(self._evaluate, request.step, request.batches)
 
     @guarded
-    def generate(self, step: int, ids: torch.Tensor, pos: torch.Tensor, new_tokens: int) -> torch.Tensor:
-        """Greedy decoding of exactly `new_tokens` tokens (one weight walk each; the packers pack exactly
-        that many): row r continues after position pos[r], its right padding overwritten as it grows."""
-        return self._on_compute(self._generate, step, ids, pos, new_tokens)
+    def generate(self, request: GenerateRequest) -> torch.Tensor:
+        """The request's greedy decoding (the packers pack exactly as many walks): each row's right padding is
+        overwritten as it grows; the new tokens, one column each."""
+        r = request
+        return self._on_compute(self._generate, r.step, r.ids, r.pos, r.new_tokens)
 
     def _on_compute(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run on the compute thread; the caller returns on an abort even if that thread never does (its

@@ -171,6 +171,26 @@ class Drained:
 
 
 @dataclass(frozen=True, kw_only=True)
+class EvalRequest:
+    """GpuExecutor.evaluate's request: forward-only passes (one weight walk per batch) with the weights after
+    step-1's update. A batch is (ids, labels), or (ids, labels, positions) with data.pack_documents."""
+
+    step: int
+    batches: list[tuple[torch.Tensor, ...]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateRequest:
+    """GpuExecutor.generate's request: greedy decoding of exactly `new_tokens` tokens with the weights after
+    step-1's update (one weight walk each); row r of `ids` continues after position pos[r]."""
+
+    step: int
+    ids: torch.Tensor
+    pos: torch.Tensor
+    new_tokens: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class EvalSums:
     """GpuExecutor.evaluate's answer, its sums over its batches: the token loss, the labelled tokens, the
     executor's seconds."""
@@ -178,6 +198,16 @@ class EvalSums:
     loss_sum: float
     tokens: int
     eval_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteRequest:
+    """CheckpointWriter.write's request: the state after `step` into a checkpoint under the directory `root`,
+    with `meta` in its manifest."""
+
+    step: int
+    root: str
+    meta: dict
 
 
 @dataclass(frozen=True, kw_only=True)

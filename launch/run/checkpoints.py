@@ -14,14 +14,14 @@ from typing import Any
 
 from megatrain import checkpoint as ckpt
 from megatrain import log
-from megatrain.actors.checkpoint_writer import CheckpointWriter, Written
+from megatrain.actors.checkpoint_writer import CheckpointWriter
 from megatrain.ipc.protocol import StoreSpec
+from megatrain.ipc.protocol.messages import WriteRequest, Written
 from megatrain.launch.config.train import TrainConfig
 from megatrain.launch.control.crew import Crew
 from megatrain.launch.control.placement import Demand
 from megatrain.launch.control.runners import Pending
-
-WRITER = "checkpoint-writer"
+from megatrain.roster import WRITER
 
 
 class Checkpointer:
@@ -98,7 +98,8 @@ class Saves:
             "rng": "none: a step draws nothing at random; batch t is a function of (data, data.seed, t)",
         }
         self.checkpointer.started(step)
-        self.pending = self.crew.call(WRITER, CheckpointWriter.write, step, str(self.checkpointer.root.resolve()), meta)
+        request = WriteRequest(step=step, root=str(self.checkpointer.root.resolve()), meta=meta)
+        self.pending = self.crew.call(WRITER, CheckpointWriter.write, request)
 
     def writing(self) -> dict[str, Pending]:
         """The write in flight, for a wait that watches it without waiting for it."""

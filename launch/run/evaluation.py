@@ -15,6 +15,7 @@ from typing import TypeVar
 from megatrain.actors.gpu_executor import GpuExecutor
 from megatrain.actors.packer import Packer
 from megatrain.data import Data, arithmetic
+from megatrain.ipc.protocol.messages import EvalRequest, GenerateRequest
 from megatrain.launch.control.crew import Crew
 from megatrain.launch.control.handles import Pending
 from megatrain.roster import EXECUTOR, Kind
@@ -44,7 +45,8 @@ class Evaluator:
             loss_sum, tokens, seconds = 0.0, 0, 0.0
             for lo in range(0, self.count, GROUP):
                 batches = [self.data.eval_batch(i) for i in range(lo, min(lo + GROUP, self.count))]
-                res = self._walks(step, len(batches), self.crew.call(EXECUTOR, GpuExecutor.evaluate, step, batches))
+                request = EvalRequest(step=step, batches=batches)
+                res = self._walks(step, len(batches), self.crew.call(EXECUTOR, GpuExecutor.evaluate, request))
                 loss_sum, tokens, seconds = loss_sum + res.loss_sum, tokens + res.tokens, seconds + res.eval_s
             out.update(eval_tokens=tokens, eval_s=seconds)
             if tokens:  # an evaluation set without a labelled token has no loss (it is said so, not 0)
@@ -52,9 +54,8 @@ class Evaluator:
                 out.update(eval_loss=loss, eval_ppl=math.exp(min(loss, 700.0)))
         if self.data.problems:
             ids, pos, new = arithmetic.prompts(self.data.cfg, self.data.problems)
-            got = arithmetic.answers(
-                self._walks(step, new, self.crew.call(EXECUTOR, GpuExecutor.generate, step, ids, pos, new))
-            )
+            prompt = GenerateRequest(step=step, ids=ids, pos=pos, new_tokens=new)
+            got = arithmetic.answers(self._walks(step, new, self.crew.call(EXECUTOR, GpuExecutor.generate, prompt)))
             out["eval_accuracy"] = arithmetic.accuracy(self.data.problems, got)
             self.examples = [(q, a, g) for (q, a), g in zip(self.data.problems, got)]
         return out
@@ -62,7 +63,7 @@ class Evaluator:
     def _walks(self, step: int, walks: int, executor: Pending[R]) -> R:
         """The executor's call (issued) and, in slabs mode, the packers' for as many forward walks."""
         calls: dict[str, Pending] = {EXECUTOR: executor}
-        calls.update({p: self.crew.call(p, Packer.step, step, "forward", walks) for p in self.packers})
+        calls.update({p: self.crew.call(p, Packer.step, step, walk="forward", repeat=walks) for p in self.packers})
         return self.crew.gather(calls, self.timeout_s, f"evaluation after step {step}")[EXECUTOR]
 
     def describe(self, step: int, row: dict) -> str:
