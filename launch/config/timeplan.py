@@ -214,8 +214,8 @@ def warn_if_long(crew: Crew, cfg: Config, spec: ModelSpec, executors: int, steps
     from megatrain.roster import ADAM, EXECUTOR
 
     arch = arch_of_spec(spec)
-    shape = mlp_shape(cfg, arch, executors)
-    rate = crew.call_one(EXECUTOR, GpuExecutor.step_rate, *shape)
+    hidden, inner, tokens = mlp_shape(cfg, arch, executors)
+    rate = crew.call_one(EXECUTOR, GpuExecutor.step_rate, hidden=hidden, inner=inner, tokens=tokens)
     bandwidth = crew.call_one(ADAM, AdamUpdater.memory_bandwidth)
     est = estimate(cfg, arch, Basis(rate, bandwidth), executors, steps)
     if est is not None and rate is not None and est.total_s > DAY_S:

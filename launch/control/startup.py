@@ -194,7 +194,7 @@ def choose_sizes(
                 f"sizes is more than the {gpubudget.gib(free)} it leaves (megatrain-launch plan CONFIG shows the plan)"
             )
     for n in executors:
-        crew.call_one(n, GpuExecutor.warm_up, model, engine, batch, cfg.data.seq_len)
+        crew.call_one(n, GpuExecutor.warm_up, model=model, cfg=engine, batch=batch, seq=cfg.data.seq_len)
     return engine
 
 
@@ -213,7 +213,7 @@ def form_group(crew: Crew, size: int, timeout: float) -> None:
     executors = crew.of(Kind.EXECUTOR)
     port = crew.call_one(executors[0], GpuExecutor.open_group, size)
     backends = crew.gather(
-        {n: crew.call(n, GpuExecutor.join_group, port, size) for n in executors},
+        {n: crew.call(n, GpuExecutor.join_group, port=port, size=size) for n in executors},
         timeout,
         "forming the executors' group",
     )
@@ -273,9 +273,11 @@ def attach_workers(crew: Crew, cfg: Config, spec: StoreSpec, roster: Roster, eng
 def _attach(crew: Crew, role: RoleSpec, spec: StoreSpec, engine: EngineConfig, start: int) -> Pending[None]:
     """A worker's attach call, with what its roster row says it attaches with besides the spec."""
     if role.attach is Attach.ENGINE:
-        return crew.call(role.name, GpuExecutor.attach, spec, engine)  # with the sizes chosen since it started
+        return crew.call(role.name, GpuExecutor.attach, spec, cfg=engine)  # with the sizes chosen since it started
     if role.attach is Attach.START:
-        return crew.call(role.name, AdamUpdater.attach, spec, start)  # Adam's step count (bias correction) continues
+        return crew.call(
+            role.name, AdamUpdater.attach, spec, start_step=start
+        )  # Adam's step count (bias correction) continues
     if role.attach is Attach.SPEC:
         return crew.call(role.name, ACTORS[role.kind].attach, spec)  # type: ignore[attr-defined]
     raise ProtocolError(f"actor '{role.name}' does not attach to the store")

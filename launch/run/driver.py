@@ -164,7 +164,9 @@ class Trainer:
             )
         if self.cfg.train.save_final:
             record = {"step": self.steps, "checkpoint": None, "run_id": self.run_id}
-            path = self.crew.call_one(OWNER, StoreOwner.save, str(self.out / "final"), to_dict(self.cfg), record)
+            path = self.crew.call_one(
+                OWNER, StoreOwner.save, directory=str(self.out / "final"), run=to_dict(self.cfg), record=record
+            )
             log(f"saved final fp32 weights (step {self.steps}) to {path}")
 
     # ---- setup ------------------------------------------------------------------------------
