@@ -275,9 +275,8 @@ def _attach(crew: Crew, role: RoleSpec, spec: StoreSpec, engine: EngineConfig, s
     if role.attach is Attach.ENGINE:
         return crew.call(role.name, GpuExecutor.attach, spec, cfg=engine)  # with the sizes chosen since it started
     if role.attach is Attach.START:
-        return crew.call(
-            role.name, AdamUpdater.attach, spec, start_step=start
-        )  # Adam's step count (bias correction) continues
+        # Adam's step count (bias correction) continues
+        return crew.call(role.name, AdamUpdater.attach, spec, start_step=start)
     if role.attach is Attach.SPEC:
         return crew.call(role.name, ACTORS[role.kind].attach, spec)  # type: ignore[attr-defined]
     raise ProtocolError(f"actor '{role.name}' does not attach to the store")
