@@ -8,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -98,6 +100,16 @@ def test_every_message_is_frozen_and_keyword_only() -> None:
     applied = Applied(grad_norm=1.0, clip_scale=1.0, skipped=False)
     with pytest.raises(dataclasses.FrozenInstanceError):
         applied.adam_s = 2.0  # type: ignore[misc]
+
+
+def test_the_messages_load_without_the_training_stack() -> None:
+    """The launcher's light paths name these types: importing them loads no torch, numba or transformers."""
+    code = (
+        "import sys, megatrain.ipc.protocol.messages; "
+        "print(sorted(m for m in ('torch', 'numba', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
 
 
 def test_messages_round_trip_through_pickle() -> None:

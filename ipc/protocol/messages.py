@@ -1,4 +1,4 @@
-"""The messages that cross a process: what the driver asks an actor for in a step, and what each actor answers.
+"""The messages that cross a process: what the driver asks of an actor, and what the actor answers.
 
 Every message is a frozen, keyword-only dataclass: it is pickled through Ray (or handed over as is by the
 in-process runner), so nothing may change it on the way, and a field added later cannot shift the others.
