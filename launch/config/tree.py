@@ -153,8 +153,8 @@ def check_gpu_budget(cfg: Config, where: Where | None = None) -> None:
 
     from megatrain import gpubudget
     from megatrain.engineconfig import resolve_engine
-    from megatrain.ipc.protocol.reduce import reduction_bytes
     from megatrain.launch.control.placement import per_executor
+    from megatrain.memory.gpu import reduction_bytes
     from megatrain.model import build_spec
 
     gpus = torch.cuda.device_count()
@@ -164,7 +164,7 @@ def check_gpu_budget(cfg: Config, where: Where | None = None) -> None:
     spec = build_spec(cfg.model, cfg.optim.no_decay_1d)
     engine = resolve_engine(cfg.engine, True)
     batch = per_executor(cfg.data.batch_size, n)
-    reserve = reduction_bytes(spec) if n > 1 else 0
+    reserve = reduction_bytes(spec.layout) if n > 1 else 0
     problem = gpubudget.budget_problem(spec, engine, batch, cfg.data.seq_len, cfg.optim.clips, reserve)
     if problem:
         raise key_error(where, gpubudget.KEY, problem)

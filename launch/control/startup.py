@@ -22,7 +22,6 @@ from megatrain.engine import EngineConfig, resolve_engine
 from megatrain.errors import ConfigError, ProtocolError, ResourceError
 from megatrain.ipc.protocol import StoreSpec
 from megatrain.ipc.protocol.messages import FillReport
-from megatrain.ipc.protocol.reduce import reduction_bytes
 from megatrain.launch.config import memplan
 from megatrain.launch.config.tree import Config
 from megatrain.launch.control.crew import Crew
@@ -40,6 +39,7 @@ from megatrain.launch.control.placement import (
 from megatrain.launch.control.runners import Pending
 from megatrain.launch.report.describe import describe_run
 from megatrain.launch.run.stopping import Background
+from megatrain.memory.gpu import reduction_bytes
 from megatrain.memory.plan import staging_by_rule, staging_mode
 from megatrain.model import ModelSpec, pretrained_config
 from megatrain.roster import EXECUTOR, OWNER, Attach, Kind, RoleSpec, Roster
@@ -178,10 +178,10 @@ def choose_sizes(
         )
         # the GPUs may differ: the smallest sizes them all (each capped at engine.gpu_memory_gib less its
         # CUDA context); several executors keep fp32 gradients queued for their reduction beside the
-        # activations (ipc/protocol/reduce.py)
+        # activations (megatrain/memory/gpu.py)
         free = min(f if room is None else min(f, room) for f, room in found.values())
         budget_note(engine, found)
-        free -= reduction_bytes(model) if len(executors) > 1 else 0
+        free -= reduction_bytes(model.layout) if len(executors) > 1 else 0
     room = host_room // len(executors) if host_room is not None else None  # each pins its own checkpoints
     sizes, why = autosize.choose(model, engine, batch, cfg.data.seq_len, free, cfg.optim.clips, room)
     engine = autosize.apply(engine, sizes)

@@ -12,7 +12,7 @@ from megatrain.engineconfig import EngineConfig
 from megatrain.errors import ResourceError
 from megatrain.layout import StoreLayout
 
-REDUCE_CREDITS = 2  # fp32 gradients queued for their reduction on the GPU (ipc/protocol/reduce.py)
+REDUCE_CREDITS = 2  # fp32 gradients queued for their reduction on the GPU (actors/executor_reduce.py)
 REDUCTION = "fp32 gradients awaiting the executors' sum"
 
 
