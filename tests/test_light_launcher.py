@@ -5,6 +5,7 @@ seconds. Each runs in a fresh interpreter, which then prints the heavy modules i
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -19,10 +20,12 @@ HEAVY = (
 )
 
 
-def heavy_after(code: str, *args: str) -> list[str]:
+def heavy_after(code: str, *args: str, env: dict[str, str] | None = None) -> list[str]:
     """The heavy modules a fresh interpreter holds after `code` (run with sys.argv[1:] = args)."""
     wrapped = f"import json, sys\n{code}\nprint(json.dumps({HEAVY}))"
-    done = subprocess.run([sys.executable, "-c", wrapped, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", wrapped, *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -104,6 +107,34 @@ def test_the_plans_model_checks_and_time_import_nothing_heavy(tmp_path, kind: st
     else:
         config.write_text(QWEN7B_YAML if kind == "dense" else MOE_YAML)
     assert heavy_after(PLAN_MODEL, str(config)) == []
+
+
+def plan_cli(code: int) -> str:
+    """`megatrain-launch plan ...` in a fresh interpreter, which must end with exit `code`."""
+    return (
+        "from megatrain.launch.cli.main import main\n"
+        "try:\n    rc = main(sys.argv[1:])\nexcept SystemExit as exc:\n    rc = exc.code\n"
+        f"assert rc == {code}, rc\n"
+    )
+
+
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_the_whole_plan_command_imports_nothing_heavy(tmp_path, kind: str) -> None:
+    """The whole plan for a described machine (memory, roles, disk, time), as a user runs it: the 7B fits an
+    H100 of a 125 GiB host (exit 0); the 30B MoE does not fit that host (exit 1). Neither loads torch."""
+    config = tmp_path / "run.yaml"
+    config.write_text((QWEN7B_YAML if kind == "dense" else MOE_YAML) + "engine: {device: cuda}\n")
+    machine = ["--gpu-gib", "78", "--host-gib", "125", "--gpu", "H100"]
+    assert heavy_after(plan_cli(0 if kind == "dense" else 1), "plan", str(config), *machine) == []
+
+
+def test_a_plan_for_a_gpu_on_a_machine_without_one_imports_nothing_heavy(tmp_path) -> None:
+    """Without a GPU in sight (CUDA_VISIBLE_DEVICES hides every device), a cuda plan with no --gpu-gib is refused
+    as a usage error (exit 2) without torch being imported to find that out."""
+    config = tmp_path / "run.yaml"
+    config.write_text(QWEN7B_YAML + "engine: {device: cuda}\n")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    assert heavy_after(plan_cli(2), "plan", str(config), env=env) == []
 
 
 def test_the_plans_model_check_still_refuses(tmp_path) -> None:

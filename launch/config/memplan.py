@@ -32,6 +32,7 @@ from megatrain.memory.machine import (
     PRIVATE_THRESHOLD,
     RAY_THRESHOLD_ENV,
     Machine,
+    local_gpus,
     machine_of,
     run_threshold,
     this_machine,
@@ -127,9 +128,7 @@ def executors_of(cfg: Config, cuda: bool) -> int:
     GPUs, and a planned GPU (--gpu-gib) without one here counts as one."""
     if cfg.actors.num_gpus != "auto":
         return int(cfg.actors.num_gpus)
-    import torch
-
-    return resolve_executors(cfg.actors, cuda, max(torch.cuda.device_count(), 1) if cuda else 0)
+    return resolve_executors(cfg.actors, cuda, max(local_gpus(), 1) if cuda else 0)
 
 
 def run_shape(cfg: Config, cuda: bool, executors: int | None = None) -> RunShape:
@@ -396,9 +395,7 @@ def _gpu(cfg: Config, gib_given: float | None) -> tuple[int | None, bool, str]:
         if gib_given <= 0:
             raise ConfigError("--gpu-gib must be > 0")
         return int(gib_given * GIB), True, " (--gpu-gib)"
-    import torch
-
-    if not torch.cuda.is_available():
+    if not local_gpus():
         if gpubudget.budget_bytes(cfg.engine) is not None:  # a GPU of that budget, wherever it will be
             return None, True, f" (planned for {gpubudget.KEY})"
         if cfg.engine.device == "cuda":
@@ -406,5 +403,7 @@ def _gpu(cfg: Config, gib_given: float | None) -> tuple[int | None, bool, str]:
                 "engine.device is cuda but this machine has no GPU: give --gpu-gib N to plan for a GPU with N GiB free"
             )
         return None, False, ""
+    import torch  # a GPU is here: its free memory is read through CUDA
+
     free, _ = torch.cuda.mem_get_info()
     return free, True, " (a run measures it again in its executor, after its CUDA context)"

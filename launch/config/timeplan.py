@@ -15,6 +15,7 @@ from megatrain.flops import active_params, model_step_flops
 from megatrain.ipc.protocol.cpus import node_cores
 from megatrain.launch.config.tree import Config
 from megatrain.launch.control.placement import per_executor
+from megatrain.memory.machine import local_gpus
 
 if TYPE_CHECKING:  # the crew imports the actors, which a plan does not need; the spec, torch
     from megatrain.launch.control.crew import Crew
@@ -93,13 +94,13 @@ def gpu_rate(engine: EngineConfig, asked: Asked) -> tuple[steptime.Rate | None, 
         return None, f"the GPU rates are bf16's, and engine.compute_dtype is {engine.compute_dtype}"
     if asked.gpu is not None or asked.tflops is not None:
         return asked_gpu_rate(asked), ""
-    import torch
-
-    if not torch.cuda.is_available():
+    if not local_gpus():
         return None, (
             "the plan knows the GPU's memory, not its speed: name it with --gpu NAME (H100, A100, RTX 4090, ...) "
             "or give its nominal dense bf16 rate with --gpu-tflops N"
         )
+    import torch  # a GPU is here: its name and rate are read through CUDA
+
     rate = steptime.device_gpu_rate(0)
     if rate is None:
         return None, f"{torch.cuda.get_device_name(0)} has no known bf16 rate: --gpu-tflops N gives it"

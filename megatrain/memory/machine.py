@@ -64,6 +64,27 @@ def run_threshold(inprocess: bool, joins_cluster: bool) -> float | None:
     return RAY_DEFAULT_THRESHOLD if joins_cluster else PRIVATE_THRESHOLD
 
 
+def gpu_driver_present() -> bool:
+    """Whether this process may see a CUDA GPU, told without importing torch (seconds of a plan on a small
+    machine): False only where it surely sees none (CUDA_VISIBLE_DEVICES hides every device, or neither the
+    NVIDIA driver's device list nor a device node exists); otherwise torch answers (local_gpus)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    listed = os.path.isdir("/proc/driver/nvidia/gpus") and bool(os.listdir("/proc/driver/nvidia/gpus"))
+    nodes = any(n.startswith("nvidia") and n[6:].isdigit() for n in os.listdir("/dev"))
+    return listed or nodes
+
+
+def local_gpus() -> int:
+    """The CUDA GPUs this process sees; torch is imported only where a GPU may be there."""
+    if not gpu_driver_present():
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def this_machine(shm_dir: str, threshold: float | None) -> Machine:
     """This host now."""
     return Machine(ram=mem_available_bytes(), total=mem_total_bytes(), shm=shm_free_bytes(shm_dir), threshold=threshold)
