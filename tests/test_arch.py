@@ -12,7 +12,7 @@ import json
 import pytest
 import transformers
 
-from megatrain import arch
+from megatrain import archfields as arch
 from megatrain.arch import Arch, accepted_fields, arch_from_config, arch_of_spec
 from megatrain.errors import ConfigError
 from megatrain.model import (

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatrain.arch import (
-    PLAIN_HEAD_DIM_ONLY,
     Arch,
     accepted_fields,
     arch_from_config,
@@ -15,6 +14,7 @@ from megatrain.arch import (
     holds_weights,
     pretrained_config,
 )
+from megatrain.archfields import PLAIN_HEAD_DIM_ONLY
 from megatrain.configbase import Where, key_error, load_located, section
 from megatrain.dataconfig import BYTE_VOCAB_SIZE, DataConfig
 from megatrain.engineconfig import EngineConfig
