@@ -45,6 +45,7 @@ from megatrain.ipc.shm import (
     seg_name,
     space_now,
 )
+from megatrain.memory.host import REAPER
 from megatrain.memory.machine import Machine
 from megatrain.memory.plan import MemoryPlan, RunShape, plan_memory
 from megatrain.model import ModelConfig, build_spec, family_classes, init_unit, meta_model, unit_seed
@@ -410,7 +411,7 @@ class StoreOwner(Role):
         recorded in ctl (the shared store counted once, split among the processes that map it), in all
         and per role outside the store (what each process costs beyond the shared segments; roles
         sharing a process, as in the in-process runner, are named together)."""
-        named = {os.getpid(): [self.name], **({self.reaper: ["reaper"]} if self.reaper else {})}
+        named = {os.getpid(): [self.name], **({self.reaper: [REAPER]} if self.reaper else {})}
         for slot, role in enumerate(self.store.spec.roles()):
             pid = int(self.store.pids[slot])
             if pid > 0:

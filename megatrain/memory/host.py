@@ -12,15 +12,17 @@ from dataclasses import dataclass
 from megatrain.blocks import blocks
 from megatrain.engineconfig import EngineConfig, fixed_sizes
 from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
+from megatrain.roster import ADAM, EXECUTOR, OWNER, WRITER, Kind, kind_of, role_name
 
 GIB = 2**30
 PLANES = ("params", "exp_avg", "exp_avg_sq", "grads")  # "grads": clipping in slabs mode only
 STAGING_BYTES = {"bf16": 2, "fp32": 4}  # a weight's bytes in the staging slabs and the resident copy
 PAGE_TABLE_MAPPERS = 3  # processes that map nearly all of the store: the owner, Adam, the executor or workers
+REAPER = "reaper"  # the run's reaper: a helper process of the owner, no actor (ipc/reaper.py)
 PROCESS_BYTES = {
-    "gpu-executor": int(1.4 * GIB),
+    EXECUTOR: int(1.4 * GIB),
     "cpu-role": int(0.7 * GIB),
-    "reaper": int(0.01 * GIB),
+    REAPER: int(0.01 * GIB),
     "driver": int(1.0 * GIB),  # the launcher
     "ray": int(0.8 * GIB),  # a private Ray instance's own processes
 }
@@ -120,9 +122,7 @@ def process_terms(roles: Iterable[str], cuda: bool, launcher: bool, private_ray:
     process of its own beside Ray's, and a private Ray instance's processes."""
     out = {}
     for role in roles:
-        kind = (
-            "gpu-executor" if role.startswith("gpu-executor") and cuda else "reaper" if role == "reaper" else "cpu-role"
-        )
+        kind = REAPER if role == REAPER else EXECUTOR if kind_of(role) is Kind.EXECUTOR and cuda else "cpu-role"
         out[f"process: {role}"] = PROCESS_BYTES[kind]
     if launcher:
         out["node: the launcher (megatrain-launch)"] = PROCESS_BYTES["driver"]
@@ -134,11 +134,11 @@ def process_terms(roles: Iterable[str], cuda: bool, launcher: bool, private_ray:
 def run_roles(executors: int, packers: int, accumulators: int, writer: bool) -> list[str]:
     """The run's processes that take host memory, by role, with the packers and accumulators that run."""
     return (
-        ["gpu-executor", *(f"gpu-executor-{r}" for r in range(1, executors))]
-        + ["store-owner", "reaper", "adam-updater"]
-        + [f"packer-{i}" for i in range(packers)]
-        + [f"grad-accumulator-{i}" for i in range(accumulators)]
-        + (["checkpoint-writer"] if writer else [])
+        [role_name(Kind.EXECUTOR, r) for r in range(executors)]
+        + [OWNER, REAPER, ADAM]
+        + [role_name(Kind.PACKER, i) for i in range(packers)]
+        + [role_name(Kind.ACCUMULATOR, i) for i in range(accumulators)]
+        + ([WRITER] if writer else [])
     )
 
 
