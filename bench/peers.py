@@ -81,13 +81,16 @@ def _guard(name: str, fn: Callable[[], dict], gpu_gib: float | None = None) -> d
         gpubudget.cap_device(device, None)  # the next row, in this process, has the whole GPU again
 
 
-def _model(hf, device: str) -> torch.nn.Module:
-    """The model in fp32 on `device`. A CPU model is drawn on the GPU when it fits there and then moved:
+def _model(hf, device: str, init: str | Path | None = None) -> torch.nn.Module:
+    """The model in fp32 on `device`: read from `init` (bench/run.py --routing uniform: the saved init MegaTrain
+    starts from too), else drawn fresh. A CPU model is drawn on the GPU when it fits there and then moved:
     torch's CPU normal draws run on one thread (about 30 s for 3B parameters), which is set-up, not step."""
     t0 = time.perf_counter()
     cls = family_classes(hf.model_type)[1]
     model = None
-    if device == "cpu" and torch.cuda.is_available():
+    if init is not None:
+        model = cls.from_pretrained(str(init), dtype=torch.float32).to(device)
+    elif device == "cpu" and torch.cuda.is_available():
         try:
             with torch.device("cuda"):
                 model = cls(hf).float()
@@ -107,11 +110,11 @@ def _model(hf, device: str) -> torch.nn.Module:
     return model
 
 
-def plain_pytorch(hf, data: DataConfig, steps: int, gpu_gib: float | None = None) -> dict:
+def plain_pytorch(hf, data: DataConfig, steps: int, gpu_gib: float | None = None, init: Path | None = None) -> dict:
     """The whole model on the GPU: fp32 master, bf16 autocast, per-layer checkpointing, fused AdamW."""
 
     def run() -> dict:
-        model = _model(hf, "cuda")
+        model = _model(hf, "cuda", init)
         model.gradient_checkpointing_enable()
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -121,7 +124,7 @@ def plain_pytorch(hf, data: DataConfig, steps: int, gpu_gib: float | None = None
     return _guard("plain PyTorch (GPU-resident)", run, gpu_gib)
 
 
-def fsdp2_offload(hf, data: DataConfig, steps: int, gpu_gib: float | None = None) -> dict:
+def fsdp2_offload(hf, data: DataConfig, steps: int, gpu_gib: float | None = None, init: Path | None = None) -> dict:
     """FSDP2 fully_shard with CPUOffloadPolicy at world size 1 (parameters and optimizer on the CPU)."""
 
     def run() -> dict:
@@ -133,7 +136,7 @@ def fsdp2_offload(hf, data: DataConfig, steps: int, gpu_gib: float | None = None
         if not dist.is_initialized():
             dist.init_process_group("nccl", rank=0, world_size=1)
         try:
-            model = _model(hf, "cpu")
+            model = _model(hf, "cpu", init)
             model.gradient_checkpointing_enable()
             mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             for layer in model.model.layers:
@@ -173,7 +176,9 @@ def _ds_config(data: DataConfig, torch_adam: bool) -> dict:
     return cfg
 
 
-def deepspeed_zero3(hf, data: DataConfig, steps: int, gpus: int = 1, gpu_gib: float | None = None) -> dict:
+def deepspeed_zero3(
+    hf, data: DataConfig, steps: int, gpus: int = 1, gpu_gib: float | None = None, init: Path | None = None
+) -> dict:
     """DeepSpeed ZeRO-3, parameters and optimizer offloaded to the CPU, at world size `gpus` (one spawned
     process per GPU, each `data.batch_size` sequences a step, as DeepSpeed's launcher would run them; with
     one GPU too, so that a process the kernel kills for host memory is the row's result, not the bench's end).
@@ -182,10 +187,12 @@ def deepspeed_zero3(hf, data: DataConfig, steps: int, gpus: int = 1, gpu_gib: fl
     the machine) the peer runs with torch's AdamW on the offloaded fp32 partitions and says so."""
     if importlib.util.find_spec("deepspeed") is None:
         return {"name": "DeepSpeed ZeRO-3 offload", "status": "not installed"}
-    return _deepspeed_ranks(hf, data, steps, gpus, gpu_gib)
+    return _deepspeed_ranks(hf, data, steps, gpus, gpu_gib, init)
 
 
-def _deepspeed_rank(hf, data: DataConfig, steps: int, rank: int, world: int, gpu_gib: float | None = None) -> dict:
+def _deepspeed_rank(
+    hf, data: DataConfig, steps: int, rank: int, world: int, gpu_gib: float | None = None, init: Path | None = None
+) -> dict:
     import deepspeed
 
     def run(torch_adam: bool) -> dict:
@@ -198,7 +205,7 @@ def _deepspeed_rank(hf, data: DataConfig, steps: int, rank: int, world: int, gpu
         ):
             os.environ[k] = v if world > 1 else os.environ.get(k, v)
         deepspeed.init_distributed(dist_backend="nccl", verbose=False)
-        model = _model(hf, "cpu")
+        model = _model(hf, "cpu", init)
         model.gradient_checkpointing_enable()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0) if torch_adam else None
         t0 = time.perf_counter()
@@ -229,17 +236,21 @@ def _deepspeed_rank(hf, data: DataConfig, steps: int, rank: int, world: int, gpu
     return res
 
 
-def _deepspeed_child(rank: int, hf, data: DataConfig, steps: int, world: int, gpu_gib: float | None, out: str) -> None:
-    res = _deepspeed_rank(hf, data, steps, rank, world, gpu_gib)
+def _deepspeed_child(
+    rank: int, hf, data: DataConfig, steps: int, world: int, gpu_gib: float | None, init: Path | None, out: str
+) -> None:
+    res = _deepspeed_rank(hf, data, steps, rank, world, gpu_gib, init)
     Path(out, f"rank{rank}.json").write_text(json.dumps(res))
 
 
-def _deepspeed_ranks(hf, data: DataConfig, steps: int, world: int, gpu_gib: float | None = None) -> dict:
+def _deepspeed_ranks(
+    hf, data: DataConfig, steps: int, world: int, gpu_gib: float | None = None, init: Path | None = None
+) -> dict:
     """One process per GPU (spawned: CUDA and NCCL start fresh in each); rank 0's step times and the
     largest GPU peak. A rank the kernel ends, or one that fails, makes the row's status."""
     name = "DeepSpeed ZeRO-3 offload"
     torch.cuda.empty_cache()  # our cached blocks back to the driver: the ranks need the whole GPUs
-    ranks = spawn_ranks(name, _deepspeed_child, (hf, data, steps, world, gpu_gib), world)
+    ranks = spawn_ranks(name, _deepspeed_child, (hf, data, steps, world, gpu_gib, init), world)
     if isinstance(ranks, dict):
         return ranks
     res = dict(ranks[0])
@@ -357,18 +368,27 @@ def _official_result(summ: dict, warmup: int, name: str) -> dict:
 
 
 def official_megatrain(
-    hf, data: DataConfig, steps: int, warmup: int = 2, src: Path | None = None, gpu_gib: float | None = None
+    hf,
+    data: DataConfig,
+    steps: int,
+    warmup: int = 2,
+    src: Path | None = None,
+    gpu_gib: float | None = None,
+    init: Path | None = None,
 ) -> dict:
     """The official MegaTrain trainer (their checkout `src`, unmodified; default: official_src()) through our
     glue bench_official.py, on a random-initialised model of hf's shape and random tokens, batch and sequence as
     ours. A subprocess: their code sets process-wide state (logging, PYTORCH_CUDA_ALLOC_CONF) and pins its own
     host memory. No checkout raises MissingCheckout (bench/run.py checks before it measures anything).
 
-    warmup only sets which steps tflops_theirs_median leaves out (bench/run.py's default --warmup)."""
+    warmup only sets which steps tflops_theirs_median leaves out (bench/run.py's default --warmup). `init` (a saved
+    init, --routing uniform) is a mixture of experts', which the official code does not train: refused."""
     src = src or official_src()
     name = f"official MegaTrain (DLYuanGod/MegaTrain {commit_of(src)})"
     if importlib.util.find_spec("deepspeed") is None:  # their default optimizer is DeepSpeedCPUAdam
         return {"name": name, "status": "not installed"}
+    if init is not None:
+        return _official_failure("it trains its own random init of the qwen2 family only", name)
     if hf.tie_word_embeddings:
         return _official_failure("make_model.py writes untied embeddings only", name)
     if torch.cuda.is_available():

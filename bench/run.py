@@ -13,6 +13,10 @@ and the same cap on each peer's process (torch.cuda.set_per_process_memory_fract
 tables name it. --batch auto is the most sequences per GPU whose MegaTrain plan fits that budget (or the
 GPU's free memory) and the host: every row then runs that batch.
 
+--routing uniform (a mixture of experts) starts MegaTrain and every peer from one saved init whose routers
+are balanced on the run's tokens (bench/routing.py); random, the default, is each system's own random init.
+MegaTrain's MoE rows carry the expert load of the steady steps (bench/table.py, load_stats()).
+
 Writes OUT/results.json, OUT/results.md (the table, with the command and commit) and OUT/timeline-VARIANT.png.
 TFLOPS use the paper's formula: (6*N*D + 12*L*H*S*D) / step time, N parameters, D tokens per step,
 L layers, H hidden size, S sequence length (recompute is not counted as useful work); N counts a mixture
@@ -31,6 +35,7 @@ import datetime
 import json
 import os
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -43,94 +48,16 @@ sys.path.insert(0, str(ROOT))
 
 from bench.official.checkout import MissingCheckout, official_src  # noqa: E402
 from bench.peers import PEERS  # noqa: E402
+from bench.presets import ABLATIONS, MODELS  # noqa: E402
+from bench.routing import ROUTINGS  # noqa: E402
+from bench.table import copy_rates, load_stats, routing, table  # noqa: E402
 from megatrain.configbase import merge_overrides, parse_override  # noqa: E402
 from megatrain.errors import ConfigError, DataError, MegatrainError  # noqa: E402
-from megatrain.flops import step_flops  # noqa: E402
 from megatrain.ipc.procs import started_at  # noqa: E402
 from megatrain.launch.config.tree import load_config  # noqa: E402
 from megatrain.launch.plot.plots import plot_timeline  # noqa: E402
 from megatrain.launch.run.driver import Trainer  # noqa: E402
 from megatrain.model import resolve_hf_config  # noqa: E402
-
-QWEN7B = {
-    "hidden_size": 3584,
-    "intermediate_size": 18944,
-    "num_attention_heads": 28,
-    "num_key_value_heads": 4,
-    "vocab_size": 152064,
-    "max_position_embeddings": 32768,
-    "rope_theta": 1000000.0,
-    "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "use_sliding_window": False,
-}
-# allenai/OLMoE-1B-7B-0924's shape (16 layers of 64 experts, top-8: 6.9B parameters, 1.3B active), with the
-# load-balancing loss on as in its training recipe (HF's output_router_logits).
-OLMOE_1B_7B = {
-    "hidden_size": 2048,
-    "intermediate_size": 1024,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 16,
-    "num_experts": 64,
-    "num_experts_per_tok": 8,
-    "vocab_size": 50304,
-    "max_position_embeddings": 4096,
-    "rope_theta": 10000.0,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-    "router_aux_loss_coef": 0.01,
-    "output_router_logits": True,
-}
-# openai/gpt-oss-20b's shape (24 layers of 32 experts, top-4, alternating 128-token sliding and full
-# attention with sinks: 21B parameters, 3.6B active); its layer types follow from the layer count.
-GPT_OSS_20B = {
-    "hidden_size": 2880,
-    "intermediate_size": 2880,
-    "head_dim": 64,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "num_local_experts": 32,
-    "num_experts_per_tok": 4,
-    "sliding_window": 128,
-    "vocab_size": 201088,
-    "max_position_embeddings": 131072,
-    "rope_theta": 150000.0,
-    "rope_scaling": {
-        "rope_type": "yarn",
-        "factor": 32.0,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "truncate": False,
-        "original_max_position_embeddings": 4096,
-    },
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-    "router_aux_loss_coef": 0.9,
-    "output_router_logits": True,
-}
-# --model NAME -> (family, shape, its name in the tables)
-QWEN14B = {
-    **QWEN7B,
-    "hidden_size": 5120,
-    "intermediate_size": 13824,
-    "num_attention_heads": 40,
-    "num_key_value_heads": 8,
-}
-MODELS = {
-    "qwen2.5-7b": ("qwen2", QWEN7B, "Qwen2.5-7B shape"),
-    "qwen2.5-14b": ("qwen2", QWEN14B, "Qwen2.5-14B shape"),
-    "olmoe-1b-7b": ("olmoe", OLMOE_1B_7B, "OLMoE-1B-7B shape"),
-    "gpt-oss-20b": ("gpt_oss", GPT_OSS_20B, "GPT-OSS-20B shape"),
-}
-ABLATIONS = {
-    "no-double-buffering": ["engine.prefetch=0"],
-    "no-adam-overlap": ["train.overlap_adam=false"],
-    "slabs": ["ipc.staging=slabs"],
-    "resident": ["ipc.staging=resident"],
-    "no-clip": ["optim.max_grad_norm=0"],
-    "no-lean": ["engine.lean_layers=0"],
-}
-
 
 # Flag -> config key. A flag left out keeps the product's default: the benchmark measures the config a
 # user gets, and every override a number needs is on its command line (BENCHMARKS.md quotes it).
@@ -205,6 +132,7 @@ def overrides(args: argparse.Namespace, out: Path, extra: list[str], gpus: int |
     return [
         f"model.family={MODELS[args.model][0]}",
         f"model.hf={json.dumps(hf)}",
+        *([f"model.pretrained={args.init}"] if getattr(args, "init", None) else []),
         f"data.seq_len={args.seq}",
         f"data.batch_size={args.batch * gpus}",
         f"actors.num_gpus={gpus}",
@@ -221,10 +149,6 @@ def overrides(args: argparse.Namespace, out: Path, extra: list[str], gpus: int |
         *knobs,
         *extra,
     ]
-
-
-def tflops(n_params: int, tokens: int, layers: int, hidden: int, seq: int, seconds: float) -> float:
-    return step_flops(n_params, layers, hidden, seq, tokens) / seconds / 1e12
 
 
 def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str], gpus: int | None = None) -> dict:
@@ -267,8 +191,9 @@ def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str], gpu
         "d2h_GBps_avg": pick("d2h_bytes") / med / 1e9,
         "losses": [r["loss"] for r in summary["metrics"]],
     }
-    if "expert_load" in summary["metrics"][-1]:  # a mixture of experts: the last step's routing
+    if "expert_load" in summary["metrics"][-1]:  # a mixture of experts: the last step's routing, the steady load
         res.update(expert_load=summary["metrics"][-1]["expert_load"], aux_losses=[r["aux_loss"] for r in rows])
+        res.update(load_stats(rows) or {})
     timeline = out / "timeline.json"
     if timeline.is_file():
         plot_timeline(
@@ -278,83 +203,6 @@ def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str], gpu
         )
         res.update(copy_rates(json.loads(timeline.read_text()), summary["metrics"][-1]))
     return res
-
-
-def copy_rates(tl: dict, last: dict) -> dict:
-    """GB/s while copying (bytes over the summed intervals of the timed step)."""
-    busy = lambda lane: sum(b - a for _, a, b in tl.get(lane, [])) or float("nan")  # noqa: E731
-    return {
-        "h2d_GBps_busy": last["h2d_bytes"] / busy("h2d") / 1e9,
-        "d2h_GBps_busy": last["d2h_bytes"] / busy("d2h") / 1e9,
-    }
-
-
-def steady(r: dict, warmup: int) -> tuple[float, float, float]:
-    """Median, min and max of the steps after the warm-up."""
-    rows = r["step_times_s"][warmup:] or r["step_times_s"]
-    return statistics.median(rows), min(rows), max(rows)
-
-
-def table(results: list[dict], args: argparse.Namespace, hf) -> str:
-    """One row per system: time to the first step (MegaTrain: from launch, store and workers included;
-    a peer: its first step), the warm-up steps, the steady median with min and max, TFLOPS, and the
-    ratio of MegaTrain's TFLOPS to the row's."""
-    lines = [
-        "| system | GPUs | status | first step s | warm-up steps s | steady median s (min–max) | tokens/s | TFLOPS "
-        "| MegaTrain × | GPU peak GiB | host B/param (planned / PSS) | fwd / head / bwd s "
-        "| weight wait s | Adam s (updating; Gparam/s) | H2D GB/s (busy) | D2H GB/s (busy) |",
-        "|" + "---|" * 16,
-    ]
-    n = next((r["active_params"] for r in results if "active_params" in r), None)
-    total = next((r["num_params"] for r in results if "num_params" in r), None)
-    ours = None
-    for r in results:
-        if r.get("status") != "ok":
-            lines.append(f"| {r['name']} | {r.get('gpus', args.gpus)} | {r['status']} |" + " |" * 13)
-            continue
-        med, lo, hi = steady(r, args.warmup)
-        tokens = r.get("batch", args.batch * args.gpus) * args.seq
-        r.update(step_time_s=med, step_min_s=lo, step_max_s=hi)
-        tf = tflops(n, tokens, args.layers, hf.hidden_size, args.seq, med) if n else float("nan")
-        r["tflops"], r["tokens_per_s"] = tf, tokens / med
-        ours = ours or tf  # the first row is MegaTrain's default
-        first = r.get("time_to_first_step_s") or r["step_times_s"][0]
-        warm = ", ".join(f"{t:.2f}" for t in r["step_times_s"][: args.warmup])
-        split = f"{r['forward_s']:.2f} / {r['head_s']:.2f} / {r['backward_s']:.2f}" if "forward_s" in r else ""
-        lines.append(
-            f"| {r['name']} | {r.get('gpus', args.gpus)} | ok | {first:.1f} | {warm} | {med:.3f} ({lo:.3f}–{hi:.3f}) "
-            f"| {tokens / med:,.0f} | {tf:.1f} "
-            f"| {ours / tf:.2f} | {r['gpu_peak_bytes'] / 2**30:.1f} "
-            f"| {r.get('host_bytes_per_param', float('nan')):.2f} / "
-            f"{r.get('process_pss_bytes_per_param', float('nan')):.2f} | {split} "
-            f"| {r.get('weight_wait_s', 0):.3f} "
-            f"| {adam_cell(r, total)} | {r.get('h2d_GBps_busy', float('nan')):.1f} "
-            f"| {r.get('d2h_GBps_busy', float('nan')):.1f} |"
-        )
-    return "\n".join(lines)
-
-
-def routing(load: list[list[float]]) -> str:
-    """The routing of one step in a line: per MoE layer, the busiest and the idlest expert's tokens against an
-    even share (1.00 = even; a collapsed router shows a large max and a min of 0)."""
-    hi, lo = [], []
-    for layer in load:
-        even = sum(layer) / len(layer)
-        hi.append(max(layer) / even)
-        lo.append(min(layer) / even)
-    return (
-        f"tokens per expert against an even share over {len(load)} MoE layers: busiest expert "
-        f"{statistics.median(hi):.2f}× (median; {min(hi):.2f}–{max(hi):.2f}), idlest {statistics.median(lo):.2f}× "
-        f"(median; {min(lo):.2f}–{max(lo):.2f})"
-    )
-
-
-def adam_cell(r: dict, n: int | None) -> str:
-    """Adam's time in the step, and, where measured, its time updating and its rate over all n parameters."""
-    if "adam_update_s" not in r or not n:
-        return f"{r.get('adam_s', 0):.3f}"
-    upd = r["adam_update_s"]
-    return f"{r['adam_s']:.3f} ({upd:.3f}; {n / upd / 1e9:.2f})"
 
 
 # The headline suite: the targets of BENCHMARKS.md, each in its own process (a peer's pinned memory is
@@ -429,6 +277,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady statistics")
     for flag, key in KNOBS.items():
         p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=int, default=None, help=f"sets {key}")
+    p.add_argument(
+        "--routing",
+        choices=ROUTINGS,
+        default="random",
+        help="a mixture of experts' routing at the start: random (each system's random init) or uniform (one "
+        "init, routers balanced on the run's tokens, for MegaTrain and every peer)",
+    )
     p.add_argument("--peers", default="plain", help="comma list of: " + ",".join(PEERS))
     p.add_argument(
         "--official-src",
@@ -483,22 +338,38 @@ def run(args: argparse.Namespace) -> int:
     args.hf, args.extra = bench_model(args.model, args.layers, args.extra)
     if args.batch == "auto":
         args.batch = most_batch(args)
+    if args.routing == "uniform" and not any(k in args.hf for k in ("num_experts", "num_local_experts")):
+        raise Failed(f"--routing uniform: --model {args.model} has no routers", 2)
     peers = [p for p in args.peers.split(",") if p]
     if "official" in peers and MODELS[args.model][0] != "qwen2":
         raise Failed(f"--peers official: the official code trains the qwen2 family only, not --model {args.model}", 2)
     # before anything is measured: a missing checkout is the user's to fix, not a row's error 20 minutes in
     src = official_src(args.official_src) if "official" in peers else None
     _, hf = resolve_hf_config(load_config(None, overrides(args, Path(args.out), args.extra)).model)
+    from megatrain.data import DataConfig
+
+    data = DataConfig(seq_len=args.seq, batch_size=args.batch)  # per GPU
+    if args.routing == "uniform":
+        from bench.routing import uniform_model
+
+        args.init = uniform_model(hf, DataConfig(seq_len=args.seq, batch_size=args.batch * args.gpus), args.steps)
+    try:
+        return measure(args, hf, data, peers, src)
+    finally:
+        if getattr(args, "init", None):
+            shutil.rmtree(args.init, ignore_errors=True)
+
+
+def measure(args: argparse.Namespace, hf, data, peers: list[str], src: Path | None) -> int:
     results = [megatrain_variant(args, "default", args.extra)]
     if args.gpus > 1:  # the scaling's baseline: one executor, one GPU's share of the batch
         results.append(megatrain_variant(args, "one GPU", args.extra, gpus=1))
     results += [megatrain_variant(args, a, ABLATIONS[a]) for a in filter(None, args.ablations.split(","))]
-    from megatrain.data import DataConfig
-
-    data = DataConfig(seq_len=args.seq, batch_size=args.batch)  # per GPU
     for peer in [None, *peers]:
         if peer is not None:
             kw = {"src": src} if peer == "official" else {"gpus": args.gpus} if args.gpus > 1 else {}
+            if getattr(args, "init", None):
+                kw["init"] = args.init
             results.append(PEERS[peer](hf, data, args.steps, gpu_gib=args.gpu_gib, **kw))
             results[-1].setdefault("gpus", args.gpus if "gpus" in kw else 1)
             results[-1].setdefault("batch", args.batch * results[-1]["gpus"])
@@ -513,6 +384,7 @@ def run(args: argparse.Namespace) -> int:
         + (f" per GPU, {args.gpus} GPUs" if args.gpus > 1 else "")
         + f"{f' ({given})' if given else ', product defaults'}"
         + (f", GPU memory budget {args.gpu_gib:g} GiB per GPU (every row)" if args.gpu_gib is not None else "")
+        + (f", routing {args.routing}" if MODELS[args.model][1].get("num_experts_per_tok") else "")
         + f" — {args.machine}, {when}, commit {commit()}\n\n"
         f"`python bench/run.py {shlex.join(sys.argv[1:])}`\n\n"
         f"Steps {args.steps}, warm-up {args.warmup}; CPU plan: {results[0].get('cpu_plan', '?')}\n\n"
