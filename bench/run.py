@@ -49,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 from bench.official.checkout import MissingCheckout, official_src  # noqa: E402
 from bench.peers import PEERS  # noqa: E402
 from bench.presets import ABLATIONS, MODELS  # noqa: E402
+from bench.presets import QWEN7B as QWEN7B  # noqa: E402  (bench/lean.py imports it from here)
 from bench.routing import ROUTINGS  # noqa: E402
 from bench.table import copy_rates, load_stats, routing, table  # noqa: E402
 from megatrain.configbase import merge_overrides, parse_override  # noqa: E402
