@@ -25,9 +25,9 @@ from megatrain.collective import HOST, Group, open_rendezvous
 from megatrain.cudahost import use_expandable_segments
 from megatrain.engine import EngineConfig, StepEngine, resolve_device, resolve_dtype
 from megatrain.errors import ResourceError
-from megatrain.gpubudget import GpuCap, budget_bytes, cap_device, peak_bytes, sizes_of
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.messages import EvalRequest, EvalSums, GenerateRequest, StepReport, StepRequest
+from megatrain.memory.budget import GpuCap, budget_bytes, cap_device, peak_bytes, sizes_of
 from megatrain.model import ModelSpec, family_classes
 from megatrain.profiling import StepProfile
 from megatrain.roster import Kind, role_name
@@ -47,7 +47,7 @@ class GpuExecutor(Role):
             print(f"[{self.name}] {use_expandable_segments()}", flush=True)
         self.device = resolve_device(cfg, rank)
         self.cuda = self.device.type == "cuda"
-        self.cap: GpuCap | None = None  # engine.gpu_memory_gib (megatrain/gpubudget.py)
+        self.cap: GpuCap | None = None  # engine.gpu_memory_gib (megatrain/memory/budget.py)
         self.planned: int | None = None  # the plan's GPU peak at the sizes chosen
         if self.cuda:
             torch.cuda.set_device(self.device)

@@ -1,6 +1,6 @@
 """One decoder layer of the Qwen2.5-7B shape on the GPU, plain and lean (megatrain/lean.py): the bytes it
 keeps from its forward to its backward, the backward's peak above that, and the time of forward + backward,
-against the memory model's numbers (megatrain/autosize.py).
+against the memory model's numbers (megatrain/memory/autosize.py).
 
   python bench/lean.py --batch 16 --seq 4096 --reps 5
 """
@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.run import QWEN7B  # noqa: E402
-from megatrain import autosize  # noqa: E402
 from megatrain.lean import lean_call  # noqa: E402
+from megatrain.memory import autosize  # noqa: E402
 from megatrain.model import ModelConfig, build_spec, family_classes  # noqa: E402
 
 

@@ -8,7 +8,7 @@ and needs DeepSpeed too.
 
 Each returns {"name", "step_time_s", "gpu_peak_bytes"} or {"name", "status": "OOM" | "error: ..."}.
 With `gpu_gib` (bench/run.py --gpu-gib) each peer's process caps its caching allocator as MegaTrain's executor
-does for engine.gpu_memory_gib (megatrain/gpubudget.py: the budget less the process's CUDA context), before
+does for engine.gpu_memory_gib (megatrain/memory/budget.py: the budget less the process's CUDA context), before
 the peer allocates anything; what the cap refuses is the row's OOM.
 """
 
@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from bench.official.checkout import commit_of, official_src
-from megatrain import gpubudget
 from megatrain.data import DataConfig, batch
+from megatrain.memory import budget as gpubudget
 from megatrain.model import family_classes
 
 

@@ -1,7 +1,7 @@
 """The block plan: which decoder layers form which recompute block.
 
 The data-plane plan (ipc/protocol/plan.py) serves weights in the order these blocks imply, the engine
-recomputes exactly them, and the sizing (megatrain/autosize.py) counts their checkpoints; each reads them
+recomputes exactly them, and the sizing (megatrain/memory/autosize.py) counts their checkpoints; each reads them
 from here, so none of them imports the compute engine for it."""
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ class EngineConfig:
         "auto",
         "K: keep the activation at the input of every K-th layer; a block "
         "of K layers is recomputed once, with grad, right before its "
-        "backward. auto: megatrain/autosize.py (2; 1 when the GPU holds "
+        "backward. auto: megatrain/memory/autosize.py (2; 1 when the GPU holds "
         "fewer than 2 layers' activations).",
     )
     last_block_layers: int | str = opt(
@@ -62,7 +62,7 @@ class EngineConfig:
         "in one chunk. auto: the whole batch when K layers' activations fit, "
         "else the largest chunk that does; with clipping, the fewest chunks "
         "that put every layer in the last block where that saves a quarter "
-        "or more of the recompute (megatrain/autosize.py).",
+        "or more of the recompute (megatrain/memory/autosize.py).",
     )
     token_tile: int | str = opt(
         "auto",
@@ -70,7 +70,7 @@ class EngineConfig:
         "residual): it runs tile by tile in the forward and again in the backward, "
         "so its memory follows the tile, not the sequence (megatrain/tiling.py; "
         "for long context). 0 = untiled. auto: untiled where a layer's "
-        "activations fit, else the largest tile that does (megatrain/autosize.py).",
+        "activations fit, else the largest tile that does (megatrain/memory/autosize.py).",
     )
     offload_checkpoints: bool | int | str = opt(
         "auto",
@@ -85,7 +85,7 @@ class EngineConfig:
     gpu_memory_gib: float | str | None = opt(
         None,
         "CUDA: the most GPU memory, in GiB, the run may take on each of its GPUs, the CUDA context "
-        "included (what nvidia-smi shows for the process; megatrain/gpubudget.py). The automatic sizes "
+        "included (what nvidia-smi shows for the process; megatrain/memory/budget.py). The automatic sizes "
         "and the plan fit it (or the free memory, where less is free), and the executor caps PyTorch's "
         "caching allocator at it less the context. null or auto: all of the GPU's free memory.",
     )
@@ -119,7 +119,7 @@ class EngineConfig:
             raise ValueError(f"engine.gpu_memory_gib must be null, auto or a number of GiB > 0, not {budget!r}")
 
 
-# What an `auto` size is where no memory is scarce (the CPU device; megatrain/autosize.py decides on CUDA).
+# What an `auto` size is where no memory is scarce (the CPU device; megatrain/memory/autosize.py decides on CUDA).
 FIXED_SIZES = {
     "checkpoint_interval": 2,
     "last_block_layers": 0,

@@ -1,4 +1,4 @@
-"""The `auto` engine sizes (megatrain/autosize.py): the rule, on the Qwen2.5-7B layer shape it was
+"""The `auto` engine sizes (megatrain/memory/autosize.py): the rule, on the Qwen2.5-7B layer shape it was
 calibrated on, and explicit values winning over it."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
-from megatrain import autosize
 from megatrain.blocks import blocks
 from megatrain.engine import FIXED_SIZES, EngineConfig, resolve_engine
 from megatrain.ipc.protocol import checkpoint_host_bytes
 from megatrain.launch.config.tree import load_config
+from megatrain.memory import autosize
 from megatrain.model import ModelConfig, build_spec
 
 GIB = 2**30

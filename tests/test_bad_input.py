@@ -284,8 +284,8 @@ def test_sizes_refused_while_the_store_is_made_leave_nothing(capsys, tmp_path: P
     import threading
     import time
 
-    from megatrain import autosize
     from megatrain.errors import ResourceError
+    from megatrain.memory import autosize
 
     def refuse(*_a, **_k):
         deadline = time.monotonic() + 120  # the owner is inside create() once its first segment exists

@@ -1,4 +1,4 @@
-"""engine.gpu_memory_gib (megatrain/gpubudget.py): the automatic sizes and the plan fit the budget, from 0.5B to
+"""engine.gpu_memory_gib (megatrain/memory/budget.py): the automatic sizes and the plan fit the budget, from 0.5B to
 14B dense shapes and a mixture of experts, 4K to 512K tokens; the errors a budget too small gets; the plan's and
 the bench's view of it. Pure planning: no GPU (tests/test_gpubudget_cuda.py runs one under a budget)."""
 
@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from bench import run as bench_run
-from megatrain import autosize, gpubudget
 from megatrain.engine import EngineConfig, resolve_engine
 from megatrain.errors import ConfigError, ResourceError
 from megatrain.launch.cli.main import main
 from megatrain.launch.config import memplan
 from megatrain.launch.config.tree import load_config
+from megatrain.memory import autosize
+from megatrain.memory import budget as gpubudget
 from megatrain.model import ModelConfig, build_spec
 
 GIB = 2**30

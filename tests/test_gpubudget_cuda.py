@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain import autosize, gpubudget
 from megatrain.engine import resolve_engine
 from megatrain.launch.config.tree import load_config
 from megatrain.launch.run.driver import Trainer
+from megatrain.memory import autosize
+from megatrain.memory import budget as gpubudget
 from megatrain.model import build_spec
 from tests.helpers import NEEDS_CUDA
 

@@ -12,13 +12,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from megatrain.arch import arch_of_spec
-from megatrain.autosize import layer_activation_bytes
 from megatrain.data import DataConfig, batch
 from megatrain.errors import ConfigError
 from megatrain.export import export
 from megatrain.flops import active_params, model_step_flops
 from megatrain.launch.config import memplan
 from megatrain.launch.config.tree import load_config
+from megatrain.memory.autosize import layer_activation_bytes
 from megatrain.memory.layer import lean_layer_bytes
 from megatrain.model import FAMILIES, ModelSpec, build_spec, hf_config_fields
 from megatrain.weights import flat_unit

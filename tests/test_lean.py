@@ -120,7 +120,7 @@ def test_the_memory_model_holds_a_mixture_of_experts_lean_layer(family: str) -> 
 
 def _saved_by_autograd(family: str) -> tuple[int, int]:
     """(bytes autograd keeps for one whole layer's backward, the plan's layer_activation_bytes) at 2x256 tokens."""
-    from megatrain.autosize import layer_activation_bytes
+    from megatrain.memory.autosize import layer_activation_bytes
 
     model = tiny_hf(family, tied=False, layers=1)
     spec = spec_for(model, family)

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain import autosize
 from megatrain.engine import EngineConfig, resolve_engine
 from megatrain.errors import ResourceError
 from megatrain.flops import active_params, expert_params
 from megatrain.launch.cli.main import main
 from megatrain.launch.config import memplan
 from megatrain.launch.config.tree import load_config
+from megatrain.memory import autosize
 from megatrain.model import build_spec
 from megatrain.moe import is_expert_slot
 from tests.helpers import MOE_FAMILIES, TINY, tiny_config_dict, tiny_hf

@@ -23,7 +23,7 @@ No file of theirs is edited. Glue applied from here, all outside their algorithm
      line after each of their per-step blocks; CPUMasterModel.__init__ is wrapped to keep a reference
      to the model (to count N exactly as their loop does: sum of numel over model.get_parameters()).
   G5 only with --gpu-gib: the process's caching allocator is capped at that budget less its CUDA context
-     before their code allocates on the GPU, as MegaTrain's executor caps its own (megatrain/gpubudget.py).
+     before their code allocates on the GPU, as MegaTrain's executor caps its own (megatrain/memory/budget.py).
 
 TFLOPS printed per step:  theirs = 6*N*B*S / t      (their train.py formula, S = max_seq_len)
                           ours   = (6*N*D + 12*L*H*S*D) / t,  D = B*S tokens, L layers, H hidden.
@@ -179,7 +179,7 @@ def main():
     # ---- G5: the GPU budget, before anything of theirs allocates ----------------------------------
     if a.gpu_gib is not None:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-        from megatrain.gpubudget import GIB, cap_device
+        from megatrain.memory.budget import GIB, cap_device
 
         print(f"[bench] {cap_device(torch.cuda.current_device(), int(a.gpu_gib * GIB))}", flush=True)
 

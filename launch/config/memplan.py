@@ -16,7 +16,6 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatrain import gpubudget
 from megatrain.arch import Arch, arch_from_config, arch_of_spec, holds_weights
 from megatrain.engineconfig import resolve_engine
 from megatrain.errors import ConfigError
@@ -26,6 +25,7 @@ from megatrain.ipc.shm import HEADER_BYTES, gib
 from megatrain.launch.config import timeplan
 from megatrain.launch.config.tree import Config, load_tree, validate_plan
 from megatrain.launch.control.placement import demands, describe_need, per_executor, resolve_executors, roster_for
+from megatrain.memory import budget as gpubudget
 from megatrain.memory.gpu import reduction_bytes
 from megatrain.memory.machine import (
     GIB,

@@ -151,9 +151,9 @@ def check_gpu_budget(cfg: Config, where: Where | None = None) -> None:
         return  # no budget (gpubudget.budget_bytes None): nothing to check, and the model code is not imported
     import torch
 
-    from megatrain import gpubudget
     from megatrain.engineconfig import resolve_engine
     from megatrain.launch.control.placement import per_executor
+    from megatrain.memory import budget as gpubudget
     from megatrain.memory.gpu import reduction_bytes
     from megatrain.model import build_spec
 

@@ -9,7 +9,7 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-from megatrain import autosize, gpubudget, log
+from megatrain import log
 from megatrain.actors.adam_updater import AdamUpdater
 from megatrain.actors.base import Role
 from megatrain.actors.checkpoint_writer import CheckpointWriter
@@ -39,6 +39,8 @@ from megatrain.launch.control.placement import (
 from megatrain.launch.control.runners import Pending
 from megatrain.launch.report.describe import describe_run
 from megatrain.launch.run.stopping import Background
+from megatrain.memory import autosize
+from megatrain.memory import budget as gpubudget
 from megatrain.memory.gpu import reduction_bytes
 from megatrain.memory.plan import staging_by_rule, staging_mode
 from megatrain.model import ModelSpec, pretrained_config
@@ -185,7 +187,7 @@ def choose_sizes(
     room = host_room // len(executors) if host_room is not None else None  # each pins its own checkpoints
     sizes, why = autosize.choose(model, engine, batch, cfg.data.seq_len, free, cfg.optim.clips, room)
     engine = autosize.apply(engine, sizes)
-    log(f"engine sizes: {sizes} ({why}; the rule for 'auto': megatrain/autosize.py)")
+    log(f"engine sizes: {sizes} ({why}; the rule for 'auto': megatrain/memory/autosize.py)")
     if free is not None and gpubudget.budget_bytes(engine) is not None:  # the run never plans past its budget
         peak = gpubudget.peak_bytes(model, engine, batch, cfg.data.seq_len, sizes)
         if peak > free:

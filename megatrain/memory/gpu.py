@@ -1,16 +1,17 @@
 """The GPU part of a memory plan: the engine's sizes the auto rule picks for the GPU memory there is, the
-terms of its memory model at those sizes (megatrain/autosize.py), the budget engine.gpu_memory_gib sets
-(megatrain/gpubudget.py), and the fp32 gradients several executors queue for their sum."""
+terms of its memory model at those sizes (megatrain/memory/autosize.py), the budget engine.gpu_memory_gib sets
+(megatrain/memory/budget.py), and the fp32 gradients several executors queue for their sum."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatrain import autosize, gpubudget
 from megatrain.arch import Arch
 from megatrain.engineconfig import EngineConfig
 from megatrain.errors import ResourceError
 from megatrain.layout import StoreLayout
+from megatrain.memory import autosize
+from megatrain.memory import budget as gpubudget
 
 REDUCE_CREDITS = 2  # fp32 gradients queued for their reduction on the GPU (actors/executor_reduce.py)
 REDUCTION = "fp32 gradients awaiting the executors' sum"

@@ -1,6 +1,6 @@
 """What one decoder layer keeps for its backward, per token, from the model's shape alone (an Arch): the MLP's
 activation width (a mixture of experts' routed width), and a lean layer's bytes (megatrain/lean.py, which
-keeps only the GEMM and attention outputs). The memory model of megatrain/autosize.py is built on these."""
+keeps only the GEMM and attention outputs). The memory model of megatrain/memory/autosize.py is built on these."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The budget counts what nvidia-smi shows for the run's process on a GPU: the CUDA context (CUDA's own
 memory, outside PyTorch's caching allocator: about half a GiB) and everything the allocator reserves. So
-the automatic sizes (megatrain/autosize.py) plan with the budget less the context, or with the free memory
+the automatic sizes (megatrain/memory/autosize.py) plan with the budget less the context, or with the free memory
 where less is free, and the executor caps the caching allocator at the budget less its context
 (torch.cuda.set_per_process_memory_fraction) before it allocates anything: a tensor beyond the cap is
 refused with an out-of-memory error instead of taking more. Outside the allocator stay, besides the
@@ -15,10 +15,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatrain import autosize
 from megatrain.arch import Arch
 from megatrain.engineconfig import EngineConfig
 from megatrain.errors import ResourceError
+from megatrain.memory import autosize
 
 if TYPE_CHECKING:
     from megatrain.model import ModelSpec
