@@ -96,19 +96,19 @@ class Trainer:
                 }
             self.loop = StepLoop(
                 PreparedRun(
-                    self.cfg,
-                    self.crew,
-                    self.data,
-                    self.spec,
-                    self.engine_cfg.device == "cuda",
-                    self.out,
-                    self.start,
-                    self.steps,
-                    self.evaluator,
-                    self.checkpointer,
-                    dump_yaml(self._resolved()),
-                    self.stop,
-                    self.phases.launched,
+                    cfg=self.cfg,
+                    crew=self.crew,
+                    data=self.data,
+                    spec=self.spec,
+                    cuda=self.engine_cfg.device == "cuda",
+                    out=self.out,
+                    start=self.start,
+                    steps=self.steps,
+                    evaluator=self.evaluator,
+                    checkpointer=self.checkpointer,
+                    config_yaml=dump_yaml(self._resolved()),
+                    stop=self.stop,
+                    launched=self.phases.launched,
                 )
             )
             self.loop()

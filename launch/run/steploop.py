@@ -32,7 +32,7 @@ from megatrain.launch.run.stopping import StopRequest
 from megatrain.roster import ADAM, EXECUTOR, Kind, Verb
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class PreparedRun:
     """What the start-up settled and the loop runs with."""
 
