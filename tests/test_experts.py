@@ -1,0 +1,159 @@
+"""Our expert path (megatrain/experts.py) against transformers' eager experts on the same MoE block, weights and
+inputs, CPU fp32: the output and the gradient of every parameter and of the input, per family."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megatrain import experts
+from megatrain.experts import EXPERTS
+from megatrain.model import family_classes
+
+H = 64
+
+
+def _config(family: str, width: int, k: int, num_experts: int = 8, **extra):
+    fields = {
+        "mixtral": dict(intermediate_size=width, num_local_experts=num_experts),
+        "qwen2_moe": dict(moe_intermediate_size=width, shared_expert_intermediate_size=48, num_experts=num_experts),
+        "qwen3_moe": dict(moe_intermediate_size=width, num_experts=num_experts),
+        "olmoe": dict(intermediate_size=width, num_experts=num_experts),
+        "gpt_oss": dict(intermediate_size=width, num_local_experts=num_experts),
+    }[family]
+    conf = family_classes(family)[0](
+        hidden_size=H, num_experts_per_tok=k, num_hidden_layers=1, num_attention_heads=4, **fields, **extra
+    )
+    conf._experts_implementation = "eager"
+    return conf
+
+
+def _blocks(family: str, width: int = 32, k: int = 2, std: float = 0.1, bias_std: float = 0.5, **extra):
+    """(HF's eager block, the same block on our path), same weights."""
+    conf = _config(family, width, k, **extra)
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        layer = family_classes(family)[1](conf).model.layers[0]
+    ref = layer.mlp.to_empty(device="cpu")
+    for name, p in ref.named_parameters():
+        torch.nn.init.normal_(p, std=bias_std if "bias" in name else std)
+    ours = copy.deepcopy(ref)
+    ours.experts.config = copy.deepcopy(conf)
+    ours.experts.config._experts_implementation = EXPERTS
+    return ref, ours
+
+
+def _run(block: torch.nn.Module, x: torch.Tensor, g: torch.Tensor):
+    x = x.clone().requires_grad_(True)
+    block.zero_grad(set_to_none=True)
+    out = block(x)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(g)
+    return out.detach(), {"input": x.grad, **{n: p.grad for n, p in block.named_parameters()}}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-30))
+
+
+def _compare(ref, ours, tokens: int = 48, seed: int = 1):
+    torch.manual_seed(seed)
+    x, g = torch.randn(2, tokens // 2, H), torch.randn(2, tokens // 2, H)
+    calls = []
+    apply = experts.Experts.apply
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(experts.Experts, "apply", lambda *a: calls.append(1) or apply(*a))
+        got, got_grads = _run(ours, x, g)
+    assert calls, "our path did not run"
+    want, want_grads = _run(ref, x, g)
+    assert _rel(got, want) <= 1e-6
+    assert got_grads.keys() == want_grads.keys()
+    for name, w in want_grads.items():
+        assert got_grads[name] is not None, name
+        if float(w.abs().max()) < 1e-5:  # zero up to rounding (Mixtral's top-1 weights are all 1): both noise
+            assert float((got_grads[name] - w).abs().max()) <= 1e-6, name
+        else:
+            assert _rel(got_grads[name], w) <= 1e-6, name
+    return x, got, got_grads
+
+
+def _used(block, x: torch.Tensor) -> torch.Tensor:
+    """Routed rows per expert."""
+    router = block.gate if hasattr(block, "gate") else block.router
+    with torch.no_grad():
+        out = router(x.view(-1, H))
+    idx = out[-1] if isinstance(out, tuple) else out
+    return torch.bincount(idx.flatten(), minlength=block.experts.gate_up_proj.shape[0])
+
+
+FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("k", [1, 2])
+def test_matches_hf_eager(family: str, k: int) -> None:
+    _compare(*_blocks(family, k=k))
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("norm", [False, True])
+def test_norm_topk_prob(family: str, norm: bool) -> None:
+    _compare(*_blocks(family, norm_topk_prob=norm))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_experts_with_no_rows(family: str) -> None:
+    """Four tokens top-1 over eight experts: at least four get no rows (zero gradients, no rows computed)."""
+    ref, ours = _blocks(family, k=1)
+    x, _, grads = _compare(ref, ours, tokens=4)
+    used = _used(ours, x.detach())
+    assert (used == 0).sum() >= 4
+    empty = used == 0
+    assert torch.all(grads["experts.down_proj"][empty] == 0)
+    assert torch.all(grads["experts.gate_up_proj"][empty] == 0)
+
+
+def test_gpt_oss_clamps_active() -> None:
+    """Weights large enough that the gate's upper clamp and both of up's clamps cut: their gradients included."""
+    ref, ours = _blocks("gpt_oss", std=0.6, bias_std=2.0)
+    x, _, _ = _compare(ref, ours)
+    e = ours.experts
+    with torch.no_grad():
+        h = x.view(-1, H) @ e.gate_up_proj[0] + e.gate_up_proj_bias[0]
+    assert (h[:, ::2] > e.limit).float().mean() > 0.05
+    assert (h[:, 1::2].abs() > e.limit).float().mean() > 0.05
+
+
+@pytest.mark.parametrize("family", ["olmoe", "gpt_oss"])
+def test_layouts_grouped_mm_refuses(family: str) -> None:
+    """A width whose rows are not a multiple of 16 bytes (30 fp32) runs the per-expert loop: same results."""
+    ref, ours = _blocks(family, width=30)
+    assert not experts._grouped(torch.zeros(4, 30), torch.zeros(2, 30, 8))
+    _compare(ref, ours)
+
+
+def test_loop_matches_grouped(monkeypatch) -> None:
+    """The per-expert loop and grouped_mm agree (a layout grouped_mm takes, forced through the loop)."""
+    _, ours = _blocks("qwen3_moe")
+    torch.manual_seed(1)
+    x, g = torch.randn(2, 24, H), torch.randn(2, 24, H)
+    out, grads = _run(ours, x, g)
+    monkeypatch.setattr(experts, "_grouped", lambda a, b: False)
+    loop_out, loop_grads = _run(ours, x, g)
+    assert _rel(loop_out, out) <= 1e-6
+    for name, w in grads.items():
+        assert _rel(loop_grads[name], w) <= 1e-6, name
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+def test_deterministic(family: str) -> None:
+    _, ours = _blocks(family)
+    torch.manual_seed(1)
+    x, g = torch.randn(2, 24, H), torch.randn(2, 24, H)
+    a, ga = _run(ours, x, g)
+    b, gb = _run(ours, x, g)
+    assert torch.equal(a, b)
+    for name in ga:
+        assert torch.equal(ga[name], gb[name]), name
