@@ -138,7 +138,7 @@ class StepEngine:
     def __init__(self, spec: ModelSpec, cfg: EngineConfig, device: torch.device, dtype: torch.dtype):
         cfg = fixed_sizes(cfg)  # the driver resolves them (autosize.py); a bare engine (tests) takes these
         self.spec, self.cfg, self.device, self.dtype = spec, cfg, device, dtype
-        self.t = Templates(spec, device)
+        self.t = Templates(spec, device, cfg.moe_experts)
         self.t.use_tiles(cfg.token_tile)
         self.n = spec.layout.num_layers
         self.blocks: list[list[int]] = []

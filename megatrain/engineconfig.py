@@ -82,6 +82,13 @@ class EngineConfig:
         "the room left for activations, else in host memory, as many as "
         "the host holds beside the store and the rest on the GPU.",
     )
+    moe_experts: str = opt(
+        "hf",
+        "How a mixture-of-experts layer runs its experts: hf (transformers' own grouped-GEMM path, "
+        "differentiated by autograd) or megatrain (megatrain/experts.py: the routed rows sorted "
+        "once per layer, one grouped GEMM per projection, a backward of its own that keeps the gate/up "
+        "output and recomputes the activation from it). Dense models ignore it.",
+    )
     gpu_memory_gib: float | str | None = opt(
         None,
         "CUDA: the most GPU memory, in GiB, the run may take on each of its GPUs, the CUDA context "
@@ -112,6 +119,8 @@ class EngineConfig:
                 f"engine.offload_checkpoints must be auto, true, false or a count >= 0 of checkpoints in host "
                 f"memory, not {off!r}"
             )
+        if self.moe_experts not in ("hf", "megatrain"):
+            raise ValueError(f"engine.moe_experts must be hf or megatrain, not {self.moe_experts!r}")
         if self.prefetch < 0:
             raise ValueError("engine.prefetch must be >= 0")
         budget = self.gpu_memory_gib

@@ -211,6 +211,19 @@ def resolve_hf_config(cfg: ModelConfig, where: Where | None = None) -> tuple[str
     return family, hf
 
 
+def with_experts(hf: PretrainedConfig, experts: str) -> PretrainedConfig:
+    """`hf` running its experts on the path engine.moe_experts names, as `_attn_implementation` names the
+    attention: "hf" leaves HF's choice; "megatrain" registers megatrain/experts.py with HF and names it on a
+    copy (the spec's config is shared by whatever else the process builds)."""
+    if experts == "hf":
+        return hf
+    from megatrain.experts import EXPERTS  # registers the path with HF's ExpertsInterface
+
+    out = copy.deepcopy(hf)
+    out._experts_implementation = EXPERTS
+    return out
+
+
 def meta_model(family: str, hf: PretrainedConfig) -> torch.nn.Module:
     """The model's structure with no storage: templates and shapes come from here."""
     with torch.device("meta"):

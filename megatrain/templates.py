@@ -16,7 +16,7 @@ from torch.func import functional_call
 from megatrain.documents import LayerContext
 from megatrain.errors import ConfigError
 from megatrain.lean import experts_rerun, lean_call
-from megatrain.model import ModelSpec, meta_model
+from megatrain.model import ModelSpec, meta_model, with_experts
 from megatrain.moe import RouterStats, moe_info
 from megatrain.tiling import tileable, tiled_layer
 
@@ -24,8 +24,8 @@ from megatrain.tiling import tileable, tiled_layer
 class Templates:
     """Stateless HF modules on the meta device; weights are bound per call as views of a flat vector."""
 
-    def __init__(self, spec: ModelSpec, device: torch.device):
-        model = meta_model(spec.family, spec.hf_config)
+    def __init__(self, spec: ModelSpec, device: torch.device, experts: str = "hf"):
+        model = meta_model(spec.family, with_experts(spec.hf_config, experts))  # engine.moe_experts
         self.spec, self.layout = spec, spec.layout
         types = getattr(spec.hf_config, "layer_types", None)
         cache: dict[tuple, torch.nn.Module] = {}

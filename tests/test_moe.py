@@ -3,6 +3,7 @@ gradient equal HF autograd over the whole model, with the aux loss's cross-layer
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from megatrain.data import IGNORE, DataConfig, batch
 from megatrain.engine import EngineConfig, StepEngine, fixed_sizes
 from megatrain.errors import ConfigError
+from megatrain.experts import Experts
 from megatrain.ipc.protocol import blocks, fetch_order, grad_order
 from megatrain.launch.cli.fidelity import compare
 from megatrain.launch.config.tree import load_config
@@ -45,19 +47,33 @@ def _hf_routing(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[list[in
     return load, float(out.aux_loss)
 
 
-def _engine_step(model: torch.nn.Module, family: str, case: str, ids: torch.Tensor, labels: torch.Tensor):
+def _engine_step(
+    model: torch.nn.Module, family: str, case: str, ids: torch.Tensor, labels: torch.Tensor, experts: str = "hf"
+):
     """One engine step over the model's weights, the fetch and gradient order checked: (spec, result, sink)."""
     spec = spec_for(model, family)
     state = {k_: v.detach() for k_, v in model.state_dict().items()}
-    cfg = fixed_sizes(EngineConfig(loss_chunk_tokens=10, **ENGINE_CASES[case]))
+    cfg = fixed_sizes(EngineConfig(loss_chunk_tokens=10, moe_experts=experts, **ENGINE_CASES[case]))
     k, last = cfg.checkpoint_interval, cfg.last_block_layers
     n = spec.layout.num_layers
     engine = StepEngine(spec, cfg, torch.device("cpu"), torch.float32)
     src, sink = DictSource(spec, state, blocks=blocks(n, k, last)), DictSink()
-    res = engine.step(ids, labels, src, sink)
+    with _our_experts_run(experts):
+        res = engine.step(ids, labels, src, sink)
     assert src.seen == fetch_order(blocks(n, k, last))
     assert sink.order == grad_order(n)
     return spec, res, sink
+
+
+@contextlib.contextmanager
+def _our_experts_run(experts: str):
+    """Checks that the step ran its experts on the path engine.moe_experts names (megatrain/experts.py or not)."""
+    calls: list[int] = []
+    apply = Experts.apply
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Experts, "apply", lambda *a: calls.append(1) or apply(*a))
+        yield
+    assert bool(calls) == (experts == "megatrain")
 
 
 def _check_grads(spec, sink: DictSink, ref_grads: dict) -> None:
@@ -77,15 +93,16 @@ ENGINE_CASES = {
 }
 
 
+@pytest.mark.parametrize("experts", ["hf", "megatrain"])  # engine.moe_experts; HF's reference stays HF's
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 @pytest.mark.parametrize("case", list(ENGINE_CASES))
-def test_moe_engine_matches_hf_autograd(family: str, case: str) -> None:
+def test_moe_engine_matches_hf_autograd(family: str, case: str, experts: str) -> None:
     """One block counts its routing in the forward with grad; sequence chunks run the last block per
     chunk, which needs every chunk's routing counted before the first chunk's backward."""
     model = tiny_hf(family, tied=False)
     ids, labels = batch(DataConfig(seq_len=24, batch_size=3), 0)
     ref_lm, ref_aux, ref_grads = _reference(model, ids, labels)
-    spec, res, sink = _engine_step(model, family, case, ids, labels)
+    spec, res, sink = _engine_step(model, family, case, ids, labels, experts)
 
     assert abs(float(res.loss) - ref_lm) <= 1e-6 * abs(ref_lm)
     assert abs(float(res.routers.aux_loss()) - ref_aux) <= 1e-6 * abs(ref_aux)
@@ -133,9 +150,10 @@ VARIANTS = {
 VARIANT_CASES = ["k1", "k2-last1-chunks2", "tiles", "lean"]
 
 
+@pytest.mark.parametrize("experts", ["hf", "megatrain"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("case", VARIANT_CASES)
-def test_moe_config_variants_match_hf_autograd(variant: str, case: str) -> None:
+def test_moe_config_variants_match_hf_autograd(variant: str, case: str, experts: str) -> None:
     """The language-model loss and every unit's gradient equal HF autograd's (its loss with the aux term
     only where HF adds it), and the aux loss and each MoE layer's load equal HF's record of the routing."""
     family, hf, batch_size, ignored = VARIANTS[variant]
@@ -148,7 +166,7 @@ def test_moe_config_variants_match_hf_autograd(variant: str, case: str) -> None:
     ref_lm, ref_aux, ref_grads = _reference(model, ids, labels)
     ref_load, hf_aux = _hf_routing(model, ids)
     assert (ref_aux is None) == (not model.config.output_router_logits)
-    spec, res, sink = _engine_step(model, family, case, ids, labels)
+    spec, res, sink = _engine_step(model, family, case, ids, labels, experts)
 
     assert abs(float(res.loss) - ref_lm) <= 1e-6 * abs(ref_lm)
     assert abs(float(res.routers.aux_loss()) - hf_aux) <= 1e-6 * abs(hf_aux)
@@ -181,14 +199,16 @@ SYSTEM_CASES = [
 ]
 
 
+@pytest.mark.parametrize("experts", ["hf", "megatrain"])
 @pytest.mark.parametrize("family,tied,k,extra", SYSTEM_CASES, ids=[c[0] for c in SYSTEM_CASES])
 def test_moe_through_the_actor_system_matches_plain_pytorch(
-    tmp_path, family: str, tied: bool, k: int, extra: list[str]
+    tmp_path, family: str, tied: bool, k: int, extra: list[str], experts: str
 ) -> None:
     """10 steps through every actor (in-process runner) against the HF model + torch.optim.AdamW: the
     language-model loss and the load-balancing loss per step, and the final weights (exported per expert
     as HF writes them, read back), to 1e-5; the metrics carry each layer's expert load."""
-    rep = compare(tiny_config(family, tied, k, tmp_path, extra=extra), tmp_path)
+    with _our_experts_run(experts):
+        rep = compare(tiny_config(family, tied, k, tmp_path, extra=[*extra, f"engine.moe_experts={experts}"]), tmp_path)
     check(rep, tied)
     assert len(rep["aux_losses"]) == 10
     for step, (ours, ref) in enumerate(zip(rep["aux_losses"], rep["ref_aux_losses"])):
