@@ -9,8 +9,11 @@ import pytest
 import torch
 
 from megatrain import experts
+from megatrain.arch import arch_of_spec
 from megatrain.experts import EXPERTS
-from megatrain.model import family_classes
+from megatrain.memory.layer import OUR_EXPERTS, experts_kept_bytes, mlp_width
+from megatrain.model import family_classes, with_experts
+from tests.helpers import MOE_FAMILIES, spec_for, tiny_hf
 
 H = 64
 
@@ -157,3 +160,45 @@ def test_deterministic(family: str) -> None:
     assert torch.equal(a, b)
     for name in ga:
         assert torch.equal(ga[name], gb[name]), name
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_the_memory_plan_counts_what_our_path_keeps(family: str) -> None:
+    """experts_kept_bytes = the bytes autograd keeps for our Function in one MoE layer of a tiny model (its own
+    saved tensors: not the layer's input, kept by the router too, nor the weights), 2x256 tokens in fp32."""
+    model = tiny_hf(family, tied=False, layers=1)
+    spec = spec_for(model, family)
+    layer = model.model.layers[0]
+    for m in layer.modules():
+        if hasattr(m, "config"):
+            m.config = with_experts(m.config, OUR_EXPERTS)
+    hidden = spec.hf_config.hidden_size
+    x = torch.randn(2, 256, hidden, requires_grad=True)
+    pos_ids = torch.arange(256).unsqueeze(0)
+    pe = model.model.rotary_emb(x, pos_ids)
+    weights = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    kept: dict[int, int] = {}
+    inputs: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights and ptr not in inputs:
+            kept[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    apply = experts.Experts.apply
+
+    def counted(x_, *args):
+        inputs.add(x_.untyped_storage().data_ptr())
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return apply(x_, *args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(experts.Experts, "apply", counted)
+        layer(x, position_embeddings=pe, position_ids=pos_ids, attention_mask=None)
+    arch = arch_of_spec(spec)
+    assert inputs, "our path did not run"
+    assert OUR_EXPERTS == EXPERTS
+    assert sum(kept.values()) == experts_kept_bytes(arch, 512, 4)
+    # and the plan's MLP width on our path is below HF's (which also holds the gathered and scattered rows)
+    assert mlp_width(arch, OUR_EXPERTS) < mlp_width(arch)

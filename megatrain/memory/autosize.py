@@ -89,18 +89,21 @@ def as_arch(model: Arch | ModelSpec) -> Arch:
     return model if isinstance(model, Arch) else arch_of_spec(model)
 
 
-def layer_activation_bytes(model: Arch | ModelSpec, tokens: int, dtype_bytes: int, tile: int = 0) -> int:
+def layer_activation_bytes(
+    model: Arch | ModelSpec, tokens: int, dtype_bytes: int, tile: int = 0, experts: str = "hf"
+) -> int:
     """One decoder layer's activations kept for its backward, for `tokens` tokens; with token tiles
     (megatrain/tiling.py), its attention half's (q, k, v, the attention output, the log-sum-exp and three
     hidden-state copies: the input, the normed input and the MLP half's input), plus one tile's worth of an
-    untiled layer: the tile in flight. Calibrated with stream_bytes on the tiled runs measured."""
+    untiled layer: the tile in flight. Calibrated with stream_bytes on the tiled runs measured. `experts`:
+    engine.moe_experts (what a mixture of experts' routed rows keep: mlp_width)."""
     arch = as_arch(model)
     if not tile or tile >= tokens:
-        width = 8 * arch.hidden_size + 11 * mlp_width(arch) + 2 * _attention_excess(arch)  # in half dtypes
+        width = 8 * arch.hidden_size + 11 * mlp_width(arch, experts) + 2 * _attention_excess(arch)  # half dtypes
         return int(tokens * width * dtype_bytes // 2)
     q, kv = arch.attention_widths
     kept = tokens * ((3 * arch.hidden_size + 2 * q + 2 * kv) * dtype_bytes + 4 * arch.num_attention_heads)
-    return kept + layer_activation_bytes(arch, tile, dtype_bytes)
+    return kept + layer_activation_bytes(arch, tile, dtype_bytes, experts=experts)
 
 
 def _attention_excess(arch: Arch) -> int:
@@ -112,12 +115,13 @@ def _attention_excess(arch: Arch) -> int:
     return 2 * (q - arch.hidden_size) + 2 * (kv - arch.hidden_size * kv_heads // arch.num_attention_heads)
 
 
-def token_tile(model: Arch | ModelSpec, tokens: int) -> int:
+def token_tile(model: Arch | ModelSpec, tokens: int, experts: str = "hf") -> int:
     """The tile an `auto` engine.token_tile takes where a layer's untiled activations do not fit: TILE_TOKENS,
     or fewer where the layer is so wide that one tile would take more than a layer of attention half."""
     arch = as_arch(model)
     tile = TILE_TOKENS
-    while tile > 1024 and tile * (8 * arch.hidden_size + 11 * mlp_width(arch)) > tokens * 8 * arch.hidden_size:
+    width = 8 * arch.hidden_size + 11 * mlp_width(arch, experts)
+    while tile > 1024 and tile * width > tokens * 8 * arch.hidden_size:
         tile //= 2
     return min(tile, tokens)
 
@@ -182,7 +186,7 @@ def choose(
     except ResourceError:  # one sequence's layer does not fit whole: its MLP half in tiles (auto only)
         if cfg.token_tile != "auto":
             raise
-        tile = token_tile(arch, seq)
+        tile = token_tile(arch, seq, cfg.moe_experts)
         budget = room - stream_bytes(arch, batch * seq, dtype_bytes, tile)
         shape = _Shape(arch, cfg, batch, seq, dtype_bytes, clip, gpu_free, tile)
         plan = _explicit(cfg, shape.blocks(budget))
@@ -248,7 +252,10 @@ class _Shape:
     ):
         self.arch, self.cfg, self.batch, self.seq, self.dtype_bytes = arch, cfg, batch, seq, dtype_bytes
         self.clip, self.gpu_free, self.tile = clip, gpu_free, tile
-        self.per_layer = layer_activation_bytes(arch, batch * seq, dtype_bytes, tile)
+        self.per_layer = layer_activation_bytes(arch, batch * seq, dtype_bytes, tile, cfg.moe_experts)
+
+    def _layer(self, tokens: int) -> int:
+        return layer_activation_bytes(self.arch, tokens, self.dtype_bytes, self.tile, self.cfg.moe_experts)
 
     def blocks(self, budget: int) -> tuple[int, int, int, int, str]:
         """(K, last block layers, sequences per chunk, lean layers, why) for `budget` bytes of activations."""
@@ -258,7 +265,7 @@ class _Shape:
         k = 2 if fit >= 2 and layers >= 2 else 1
         room = budget - sum_bytes(arch, k)  # chunks keep an fp32 gradient sum per layer of the block
         # only a batch run in chunks keeps the gradient sums: K whole layers that fit need none
-        one = layer_activation_bytes(arch, seq, self.dtype_bytes, self.tile)  # a tiled one keeps a tile's worth
+        one = self._layer(seq)  # a tiled one keeps a tile's worth
         if k * per_layer > budget and k * one > room and cfg.chunk_sequences == "auto":
             raise ResourceError(
                 f"the GPU cannot hold one sequence of {seq} tokens through {k} layer(s): {self.gpu_free / GIB:.1f} "
@@ -284,7 +291,7 @@ class _Shape:
         )
         both_auto = cfg.last_block_layers == "auto" and cfg.chunk_sequences == "auto"
         if self.clip and both_auto and chunk == 0 and 4 * (layers - last) >= layers:
-            every = _chunk_for_every_layer(arch, batch, seq, self.dtype_bytes, budget)
+            every = _chunk_for_every_layer(arch, batch, seq, self.dtype_bytes, budget, cfg.moe_experts)
             if every:
                 last, chunk, lean = layers, every, (0 if cfg.lean_layers == "auto" else cfg.lean_layers)
                 why += f"; every layer in the last block, in chunks of {every} sequences (clipping on)"
@@ -296,7 +303,7 @@ class _Shape:
         """The most sequences per chunk whose K layers' activations fit `room` (a tiled layer keeps a tile's
         worth whatever the chunk: not in proportion to the sequences)."""
         chunk = max(1, int(room // (k * self.per_layer / self.batch)))
-        while chunk > 1 and k * layer_activation_bytes(self.arch, chunk * self.seq, self.dtype_bytes, self.tile) > room:
+        while chunk > 1 and k * self._layer(chunk * self.seq) > room:
             chunk -= 1
         return chunk
 
@@ -391,7 +398,7 @@ def _last_block(layers: int, last, lean, cost: tuple[int, int, int]) -> tuple[in
     return last, lean
 
 
-def _chunk_for_every_layer(arch: Arch, batch: int, seq: int, dtype_bytes: int, budget: int) -> int:
+def _chunk_for_every_layer(arch: Arch, batch: int, seq: int, dtype_bytes: int, budget: int, experts: str) -> int:
     """Sequences per chunk for the fewest chunks (of at least MIN_CHUNK_TOKENS tokens) in which every layer
     fits in the last block; 0 if none."""
     layers = arch.layout.num_layers
@@ -399,7 +406,10 @@ def _chunk_for_every_layer(arch: Arch, batch: int, seq: int, dtype_bytes: int, b
         size = -(-batch // n)
         if size * seq < MIN_CHUNK_TOKENS:
             return 0
-        if layers * layer_activation_bytes(arch, size * seq, dtype_bytes) + sum_bytes(arch, layers) <= budget:
+        if (
+            layers * layer_activation_bytes(arch, size * seq, dtype_bytes, experts=experts) + sum_bytes(arch, layers)
+            <= budget
+        ):
             return size
     return 0
 
@@ -417,7 +427,7 @@ def gpu_terms(model: Arch | ModelSpec, cfg: EngineConfig, batch: int, seq: int, 
     whole, lean_kept = _kept_bytes(
         kept,
         lean,
-        layer_activation_bytes(arch, chunk_tokens, dtype_bytes, sizes.token_tile),
+        layer_activation_bytes(arch, chunk_tokens, dtype_bytes, sizes.token_tile, cfg.moe_experts),
         lean_bytes(arch, chunk_tokens, dtype_bytes),
     )
     chunked = 0 < sizes.chunk_sequences < batch

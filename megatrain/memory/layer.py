@@ -13,11 +13,39 @@ from megatrain.layout import StoreLayout
 CLAMPED_GLU = 2.2
 
 
-def mlp_width(arch: Arch) -> float:
+# engine.moe_experts' value for our expert path (megatrain/experts.py, whose name HF knows it by is the same)
+OUR_EXPERTS = "megatrain"
+# Per routed row, what our path keeps beside h: its place in the sorted order and back (two int64) and its
+# routing weight (fp32 at most: Mixtral's router keeps them fp32); biased experts (GPT-OSS) add the row's
+# sorted expert id (int64)
+_ROUTING_BYTES = 8 + 8 + 4
+_BIASED_ROUTING_BYTES = 8
+
+
+def experts_kept_bytes(arch: Arch, tokens: int, dtype_bytes: int) -> int:
+    """Bytes megatrain/experts.py keeps for its backward in one MoE layer (engine.moe_experts=megatrain), for
+    `tokens` tokens: each routed row's gate/up output h (2 x the expert width, compute dtype) and its routing;
+    per layer the groups' int32 ends. Not the gathered input rows (gathered again) nor the experts' output
+    (not needed); the layer's input and the weights are kept by others. 0 for a dense model."""
+    if not arch.is_moe:
+        return 0
+    return tokens * _experts_bytes_per_token(arch, dtype_bytes) + 4 * arch.num_experts
+
+
+def _experts_bytes_per_token(arch: Arch, dtype_bytes: int) -> int:
+    f, k = arch.fields, arch.experts_per_token
+    expert = f.get("moe_intermediate_size") or f["intermediate_size"]
+    routing = _ROUTING_BYTES + (_BIASED_ROUTING_BYTES if f.get("swiglu_limit") is not None else 0)
+    return k * (2 * expert * dtype_bytes + routing)
+
+
+def mlp_width(arch: Arch, experts: str = "hf") -> float:
     """The MLP's per-token activation width in units of a dense MLP's intermediate size, for the memory
     plan's `8·hidden + 11·intermediate` rule: a routed token runs top-k experts of the expert width, and
-    the grouped path also holds the gathered and scattered hidden rows (about 8 hidden-sized copies per
-    routed token, counted as 8/11 of a width each); a shared expert runs for every token."""
+    HF's grouped path also holds the gathered and scattered hidden rows (about 8 hidden-sized copies per
+    routed token, counted as 8/11 of a width each); a shared expert runs for every token. On our path
+    (`experts` OUR_EXPERTS) the routed rows keep experts_kept_bytes, counted in half-dtype units (bf16's
+    bytes: a little over for fp32's routing)."""
     f = arch.fields
     dense = float(f["intermediate_size"])
     if not arch.is_moe:
@@ -25,8 +53,11 @@ def mlp_width(arch: Arch) -> float:
     k = arch.experts_per_token
     expert = f.get("moe_intermediate_size") or f["intermediate_size"]
     shared = f.get("shared_expert_intermediate_size") or 0
-    expert *= CLAMPED_GLU if f.get("swiglu_limit") is not None else 1.0
-    routed = k * expert + k * arch.hidden_size * 8 / 11 + shared
+    if experts == OUR_EXPERTS:  # tokens x 11 x width x 1 byte per unit = experts_kept_bytes at 2-byte dtypes
+        routed = _experts_bytes_per_token(arch, 2) / 11 + shared
+    else:
+        expert *= CLAMPED_GLU if f.get("swiglu_limit") is not None else 1.0
+        routed = k * expert + k * arch.hidden_size * 8 / 11 + shared
     sparse_every_layer = not f.get("mlp_only_layers") and f.get("decoder_sparse_step", 1) == 1
     return routed if sparse_every_layer else max(routed, dense)
 
