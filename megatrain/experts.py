@@ -63,9 +63,10 @@ def gmm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
 
 
 def _segment_sum(rows: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """Per-expert sums of sorted rows (the biases' gradients), one ordered reduction per segment: no atomics."""
+    """Per-expert sums of sorted rows (the biases' gradients), one ordered reduction per segment: no atomics.
+    Summed in fp32: a segment holds thousands of rows, over which a bf16 running sum loses its low bits."""
     starts = torch.cat([offs.new_zeros(1), offs]).long()
-    return torch.segment_reduce(rows, "sum", offsets=starts, axis=0, unsafe=True, initial=0)
+    return torch.segment_reduce(rows.float(), "sum", offsets=starts, axis=0, unsafe=True, initial=0).to(rows.dtype)
 
 
 # GPT-OSS's clamped GLU; gate and up interleaved in h. (alpha, limit) of its config, None for SwiGLU.
