@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,19 @@ def import_args(src: Path, out: Path) -> list[str]:
         f"train.output_dir={out}",
         "launch.runner=inprocess",
     ]
+
+
+def guard_tree(root: int) -> int:
+    """The launcher's own watchdog (launch/control/guard.py) over a process tree a test started in a session of
+    its own (`ray start --head --block`): if this pytest process dies before its cleanup runs (SIGKILL, a
+    timeout's SIGTERM), the watchdog ends the tree, which would otherwise outlive it. Its pid: SIGTERM it once
+    the test has ended the tree itself."""
+    from megatrain.ipc.procs import spawn_detached, start_ticks
+
+    me = os.getpid()
+    return spawn_detached("megatrain.launch.control.guard", str(me), str(start_ticks(me)), str(root))
+
+
+def stop_guard(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)

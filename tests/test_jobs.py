@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import ROOT, run_leftovers
+from tests.helpers import guard_tree, stop_guard
 
 pytest.importorskip("ray.dashboard.modules.job", reason="needs megatrain[cluster] (ray[default])")
 pytestmark = pytest.mark.slow
@@ -107,6 +108,7 @@ def job_head(home: Path):
         env=user_env(home, **RECIPE, RAY_prestart_worker_first_driver="0"),  # no idle worker per CPU
     )
     address = f"http://127.0.0.1:{dash}"
+    guard = guard_tree(proc.pid)
     try:
         # The job server answers before its agent on the head has registered ("No available agent to
         # submit job"): ready once a no-op job is taken.
@@ -120,6 +122,7 @@ def job_head(home: Path):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc.wait(30)
+        stop_guard(guard)
         shutil.rmtree(temp, ignore_errors=True)
 
 

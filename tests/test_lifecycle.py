@@ -21,6 +21,7 @@ import pytest
 
 from megatrain import checkpoint as ckpt
 from tests.conftest import ROOT, run_leftovers
+from tests.helpers import guard_tree, stop_guard
 
 SMALL = [
     "model.hf.hidden_size=32",
@@ -188,6 +189,7 @@ def head_node(tmp_path: Path):
         stderr=subprocess.DEVNULL,
         env={**os.environ, **NO_AUTH, **NO_PRESTART},
     )
+    guard = guard_tree(proc.pid)
     try:
         deadline = time.monotonic() + 300  # a bound for a hung start only: a busy machine starts Ray slowly
         while proc.poll() is None and time.monotonic() < deadline:
@@ -204,6 +206,7 @@ def head_node(tmp_path: Path):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         proc.wait(30)
+        stop_guard(guard)
 
 
 # ---- one run, stopped and killed again and again, resumed each time --------------------------------
@@ -467,3 +470,39 @@ def test_the_launcher_returns_after_a_read_in_flight_has_ended() -> None:
     Background(lambda: (time.sleep(1.5), ended.append(True)), name="inputs")
     assert main([str(ROOT / "examples/default.yaml"), "train.no_such_key=1"]) == 2
     assert ended
+
+
+def test_a_tree_a_test_started_dies_with_the_test_process() -> None:
+    """The head_node fixture's watchdog (tests/helpers.py guard_tree): a process that started a tree in a session
+    of its own (as `ray start --head --block`) and is then SIGKILLed before any cleanup takes the tree with it."""
+    code = (
+        "import subprocess, sys, time\n"
+        "from tests.helpers import guard_tree\n"
+        "tree = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
+        "guard_tree(tree.pid)\n"
+        "print(tree.pid, flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    tree = int(owner.stdout.readline())
+    try:
+        time.sleep(1.0)  # the watchdog's first looks
+        assert Path(f"/proc/{tree}").exists()
+        owner.kill()
+        owner.wait(10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and _alive(tree):
+            time.sleep(0.2)
+        assert not _alive(tree), "the tree outlived the process that started it"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(tree, signal.SIGKILL)
+        owner.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
