@@ -205,14 +205,15 @@ def _deepspeed_rank(
         ):
             os.environ[k] = v if world > 1 else os.environ.get(k, v)
         deepspeed.init_distributed(dist_backend="nccl", verbose=False)
-        model = _model(hf, "cpu", init)
+        cfg = _ds_config(data, torch_adam)
+        model = _partitioned_model(hf, cfg) if init is None and _too_big_whole(hf, world) else _model(hf, "cpu", init)
         model.gradient_checkpointing_enable()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0) if torch_adam else None
         t0 = time.perf_counter()
         engine, *_ = deepspeed.initialize(
             model=model,
             optimizer=opt,
-            config=_ds_config(data, torch_adam),
+            config=cfg,
             model_parameters=None if torch_adam else model.parameters(),
         )
         print(f"[peers] deepspeed.initialize {time.perf_counter() - t0:.1f} s", flush=True)
@@ -234,6 +235,33 @@ def _deepspeed_rank(
         res = _guard("DeepSpeed ZeRO-3 offload (torch AdamW)", lambda: run(True), gpu_gib)
         res["note"] = f"DeepSpeedCPUAdam failed: {first}"
     return res
+
+
+def _too_big_whole(hf, world: int) -> bool:
+    """Whether `world` ranks' whole fp32 models would take more than a quarter of the host's available memory:
+    then each rank builds the model partitioned (_partitioned_model), as DeepSpeed's guide says to for large
+    models. Smaller models are built whole, as the rows measured at those sizes were."""
+    with torch.device("meta"):
+        numel = sum(p.numel() for p in family_classes(hf.model_type)[1](hf).parameters())
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    return world * 4 * numel > available / 4
+
+
+def _partitioned_model(hf, cfg: dict) -> torch.nn.Module:
+    """The model built under deepspeed.zero.Init the way transformers does it for ZeRO-3 (HfDeepSpeedConfig:
+    each layer partitioned to pinned CPU memory as it is made, then initialized gathered): no rank ever holds
+    the whole model."""
+    from transformers.integrations import HfDeepSpeedConfig
+
+    t0 = time.perf_counter()
+    keep = HfDeepSpeedConfig(cfg)  # transformers asks this (weakly held) object whether ZeRO-3 is on
+    model = family_classes(hf.model_type)[1]._from_config(hf, dtype=torch.float32)
+    model.config.use_cache = False
+    model._megatrain_ds_config = keep  # alive as long as the model
+    numel = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    print(f"[peers] model of {numel / 1e9:.2f}B parameters built partitioned in {time.perf_counter() - t0:.1f} s")
+    return model
 
 
 def _deepspeed_child(

@@ -57,6 +57,8 @@ GPT_OSS_20B = {
     "router_aux_loss_coef": 0.9,
     "output_router_logits": True,
 }
+# openai/gpt-oss-120b's shape: gpt-oss-20b's layer but 128 experts, 36 layers (117B parameters, 5.1B active)
+GPT_OSS_120B = {**GPT_OSS_20B, "num_local_experts": 128}
 # Qwen/Qwen3-30B-A3B's shape (48 layers of 128 experts, top-8, no dense layers: 30.5B parameters, 3.3B active),
 # its config.json's values (transformers' Qwen3MoeConfig defaults but for max_position_embeddings and
 # norm_topk_prob), with the load-balancing loss on at its router_aux_loss_coef.
@@ -94,6 +96,7 @@ MODELS = {
     "qwen2.5-14b": ("qwen2", QWEN14B, "Qwen2.5-14B shape"),
     "olmoe-1b-7b": ("olmoe", OLMOE_1B_7B, "OLMoE-1B-7B shape"),
     "gpt-oss-20b": ("gpt_oss", GPT_OSS_20B, "GPT-OSS-20B shape"),
+    "gpt-oss-120b": ("gpt_oss", GPT_OSS_120B, "GPT-OSS-120B shape"),
     "qwen3-30b-a3b": ("qwen3_moe", QWEN3_30B_A3B, "Qwen3-30B-A3B shape"),
 }
 ABLATIONS = {
@@ -103,4 +106,5 @@ ABLATIONS = {
     "resident": ["ipc.staging=resident"],
     "no-clip": ["optim.max_grad_norm=0"],
     "no-lean": ["engine.lean_layers=0"],
+    "hf-experts": ["engine.moe_experts=hf"],
 }

@@ -276,6 +276,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=12, help="steps per system (at least 10 steady ones)")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady statistics")
+    p.add_argument(
+        "--peer-steps",
+        type=int,
+        default=None,
+        help="steps per peer (default: --steps); fewer for a peer whose steps take minutes, the table says so",
+    )
     for flag, key in KNOBS.items():
         p.add_argument("--" + flag.replace("_", "-"), dest=flag, type=int, default=None, help=f"sets {key}")
     p.add_argument(
@@ -307,6 +313,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--gpus: at least 1")
     if args.gpu_gib is not None and args.gpu_gib <= 0:
         p.error("--gpu-gib: a number of GiB > 0")
+    if args.peer_steps is not None and args.peer_steps <= args.warmup:
+        p.error("--peer-steps: more than --warmup, or no steady step is left")
     if args.batch != "auto" and args.batch < 1:
         p.error("--batch: at least 1, or auto")
     if args.gpus > 1 and {"plain", "fsdp2", "official"} & set(args.peers.split(",")):
@@ -371,7 +379,7 @@ def measure(args: argparse.Namespace, hf, data, peers: list[str], src: Path | No
             kw = {"src": src} if peer == "official" else {"gpus": args.gpus} if args.gpus > 1 else {}
             if getattr(args, "init", None):
                 kw["init"] = args.init
-            results.append(PEERS[peer](hf, data, args.steps, gpu_gib=args.gpu_gib, **kw))
+            results.append(PEERS[peer](hf, data, args.peer_steps or args.steps, gpu_gib=args.gpu_gib, **kw))
             results[-1].setdefault("gpus", args.gpus if "gpus" in kw else 1)
             results[-1].setdefault("batch", args.batch * results[-1]["gpus"])
         # row by row: a peer the kernel's OOM killer ends takes the bench's process, not the rows measured
@@ -388,7 +396,8 @@ def measure(args: argparse.Namespace, hf, data, peers: list[str], src: Path | No
         + (f", routing {args.routing}" if MODELS[args.model][1].get("num_experts_per_tok") else "")
         + f" — {args.machine}, {when}, commit {commit()}\n\n"
         f"`python bench/run.py {shlex.join(sys.argv[1:])}`\n\n"
-        f"Steps {args.steps}, warm-up {args.warmup}; CPU plan: {results[0].get('cpu_plan', '?')}\n\n"
+        f"Steps {args.steps}{f' (peers {args.peer_steps})' if args.peer_steps else ''}, warm-up {args.warmup}; "
+        f"CPU plan: {results[0].get('cpu_plan', '?')}\n\n"
     )
     if "expert_load" in results[0]:
         head += f"Last step's routing (MegaTrain): {routing(results[0]['expert_load'])}\n\n"
