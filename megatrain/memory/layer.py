@@ -39,6 +39,60 @@ def _experts_bytes_per_token(arch: Arch, dtype_bytes: int) -> int:
     return k * (2 * expert * dtype_bytes + routing)
 
 
+def our_layer_bytes(arch: Arch, dtype_bytes: int, tokens: int) -> float:
+    """Per token, what one MoE decoder layer on our expert path (engine.moe_experts=megatrain) keeps for its
+    backward, counted from the layer's structure (the dense `8·hidden + 11·intermediate` rule's coefficients
+    were fitted on dense layers and absorb their norms and attention in the MLP's term, which our path's
+    exact expert bytes do not): within 10 % over what autograd saves for one whole layer of each MoE family
+    (tests/test_experts.py). `tokens`: the layer's, which bound a sliding window's tiles. Counted: each
+    norm's fp32 input and its normalized copy (GPT-OSS's in fp32: its weight multiplies in fp32) and, for
+    the two layer norms, their output (the projections' input); q/k norms
+    over their widths (OLMoE whole, Qwen3-MoE per head); attention's q, k, v (after rope), output and fp32
+    log-sum-exp (GPT-OSS: its sinks' padded head width, a zero query more, and in a sliding window each
+    query tile's window of keys and values repeated over the query heads, with the tile's additive mask;
+    the layers alternate, so half of them); the rope's cos and sin; the router's fp32 probabilities, top-k
+    ids and weights; the routed rows (experts_kept_bytes); a shared expert's GEMM outputs, its activation's
+    and its gate's."""
+    f, d, hidden = arch.fields, dtype_bytes, arch.hidden_size
+    heads, kv_heads, head_dim = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    q, kv = arch.attention_widths
+    fp32_weights = arch.family == "gpt_oss"  # weight * fp32 normalized, cast after: both fp32 copies kept
+    norm = (8 if fp32_weights else 4 + d) * hidden + 4
+    kept = 2 * (norm + d * hidden)  # input and post-attention norms, and their outputs
+    for name, width in (("q_norm", q), ("k_norm", kv)):
+        shape = _slot_shape(arch.layout, f"self_attn.{name}.weight")
+        if shape is not None:  # the norm's fp32 input, its normalized copy, one fp32 scale per row normed
+            kept += (4 + d) * width + 4 * (width // shape[0])
+    kept += 2 * d * head_dim  # rope's cos and sin
+    if has_sinks(arch.layout):  # megatrain/attention.py: a virtual key, head widths padded to 8
+        padded = -(-(head_dim + 1) // 8) * 8
+        full = d * padded * (2 * heads + 2 * kv_heads) + 4 * heads
+        window = f.get("sliding_window") or 0
+        window = window if window < tokens else 0  # a window as long as the sequence: no tiles (at most)
+        # per query tile of `window`: its 2·window keys and values over every query head, its mask
+        sliding = d * padded * (2 * heads + 4 * heads) + 2 * window * d + 4 * heads
+        types = f.get("layer_types") or []
+        share = sum(t == "sliding_attention" for t in types) / len(types) if window and types else 0.0
+        kept += share * sliding + (1 - share) * full + d * q  # o_proj's input: the output's unpadded copy
+    else:
+        kept += d * (2 * q + 2 * kv) + 4 * heads
+    k = arch.experts_per_token
+    kept += 4 * arch.num_experts + (8 + 4 + 4) * k  # fp32 probabilities, top-k ids, weights (fp32 at most)
+    kept += _experts_bytes_per_token(arch, d)
+    shared = f.get("shared_expert_intermediate_size") or 0
+    if shared:  # gate, up, the activation and the product; its output and its sigmoid gate
+        kept += 4 * d * shared + d * hidden + 2 * d
+    return kept
+
+
+def _slot_shape(layout: StoreLayout, suffix: str) -> tuple[int, ...] | None:
+    for st in layout.structures.values():
+        for s in st.slots:
+            if s.name.endswith(suffix):
+                return s.shape
+    return None
+
+
 def mlp_width(arch: Arch, experts: str = "hf") -> float:
     """The MLP's per-token activation width in units of a dense MLP's intermediate size, for the memory
     plan's `8·hidden + 11·intermediate` rule: a routed token runs top-k experts of the expert width, and
