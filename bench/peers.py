@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from bench.official.checkout import commit_of, official_src
-from megatrain.data import DataConfig, batch
+from bench.tokens import batches
+from megatrain.data import DataConfig
 from megatrain.memory import budget as gpubudget
 from megatrain.model import family_classes
 
@@ -48,10 +49,12 @@ def _timed_steps(step: Callable[[int], None], steps: int) -> list[float]:
 def _trainer(
     model: torch.nn.Module, opt: torch.optim.Optimizer, data: DataConfig, autocast: bool
 ) -> Callable[[int], None]:
-    """One optimizer step on batch t: the same loss, clipping and AdamW as MegaTrain's default."""
+    """One optimizer step on batch t (MegaTrain's batch t: bench/tokens.py): the same loss, clipping and AdamW as
+    MegaTrain's default."""
+    get = batches(data, model.config)
 
     def step(t: int) -> None:
-        ids, labels = (x.cuda() for x in batch(data, t))
+        ids, labels = (x.cuda() for x in get(t))
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
@@ -218,8 +221,10 @@ def _deepspeed_rank(
         )
         print(f"[peers] deepspeed.initialize {time.perf_counter() - t0:.1f} s", flush=True)
 
+        get = batches(data, hf)
+
         def step(t: int) -> None:
-            ids, labels = (x.cuda() for x in batch(data, t * world + rank))  # each rank its own batch
+            ids, labels = (x.cuda() for x in get(t * world + rank))  # each rank its own batch
             engine.backward(engine(input_ids=ids, labels=labels).loss)
             engine.step()
 

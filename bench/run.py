@@ -13,8 +13,14 @@ and the same cap on each peer's process (torch.cuda.set_per_process_memory_fract
 tables name it. --batch auto is the most sequences per GPU whose MegaTrain plan fits that budget (or the
 GPU's free memory) and the host: every row then runs that batch.
 
+--tokens random (the default for a mixture of experts) trains every system on one seeded file of token ids drawn
+uniformly over the model's vocabulary, written under OUT, that MegaTrain reads as data.kind tokens and every peer
+through the same data path (bench/tokens.py); arithmetic (the dense presets' default) is megatrain's generated
+problems, whose 15 or so distinct byte tokens no router can spread evenly over its experts. The heading names them.
+
 --routing uniform (a mixture of experts) starts MegaTrain and every peer from one saved init whose routers
-are balanced on the run's tokens (bench/routing.py); random, the default, is each system's own random init.
+are balanced on the run's tokens, every layer on what the balanced layers before it give, in bf16 (the dtype a
+GPU run computes in) and fp32 alike (bench/routing.py); random, the default, is each system's own random init.
 MegaTrain's MoE rows carry the expert load of the steady steps (bench/table.py, load_stats()).
 
 Writes OUT/results.json, OUT/results.md (the table, with the command and commit) and OUT/timeline-VARIANT.png.
@@ -52,7 +58,10 @@ from bench.presets import ABLATIONS, MODELS  # noqa: E402
 from bench.presets import QWEN7B as QWEN7B  # noqa: E402  (bench/lean.py imports it from here)
 from bench.routing import ROUTINGS  # noqa: E402
 from bench.table import copy_rates, load_stats, routing, table  # noqa: E402
+from bench.tokens import TOKENS, default_tokens, random_tokens  # noqa: E402
+from bench.tokens import overrides as token_overrides  # noqa: E402
 from megatrain.configbase import merge_overrides, parse_override  # noqa: E402
+from megatrain.dataconfig import DataConfig  # noqa: E402
 from megatrain.errors import ConfigError, DataError, MegatrainError  # noqa: E402
 from megatrain.ipc.procs import started_at  # noqa: E402
 from megatrain.launch.config.tree import load_config  # noqa: E402
@@ -136,6 +145,7 @@ def overrides(args: argparse.Namespace, out: Path, extra: list[str], gpus: int |
         *([f"model.pretrained={args.init}"] if getattr(args, "init", None) else []),
         f"data.seq_len={args.seq}",
         f"data.batch_size={args.batch * gpus}",
+        *(token_overrides(args.data) if getattr(args, "data", None) is not None else []),
         f"actors.num_gpus={gpus}",
         f"train.steps={args.steps}",
         f"train.timeline_step={args.steps}",
@@ -291,6 +301,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="a mixture of experts' routing at the start: random (each system's random init) or uniform (one "
         "init, routers balanced on the run's tokens, for MegaTrain and every peer)",
     )
+    p.add_argument(
+        "--tokens",
+        choices=TOKENS,
+        default=None,
+        help="what every system trains on: random (token ids uniform over the vocabulary, seeded, one file for "
+        "all; the default with experts) or arithmetic (megatrain's generated problems; the dense default)",
+    )
     p.add_argument("--peers", default="plain", help="comma list of: " + ",".join(PEERS))
     p.add_argument(
         "--official-src",
@@ -347,6 +364,11 @@ def run(args: argparse.Namespace) -> int:
     args.hf, args.extra = bench_model(args.model, args.layers, args.extra)
     if args.batch == "auto":
         args.batch = most_batch(args)
+    args.tokens = args.tokens or default_tokens(args.hf)
+    if args.tokens == "random":  # every batch a run reads, MegaTrain's (g x --batch a step) and the peers'
+        steps = max(args.steps, args.peer_steps or 0)
+        whole = DataConfig(seq_len=args.seq, batch_size=args.batch * args.gpus)
+        args.data = random_tokens(int(args.hf["vocab_size"]), whole, steps, Path(args.out))
     if args.routing == "uniform" and not any(k in args.hf for k in ("num_experts", "num_local_experts")):
         raise Failed(f"--routing uniform: --model {args.model} has no routers", 2)
     peers = [p for p in args.peers.split(",") if p]
@@ -355,13 +377,12 @@ def run(args: argparse.Namespace) -> int:
     # before anything is measured: a missing checkout is the user's to fix, not a row's error 20 minutes in
     src = official_src(args.official_src) if "official" in peers else None
     _, hf = resolve_hf_config(load_config(None, overrides(args, Path(args.out), args.extra)).model)
-    from megatrain.data import DataConfig
-
-    data = DataConfig(seq_len=args.seq, batch_size=args.batch)  # per GPU
+    whole = getattr(args, "data", None) or DataConfig(seq_len=args.seq, batch_size=args.batch * args.gpus)
+    data = dataclasses.replace(whole, batch_size=args.batch)  # per GPU
     if args.routing == "uniform":
         from bench.routing import uniform_model
 
-        args.init = uniform_model(hf, DataConfig(seq_len=args.seq, batch_size=args.batch * args.gpus), args.steps)
+        args.init = uniform_model(hf, whole, args.steps)
     try:
         return measure(args, hf, data, peers, src)
     finally:
@@ -394,6 +415,7 @@ def measure(args: argparse.Namespace, hf, data, peers: list[str], src: Path | No
         + f"{f' ({given})' if given else ', product defaults'}"
         + (f", GPU memory budget {args.gpu_gib:g} GiB per GPU (every row)" if args.gpu_gib is not None else "")
         + (f", routing {args.routing}" if MODELS[args.model][1].get("num_experts_per_tok") else "")
+        + f", {args.tokens} tokens"
         + f" — {args.machine}, {when}, commit {commit()}\n\n"
         f"`python bench/run.py {shlex.join(sys.argv[1:])}`\n\n"
         f"Steps {args.steps}{f' (peers {args.peer_steps})' if args.peer_steps else ''}, warm-up {args.warmup}; "

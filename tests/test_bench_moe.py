@@ -45,12 +45,12 @@ def _bench(out: Path, routing: str) -> dict:
 
 
 def test_uniform_routing_gives_near_even_load_through_the_bench(tmp_path: Path) -> None:
-    """A tiny OLMoE on the CPU, 4 steps: the random init routes unevenly (2.69 worst, 2.14 median layer when
-    written), --routing uniform near evenly (1.15; 1.12), MegaTrain starting from the saved init."""
+    """A tiny OLMoE on the CPU, 4 steps on random token ids (a mixture of experts' default), MegaTrain starting from
+    the saved init: its steady steps route near evenly (1.19 worst when written; every layer balanced on the
+    run's tokens is tests/test_bench_tokens.py's), and the token file and the init are gone or under OUT."""
     uniform = _bench(tmp_path / "uniform", "uniform")
     assert uniform["load_max_mean_worst"] < 1.5, uniform["load_max_mean_worst"]
-    random = _bench(tmp_path / "random", "random")
-    assert random["load_max_mean_worst"] > uniform["load_max_mean_worst"]
+    assert "random tokens" in (tmp_path / "uniform" / "results.md").read_text()
     assert not list(tmp_path.glob("*/megatrain-bench-uniform-*"))
 
 
