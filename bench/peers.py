@@ -92,7 +92,10 @@ def _model(hf, device: str, init: str | Path | None = None) -> torch.nn.Module:
     cls = family_classes(hf.model_type)[1]
     model = None
     if init is not None:
-        model = cls.from_pretrained(str(init), dtype=torch.float32).to(device)
+        # the attention the fresh draw runs (a saved config does not keep it): HF's default would be another
+        model = cls.from_pretrained(str(init), dtype=torch.float32, attn_implementation=hf._attn_implementation).to(
+            device
+        )
     elif device == "cpu" and torch.cuda.is_available():
         try:
             with torch.device("cuda"):
