@@ -65,6 +65,19 @@ _BASE = {
 }
 _QWEN = {"vocab_size": 151936, "max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096}
 _ROUTER = {"output_router_logits": False, "router_aux_loss_coef": 0.001}
+# Mistral-7B's shape: MistralConfig's and MixtralConfig's defaults share it
+_MISTRAL = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": None,
+    "max_position_embeddings": 131072,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 
 # The fields each family's HF config class declares beyond PretrainedConfig's, with their defaults (the
 # class's own, before its __post_init__ derives what it derives: see _derive).
@@ -98,16 +111,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "mistral": {
         **_BASE,
-        "vocab_size": 32000,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": None,
-        "max_position_embeddings": 131072,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
+        **_MISTRAL,
         "sliding_window": 4096,
     },
     "qwen3": {
@@ -126,17 +130,8 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "mixtral": {
         **_BASE,
         **_ROUTER,
-        "vocab_size": 32000,
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "head_dim": None,
-        "max_position_embeddings": 131072,
+        **_MISTRAL,
         "rms_norm_eps": 1e-5,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
         "sliding_window": None,
         "num_experts_per_tok": 2,
         "num_local_experts": 8,

@@ -57,7 +57,7 @@ from megatrain.blocks import blocks
 from megatrain.engineconfig import FIXED_SIZES, EngineConfig
 from megatrain.errors import ResourceError
 from megatrain.memory.host import host_checkpoints
-from megatrain.memory.layer import OUR_EXPERTS, lean_layer_bytes, mlp_width, our_layer_bytes
+from megatrain.memory.layer import OUR_EXPERTS, lean_layer_bytes, mlp_width, our_layer_bytes, sparse_every_layer
 
 if TYPE_CHECKING:
     from megatrain.model import ModelSpec
@@ -112,15 +112,10 @@ def layer_activation_bytes(
         if experts != OUR_EXPERTS or not arch.is_moe:
             return dense
         ours = int(tokens * our_layer_bytes(arch, dtype_bytes, tokens) * OUR_GPU_EXCESS) + 4 * arch.num_experts
-        return ours if _sparse_every_layer(arch) else max(ours, dense)
+        return ours if sparse_every_layer(arch) else max(ours, dense)
     q, kv = arch.attention_widths
     kept = tokens * ((3 * arch.hidden_size + 2 * q + 2 * kv) * dtype_bytes + 4 * arch.num_attention_heads)
     return kept + layer_activation_bytes(arch, tile, dtype_bytes, experts=experts)
-
-
-def _sparse_every_layer(arch: Arch) -> bool:
-    """Whether every decoder layer is a mixture of experts (else the dense ones keep the dense rule's bytes)."""
-    return not arch.fields.get("mlp_only_layers") and arch.fields.get("decoder_sparse_step", 1) == 1
 
 
 def _attention_excess(arch: Arch) -> int:

@@ -112,8 +112,12 @@ def mlp_width(arch: Arch, experts: str = "hf") -> float:
     else:
         expert *= CLAMPED_GLU if f.get("swiglu_limit") is not None else 1.0
         routed = k * expert + k * arch.hidden_size * 8 / 11 + shared
-    sparse_every_layer = not f.get("mlp_only_layers") and f.get("decoder_sparse_step", 1) == 1
-    return routed if sparse_every_layer else max(routed, dense)
+    return routed if sparse_every_layer(arch) else max(routed, dense)
+
+
+def sparse_every_layer(arch: Arch) -> bool:
+    """Whether every decoder layer is a mixture of experts (else the dense ones keep a dense MLP's bytes)."""
+    return not arch.fields.get("mlp_only_layers") and arch.fields.get("decoder_sparse_step", 1) == 1
 
 
 def lean_layer_bytes(arch: Arch, tokens: int, dtype_bytes: int, layer_numel: int) -> int:
