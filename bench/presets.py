@@ -106,5 +106,5 @@ ABLATIONS = {
     "resident": ["ipc.staging=resident"],
     "no-clip": ["optim.max_grad_norm=0"],
     "no-lean": ["engine.lean_layers=0"],
-    "our-experts": ["engine.moe_experts=megatrain"],
+    "hf-experts": ["engine.moe_experts=hf"],
 }

@@ -83,11 +83,11 @@ class EngineConfig:
         "the host holds beside the store and the rest on the GPU.",
     )
     moe_experts: str = opt(
-        "hf",
-        "How a mixture-of-experts layer runs its experts: hf (transformers' own grouped-GEMM path, "
-        "differentiated by autograd) or megatrain (megatrain/experts.py: the routed rows sorted "
-        "once per layer, one grouped GEMM per projection, a backward of its own that keeps the gate/up "
-        "output and recomputes the activation from it). Dense models ignore it.",
+        "megatrain",
+        "How a mixture-of-experts layer runs its experts: megatrain (megatrain/experts.py: the routed rows "
+        "sorted once per layer, one grouped GEMM per projection, a backward of its own that keeps the "
+        "gate/up output and recomputes the activation from it) or hf (transformers' own grouped-GEMM path, "
+        "differentiated by autograd). Dense models ignore it.",
     )
     gpu_memory_gib: float | str | None = opt(
         None,
