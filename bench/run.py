@@ -391,10 +391,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure(args: argparse.Namespace, hf, data, peers: list[str], src: Path | None) -> int:
-    results = [megatrain_variant(args, "default", args.extra)]
+    variants = [("default", args.extra, None)]
     if args.gpus > 1:  # the scaling's baseline: one executor, one GPU's share of the batch
-        results.append(megatrain_variant(args, "one GPU", args.extra, gpus=1))
-    results += [megatrain_variant(args, a, ABLATIONS[a]) for a in filter(None, args.ablations.split(","))]
+        variants.append(("one GPU", args.extra, 1))
+    variants += [(a, ABLATIONS[a], None) for a in filter(None, args.ablations.split(","))]
+    results: list[dict] = []
+    for name, extra, gpus in variants:  # each row saved as it ends: a later row's failure keeps the earlier ones
+        results.append(megatrain_variant(args, name, extra, gpus))
+        (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
     for peer in [None, *peers]:
         if peer is not None:
             kw = {"src": src} if peer == "official" else {"gpus": args.gpus} if args.gpus > 1 else {}

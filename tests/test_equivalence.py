@@ -12,6 +12,7 @@ import json
 import numba
 import pytest
 
+from megatrain.ipc.procs import running
 from megatrain.ipc.protocol.cpus import node_cores
 from megatrain.launch.cli.fidelity import compare
 from megatrain.launch.config.tree import load_config
@@ -149,6 +150,18 @@ def test_through_ray_one_process_per_actor(
     assert s["threads_observed"] == s["cpu_plan"] and set(s["cpu_plan"]) == set(s["pids"])
     assert s["cpu_plan"]["adam-updater"] == {"torch": cores, "numba": min(cores, numba.config.NUMBA_NUM_THREADS)}
     assert s["cpu_plan"]["store-owner"]["torch"] == cores
+
+
+@pytest.mark.slow
+def test_a_run_returns_once_its_processes_are_gone(ray_cluster, tmp_path) -> None:
+    """The store's memory is free when run() returns (the last process that maps it has exited): the caller's
+    next run (a bench's next row, a notebook's next Trainer) plans against what is free."""
+    from megatrain.launch.run.driver import Trainer
+
+    extra = ["actors.num_packers=2", "actors.num_accumulators=2", "ipc.staging=slabs", "optim.max_grad_norm=0"]
+    summary = Trainer(tiny_config("llama", False, 2, tmp_path, steps=2, extra=extra, runner="ray")).run()
+    assert len(summary["pids"]) >= 5
+    assert not [name for name, pid in summary["pids"].items() if running(pid)]
 
 
 def check(rep: dict, tied: bool) -> None:

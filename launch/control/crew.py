@@ -3,6 +3,8 @@ calls with the run's failure handling (the first real failure is the one reporte
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -11,6 +13,8 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from megatrain.actors.base import Role
 from megatrain.actors.store_owner import StoreOwner
 from megatrain.errors import AbortError, ActorFailure, MegatrainError, is_stall_verdict
+from megatrain.ipc.procs import live, start_ticks
+from megatrain.ipc.protocol.messages import ActorInfo
 from megatrain.launch.control.handles import Handle, Pending, Runner
 from megatrain.launch.control.placement import Demand
 from megatrain.roster import OWNER, Kind, Roster, kind_of
@@ -18,6 +22,10 @@ from megatrain.roster import OWNER, Kind, Roster, kind_of
 P = ParamSpec("P")
 R = TypeVar("R")
 SHUTDOWN_S = 15.0
+# How long the end of a run waits for its actors' processes on this node to exit once they were ended: the store's
+# memory is the system's again only when the last process that maps it is gone, and the caller's next run (a bench's
+# next row, a notebook's next Trainer) plans against what is free. Ray's kill reaches a frozen process in ~5 s.
+GONE_S = 30.0
 
 
 class Crew:
@@ -32,6 +40,8 @@ class Crew:
         self.marks: dict[str, dict] = {}  # each actor's start-up timeline (Role.mark)
         self.sentinel: Pending | None = None
         self.serving = False  # the owner was asked for a store (serve_owner): it may hold shared memory
+        self.local: dict[str, tuple[int, int]] = {}  # actors on this node: (pid, start ticks), waited for at the end
+        self._owner_info: Pending[ActorInfo] | None = None
         self._closed = False
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -49,6 +59,18 @@ class Crew:
     def serve_owner(self) -> None:
         self.serving = True
         self.sentinel = self.call(OWNER, StoreOwner.serve)
+        self._owner_info = self.call(OWNER, Role.info)  # its process, waited for at the end even before attach
+
+    def note_processes(self, infos: dict[str, ActorInfo]) -> None:
+        """Record the attached actors' pids, and those on this node (not this process: the in-process runner's)
+        to wait for at the end."""
+        self.pids = {n: i.pid for n, i in infos.items()}
+        for name, info in infos.items():
+            self._note_local(name, info)
+
+    def _note_local(self, name: str, info: ActorInfo) -> None:
+        if info.host == socket.gethostname() and info.pid != os.getpid():
+            self.local[name] = (info.pid, start_ticks(info.pid))
 
     def shutdown(self) -> None:
         """Idempotent: end every worker, then the owner (it unlinks everything of the run once they are
@@ -60,6 +82,11 @@ class Crew:
         for h in self.actors.values():
             if h is not owner:
                 self.runner.kill(h)
+        if owner is not None and self.serving and OWNER not in self.pids and self._owner_info is not None:
+            try:  # a run that ends before the workers attach: the owner's process is still to be waited for
+                self._note_local(OWNER, self.runner.result(self._owner_info, timeout=2))
+            except Exception:
+                pass
         if owner is not None and self.serving:
             try:  # waits for the workers to be gone, then unlinks everything of the run
                 self.runner.result(self.runner.call(owner, StoreOwner.shutdown), timeout=SHUTDOWN_S)
@@ -67,7 +94,23 @@ class Crew:
                 print(f"[megatrain] store owner did not shut down cleanly: {exc}", file=sys.stderr)
         if owner is not None:  # without a store (an input refused after the spawn) it holds nothing to release
             self.runner.kill(owner)
+        self._wait_gone(GONE_S)
         self.runner.close()
+
+    def _wait_gone(self, timeout: float) -> None:
+        """Wait for the ended actors' processes on this node to exit (their mappings of the store with them)."""
+        deadline = time.monotonic() + timeout
+        while (alive := [n for n, (pid, ticks) in self.local.items() if live(pid, ticks)]) and (
+            time.monotonic() < deadline
+        ):
+            time.sleep(0.05)
+        if alive:
+            names = ", ".join(f"{n} (pid {self.local[n][0]})" for n in alive)
+            print(
+                f"[megatrain] still running {timeout:.0f} s after they were ended: {names}; the memory they map is "
+                "free only once they exit",
+                file=sys.stderr,
+            )
 
     # ---- calls ------------------------------------------------------------------------------
     def call(

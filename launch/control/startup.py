@@ -262,7 +262,7 @@ def attach_workers(crew: Crew, cfg: Config, spec: StoreSpec, roster: Roster, eng
     timeout = cfg.train.setup_timeout_s
     crew.gather({r.name: _attach(crew, r, spec, engine, start) for r in roster.workers}, timeout, "starting the actors")
     infos = crew.gather({n: crew.call(n, Role.info) for n in crew.actors}, timeout, "starting the actors")
-    crew.pids = {n: i.pid for n, i in infos.items()}
+    crew.note_processes(infos)
     crew.marks = {n: i.marks for n, i in infos.items()}
     crew.runner.pids = crew.pids
     crew.call_one(OWNER, StoreOwner.page_in)  # now, not beside the fill or the pinning (it slows both)
