@@ -25,6 +25,14 @@ def parser() -> argparse.ArgumentParser:
         help="plan for a host with this much RAM, all of it free (default: this machine's available RAM and /dev/shm)",
     )
     p.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="plan one host of a run over this many hosts alike (--host-gib, else this machine): each holds its "
+        "slice of the fp32 weights and Adam's moments and the whole bf16 copy; without a fit, the plan names the "
+        "fewest hosts that fit (default: 1)",
+    )
+    p.add_argument(
         "--gpu", help="the GPU the time estimate assumes: H100, A100, RTX 4090, ... (default: this machine's)"
     )
     p.add_argument("--gpu-tflops", type=float, help="the time estimate's GPU by its nominal dense bf16 TFLOPS instead")

@@ -27,6 +27,7 @@ from megatrain.launch.config.tree import Config, load_tree, validate_plan
 from megatrain.launch.control.placement import demands, describe_need, per_executor, resolve_executors, roster_for
 from megatrain.memory import budget as gpubudget
 from megatrain.memory.gpu import reduction_bytes
+from megatrain.memory.hosts import fewest_hosts, host_plane_elems
 from megatrain.memory.machine import (
     GIB,
     PRIVATE_THRESHOLD,
@@ -73,6 +74,10 @@ class MemPlan:
     @property
     def cuda(self) -> bool:
         return self.memory.shape.cuda
+
+    @property
+    def hosts(self) -> int:
+        return self.memory.shape.hosts
 
     @property
     def gpu_free(self) -> int | None:
@@ -131,8 +136,8 @@ def executors_of(cfg: Config, cuda: bool) -> int:
     return resolve_executors(cfg.actors, cuda, max(local_gpus(), 1) if cuda else 0)
 
 
-def run_shape(cfg: Config, cuda: bool, executors: int | None = None) -> RunShape:
-    """What of `cfg` the memory plan reads, on a machine with (`cuda`) or without a GPU."""
+def run_shape(cfg: Config, cuda: bool, executors: int | None = None, hosts: int = 1) -> RunShape:
+    """What of `cfg` the memory plan reads, on a machine with (`cuda`) or without a GPU, one of `hosts`."""
     n = executors_of(cfg, cuda) if executors is None else executors
     return RunShape(
         engine=resolve_engine(cfg.engine, cuda),
@@ -152,6 +157,7 @@ def run_shape(cfg: Config, cuda: bool, executors: int | None = None) -> RunShape
         header_bytes=HEADER_BYTES,
         ctl_fixed=CTL_FIXED,
         ctl_piece_bytes=PIECE_BYTES,
+        hosts=hosts,
     )
 
 
@@ -161,9 +167,10 @@ def run_plan(cfg: Config, spec: ModelSpec, cuda: bool, executors: int, machine: 
     return plan_memory(arch_of_spec(spec), run_shape(cfg, cuda, executors), machine)
 
 
-def host_room(cfg: Config, arch: Arch, cuda: bool, machine: Machine) -> int | None:
-    """Host RAM left on `machine` for the executors' pinned activation checkpoints (None off CUDA)."""
-    return plan_memory(arch, run_shape(cfg, cuda), machine).pinned_room
+def host_room(cfg: Config, arch: Arch, cuda: bool, machine: Machine, hosts: int = 1) -> int | None:
+    """Host RAM left on `machine`, one of `hosts`, for the executors' pinned activation checkpoints (None off
+    CUDA)."""
+    return plan_memory(arch, run_shape(cfg, cuda, hosts=hosts), machine).pinned_room
 
 
 def arch_of(cfg: Config) -> Arch:
@@ -171,9 +178,10 @@ def arch_of(cfg: Config) -> Arch:
     return arch_from_config(cfg.model, no_decay_1d=cfg.optim.no_decay_1d)
 
 
-def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Machine | None = None) -> MemPlan:
+def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Machine | None = None, hosts: int = 1) -> MemPlan:
+    """The plan of `cfg` on `machine` (default: this host), each of `hosts` hosts like it."""
     arch = arch_of(cfg)
-    shape = run_shape(cfg, cuda)
+    shape = run_shape(cfg, cuda, hosts=hosts)
     plan = plan_memory(arch, shape, machine or this_host(cfg), gpu_free)
     n, d, engine = shape.executors, cfg.data, plan.engine
     active, experts = active_params(arch), expert_params(arch)
@@ -256,7 +264,7 @@ def suggestions(plan: MemPlan, cfg: Config) -> list[str]:
     if not plan.host_fits():
         total, least, fits = sum(plan.host.values()), plan.memory.least_host(), False
         for setting, what, change in HOST_LEVERS:
-            other = make_plan(change(cfg), plan.gpu_free, plan.cuda, plan.machine)
+            other = make_plan(change(cfg), plan.gpu_free, plan.cuda, plan.machine, plan.hosts)
             saved = total - sum(other.host.values())
             if saved > 0:
                 setting = setting.replace("QUARTER", str(_quarter_layer(cfg)))
@@ -274,7 +282,7 @@ def suggestions(plan: MemPlan, cfg: Config) -> list[str]:
         least = _set(
             cfg, "engine", chunk_sequences=1, checkpoint_interval=1, last_block_layers=1, loss_chunk_tokens=1024
         )
-        if not make_plan(least, plan.gpu_free, plan.cuda, plan.machine).gpu_fits():
+        if not make_plan(least, plan.gpu_free, plan.cuda, plan.machine, plan.hosts).gpu_fits():
             tips.append(
                 "none of the engine settings makes it fit this GPU, not even all of them at once: only a shorter "
                 "data.seq_len or a GPU with more memory does"
@@ -294,6 +302,32 @@ def _host_needed(plan: MemPlan, least: int) -> str:
     )
 
 
+def _hosts_needed(plan: MemPlan, cfg: Config) -> str:
+    """The fewest hosts like this one on which the plan's host part fits, with what each then needs."""
+    plans: dict[int, MemPlan] = {}
+
+    def fits(hosts: int) -> bool:
+        plans[hosts] = make_plan(cfg, plan.gpu_free, plan.cuda, plan.machine, hosts)
+        return plans[hosts].host_fits()
+
+    like = "this one" if not plan.machine.note else "that one"
+    hosts = fewest_hosts(fits, plan.hosts + 1)
+    if hosts is None:
+        most = max(plans, default=plan.hosts)  # the most hosts tried (none beyond MAX_HOSTS)
+        need = sum(plans.get(most, plan).host.values())
+        return (
+            f"no number of hosts like {like} fits it: on {most} (--hosts {most}) each still needs "
+            f"{gib(need)} (what every host keeps whole: the resident copy, the staging slabs, the processes)"
+        )
+    return f"on {hosts} hosts like {like} (--hosts {hosts}) each needs {gib(sum(plans[hosts].host.values()))}: fits"
+
+
+def _one_of(plan: MemPlan, before: str = "") -> str:
+    """Which host the plan is of a run over several (`before` it, the words that lead to it): the hosts are
+    alike, so it is the first's; nothing for one host."""
+    return f"{before} 1 of {plan.hosts}" if plan.hosts > 1 else ""
+
+
 def render(plan: MemPlan, cfg: Config, extra: list[str] | None = None) -> str:
     """The plan as printed; `extra` lines (the time estimate) come before the verdict."""
     m, total = plan.machine, sum(plan.host.values())
@@ -301,11 +335,11 @@ def render(plan: MemPlan, cfg: Config, extra: list[str] | None = None) -> str:
     run = plan.run_pss()
     per_param = f", {run / plan.num_params:.1f} bytes per parameter" if plan.num_params >= 10**8 else ""
     lines = [
-        f"memory plan: {plan.title}",
+        f"memory plan{_one_of(plan, ' of host')}: {plan.title}",
         f"engine sizes: {plan.sizes}",
         "",
-        f"host: {gib(total)} needed (the run's processes {gib(run)}{per_param}; the rest is the node's); "
-        f"this machine{m.note}: {gib(m.ram)} RAM available, "
+        f"host{_one_of(plan)}: {gib(total)} needed (the run's processes {gib(run)}{per_param}; the rest is "
+        f"the node's); {_machine(plan)}: {gib(m.ram)} RAM available, "
         f"{gib(m.shm)} free in {cfg.ipc.shm_dir} (the store needs {gib(plan.memory.shm_part)} there)",
     ]
     if m.threshold is not None:
@@ -326,10 +360,11 @@ def render(plan: MemPlan, cfg: Config, extra: list[str] | None = None) -> str:
             f"  -> {'fits' if plan.gpu_fits() else 'DOES NOT FIT'}" + (f": {plan.gpu_error}" if plan.gpu_error else "")
         )
         lines.append(f"  {least_gpu(plan, cfg)}")
-    lines += ["", *_disk(cfg)]
+    lines += ["", *_disk(cfg, plan.hosts)]
     lines += ["", f"Ray: the actors ask for {plan.need}"]
     lines += ["", *extra] if extra else []
-    lines += ["", "verdict: " + ("fits" if plan.fits() else "does not fit")]
+    lines += ["", f"verdict{_one_of(plan, ' for host')}: " + ("fits" if plan.fits() else "does not fit")]
+    lines += [] if plan.host_fits() else [_hosts_needed(plan, cfg)]
     tips = suggestions(plan, cfg)
     if tips:
         lines += ["settings that need less:"] + [f"  {t}" for t in tips]
@@ -342,7 +377,7 @@ def least_gpu(plan: MemPlan, cfg: Config) -> str:
     engine = resolve_engine(cfg.engine, True)
     n = executors_of(cfg, True)
     reserve = reduction_bytes(arch.layout) if n > 1 else 0
-    room = (host_room(cfg, arch, True, plan.machine) or 0) // n
+    room = (host_room(cfg, arch, True, plan.machine, plan.hosts) or 0) // n
     least = gpubudget.least_room(
         arch, engine, per_executor(cfg.data.batch_size, n), cfg.data.seq_len, cfg.optim.clips, room, reserve
     )
@@ -354,14 +389,24 @@ def least_gpu(plan: MemPlan, cfg: Config) -> str:
     )
 
 
-def _disk(cfg: Config) -> list[str]:
-    """The checkpoints' disk against the output directory's free space (a warning; the verdict is memory's)."""
+def _machine(plan: MemPlan) -> str:
+    """The machine the plan is against, as the host line names it."""
+    m = plan.machine
+    if plan.hosts == 1:
+        return f"this machine{m.note}"
+    return f"each host{m.note}" if m.note else f"each host like this machine (one of the {plan.hosts})"
+
+
+def _disk(cfg: Config, hosts: int) -> list[str]:
+    """The checkpoints' disk against the output directory's free space (a warning; the verdict is memory's):
+    each host writes its own shards, its slice of the three fp32 planes; the final fp32 weights counted whole."""
     from megatrain.launch.config.diskplan import disk_lines
     from megatrain.launch.run.outdir import resolve_output
 
-    total = arch_of(cfg).layout.total
+    layout = arch_of(cfg).layout
     out = resolve_output(cfg.train.output_dir, cfg.train.run_id or "{run_id}")
-    return disk_lines(cfg.train, out, 4 * total * 3, 4 * total)  # three fp32 planes; the fp32 weights
+    lines = disk_lines(cfg.train, out, 4 * host_plane_elems(layout, hosts) * 3, 4 * layout.total)
+    return lines + ([f"  on each of the {hosts} hosts: its own checkpoint shards"] if hosts > 1 else [])
 
 
 def report(args: argparse.Namespace) -> int:
@@ -369,12 +414,19 @@ def report(args: argparse.Namespace) -> int:
     cfg, where = load_tree(args.config, args.overrides)
     validate_plan(cfg, where)  # planning comes before the download: config.json is enough
     free, cuda, note = _gpu(cfg, args.gpu_gib)
-    plan = dataclasses.replace(make_plan(cfg, free, cuda, this_host(cfg, args.host_gib)), gpu_note=note)
+    hosts = _hosts(args.hosts)
+    plan = dataclasses.replace(make_plan(cfg, free, cuda, this_host(cfg, args.host_gib), hosts), gpu_note=note)
     engine, n = resolve_engine(cfg.engine, cuda), executors_of(cfg, cuda)
     asked = timeplan.Asked(args.gpu, args.gpu_tflops, args.gpu_gib is not None, args.host_gib is not None)
     timing = timeplan.plan_lines(cfg, engine, n, asked)
     print(render(plan, cfg, timing + _weights_note(cfg)))
     return 0 if plan.fits() else 1
+
+
+def _hosts(hosts: int) -> int:
+    if hosts < 1:
+        raise ConfigError(f"--hosts must be an integer >= 1 (the hosts of the run), got {hosts}")
+    return hosts
 
 
 def _weights_note(cfg: Config) -> list[str]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from megatrain.blocks import blocks
 from megatrain.engineconfig import EngineConfig, fixed_sizes
 from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
+from megatrain.memory.hosts import host_plane_elems
 from megatrain.roster import ADAM, EXECUTOR, OWNER, WRITER, Kind, kind_of, role_name
 
 GIB = 2**30
@@ -44,6 +45,7 @@ class StoreShape:
     slab_params: int  # 0: a decoder layer's
     ctl_fixed: int  # the control segment's bytes besides its pieces'
     ctl_piece_bytes: int  # and per piece
+    hosts: int = 1  # the run's hosts: each holds its slice of the fp32 planes (megatrain/memory/hosts.py)
 
     @property
     def resident(self) -> bool:
@@ -76,8 +78,8 @@ class StoreShape:
         return sum(-(-max(self.layout.structure_of(u).numel, 1) // e) for u in range(len(self.layout.units)))
 
     def part_bytes(self) -> dict[str, int]:
-        """Each segment's data bytes (without its header)."""
-        plane = self.layout.total * 4
+        """Each segment's data bytes (without its header), on each host of the run."""
+        plane = host_plane_elems(self.layout, self.hosts) * 4
         staging_bytes = STAGING_BYTES[self.staging_dtype]
         staging = self.slab_elems * (self.num_weight_slabs * staging_bytes + self.num_grad_slabs * 4)
         staging = max(staging, TILE_ALIGN)  # every run has the segment; with no slabs it is a page

@@ -50,6 +50,7 @@ class RunShape:
     header_bytes: int  # each segment's header (ipc/shm.py)
     ctl_fixed: int  # the control segment's fixed part (ipc/protocol/ctl.py)
     ctl_piece_bytes: int  # and its bytes per piece
+    hosts: int = 1  # the hosts of the run: the plan is each one's (megatrain/memory/hosts.py)
 
     @property
     def cuda(self) -> bool:
@@ -192,6 +193,7 @@ def _plan(
         slab_params=shape.slab_params,
         ctl_fixed=shape.ctl_fixed,
         ctl_piece_bytes=shape.ctl_piece_bytes,
+        hosts=shape.hosts,
     )
     resident = mode == "resident"
     roles = run_roles(
