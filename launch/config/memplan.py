@@ -4,7 +4,8 @@ The plan is the one a run makes (megatrain/memory/plan.py plan_memory): the host
 (RAM available, /dev/shm free, Ray's memory monitor) or the host `--host-gib` names, the GPU part against the
 GPU's free memory or `--gpu-gib`, with a verdict and the settings that need less. The run itself refuses a
 plan that does not fit before it allocates anything: the store owner re-checks the host part on its node
-(ipc/shm.py check_space), the auto sizes the GPU part.
+(ipc/shm.py check_space), the auto sizes the GPU part. With `--hosts H` the plan is that of one host of a run
+over H hosts alike (megatrain/memory/hosts.py), for sizing a cluster: a run spans one host today.
 """
 
 from __future__ import annotations
