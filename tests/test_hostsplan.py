@@ -57,16 +57,20 @@ def _largest_slices(tile: int, hosts: int) -> int:
 @pytest.mark.parametrize("hosts", [1, 2, 3])
 def test_each_host_holds_the_largest_slice_of_every_unit(device: str, hosts: int) -> None:
     """Every fp32 plane on a host is the sum over the layout's units of the unit's largest slice; the rest of
-    the store (the resident copy, the slabs, ctl) is the one-host store's."""
+    the store is whole on every host. Several hosts take the resident copy whatever the device (each host's
+    executors stream from their own copy; no host holds the whole fp32 weights slabs are packed from), also
+    on the CPU device, which stages through slabs on one host."""
     plan, one = _plan(device, hosts), _plan(device, 1)
     layout = memplan.arch_of(load_config(None, SHAPE)).layout
     elems = sum(_largest_slices(u.tile, hosts) for u in layout.units)
     planes = [p for p in FP32 if f"shm: {p}" in plan.host]
-    assert planes == list(FP32[: 3 if device == "cuda" else 4])  # the staging rules of one host
+    assert planes == list(FP32[: 3 if device == "cuda" or hosts > 1 else 4])
     for plane in planes:
         assert plan.host[f"shm: {plane}"] == elems * 4 + HEADER_BYTES
-    for key in ("shm: staging", "shm: resident", "shm: ctl"):
-        assert plan.host.get(key) == one.host.get(key)
+    assert ("shm: resident" in plan.host) == (device == "cuda" or hosts > 1)
+    if device == "cuda" or hosts == 1:
+        for key in ("shm: staging", "shm: resident", "shm: ctl"):
+            assert plan.host.get(key) == one.host.get(key)
     if hosts == 3:  # not the whole plane over three: units whose blocks do not divide evenly round up
         assert elems > -(-layout.total // 3) and elems == host_plane_elems(layout, 3)
 
@@ -102,17 +106,30 @@ def _run(capsys, *args: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
-def test_gpt_oss_120b_without_clipping_fits_four_hosts_of_512_gib(capsys, tmp_path) -> None:
-    """Without clipping the auto staging takes slabs where the resident copy does not fit: 3 bytes per
-    parameter of fp32 planes on each of four hosts and the slabs; one host is far from enough."""
+def test_gpt_oss_120b_without_clipping_needs_five_hosts_of_512_gib_too(capsys, tmp_path) -> None:
+    """Without clipping one host would take slabs where the resident copy does not fit; several hosts keep the
+    copy whatever clipping says, so four hosts are 5 bytes per parameter each still, and five are needed."""
     path, no_clip = _config(tmp_path), "optim.max_grad_norm=0"
     code, out = _run(capsys, path, no_clip)
-    assert code == 1 and "verdict: does not fit" in out
-    assert re.search(r"^on 4 hosts like that one \(--hosts 4\) each needs [\d.]+ GiB: fits$", out, re.M)
+    assert code == 1 and "verdict: does not fit" in out and "staging slabs, clipping off" in out
+    assert re.search(r"^on 5 hosts like that one \(--hosts 5\) each needs 486.16 GiB: fits$", out, re.M)
     code, out = _run(capsys, path, no_clip, "--hosts", "4")
-    assert code == 0 and "verdict for host 1 of 4: fits" in out and "staging slabs, clipping off" in out
-    assert out.startswith("memory plan of host 1 of 4: ") and "\nhost 1 of 4: 405.88 GiB needed" in out
-    assert "on each of the 4 hosts: its own checkpoint shards" in out
+    assert code == 1 and "\nhost 1 of 4: 551.83 GiB needed" in out and "staging resident, clipping off" in out
+    code, out = _run(capsys, path, no_clip, "--hosts", "5")
+    assert code == 0 and "verdict for host 1 of 5: fits" in out
+    assert out.startswith("memory plan of host 1 of 5: ") and "on each of the 5 hosts: its own checkpoint shards" in out
+
+
+def test_slabs_are_refused_across_hosts(capsys, tmp_path) -> None:
+    """Slabs are packed from the whole fp32 weights, which no host of several holds: a usage error."""
+    code = main(["plan", _config(tmp_path), "ipc.staging=slabs", "--hosts", "2", "--host-gib", "512"])
+    assert code == 2 and "a run over 2 hosts needs the resident copy" in capsys.readouterr().err
+
+
+def test_the_levers_a_run_cannot_take_are_not_offered(capsys, tmp_path) -> None:
+    """Two executors read the resident copy: the plan that does not fit offers no slabs (it did, and failed)."""
+    code, out = _run(capsys, _config(tmp_path), "actors.num_gpus=2")
+    assert code == 1 and "verdict: does not fit" in out and "ipc.staging=slabs" not in out
 
 
 def test_gpt_oss_120b_with_the_defaults_needs_five_hosts_of_512_gib(capsys, tmp_path) -> None:

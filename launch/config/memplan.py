@@ -265,7 +265,10 @@ def suggestions(plan: MemPlan, cfg: Config) -> list[str]:
     if not plan.host_fits():
         total, least, fits = sum(plan.host.values()), plan.memory.least_host(), False
         for setting, what, change in HOST_LEVERS:
-            other = make_plan(change(cfg), plan.gpu_free, plan.cuda, plan.machine, plan.hosts)
+            try:
+                other = make_plan(change(cfg), plan.gpu_free, plan.cuda, plan.machine, plan.hosts)
+            except ConfigError:  # a lever this run cannot take (slabs beside several executors or hosts)
+                continue
             saved = total - sum(other.host.values())
             if saved > 0:
                 setting = setting.replace("QUARTER", str(_quarter_layer(cfg)))

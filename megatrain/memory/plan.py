@@ -110,16 +110,19 @@ class MemoryPlan:
         return self.host_fits() and self.gpu_fits()
 
 
-def staging_by_rule(staging: str, cuda: bool, clip: bool, executors: int = 1) -> str | None:
+def staging_by_rule(staging: str, cuda: bool, clip: bool, executors: int = 1, hosts: int = 1) -> str | None:
     """ipc.staging resolved where the memory does not decide it; None where it does: 'auto' on CUDA without
     clipping, one executor (resident if it fits, else slabs). With clipping resident: its copy also holds the
     gradients, so it is the smallest store there is (slabs would need a gradient plane). On the CPU device
     slabs: no DMA to feed. Several executors read the weights from the resident copy (every one streams every
-    unit; slabs are filled for one reader), so they take it whatever the device."""
-    if executors > 1:
+    unit; slabs are filled for one reader), so they take it whatever the device. So does a run over several
+    hosts: each host's executors stream from its own whole copy (the forward never waits on the network), and
+    no host holds the whole fp32 weights a packer would fill slabs from (megatrain/memory/hosts.py)."""
+    if executors > 1 or hosts > 1:
         if staging == "slabs":
+            who = f"actors.num_gpus {executors}" if executors > 1 else f"a run over {hosts} hosts"
             raise ConfigError(
-                f"ipc.staging: slabs streams weights to one executor; actors.num_gpus {executors} needs the "
+                f"ipc.staging: slabs streams weights to one executor from the whole fp32 weights; {who} needs the "
                 "resident copy (ipc.staging: resident or auto)"
             )
         return "resident"
@@ -133,7 +136,7 @@ def staging_by_rule(staging: str, cuda: bool, clip: bool, executors: int = 1) ->
 def decide_staging(shape: RunShape, fits_resident: bool) -> str:
     """ipc.staging resolved: by the rule, or where the memory decides, resident where its plan fits the node
     (`fits_resident`), else slabs."""
-    mode = staging_by_rule(shape.staging, shape.cuda, shape.clip, shape.executors)
+    mode = staging_by_rule(shape.staging, shape.cuda, shape.clip, shape.executors, shape.hosts)
     if mode is not None:
         return mode
     return "resident" if fits_resident else "slabs"
