@@ -7,11 +7,19 @@ import copy
 
 import pytest
 import torch
+import torch.utils._pytree as pytree
 
-from megatrain import experts
-from megatrain.arch import arch_from_config, arch_of_spec
+from megatrain import experts, lean
+from megatrain.arch import Arch, arch_from_config, arch_of_spec
 from megatrain.experts import EXPERTS
-from megatrain.memory.layer import OUR_EXPERTS, experts_kept_bytes, mlp_width, our_layer_bytes
+from megatrain.memory.layer import (
+    OUR_EXPERTS,
+    experts_kept_bytes,
+    experts_rerun,
+    lean_layer_bytes,
+    mlp_width,
+    our_layer_bytes,
+)
 from megatrain.model import ATTENTION, family_classes, resolve_hf_config, with_experts
 from megatrain.modelconfig import ModelConfig
 from tests.helpers import MOE_FAMILIES, spec_for, tiny_hf
@@ -309,6 +317,28 @@ _LAYER_SHAPES = {
 }
 
 
+def _one_layer(family: str, shape: int, experts: str = OUR_EXPERTS, dtype: torch.dtype = torch.bfloat16):
+    """(its Arch, the model, the input x, run(x): the layer's forward) for one decoder layer of _LAYER_SHAPES at
+    LAYER_TOKENS tokens, with the engine's attention function, on the `experts` path."""
+    cfg = ModelConfig(family=family, hf={**_LAYER_SHAPES[family][shape], "vocab_size": 256, "num_hidden_layers": 1})
+    _, hf = resolve_hf_config(cfg)
+    hf = with_experts(hf, experts)
+    hf._attn_implementation = ATTENTION
+    torch.manual_seed(0)
+    model = family_classes(family)[1](hf).to(dtype)
+    x = torch.randn(1, LAYER_TOKENS, hf.hidden_size, dtype=dtype, requires_grad=True)
+    pos = torch.arange(LAYER_TOKENS)[None]
+    pe = model.model.rotary_emb(x, pos)
+
+    def run(x_: torch.Tensor) -> torch.Tensor:
+        return model.model.layers[0](x_, position_embeddings=pe, attention_mask=None, position_ids=pos)[0]
+
+    return arch_from_config(cfg), model, x, run
+
+
+LAYER_TOKENS = 512
+
+
 @pytest.mark.parametrize("shape", [0, 1])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_memory_plan_counts_a_whole_layer_on_our_path(family: str, shape: int) -> None:
@@ -316,16 +346,7 @@ def test_the_memory_plan_counts_a_whole_layer_on_our_path(family: str, shape: in
     attention function, 512 tokens on the CPU: not the layer's input nor its weights): at least all of it,
     at most 15 % more. GPT-OSS's sliding layer keeps, on the CPU as on CUDA's memory-efficient kernel, each
     query tile's keys and values repeated over the heads and the tile's mask, which the term counts."""
-    tokens = 512
-    cfg = ModelConfig(family=family, hf={**_LAYER_SHAPES[family][shape], "vocab_size": 256, "num_hidden_layers": 1})
-    _, hf = resolve_hf_config(cfg)
-    hf = with_experts(hf, OUR_EXPERTS)
-    hf._attn_implementation = ATTENTION
-    torch.manual_seed(0)
-    model = family_classes(family)[1](hf).to(torch.bfloat16)
-    x = torch.randn(1, tokens, hf.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-    pos = torch.arange(tokens)[None]
-    pe = model.model.rotary_emb(x, pos)
+    arch, model, x, run = _one_layer(family, shape)
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
     kept: dict[int, int] = {}
 
@@ -339,8 +360,60 @@ def test_the_memory_plan_counts_a_whole_layer_on_our_path(family: str, shape: in
     apply = experts.Experts.apply
     with pytest.MonkeyPatch.context() as mp, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         mp.setattr(experts.Experts, "apply", lambda *a: calls.append(1) or apply(*a))
-        model.model.layers[0](x, position_embeddings=pe, attention_mask=None, position_ids=pos)
+        run(x)
     assert calls, "our path did not run"
-    arch = arch_from_config(cfg)
-    planned = tokens * our_layer_bytes(arch, 2, tokens) + 4 * arch.num_experts  # + the groups' ends
+    planned = LAYER_TOKENS * our_layer_bytes(arch, 2, LAYER_TOKENS) + 4 * arch.num_experts  # + the groups' ends
     assert 1.0 <= planned / sum(kept.values()) <= 1.15
+
+
+def _lean_kept(family: str, shape: int, experts: str, dtype: torch.dtype) -> tuple[Arch, int, int]:
+    """(its Arch, bytes, weight storages) a lean layer (megatrain/lean.py, as the engine calls it) keeps from its
+    forward to its backward: the distinct storages of the outputs its selective checkpointing caches and of
+    what autograd saves outside it, the layer's input included; any of the layer's weights among them is
+    counted apart (a weight a kept tensor references stays alive)."""
+    arch, model, x, run = _one_layer(family, shape, experts, dtype)
+    save_grouped = not experts_rerun(arch.layout)  # megatrain/templates.py's choice
+    made, contexts = [], lean._CONTEXTS[save_grouped]
+    outer: list[torch.Tensor] = []
+    with pytest.MonkeyPatch.context() as mp, torch.autograd.graph.saved_tensors_hooks(outer.append, lambda t: t):
+        mp.setitem(lean._CONTEXTS, save_grouped, lambda: made.append(contexts()) or made[-1])
+        lean.lean_call(run, x, save_grouped=save_grouped)
+    cached = [v for entry in made[0][0].storage.values() for v in pytree.tree_leaves(entry)]
+    tensors = [getattr(v, "val", None) for v in cached] + outer
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if torch.is_tensor(t)}
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert x.untyped_storage().data_ptr() in storages, "the lean call's input is not kept"
+    kept = sum(n for ptr, n in storages.items() if ptr not in weights)
+    return arch, kept, len(weights & storages.keys())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("experts_path", [OUR_EXPERTS, "hf"])
+@pytest.mark.parametrize("shape", [0, 1])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_memory_plan_counts_a_lean_layer(family: str, shape: int, experts_path: str, dtype) -> None:
+    """lean_layer_bytes (weights apart: none is kept by the layer's tensors, the engine's lean call keeps them as
+    its input and the term counts them exactly) against what a lean layer keeps on the CPU: on our path its
+    count from the structure, at least all of it, at most 2 % more; on HF's its GEMMs' widths, at least all of
+    it, at most 25 % more."""
+    arch, kept, weights = _lean_kept(family, shape, experts_path, dtype)
+    size = torch.finfo(dtype).bits // 8
+    planned = lean_layer_bytes(arch, LAYER_TOKENS, size, 0, experts_path)
+    assert weights == 0
+    assert 0.999 <= planned / kept <= (1.02 if experts_path == OUR_EXPERTS else 1.25), planned / kept
+
+
+def test_a_dense_lean_layer_is_counted_as_before() -> None:
+    """The expert path changes nothing for a dense model: Llama-2-7B's and a Qwen3 shape's lean layer at 16x4096
+    tokens in bf16 (1000 weights), their bytes pinned on either path."""
+    shapes = {
+        "llama": (dict(hidden_size=4096, intermediate_size=11008), 6652168144),
+        "qwen3": (
+            dict(hidden_size=2048, intermediate_size=6144, num_attention_heads=32, num_key_value_heads=8, head_dim=128),
+            3766486992,
+        ),
+    }
+    for family, (hf, pinned) in shapes.items():
+        arch = arch_from_config(ModelConfig(family=family, hf={**hf, "num_hidden_layers": 2}))
+        for path in (OUR_EXPERTS, "hf"):
+            assert lean_layer_bytes(arch, 65536, 2, 1000, path) == pinned, (family, path)

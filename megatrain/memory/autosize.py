@@ -39,8 +39,9 @@ layers at 158x1024 with 2; all within 1.3 GiB):
          flight, the head's input; 6 with token tiles, see stream_bytes) + whole layers of the last block
          · tokens·(4·hidden + 5.5·intermediate + e)·dtype (e: the widths of q, its output, k and v beyond
          those of heads hidden_size / heads wide, where head_dim is another) + its lean layers · (tokens·(3·hidden
-         + 2·q + 2·kv + 2·intermediate)·dtype + their weights), and an all-lean block one whole layer more (its top
-         layer's backward remakes it)
+         + 2·q + 2·kv + 2·intermediate)·dtype + their weights; a MoE layer on our expert path: the GEMM
+         outputs it caches, counted from its structure, memory/layer.py), and an all-lean block one whole
+         layer more (its top layer's backward remakes it)
          + with sequence chunks, an fp32 gradient sum per layer kept (in the last block, or K layers)
 and it must stay under 92 % of the free memory the executor measured after its CUDA context.
 On the CPU device nothing is scarce in this sense: the previous fixed defaults (K 2, last block K,
@@ -290,7 +291,11 @@ class _Shape:
             )
         chunk = 0 if k * per_layer <= budget else self._chunk(room, k)
         # A tiled layer keeps about what a lean one does (its MLP half is recomputed per tile): no lean layers.
-        cost = (per_layer, per_layer if self.tile else lean_bytes(arch, batch * seq, self.dtype_bytes), budget)
+        cost = (
+            per_layer,
+            per_layer if self.tile else lean_bytes(arch, batch * seq, self.dtype_bytes, cfg.moe_experts),
+            budget,
+        )
         chunked = 0 < (chunk if cfg.chunk_sequences == "auto" else cfg.chunk_sequences) < batch
         if chunked:  # sequence chunks are what make the batch fit, not lean layers: the whole batch's fit
             last, lean = max(min(fit, layers), 1), (0 if cfg.lean_layers == "auto" else cfg.lean_layers)
@@ -373,10 +378,11 @@ def _saved(arch: Arch, plan: tuple) -> int:
     return len(blocks(arch.layout.num_layers, k, last)) - 1
 
 
-def lean_bytes(model: Arch | ModelSpec, tokens: int, dtype_bytes: int) -> int:
-    """A lean layer's activations and weights (megatrain/lean.py), for `tokens` tokens."""
+def lean_bytes(model: Arch | ModelSpec, tokens: int, dtype_bytes: int, experts: str = "hf") -> int:
+    """A lean layer's activations and weights (megatrain/lean.py), for `tokens` tokens; `experts`:
+    engine.moe_experts (what a mixture of experts' lean layer keeps depends on the path)."""
     arch = as_arch(model)
-    return lean_layer_bytes(arch, tokens, dtype_bytes, _layer_numel(arch))
+    return lean_layer_bytes(arch, tokens, dtype_bytes, _layer_numel(arch), experts)
 
 
 def _kept_bytes(n: int, lean: int, full: int, thin: int) -> tuple[int, int]:
@@ -442,7 +448,7 @@ def gpu_terms(model: Arch | ModelSpec, cfg: EngineConfig, batch: int, seq: int, 
         kept,
         lean,
         layer_activation_bytes(arch, chunk_tokens, dtype_bytes, sizes.token_tile, cfg.moe_experts),
-        lean_bytes(arch, chunk_tokens, dtype_bytes),
+        lean_bytes(arch, chunk_tokens, dtype_bytes, cfg.moe_experts),
     )
     chunked = 0 < sizes.chunk_sequences < batch
     largest = arch.layout.max_unit_numel

@@ -34,9 +34,8 @@ def experts_kept_bytes(arch: Arch, tokens: int, dtype_bytes: int) -> int:
 
 def _experts_bytes_per_token(arch: Arch, dtype_bytes: int) -> int:
     f, k = arch.fields, arch.experts_per_token
-    expert = f.get("moe_intermediate_size") or f["intermediate_size"]
     routing = _ROUTING_BYTES + (_BIASED_ROUTING_BYTES if f.get("swiglu_limit") is not None else 0)
-    return k * (2 * expert * dtype_bytes + routing)
+    return k * (2 * _expert_width(arch) * dtype_bytes + routing)
 
 
 def our_layer_bytes(arch: Arch, dtype_bytes: int, tokens: int) -> float:
@@ -120,18 +119,21 @@ def sparse_every_layer(arch: Arch) -> bool:
     return not arch.fields.get("mlp_only_layers") and arch.fields.get("decoder_sparse_step", 1) == 1
 
 
-def lean_layer_bytes(arch: Arch, tokens: int, dtype_bytes: int, layer_numel: int) -> int:
-    """GPU bytes a lean decoder layer holds from its forward to its backward, for `tokens` tokens.
+def lean_layer_bytes(arch: Arch, tokens: int, dtype_bytes: int, layer_numel: int, experts: str = "hf") -> int:
+    """GPU bytes a lean decoder layer holds from its forward to its backward, for `tokens` tokens; `experts`:
+    engine.moe_experts (a mixture of experts on our path is counted by _our_lean_mlp).
 
     Per token: the layer's input and the outputs of o and down (hidden each), of q and attention (heads x
     head_dim each), of k and v (kv heads x head_dim each), of gate and up (intermediate each; a mixture of
     experts' routed width, mlp_width), and the attention's fp32 log-sum-exp (one per head); plus the layer's
-    weights in compute dtype, which the last block keeps until its backward."""
+    weights in compute dtype, which the last block keeps until its backward (the lean call's input)."""
     q, kv = arch.attention_widths
     attention = q
     if has_sinks(arch.layout):  # the sinks' virtual key pads the attention's head dim (megatrain/attention.py)
         attention = arch.num_attention_heads * -(-(arch.head_dim + 1) // 8) * 8
-    if experts_rerun(arch.layout):
+    if arch.is_moe and experts == OUR_EXPERTS:
+        mlp = _our_lean_mlp(arch)
+    elif experts_rerun(arch.layout):
         # the experts' grouped GEMMs run again in the backward: of the MLP half only the router's logits
         # (and a shared expert's GEMM outputs) are kept, not the routed rows
         shared = arch.fields.get("shared_expert_intermediate_size") or 0
@@ -140,6 +142,28 @@ def lean_layer_bytes(arch: Arch, tokens: int, dtype_bytes: int, layer_numel: int
         mlp = 3 * arch.hidden_size + 2 * mlp_width(arch)
     per_token = int((mlp + q + attention + 2 * kv) * dtype_bytes)
     return tokens * (per_token + 4 * arch.num_attention_heads) + layer_numel * dtype_bytes
+
+
+def _our_lean_mlp(arch: Arch) -> int:
+    """Per token, in compute-dtype elements, what a lean MoE layer on our expert path keeps beside q, k, v and
+    attention, counted from its structure (all of them GEMM outputs the lean call caches; the rest of
+    megatrain/experts.py's forward, its sort and routing included, runs again): the layer's input and o's
+    output (hidden each); the router's logits (one per expert); the routed rows' grouped GEMM outputs, each
+    row's gate/up (2 x the expert width) and down (hidden), top-k rows per token, except where the experts'
+    grouped GEMMs run again (experts_rerun: the lean call then caches no grouped GEMM); the combine's batched
+    matmul output (hidden); a shared expert's gate and up (its width each), down (hidden) and sigmoid gate
+    (one). Within 1 % of what the lean call caches on the CPU for each MoE family (tests/test_experts.py)."""
+    hidden, k = arch.hidden_size, arch.experts_per_token
+    routed = 0 if experts_rerun(arch.layout) else k * (2 * _expert_width(arch) + hidden)
+    shared = arch.fields.get("shared_expert_intermediate_size") or 0
+    mlp = 3 * hidden + arch.num_experts + routed + (2 * shared + hidden + 1 if shared else 0)
+    # the dense layers of a model not sparse everywhere keep their gate, up and down outputs
+    return mlp if sparse_every_layer(arch) else max(mlp, 3 * hidden + 2 * arch.fields["intermediate_size"])
+
+
+def _expert_width(arch: Arch) -> int:
+    """One expert's intermediate width (Mixtral, OLMoE and GPT-OSS name it intermediate_size)."""
+    return arch.fields.get("moe_intermediate_size") or arch.fields["intermediate_size"]
 
 
 def experts_rerun(layout: StoreLayout) -> bool:
