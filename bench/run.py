@@ -46,12 +46,12 @@ import statistics
 import subprocess
 import sys
 import time
-import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.auto import most_batch, most_layers  # noqa: E402
 from bench.official.checkout import MissingCheckout, official_src  # noqa: E402
 from bench.peers import PEERS  # noqa: E402
 from bench.presets import ABLATIONS, MODELS  # noqa: E402
@@ -59,107 +59,14 @@ from bench.presets import QWEN7B as QWEN7B  # noqa: E402  (bench/lean.py imports
 from bench.routing import ROUTINGS  # noqa: E402
 from bench.table import copy_rates, load_stats, routing, table  # noqa: E402
 from bench.tokens import TOKENS, default_tokens, random_tokens  # noqa: E402
-from bench.tokens import overrides as token_overrides  # noqa: E402
-from megatrain.configbase import merge_overrides, parse_override  # noqa: E402
+from bench.workload import KNOBS, Failed, bench_model, overrides  # noqa: E402
 from megatrain.dataconfig import DataConfig  # noqa: E402
-from megatrain.errors import ConfigError, DataError, MegatrainError  # noqa: E402
+from megatrain.errors import MegatrainError  # noqa: E402
 from megatrain.ipc.procs import started_at  # noqa: E402
 from megatrain.launch.config.tree import load_config  # noqa: E402
 from megatrain.launch.plot.plots import plot_timeline  # noqa: E402
 from megatrain.launch.run.driver import Trainer  # noqa: E402
 from megatrain.model import resolve_hf_config  # noqa: E402
-
-# Flag -> config key. A flag left out keeps the product's default: the benchmark measures the config a
-# user gets, and every override a number needs is on its command line (BENCHMARKS.md quotes it).
-KNOBS = {
-    "k": "engine.checkpoint_interval",
-    "last": "engine.last_block_layers",
-    "chunk": "engine.chunk_sequences",
-    "lean": "engine.lean_layers",
-    "slab_params": "ipc.slab_params",
-    "loss_chunk": "engine.loss_chunk_tokens",
-    "packers": "actors.num_packers",
-    "packer_threads": "actors.packer_threads",
-    "accumulators": "actors.num_accumulators",
-    "adam_threads": "actors.adam_threads",
-    "accumulator_threads": "actors.accumulator_threads",
-}
-
-
-USAGE_ERROR, RUNTIME_ERROR = 2, 1
-
-
-class Failed(Exception):
-    """What stops the bench: one line for the user and the exit status (USAGE_ERROR or RUNTIME_ERROR)."""
-
-    def __init__(self, message: str, code: int):
-        super().__init__(message)
-        self.code = code
-
-    @classmethod
-    def of(cls, exc: BaseException, what: str = "", log_dir: Path | None = None) -> Failed:
-        """As megatrain-launch words it: the input's errors exit 2, a run's 1, anything else is an internal error;
-        where the run had its output directory, error.log there gets the traceback (a failed actor's own)."""
-        code = USAGE_ERROR if isinstance(exc, (ConfigError, DataError, MissingCheckout)) else RUNTIME_ERROR
-        message = (
-            str(exc)
-            if isinstance(exc, (MegatrainError, MissingCheckout))
-            else f"internal error: {type(exc).__name__}: {exc}"
-        )
-        if log_dir is not None and log_dir.is_dir():
-            remote = getattr(exc, "traceback", "")
-            detail = f"traceback of actor '{exc.actor}':\n{remote}" if remote else traceback.format_exc()
-            (log_dir / "error.log").write_text(message + "\n\n" + detail)
-            message += f" (details in {log_dir / 'error.log'})"
-        return cls(f"{what}: {message}" if what else message, code)
-
-
-def bench_model(model: str, layers: int, extra: list[str]) -> tuple[dict, list[str]]:
-    """The model every row measures (MegaTrain's variants and the peers alike): the --model preset's layer
-    shape with `layers` layers and the model.hf.KEY=VALUE items of --extra applied; and the rest of --extra
-    (overrides of the default variant only)."""
-    shape = MODELS[model][1]
-    mine = [item for item in extra if parse_override(item)[0][:2] == ["model", "hf"]]
-    for item in mine:
-        keys = parse_override(item)[0]
-        if len(keys) < 3:
-            raise ConfigError(
-                f"--extra {item}: the bench's model is --model's layer shape; change it key by "
-                "key with model.hf.KEY=VALUE"
-            )
-        if keys[2] == "num_hidden_layers":
-            raise ConfigError(f"--extra {item}: the layer count is --layers")
-    hf = merge_overrides({"model": {"hf": {**shape, "num_hidden_layers": layers}}}, mine)["model"]["hf"]
-    return hf, [item for item in extra if item not in mine]
-
-
-def overrides(args: argparse.Namespace, out: Path, extra: list[str], gpus: int | None = None) -> list[str]:
-    """The workload (model shape, batch, steps, a constant LR so every step does the same work, no closing
-    evaluation: it measures nothing here and cost each row half a minute) and the flags given; nothing else.
-    args.hf is the model (bench_model())."""
-    hf, gpus = args.hf, gpus or args.gpus
-    knobs = [f"{key}={getattr(args, flag)}" for flag, key in KNOBS.items() if getattr(args, flag) is not None]
-    return [
-        f"model.family={MODELS[args.model][0]}",
-        f"model.hf={json.dumps(hf)}",
-        *([f"model.pretrained={args.init}"] if getattr(args, "init", None) else []),
-        f"data.seq_len={args.seq}",
-        f"data.batch_size={args.batch * gpus}",
-        *(token_overrides(args.data) if getattr(args, "data", None) is not None else []),
-        f"actors.num_gpus={gpus}",
-        f"train.steps={args.steps}",
-        f"train.timeline_step={args.steps}",
-        f"train.output_dir={out}",
-        "train.log_every=1",
-        "engine.device=cuda",
-        "optim.lr=1e-5",
-        "optim.warmup_steps=0",
-        "optim.schedule=constant",
-        "train.final_eval=false",
-        *([f"engine.gpu_memory_gib={args.gpu_gib}"] if args.gpu_gib is not None else []),
-        *knobs,
-        *extra,
-    ]
 
 
 def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str], gpus: int | None = None) -> dict:
@@ -268,7 +175,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--suite", choices=["headline"], help="run the headline suite (each entry in its own process)")
     p.add_argument("--only", default="", help="with --suite: a comma list of entries: " + ", ".join(SUITE))
     p.add_argument("--model", choices=list(MODELS), default="qwen2.5-7b", help="the layer shape measured")
-    p.add_argument("--layers", type=int, default=8)
+    p.add_argument(
+        "--layers",
+        type=lambda v: v if v == "auto" else int(v),
+        default=8,
+        help="layers of --model's shape; auto: the most whose MegaTrain plan fits this host and GPU (--gpu-gib) "
+        "at --batch",
+    )
     p.add_argument(
         "--batch",
         type=lambda v: v if v == "auto" else int(v),
@@ -334,6 +247,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--peer-steps: more than --warmup, or no steady step is left")
     if args.batch != "auto" and args.batch < 1:
         p.error("--batch: at least 1, or auto")
+    if args.layers != "auto" and args.layers < 1:
+        p.error("--layers: at least 1, or auto")
+    if args.layers == "auto" and args.batch == "auto":
+        p.error("--layers auto and --batch auto: one at a time (the deepest model at a batch, or a model's most batch)")
     if args.gpus > 1 and {"plain", "fsdp2", "official"} & set(args.peers.split(",")):
         p.error("--gpus > 1: only --peers deepspeed runs on several GPUs")
     for flag, names, known in (("--peers", args.peers, PEERS), ("--ablations", args.ablations, ABLATIONS)):
@@ -361,6 +278,8 @@ def run(args: argparse.Namespace) -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.suite:
         return run_suite(args)
+    if args.layers == "auto":
+        args.layers = most_layers(args)
     args.hf, args.extra = bench_model(args.model, args.layers, args.extra)
     if args.batch == "auto":
         args.batch = most_batch(args)
@@ -431,46 +350,6 @@ def measure(args: argparse.Namespace, hf, data, peers: list[str], src: Path | No
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
     print(head + md)
     return 0
-
-
-def most_batch(args: argparse.Namespace, most: int = 4096) -> int:
-    """--batch auto: the most sequences per GPU (up to `most`) whose MegaTrain plan (launch/config/memplan.py) fits this
-    machine's host and its GPU's free memory, capped at --gpu-gib; the plan's answer, printed."""
-    from megatrain.launch.config.memplan import make_plan
-
-    budget = args.gpu_gib
-
-    def fits(b: int) -> bool:
-        # loaded without the budget, which the config's check would refuse a batch for: the plan says so
-        args.batch, args.gpu_gib = b, None
-        cfg = load_config(None, overrides(args, Path(args.out), args.extra))
-        args.gpu_gib = budget
-        cfg.engine = dataclasses.replace(cfg.engine, gpu_memory_gib=budget)
-        return make_plan(cfg, gpu_free(), True).fits()
-
-    if args.gpu_gib is None and gpu_free() is None:
-        raise Failed("--batch auto: no GPU here to plan for; give --gpu-gib N", 2)
-    if not fits(1):
-        raise Failed(
-            f"--batch auto: not even 1 sequence of {args.seq} tokens fits (megatrain-launch plan shows why)", 1
-        )
-    lo, hi = 1, 2
-    while hi <= most and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, most + 1)
-    while hi - lo > 1:  # fits(lo), not fits(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    budget = f"--gpu-gib {args.gpu_gib:g}" if args.gpu_gib is not None else "the GPU's free memory"
-    print(f"[bench] --batch auto: {lo} sequences of {args.seq} tokens per GPU, the most the plan fits in {budget}")
-    return lo
-
-
-def gpu_free() -> int | None:
-    """The GPU's free memory now (the plan's figure without --gpu-gib); None without a GPU."""
-    import torch
-
-    return int(torch.cuda.mem_get_info()[0]) if torch.cuda.is_available() else None
 
 
 def commit() -> str:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench import auto as bench_auto
 from bench import run as bench_run
 from megatrain.engine import EngineConfig, resolve_engine
 from megatrain.errors import ConfigError, ResourceError
@@ -220,6 +221,26 @@ def test_bench_batch_auto_is_the_most_the_plan_fits_in_the_budget(tmp_path: Path
         return memplan.make_plan(cfg, None, True).fits()
 
     assert fits(most) and not fits(most + 1)
+
+
+def test_bench_layers_auto_is_the_deepest_model_the_plan_fits_on_the_host(tmp_path: Path, monkeypatch) -> None:
+    """--layers auto on a planned host of 64 GiB: the most layers of the 7B shape whose plan fits the host and an
+    80 GiB GPU at 1x1024 tokens (the host part bounds it), and one more layer does not fit."""
+    host = memplan.Host(ram=64 * GIB, total=64 * GIB, shm=64 * GIB, threshold=None)
+    monkeypatch.setattr(memplan, "this_host", lambda cfg, host_gib=None: host)
+    args = bench_run.parse(["--out", str(tmp_path), "--layers", "auto", "--batch", "1", "--seq", "1024",
+                            "--gpu-gib", "80"])  # fmt: skip
+    deepest = bench_auto.most_layers(args)
+
+    def fits(layers: int) -> bool:
+        args.hf, extra = bench_run.bench_model(args.model, layers, args.extra)
+        cfg = load_config(None, bench_run.overrides(args, tmp_path, extra))
+        return memplan.make_plan(cfg, None, True).fits()
+
+    assert 2 <= deepest < 64 and fits(deepest) and not fits(deepest + 1)
+    for bad in (["--layers", "0"], ["--layers", "auto", "--batch", "auto"]):
+        with pytest.raises(SystemExit):
+            bench_run.parse(["--out", str(tmp_path), *bad])
 
 
 def test_a_bench_budget_too_small_is_one_line_and_exit_2_before_anything_runs(tmp_path: Path) -> None:
