@@ -11,7 +11,8 @@ second one executor on --batch, and the peers run on N GPUs.
 --gpu-gib N is a GPU memory budget per GPU (the CUDA context included): engine.gpu_memory_gib for MegaTrain,
 and the same cap on each peer's process (torch.cuda.set_per_process_memory_fraction; bench/peers.py); the
 tables name it. --batch auto is the most sequences per GPU whose MegaTrain plan fits that budget (or the
-GPU's free memory) and the host: every row then runs that batch.
+GPU's free memory) and the host: every row then runs that batch. --layers auto is the most layers of the --model
+shape whose plan fits this host and GPU at --batch (bench/auto.py): the deepest model the machine holds.
 
 --tokens random (the default for a mixture of experts) trains every system on one seeded file of token ids drawn
 uniformly over the model's vocabulary, written under OUT, that MegaTrain reads as data.kind tokens and every peer

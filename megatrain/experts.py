@@ -156,15 +156,19 @@ class Experts(torch.autograd.Function):
         return dx.to(x.dtype), None, dw[inv].view(T, k).to(w.dtype), dgate_up, ddown, dbias1, dbias2, None, None
 
 
+def runs(module: torch.nn.Module) -> bool:
+    """Whether our path runs this experts module's activation: SwiGLU (SiLU) or GPT-OSS's clamped GLU."""
+    return getattr(module, "limit", None) is not None or isinstance(
+        getattr(module, "act_fn", None), SiLUActivation | torch.nn.SiLU
+    )
+
+
 def experts_forward(module: torch.nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
     """HF's experts forward (hidden_states [T,H], top-k ids and weights [T,k]) on our path."""
     biased = getattr(module, "has_bias", False)
-    if getattr(module, "limit", None) is not None:
-        clamp: Clamp = (float(module.alpha), float(module.limit))
-    elif isinstance(getattr(module, "act_fn", None), SiLUActivation | torch.nn.SiLU):
-        clamp = None
-    else:
+    if not runs(module):  # the config check (megatrain/model.py check_experts) stops such a run before it starts
         raise ValueError(f"{type(module).__name__}: engine.moe_experts=megatrain runs SwiGLU and GPT-OSS's GLU only")
+    clamp: Clamp = (float(module.alpha), float(module.limit)) if getattr(module, "limit", None) is not None else None
     return Experts.apply(
         hidden_states,
         top_k_index,

@@ -253,6 +253,23 @@ def check_attention(cfg: ModelConfig, where: Where | None = None) -> None:
             raise ConfigError(f"model.hf: HF's {family} attention cannot run this config: {problem}") from None
 
 
+def check_experts(cfg: ModelConfig, experts: str, where: Where | None = None) -> None:
+    """engine.moe_experts=megatrain runs the experts' activations it knows (megatrain/experts.py runs): any other
+    stops here, on the meta device before any process starts, not in the first step."""
+    if experts == "hf":
+        return
+    from megatrain.experts import runs
+
+    family, hf = resolve_hf_config(cfg, where)
+    for module in meta_model(family, hf).modules():
+        if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and not runs(module):
+            act = getattr(hf, "hidden_act", "?")
+            raise ConfigError(
+                f"engine.moe_experts: megatrain runs SwiGLU experts (and GPT-OSS's clamped GLU), not {family}'s "
+                f"experts with hidden_act {act!r}; set engine.moe_experts=hf (transformers' experts)"
+            )
+
+
 def _unit_modules(model: torch.nn.Module) -> list[tuple[str, str, dict[str, torch.nn.Module | torch.Tensor]]]:
     inner = model.model
     units: list[tuple[str, str, dict]] = [("embed", "model.embed_tokens.", {"": inner.embed_tokens})]

@@ -417,3 +417,21 @@ def test_a_dense_lean_layer_is_counted_as_before() -> None:
         arch = arch_from_config(ModelConfig(family=family, hf={**hf, "num_hidden_layers": 2}))
         for path in (OUR_EXPERTS, "hf"):
             assert lean_layer_bytes(arch, 65536, 2, 1000, path) == pinned, (family, path)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_experts_our_path_does_not_run_is_refused_before_anything_starts(family: str) -> None:
+    """A SwiGLU family configured with another activation: our path (the default) stops at the config check,
+    naming engine.moe_experts, not in the first step; HF's path takes it."""
+    import json
+
+    from megatrain.errors import ConfigError
+    from megatrain.launch.config.tree import load_config
+    from tests.helpers import tiny_config_dict
+
+    hf = json.dumps({**tiny_config_dict(family, False), "hidden_act": "gelu"})
+    model = [f"model.family={family}", f"model.hf={hf}", "data.seq_len=32", "data.batch_size=2"]
+    with pytest.raises(ConfigError, match=r"engine\.moe_experts: megatrain runs SwiGLU experts .*'gelu'"):
+        load_config(None, model)
+    assert load_config(None, [*model, "engine.moe_experts=hf"]).engine.moe_experts == "hf"
+    assert load_config(None, [*model[:1], f"model.hf={json.dumps(tiny_config_dict(family, False))}", *model[2:]])

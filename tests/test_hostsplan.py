@@ -112,7 +112,7 @@ def test_gpt_oss_120b_without_clipping_needs_five_hosts_of_512_gib_too(capsys, t
     path, no_clip = _config(tmp_path), "optim.max_grad_norm=0"
     code, out = _run(capsys, path, no_clip)
     assert code == 1 and "verdict: does not fit" in out and "staging slabs, clipping off" in out
-    assert re.search(r"^on 5 hosts like that one \(--hosts 5\) each needs 486.16 GiB: fits$", out, re.M)
+    assert re.search(r"^on 5 hosts like that one \(--hosts 5\) each needs 486.16 GiB: fits \(sizing", out, re.M)
     code, out = _run(capsys, path, no_clip, "--hosts", "4")
     assert code == 1 and "\nhost 1 of 4: 551.83 GiB needed" in out and "staging resident, clipping off" in out
     code, out = _run(capsys, path, no_clip, "--hosts", "5")
@@ -157,3 +157,13 @@ def test_hosts_must_be_a_positive_integer(capsys, tmp_path, hosts: str) -> None:
     except SystemExit as exc:  # argparse's refusal of what is not an integer
         code = exc.code
     assert code == 2 and "--hosts" in capsys.readouterr().err
+
+
+def test_a_one_host_plan_with_slabs_names_the_hosts_with_the_resident_copy(capsys, tmp_path) -> None:
+    """ipc.staging=slabs on one host that does not fit: the plan (exit 1), and the fewest hosts, which take
+    the resident copy (slabs are refused across hosts, not in this host's plan)."""
+    code, out = _run(capsys, _config(tmp_path), "ipc.staging=slabs")
+    assert code == 1 and "staging slabs" in out and "verdict: does not fit" in out
+    assert re.search(
+        r"^on 5 hosts like that one \(--hosts 5\) each needs 486.16 GiB: fits \(sizing a cluster", out, re.M
+    )

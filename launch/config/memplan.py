@@ -275,7 +275,7 @@ def suggestions(plan: MemPlan, cfg: Config) -> list[str]:
                 tips.append(f"{setting}: {what} (-{gib(saved)} of host RAM)")
                 fits, least = fits or other.host_fits(), min(least, other.memory.least_host())
         if not fits:
-            tips.append(_host_needed(plan, least))
+            tips.append(_host_needed(plan, least, bool(tips)))
     if not plan.gpu_fits():
         tips += [
             "engine.chunk_sequences=1 (the batch through each layer one sequence at a time)",
@@ -294,13 +294,15 @@ def suggestions(plan: MemPlan, cfg: Config) -> list[str]:
     return tips
 
 
-def _host_needed(plan: MemPlan, least: int) -> str:
-    """What makes a plan fit where no setting does: the RAM of a host (all of it free) that holds `least`."""
+def _host_needed(plan: MemPlan, least: int, levers: bool = True) -> str:
+    """What makes a plan fit where no setting does: the RAM of a host (all of it free) that holds `least`;
+    `levers`: whether settings were listed before it."""
     m = plan.machine
     share = m.threshold if m.threshold is not None else 1.0  # what Ray's monitor lets a run take of the RAM
     ram = math.ceil(least / share / GIB)
+    none = "none of these makes" if levers else "no setting makes"
     return (
-        f"none of these makes it fit {'this machine' if not m.note else 'that host'}: the least of them needs "
+        f"{none} it fit {'this machine' if not m.note else 'that host'}: the least {'of them ' if levers else ''}needs "
         f"{gib(least)} of host RAM, and the run may take {gib(max(m.limit, 0))}; it fits a host with "
         f"{ram} GiB of RAM, all of it free (--host-gib {ram} plans for one)"
     )
@@ -310,8 +312,11 @@ def _hosts_needed(plan: MemPlan, cfg: Config) -> str:
     """The fewest hosts like this one on which the plan's host part fits, with what each then needs."""
     plans: dict[int, MemPlan] = {}
 
+    # several hosts take the resident copy whatever ipc.staging asks (slabs would be refused there)
+    several = _set(cfg, "ipc", staging="auto") if cfg.ipc.staging == "slabs" else cfg
+
     def fits(hosts: int) -> bool:
-        plans[hosts] = make_plan(cfg, plan.gpu_free, plan.cuda, plan.machine, hosts)
+        plans[hosts] = make_plan(several, plan.gpu_free, plan.cuda, plan.machine, hosts)
         return plans[hosts].host_fits()
 
     like = "this one" if not plan.machine.note else "that one"
@@ -323,7 +328,11 @@ def _hosts_needed(plan: MemPlan, cfg: Config) -> str:
             f"no number of hosts like {like} fits it: on {most} (--hosts {most}) each still needs "
             f"{gib(need)} (what every host keeps whole: the resident copy, the staging slabs, the processes)"
         )
-    return f"on {hosts} hosts like {like} (--hosts {hosts}) each needs {gib(sum(plans[hosts].host.values()))}: fits"
+    sizing = " (sizing a cluster: a run spans one host today)" if plan.hosts == 1 else ""
+    return (
+        f"on {hosts} hosts like {like} (--hosts {hosts}) each needs {gib(sum(plans[hosts].host.values()))}: "
+        f"fits{sizing}"
+    )
 
 
 def _one_of(plan: MemPlan, before: str = "") -> str:

@@ -70,7 +70,9 @@ class Crew:
 
     def _note_local(self, name: str, info: ActorInfo) -> None:
         if info.host == socket.gethostname() and info.pid != os.getpid():
-            self.local[name] = (info.pid, start_ticks(info.pid))
+            ticks = start_ticks(info.pid)
+            if ticks:  # 0: gone already (or unreadable); a pid reused since must not be waited for
+                self.local[name] = (info.pid, ticks)
 
     def shutdown(self) -> None:
         """Idempotent: end every worker, then the owner (it unlinks everything of the run once they are
