@@ -259,8 +259,11 @@ def check_experts(cfg: ModelConfig, experts: str, where: Where | None = None) ->
     if experts == "hf":
         return
     from megatrain.experts import runs
+    from megatrain.moe import num_experts
 
     family, hf = resolve_hf_config(cfg, where)
+    if not num_experts(hf):  # a dense model: nothing to check
+        return
     for module in meta_model(family, hf).modules():
         if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and not runs(module):
             act = getattr(hf, "hidden_act", "?")
