@@ -166,7 +166,7 @@ def runs(module: torch.nn.Module) -> bool:
 def experts_forward(module: torch.nn.Module, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
     """HF's experts forward (hidden_states [T,H], top-k ids and weights [T,k]) on our path."""
     biased = getattr(module, "has_bias", False)
-    if not runs(module):  # the config check (megatrain/model.py check_experts) stops such a run before it starts
+    if not runs(module):  # the config check (megatrain/model.py check_on_meta) stops such a run before it starts
         raise ValueError(f"{type(module).__name__}: engine.moe_experts=megatrain runs SwiGLU and GPT-OSS's GLU only")
     clamp: Clamp = (float(module.alpha), float(module.limit)) if getattr(module, "limit", None) is not None else None
     return Experts.apply(

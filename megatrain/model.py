@@ -230,12 +230,21 @@ def meta_model(family: str, hf: PretrainedConfig) -> torch.nn.Module:
         return family_classes(family)[1](hf)
 
 
-def check_attention(cfg: ModelConfig, where: Where | None = None) -> None:
-    """The family's attention runs the config's shapes: one layer's attention on the meta device (shapes
-    only, no storage, no compute), before any process starts. HF's OLMoE, for one, norms q and k over
-    hidden_size, so it runs only where head_dim is hidden_size / heads: otherwise its first step fails."""
+def check_on_meta(cfg: ModelConfig, experts: str = "hf", where: Where | None = None) -> None:
+    """The checks that run the model's structure on the meta device (shapes only, no storage, no compute), built
+    once, before any process starts: its attention runs the config's shapes, and its experts run on the path
+    engine.moe_experts (`experts`) names."""
     family, hf = resolve_hf_config(cfg, where)
     model = meta_model(family, hf)
+    _check_attention(cfg, where, family, hf, model)
+    _check_experts(family, hf, model, experts)
+
+
+def _check_attention(
+    cfg: ModelConfig, where: Where | None, family: str, hf: PretrainedConfig, model: torch.nn.Module
+) -> None:
+    """One layer's attention on the meta device. HF's OLMoE, for one, norms q and k over hidden_size, so it
+    runs only where head_dim is hidden_size / heads: otherwise its first step fails."""
     attention = getattr(model.model.layers[0], "self_attn", None) if hf.num_hidden_layers else None
     if attention is None:
         return
@@ -253,18 +262,14 @@ def check_attention(cfg: ModelConfig, where: Where | None = None) -> None:
             raise ConfigError(f"model.hf: HF's {family} attention cannot run this config: {problem}") from None
 
 
-def check_experts(cfg: ModelConfig, experts: str, where: Where | None = None) -> None:
+def _check_experts(family: str, hf: PretrainedConfig, model: torch.nn.Module, experts: str) -> None:
     """engine.moe_experts=megatrain runs the experts' activations it knows (megatrain/experts.py runs): any other
-    stops here, on the meta device before any process starts, not in the first step."""
+    stops here, not in the first step."""
     if experts == "hf":
         return
     from megatrain.experts import runs
-    from megatrain.moe import num_experts
 
-    family, hf = resolve_hf_config(cfg, where)
-    if not num_experts(hf):  # a dense model: nothing to check
-        return
-    for module in meta_model(family, hf).modules():
+    for module in model.modules():
         if hasattr(module, "gate_up_proj") and hasattr(module, "down_proj") and not runs(module):
             act = getattr(hf, "hidden_act", "?")
             raise ConfigError(

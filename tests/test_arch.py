@@ -19,7 +19,7 @@ from megatrain.model import (
     FAMILIES,
     ModelConfig,
     build_spec,
-    check_attention,
+    check_on_meta,
     config_class,
     head_dim,
     hf_config_fields,
@@ -187,7 +187,7 @@ def test_the_head_dim_rule_is_hfs_attention(family: str) -> None:
     """PLAIN_HEAD_DIM_ONLY names exactly the families whose attention refuses head_dim != hidden / heads."""
     small = {**SMALL, "head_dim": 32}
     try:
-        check_attention(ModelConfig(family=family, hf=small))
+        check_on_meta(ModelConfig(family=family, hf=small))
         refused = False
     except ConfigError:
         refused = True

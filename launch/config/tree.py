@@ -66,13 +66,12 @@ def validate_model(cfg: Config, where: Where | None = None, weights: bool = True
     the meta device, check_model's, a pretrained checkpoint's files and the GPU budget. The launcher runs them
     beside its Ray start (launch/run/inputs.py). `weights` False: a pretrained directory may hold config.json
     alone (made before the weights are downloaded)."""
-    from megatrain.model import build_spec, check_attention, check_experts, resolve_hf_config
+    from megatrain.model import build_spec, check_on_meta, resolve_hf_config
     from megatrain.weights import check_checkpoint
 
     check_hf_keys(cfg.model, where)
     resolve_hf_config(cfg.model, where)  # HF's strict fields: a value of the wrong type, named
-    check_attention(cfg.model, where)
-    check_experts(cfg.model, cfg.engine.moe_experts, where)
+    check_on_meta(cfg.model, cfg.engine.moe_experts, where)
     check_model(cfg, where)
     if cfg.model.pretrained and (weights or holds_weights(cfg.model.pretrained)):
         # every file whole, every parameter there in a layout read_unit reads, of its shape

@@ -35,7 +35,7 @@ def experts_kept_bytes(arch: Arch, tokens: int, dtype_bytes: int) -> int:
 def _experts_bytes_per_token(arch: Arch, dtype_bytes: int) -> int:
     f, k = arch.fields, arch.experts_per_token
     routing = _ROUTING_BYTES + (_BIASED_ROUTING_BYTES if f.get("swiglu_limit") is not None else 0)
-    return k * (2 * _expert_width(arch) * dtype_bytes + routing)
+    return k * (2 * arch.moe_intermediate_size * dtype_bytes + routing)
 
 
 def our_layer_bytes(arch: Arch, dtype_bytes: int, tokens: int) -> float:
@@ -154,16 +154,11 @@ def _our_lean_mlp(arch: Arch) -> int:
     matmul output (hidden); a shared expert's gate and up (its width each), down (hidden) and sigmoid gate
     (one). Within 2 % of what the lean call caches on the CPU for each MoE family (tests/test_experts.py)."""
     hidden, k = arch.hidden_size, arch.experts_per_token
-    routed = 0 if experts_rerun(arch.layout) else k * (2 * _expert_width(arch) + hidden)
-    shared = arch.fields.get("shared_expert_intermediate_size") or 0
+    routed = 0 if experts_rerun(arch.layout) else k * (2 * arch.moe_intermediate_size + hidden)
+    shared = arch.shared_expert_intermediate_size
     mlp = 3 * hidden + arch.num_experts + routed + (2 * shared + hidden + 1 if shared else 0)
     # the dense layers of a model not sparse everywhere keep their gate, up and down outputs
     return mlp if sparse_every_layer(arch) else max(mlp, 3 * hidden + 2 * arch.fields["intermediate_size"])
-
-
-def _expert_width(arch: Arch) -> int:
-    """One expert's intermediate width (Mixtral, OLMoE and GPT-OSS name it intermediate_size)."""
-    return arch.fields.get("moe_intermediate_size") or arch.fields["intermediate_size"]
 
 
 def experts_rerun(layout: StoreLayout) -> bool:
