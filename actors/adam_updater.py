@@ -104,7 +104,7 @@ class AdamUpdater(Role):
     def _update(self, unit: int, lo: int, hi: int, g: np.ndarray, t: int, lr: float, scale: float) -> None:
         """AdamW on elements [lo, hi) of the unit's tiles (g holds exactly those)."""
         store = self.store
-        p, m, v = (store.tile(part, unit)[lo:hi] for part in ("params", "exp_avg", "exp_avg_sq"))
+        p, m, v = (store.span(part, unit, lo, hi) for part in ("params", "exp_avg", "exp_avg_sq"))
         split = min(max(store.spec.layout.structure_of(unit).decay_split() - lo, 0), hi - lo)
         fused = self._bf16_resident(unit, lo, hi)  # the copy the next forward streams, written in the same pass
         for sl, wd in ((slice(0, split), self.cfg.weight_decay), (slice(split, None), 0.0)):

@@ -23,10 +23,11 @@ from megatrain.errors import MegatrainError, WaitTimeout
 HOST = "127.0.0.1"  # every executor is on the store's node (one STRICT_PACK placement group)
 
 
-def open_rendezvous(size: int, timeout_s: float) -> dist.TCPStore:
-    """Rank 0's key-value store for the group's rendezvous, on a free port (`.port`)."""
+def open_rendezvous(size: int, timeout_s: float, host: str = HOST) -> dist.TCPStore:
+    """Rank 0's key-value store for the group's rendezvous, on a free port (`.port`) of `host` (an address the
+    other members reach it at: this node's own where the members are on other nodes)."""
     return dist.TCPStore(
-        HOST, 0, size, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False, use_libuv=True
+        host, 0, size, True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False, use_libuv=True
     )
 
 
@@ -70,9 +71,7 @@ class Group:
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """Sum `t` over the ranks in place (the stats group, from the compute thread). On CUDA the current
         stream waits for the result (the host does not); on the CPU the host waits."""
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
-        self.finish(self.stats.allreduce([t], opts))
+        self.finish(self.stats.allreduce([t], _sum()))
         return t
 
     def reduce_(self, t: torch.Tensor) -> dist.Work:
@@ -80,6 +79,28 @@ class Group:
         opts = dist.ReduceOptions()
         opts.rootRank, opts.reduceOp = 0, dist.ReduceOp.SUM
         return self.grads.reduce([t], opts)
+
+    def reduce_scatter_(self, full: torch.Tensor, out: torch.Tensor) -> None:
+        """Sum `full` (`size` chunks of len(out) elements) over the ranks; rank r's `out` gets chunk r of the
+        sum (the grads group: a run over several hosts, each host's slice of a unit's gradient), finished as
+        `finish` finishes. Gloo's reduce-scatter never reports itself complete to a poll, so on the CPU the sum
+        is an all-reduce of `full` in place (the caller's buffer, done with) and `out` its chunk."""
+        if full.numel() != out.numel() * self.size:
+            raise MegatrainError(f"a reduce-scatter of {full.numel()} elements into {self.size} x {out.numel()}")
+        opts = dist.ReduceScatterOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        if self.cuda:
+            self.finish(self.grads._reduce_scatter_base(out, full, opts))
+            return
+        self.finish(self.grads.allreduce([full], _sum()))
+        out.copy_(full[self.rank * out.numel() : (self.rank + 1) * out.numel()])
+
+    def all_gather_(self, chunk: torch.Tensor, full: torch.Tensor) -> None:
+        """Every rank's `chunk` into chunk r of every rank's `full` (the grads group: each host's updated slice
+        of a unit's weights into every host's copy), finished as `finish` finishes."""
+        if full.numel() != chunk.numel() * self.size:
+            raise MegatrainError(f"an all-gather of {self.size} x {chunk.numel()} elements into {full.numel()}")
+        self.finish(self.grads._allgather_base(full, chunk))
 
     def finish(self, work: dist.Work) -> None:
         """On CUDA: the current stream waits for the collective (no host wait). On the CPU: the host waits,
@@ -103,6 +124,12 @@ class Group:
             torch.cuda.current_stream(self.device).synchronize()
         if int(one.item()) != self.size:
             raise MegatrainError(f"the executors' group answered {int(one.item())} of {self.size} ranks")
+
+
+def _sum() -> dist.AllreduceOptions:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM
+    return opts
 
 
 def split_rows(batch: int, size: int) -> list[slice]:

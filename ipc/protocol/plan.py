@@ -22,6 +22,7 @@ from megatrain.ipc.protocol.sems import semaphores
 from megatrain.ipc.shm import MAX_PIDS
 from megatrain.layout import StoreLayout
 from megatrain.memory.host import StoreShape, page_table_bytes, pinned_checkpoint_bytes
+from megatrain.memory.hosts import host_of, host_plane_elems, host_slice, slice_offsets, unit_pieces
 from megatrain.memory.plan import staging_by_rule
 from megatrain.model import ModelSpec
 from megatrain.roster import slot_names
@@ -72,6 +73,19 @@ class StoreSpec:
     threads: dict[str, Threads] = field(default_factory=dict)  # the node's CPU plan (cpus.py); empty: none
     cores: int = 0  # the cores the plan split
     num_executors: int = 1  # actors.num_gpus: executors sharing the store, each its rows of the batch
+    # A run over several hosts: this store is host `host`'s of `hosts`. It holds slice `host` of every unit's
+    # fp32 planes (megatrain/memory/hosts.py) and the whole resident copy its executors stream from.
+    hosts: int = 1
+    host: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.host < self.hosts:
+            raise ProtocolError(f"host {self.host} is not one of the run's {self.hosts} hosts")
+        if self.hosts > 1 and not self.resident:
+            raise ProtocolError(
+                f"a run over {self.hosts} hosts streams from each host's resident copy: ipc.staging "
+                f"{self.staging_mode} is not possible (no host holds the whole fp32 weights slabs are packed from)"
+            )
 
     @property
     def grads_in_resident(self) -> bool:
@@ -137,6 +151,7 @@ class StoreSpec:
             slab_params=self.ipc.slab_params,
             ctl_fixed=CTL_FIXED,
             ctl_piece_bytes=PIECE_BYTES,
+            hosts=self.hosts,
         )
 
     @cached_property
@@ -145,14 +160,37 @@ class StoreSpec:
 
     @cached_property
     def piece_table(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
-        """Per unit, its pieces as (piece index, lo, hi): consecutive slab-sized ranges of its tile."""
+        """Per unit, its pieces as (piece index, lo, hi): consecutive slab-sized ranges of its tile, cut at the
+        hosts' slices (the same table on every host)."""
         e, table, n = self.slab_elems, [], 0
-        for u in range(self.num_units):
-            numel = self.layout.structure_of(u).numel
-            spans = [(lo, min(lo + e, numel)) for lo in range(0, max(numel, 1), e)]
+        for u in self.layout.units:
+            spans = unit_pieces(self.layout.structure_of(u.index).numel, u.tile, e, self.hosts)
             table.append(tuple((n + i, lo, hi) for i, (lo, hi) in enumerate(spans)))
             n += len(spans)
         return tuple(table)
+
+    def owned(self, unit: int) -> tuple[int, int]:
+        """Elements [lo, hi) of the unit's tile whose fp32 state this host holds (every element on one host),
+        within the unit's own elements (never its tile's padding)."""
+        numel = self.layout.structure_of(unit).numel
+        if self.hosts == 1:
+            return 0, numel
+        lo, hi = host_slice(self.layout.units[unit].tile, self.hosts, self.host)
+        return min(lo, numel), min(hi, numel)
+
+    def owns(self, item: Item) -> bool:
+        """The piece is in this host's slice (its gradient, update and checkpoint are this host's)."""
+        return self.hosts == 1 or host_of(self.layout.units[item.unit].tile, self.hosts, item.lo) == self.host
+
+    @cached_property
+    def slice_offsets(self) -> tuple[int, ...]:
+        """Per unit, where its slice starts in this host's fp32 planes (one host: the unit's offset)."""
+        return slice_offsets(self.layout, self.hosts)
+
+    @property
+    def plane_elems(self) -> int:
+        """Elements of each fp32 plane on this host."""
+        return host_plane_elems(self.layout, self.hosts)
 
     @property
     def num_pieces(self) -> int:
@@ -216,8 +254,10 @@ class StoreSpec:
 
     @cached_property
     def emit_items(self) -> list[list[Item]]:
-        """Per gradient of engine.grad_order, the unit's pieces with their gradient slabs."""
-        return self._grouped(self.grad_order, max(self.num_grad_slabs, 1))
+        """Per gradient of engine.grad_order, the unit's pieces with their gradient slabs; over several hosts,
+        this host's pieces: the executor lands only its host's slice of each summed gradient."""
+        items = self._grouped(self.grad_order, max(self.num_grad_slabs, 1))
+        return items if self.hosts == 1 else [[it for it in unit if self.owns(it)] for unit in items]
 
     def weight_items(self, packer: int, walk: str = "step") -> list[Item]:
         """The items packer `packer` fills in one walk, in order (none in resident mode)."""
@@ -231,7 +271,8 @@ class StoreSpec:
         follows right behind; without: as the backward produces the gradients). A checkpoint writer takes
         them in this same order, so the next step's update of each piece follows right behind it."""
         if self.clip:
-            return [Item(u, lo, hi, -1, p) for u, pieces in enumerate(self.piece_table) for p, lo, hi in pieces]
+            items = [Item(u, lo, hi, -1, p) for u, pieces in enumerate(self.piece_table) for p, lo, hi in pieces]
+            return [it for it in items if self.owns(it)] if self.hosts > 1 else items
         return self.grad_items(None)
 
     def grad_items(self, acc: int | None) -> list[Item]:
@@ -253,7 +294,7 @@ class StoreSpec:
         extra = (
             f"{self.clip}:{self.staging_mode}:"
             f"{self.staging_dtype}:{self.slab_elems}:{self.num_weight_slabs}:{self.num_grad_slabs}"
-        )
+        ) + (f":host {self.host} of {self.hosts}" if self.hosts > 1 else "")
         return hashlib.sha256(self.layout.digest() + extra.encode()).digest()[:16]
 
     def roles(self) -> list[str]:

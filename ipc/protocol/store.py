@@ -152,12 +152,26 @@ class Store:
 
     # ---- memory views ----------------------------------------------------------------------
     def plane(self, part: str) -> np.ndarray:
-        return np.frombuffer(self.segments[part].mm, np.float32, self.spec.layout.total, HEADER_BYTES)
+        """An fp32 plane whole: this host's slices of every unit (one host: every unit's tile)."""
+        return np.frombuffer(self.segments[part].mm, np.float32, self.spec.plane_elems, HEADER_BYTES)
 
     def tile(self, part: str, unit: int) -> np.ndarray:
-        u = self.spec.layout.units[unit]
-        n = self.spec.layout.structure_of(unit).numel
-        return np.frombuffer(self.segments[part].mm, np.float32, n, HEADER_BYTES + 4 * u.offset)
+        """The unit's elements in an fp32 plane that this host holds: its whole tile on one host, its slice
+        (StoreSpec.owned) over several, whose element 0 is the slice's first."""
+        lo, hi = self.spec.owned(unit)
+        return np.frombuffer(
+            self.segments[part].mm, np.float32, hi - lo, HEADER_BYTES + 4 * self.spec.slice_offsets[unit]
+        )
+
+    def span(self, part: str, unit: int, lo: int, hi: int) -> np.ndarray:
+        """Elements [lo, hi) of the unit's tile (the tile's own numbering) in an fp32 plane; they must be this
+        host's."""
+        first, last = self.spec.owned(unit)
+        if not first <= lo <= hi <= last:
+            raise ProtocolError(
+                f"elements [{lo}, {hi}) of unit {unit} are not in host {self.spec.host}'s slice [{first}, {last})"
+            )
+        return self.tile(part, unit)[lo - first : hi - first]
 
     def torch_tile(self, part: str, unit: int) -> torch.Tensor:
         return torch.from_numpy(self.tile(part, unit))
@@ -182,10 +196,12 @@ class Store:
         tile = self.resident_tile(unit)
         return tile.view(torch.int16).numpy().view(np.uint16) if tile.dtype == torch.bfloat16 else tile.numpy()
 
-    def refresh_resident(self, unit: int, lo: int = 0, hi: int | None = None) -> None:
+    def refresh_resident(self, unit: int, lo: int | None = None, hi: int | None = None) -> None:
         """Rewrite elements [lo, hi) of the unit's compute-dtype copy from its fp32 params (torch's cast:
         round to nearest even)."""
-        self.resident_tile(unit)[lo:hi].copy_(self.torch_tile("params", unit)[lo:hi])
+        first, last = self.spec.owned(unit)  # default: all this host holds
+        lo, hi = first if lo is None else lo, last if hi is None else hi
+        self.resident_tile(unit)[lo:hi].copy_(torch.from_numpy(self.span("params", unit, lo, hi)))
 
     def weight_slab(self, i: int) -> torch.Tensor:
         dtype, size = STAGING[self.spec.staging_dtype]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from megatrain.blocks import blocks
 from megatrain.engineconfig import EngineConfig, fixed_sizes
 from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
-from megatrain.memory.hosts import host_plane_elems
+from megatrain.memory.hosts import host_plane_elems, unit_pieces
 from megatrain.roster import ADAM, EXECUTOR, OWNER, WRITER, Kind, kind_of, role_name
 
 GIB = 2**30
@@ -73,9 +73,9 @@ class StoreShape:
 
     @property
     def num_pieces(self) -> int:
-        """Slab-sized pieces over every unit's tile (a unit has at least one)."""
-        e = self.slab_elems
-        return sum(-(-max(self.layout.structure_of(u).numel, 1) // e) for u in range(len(self.layout.units)))
+        """Slab-sized pieces over every unit's tile, cut at the hosts' slices (a unit has at least one)."""
+        e, layout = self.slab_elems, self.layout
+        return sum(len(unit_pieces(layout.structure_of(u.index).numel, u.tile, e, self.hosts)) for u in layout.units)
 
     def part_bytes(self) -> dict[str, int]:
         """Each segment's data bytes (without its header), on each host of the run."""

@@ -24,6 +24,43 @@ def largest_slice(tile: int, hosts: int) -> int:
     return -(-(tile // TILE_ALIGN) // hosts) * TILE_ALIGN
 
 
+def host_slice(tile: int, hosts: int, host: int) -> tuple[int, int]:
+    """Elements [lo, hi) of a unit's tile of `tile` elements that host `host` of `hosts` owns: slice `host` of
+    largest_slice each (the last hosts' may be shorter, or empty for a tile smaller than the hosts' share)."""
+    if not 0 <= host < hosts:
+        raise ValueError(f"host {host} is not one of a run's {hosts} hosts")
+    size = largest_slice(tile, hosts)
+    lo = min(host * size, tile)
+    return lo, min(lo + size, tile)
+
+
+def slice_offsets(layout: StoreLayout, hosts: int) -> tuple[int, ...]:
+    """Per unit, where its slice starts in a host's fp32 plane (elements): every host lays out the largest
+    slice of each unit in unit order, so the offsets are the same on every host (one host: the units' own)."""
+    out, off = [], 0
+    for u in layout.units:
+        out.append(off)
+        off += largest_slice(u.tile, hosts)
+    return tuple(out)
+
+
+def unit_pieces(numel: int, tile: int, piece_elems: int, hosts: int) -> list[tuple[int, int]]:
+    """A unit's pieces as [lo, hi) ranges of its first `numel` elements: consecutive ranges of at most
+    `piece_elems`, cut at the hosts' slice boundaries too, so that every piece lies in one host's slice (its
+    gradient, update and checkpoint are that host's). A unit has at least one piece (an empty one: (0, 0))."""
+    cuts = [host_slice(tile, hosts, h) for h in range(hosts)] if hosts > 1 else [(0, max(numel, 1))]
+    out = []
+    for lo, hi in cuts:
+        hi = min(hi, max(numel, 1))
+        out += [(a, min(a + piece_elems, hi, numel)) for a in range(lo, hi, piece_elems)]
+    return out or [(0, 0)]
+
+
+def host_of(tile: int, hosts: int, element: int) -> int:
+    """The host whose slice holds `element` of a unit's tile."""
+    return min(element // largest_slice(tile, hosts), hosts - 1)
+
+
 def host_plane_elems(layout: StoreLayout, hosts: int) -> int:
     """Elements of one fp32 plane on each of `hosts` hosts: the largest slice of every unit (one host:
     the whole plane, layout.total)."""

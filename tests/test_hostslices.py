@@ -1,0 +1,138 @@
+"""A run over several hosts, at the store: each host's slice of the fp32 planes, the pieces cut at the slices,
+and the collectives that move a unit's slices between hosts (megatrain/memory/hosts.py, ipc/protocol/plan.py,
+megatrain/collective.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from megatrain.collective import Group, open_rendezvous
+from megatrain.errors import MegatrainError, ProtocolError
+from megatrain.ipc.protocol import Store
+from megatrain.memory.hosts import host_plane_elems
+from tests.shm_fixtures import make_spec
+
+
+def _spec(rid: str, model_spec, hosts: int, host: int, slab_params: int = 4096):
+    spec = make_spec(rid, model_spec, staging="bf16", staging_mode="resident", slab_params=slab_params)
+    return dataclasses.replace(spec, hosts=hosts, host=host)
+
+
+@pytest.mark.parametrize("hosts", [1, 2, 3, 5])
+def test_the_hosts_pieces_partition_every_unit(rid: str, model_spec, hosts: int) -> None:
+    """Every element of every unit is in exactly one piece, every piece in exactly one host's slice, and each
+    host updates (and lands gradients for) exactly its own pieces; the control segment counts them all."""
+    specs = [_spec(rid, model_spec, hosts, h) for h in range(hosts)]
+    table = specs[0].piece_table
+    assert all(s.piece_table == table for s in specs)
+    assert specs[0].num_pieces == specs[0].shape.num_pieces
+    for u, pieces in enumerate(table):
+        numel = specs[0].layout.structure_of(u).numel
+        covered = np.zeros(numel, np.int64)
+        for _, lo, hi in pieces:
+            covered[lo:hi] += 1
+            assert hi - lo <= specs[0].slab_elems
+        assert (covered == 1).all()
+        slices = [s.owned(u) for s in specs]
+        assert slices[0][0] == 0 and slices[-1][1] == numel
+        assert all(a[1] == b[0] for a, b in zip(slices, slices[1:], strict=False))
+    owners = {}
+    for s in specs:
+        for item in s.update_items:
+            lo, hi = s.owned(item.unit)
+            assert lo <= item.lo <= item.hi <= hi
+            owners.setdefault(item.piece, []).append(s.host)
+        assert sorted(it.piece for it in s.update_items) == sorted(it.piece for u in s.emit_items for it in u)
+    assert sorted(owners) == list(range(specs[0].num_pieces))
+    assert all(len(h) == 1 for h in owners.values())
+
+
+def test_each_host_holds_its_slice_and_only_its_slice(model_spec) -> None:
+    """Two hosts' stores on one machine: each fp32 plane is the host's slices (the plan's size), the whole
+    weights written through both hosts' tiles read back whole, and an element of the other host's slice is
+    refused by name."""
+    import secrets
+
+    from tests.shm_fixtures import remove_all
+
+    rids = ["test" + secrets.token_hex(4) for _ in range(2)]
+    stores = []
+    try:
+        stores = [Store.create(_spec(rids[h], model_spec, 2, h)) for h in range(2)]
+        layout = stores[0].spec.layout
+        assert stores[0].plane("params").size == host_plane_elems(layout, 2) < layout.total
+        rng = np.random.default_rng(0)
+        for u in range(len(layout.units)):
+            whole = rng.standard_normal(layout.structure_of(u).numel).astype(np.float32)
+            for st in stores:
+                lo, hi = st.spec.owned(u)
+                st.tile("params", u)[:] = whole[lo:hi]
+            got = np.concatenate([st.tile("params", u) for st in stores])
+            assert np.array_equal(got, whole)
+            lo, hi = stores[1].spec.owned(u)
+            if hi > lo:
+                assert np.array_equal(stores[1].span("params", u, lo, hi), whole[lo:hi])
+                with pytest.raises(ProtocolError, match="not in host 0's slice"):
+                    stores[0].span("params", u, lo, hi)
+            stores[1].refresh_resident(u)  # its own slice of the copy, from its own fp32 slice
+            assert torch.equal(stores[1].resident_tile(u)[lo:hi], torch.from_numpy(whole[lo:hi]).bfloat16())
+    finally:
+        for st in stores:
+            st.unlink()
+            st.close()
+        for r in rids:
+            remove_all(r)
+
+
+def test_several_hosts_stream_from_a_resident_copy(rid: str, model_spec) -> None:
+    with pytest.raises(ProtocolError, match="resident copy"):
+        dataclasses.replace(make_spec(rid, model_spec), hosts=2, host=1)
+    with pytest.raises(ProtocolError, match="host 2 is not one of"):
+        _spec(rid, model_spec, 2, 2)
+
+
+def _groups(size: int, body) -> list:
+    """`body(group)` on `size` ranks of a gloo group, one thread each; their results in rank order."""
+    rendezvous = open_rendezvous(size, 30)
+    out, errors = [None] * size, []
+
+    def run(rank: int) -> None:
+        try:
+            where = rendezvous if rank == 0 else ("127.0.0.1", rendezvous.port)
+            out[rank] = body(Group(where, rank, size, torch.device("cpu"), 30, lambda: None))
+        except Exception as exc:  # surfaced below, not lost in the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_a_gradient_is_reduce_scattered_and_the_weights_all_gathered_over_the_hosts() -> None:
+    hosts, chunk = 3, 5
+
+    def body(group: Group) -> tuple:
+        full = torch.arange(hosts * chunk, dtype=torch.float32) * (group.rank + 1)
+        mine = torch.empty(chunk)
+        group.reduce_scatter_(full, mine)
+        gathered = torch.zeros(hosts * chunk, dtype=torch.bfloat16)
+        group.all_gather_(torch.full((chunk,), group.rank + 1.0, dtype=torch.bfloat16), gathered)
+        with pytest.raises(MegatrainError, match="reduce-scatter of 4 elements"):
+            group.reduce_scatter_(torch.zeros(4), mine)
+        return mine, gathered
+
+    total = torch.arange(hosts * chunk, dtype=torch.float32) * sum(range(1, hosts + 1))
+    want = torch.repeat_interleave(torch.arange(1, hosts + 1, dtype=torch.bfloat16), chunk)
+    for rank, (mine, gathered) in enumerate(_groups(hosts, body)):
+        assert torch.equal(mine, total[rank * chunk : (rank + 1) * chunk])
+        assert torch.equal(gathered, want)
