@@ -49,6 +49,17 @@ def check_run_id(run_id: str) -> str:
     return run_id
 
 
+def host_run_id(run_id: str, host: int) -> str:
+    """The run id of host `host`'s store: host 0's is the run's, host h's the run's with `h<h>` after it, so that
+    hosts simulated on one machine (or sharing its /dev/shm) never meet."""
+    if host == 0:
+        return run_id
+    named = f"{run_id}h{host}"
+    if not _RUN_ID.match(named):
+        raise ValueError(f"run id '{run_id}' is too long for host {host}'s store ('{named}': at most 32 characters)")
+    return named
+
+
 def seg_name(run_id: str, part: str) -> str:
     return f"/{PREFIX}{run_id}-{part}"
 

@@ -34,6 +34,7 @@ class Kind(str, Enum):
     WRITER = "checkpoint-writer"
 
 
+HOST_MARK = "@host"  # host h > 0 of a run over several hosts: its actors are `<role>@host<h>` (on_host)
 SINGLE = (Kind.OWNER, Kind.ADAM, Kind.WRITER)  # one per run: the kind's value is the name
 ORDER = (Kind.OWNER, Kind.EXECUTOR, Kind.ADAM, Kind.PACKER, Kind.ACCUMULATOR, Kind.WRITER)  # of a roster, of pid slots
 STAGING_MODES = ("slabs", "resident")
@@ -170,8 +171,26 @@ def role_name(kind: Kind, index: int = 0) -> str:
     return f"{kind.value}-{index}"
 
 
+def on_host(name: str, host: int) -> str:
+    """Role `name` of host `host` of a run over several hosts, as the driver names its actor: host 0's roles
+    keep their own names (a run on one host names its actors as it always has); every host's store knows its
+    roles by their own names (its pid slots)."""
+    if host < 0:
+        raise ValueError(f"a run has no host {host}")
+    return name if host == 0 else f"{name}{HOST_MARK}{host}"
+
+
+def split_host(name: str) -> tuple[str, int]:
+    """(the role's own name, its host) of a name on_host made."""
+    role, mark, host = name.partition(HOST_MARK)
+    if mark and not (host.isdigit() and int(host) > 0):
+        raise ValueError(f"'{name}' is not an actor: '{HOST_MARK}' must be followed by a host number above 0")
+    return role, int(host) if mark else 0
+
+
 def parse_role(name: str) -> tuple[Kind, int]:
-    """The kind and index of a role name; ValueError for a name no run has."""
+    """The kind and index of a role name (of any host); ValueError for a name no run has."""
+    name = split_host(name)[0]
     for kind in Kind:
         if name == kind.value and kind in (*SINGLE, Kind.EXECUTOR):
             return kind, 0

@@ -114,7 +114,9 @@ def test_gpt_oss_120b_without_clipping_needs_five_hosts_of_512_gib_too(capsys, t
     path, no_clip = _config(tmp_path), "optim.max_grad_norm=0"
     code, out = _run(capsys, path, no_clip)
     assert code == 1 and "verdict: does not fit" in out and "staging slabs, clipping off" in out
-    assert re.search(r"^on 5 hosts like that one \(--hosts 5\) each needs 486.16 GiB: fits \(sizing", out, re.M)
+    assert re.search(
+        r"^on 5 hosts like that one \(--hosts 5, actors\.num_hosts=5\) each needs 486.16 GiB: fits", out, re.M
+    )
     code, out = _run(capsys, path, no_clip, "--hosts", "4")
     assert code == 1 and "\nhost 1 of 4: 551.83 GiB needed" in out and "staging resident, clipping off" in out
     code, out = _run(capsys, path, no_clip, "--hosts", "5")
@@ -140,7 +142,7 @@ def test_gpt_oss_120b_with_the_defaults_needs_five_hosts_of_512_gib(capsys, tmp_
     path = _config(tmp_path)
     code, out = _run(capsys, path, "--hosts", "4")
     assert code == 1 and "\nhost 1 of 4: 551.83 GiB needed" in out and "verdict for host 1 of 4: does not fit" in out
-    assert "\non 5 hosts like that one (--hosts 5) each needs 486.16 GiB: fits" in out
+    assert "\non 5 hosts like that one (--hosts 5, actors.num_hosts=5) each needs 486.16 GiB: fits" in out
     code, out = _run(capsys, path, "--hosts", "5")
     assert code == 0 and "verdict for host 1 of 5: fits" in out and "staging resident, clipping on" in out
 
@@ -167,5 +169,5 @@ def test_a_one_host_plan_with_slabs_names_the_hosts_with_the_resident_copy(capsy
     code, out = _run(capsys, _config(tmp_path), "ipc.staging=slabs")
     assert code == 1 and "staging slabs" in out and "verdict: does not fit" in out
     assert re.search(
-        r"^on 5 hosts like that one \(--hosts 5\) each needs 486.16 GiB: fits \(sizing a cluster", out, re.M
+        r"^on 5 hosts like that one \(--hosts 5, actors\.num_hosts=5\) each needs 486.16 GiB: fits", out, re.M
     )

@@ -148,7 +148,11 @@ class FakeCrew:
         self.space, self.gpus = space, gpus
         self.roster = None
         self.runner = SimpleNamespace(
-            connect=lambda cpus: None, has_gpu=lambda: gpus > 0, gpus=lambda: gpus, place=lambda b, need: None
+            connect=lambda cpus: None,
+            has_gpu=lambda: gpus > 0,
+            gpus=lambda: gpus,
+            place=lambda b, need, hosts: None,
+            nodes=lambda: 1,
         )
 
     def spawn(self, name, cls, args, demand) -> None:

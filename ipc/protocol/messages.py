@@ -11,6 +11,8 @@ name these types without loading the training stack.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
@@ -155,6 +157,22 @@ class Applied:
     unit_spans: tuple[tuple[int, float, float], ...] = ()
     adam_s: float = 0.0
 
+    @staticmethod
+    def merge(parts: list[Applied]) -> Applied:
+        """Each host's updater's answer as the step's (a run over several hosts): they agree on the global norm
+        and on skipping; host 0's timeline, the slowest host's time."""
+        first = parts[0]
+        for host, other in enumerate(parts[1:], start=1):
+            same = other.skipped == first.skipped and (
+                first.skipped or math.isclose(other.grad_norm, first.grad_norm, rel_tol=1e-6)
+            )
+            if not same:
+                raise ProtocolError(
+                    f"host {host}'s Adam update disagrees with host 0's: gradient norm {other.grad_norm} against "
+                    f"{first.grad_norm}, skipped {other.skipped} against {first.skipped}"
+                )
+        return dataclasses.replace(first, adam_s=max(p.adam_s for p in parts))
+
 
 @dataclass(frozen=True, kw_only=True)
 class Packed:
@@ -247,6 +265,8 @@ class StoreRequest:
     spec: ModelSpec | None = None  # the model's spec as the driver built it; None: built here from `model`
     roster: Roster | None = None  # the run's actors, for `ipc.staging` resolved; None: the spec's whole roster
     memory: MemoryPlan | None = None  # the driver's plan (megatrain/memory/); None: one made here, on this node
+    hosts: int = 1  # actors.num_hosts, resolved: the store is host `host`'s of `hosts` (its slice of the fp32 state)
+    host: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)

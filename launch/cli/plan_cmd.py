@@ -27,10 +27,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hosts",
         type=int,
-        default=1,
+        default=None,
         help="plan one host of a run over this many hosts alike (--host-gib, else this machine): each holds its "
         "slice of the fp32 weights and Adam's moments and the whole bf16 copy; without a fit, the plan names the "
-        "fewest hosts that fit (default: 1)",
+        "fewest hosts that fit (default: actors.num_hosts, or 1 for auto)",
     )
     p.add_argument(
         "--gpu", help="the GPU the time estimate assumes: H100, A100, RTX 4090, ... (default: this machine's)"

@@ -5,7 +5,7 @@ The plan is the one a run makes (megatrain/memory/plan.py plan_memory): the host
 GPU's free memory or `--gpu-gib`, with a verdict and the settings that need less. The run itself refuses a
 plan that does not fit before it allocates anything: the store owner re-checks the host part on its node
 (ipc/shm.py check_space), the auto sizes the GPU part. With `--hosts H` the plan is that of one host of a run
-over H hosts alike (megatrain/memory/hosts.py), for sizing a cluster: a run spans one host today.
+over H hosts alike (megatrain/memory/hosts.py), actors.num_hosts's by default.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def run_shape(cfg: Config, cuda: bool, executors: int | None = None, hosts: int 
     return RunShape(
         engine=resolve_engine(cfg.engine, cuda),
         executors=n,
-        batch=per_executor(cfg.data.batch_size, n),  # each executor's GPU holds its share of the batch
+        batch=per_executor(cfg.data.batch_size, n * hosts),  # each executor's GPU holds its share of the batch
         seq=cfg.data.seq_len,
         clip=cfg.optim.clips,
         staging=cfg.ipc.staging,
@@ -162,10 +162,11 @@ def run_shape(cfg: Config, cuda: bool, executors: int | None = None, hosts: int 
     )
 
 
-def run_plan(cfg: Config, spec: ModelSpec, cuda: bool, executors: int, machine: Machine) -> MemoryPlan:
-    """A run's memory plan, made once by its driver before the store: the GPU's free memory is measured later,
-    in the executor, which sizes the engine within the plan's room for pinned checkpoints."""
-    return plan_memory(arch_of_spec(spec), run_shape(cfg, cuda, executors), machine)
+def run_plan(cfg: Config, spec: ModelSpec, cuda: bool, executors: int, machine: Machine, hosts: int = 1) -> MemoryPlan:
+    """A run's memory plan (each host's, of `hosts`), made once by its driver before the store: the GPU's free
+    memory is measured later, in the executor, which sizes the engine within the plan's room for pinned
+    checkpoints."""
+    return plan_memory(arch_of_spec(spec), run_shape(cfg, cuda, executors, hosts), machine)
 
 
 def host_room(cfg: Config, arch: Arch, cuda: bool, machine: Machine, hosts: int = 1) -> int | None:
@@ -328,10 +329,9 @@ def _hosts_needed(plan: MemPlan, cfg: Config) -> str:
             f"no number of hosts like {like} fits it: on {most} (--hosts {most}) each still needs "
             f"{gib(need)} (what every host keeps whole: the resident copy, the staging slabs, the processes)"
         )
-    sizing = " (sizing a cluster: a run spans one host today)" if plan.hosts == 1 else ""
     return (
-        f"on {hosts} hosts like {like} (--hosts {hosts}) each needs {gib(sum(plans[hosts].host.values()))}: "
-        f"fits{sizing}"
+        f"on {hosts} hosts like {like} (--hosts {hosts}, actors.num_hosts={hosts}) each needs "
+        f"{gib(sum(plans[hosts].host.values()))}: fits"
     )
 
 
@@ -427,7 +427,7 @@ def report(args: argparse.Namespace) -> int:
     cfg, where = load_tree(args.config, args.overrides)
     validate_plan(cfg, where)  # planning comes before the download: config.json is enough
     free, cuda, note = _gpu(cfg, args.gpu_gib)
-    hosts = _hosts(args.hosts)
+    hosts = _hosts(args.hosts, cfg)
     plan = dataclasses.replace(make_plan(cfg, free, cuda, this_host(cfg, args.host_gib), hosts), gpu_note=note)
     engine, n = resolve_engine(cfg.engine, cuda), executors_of(cfg, cuda)
     asked = timeplan.Asked(args.gpu, args.gpu_tflops, args.gpu_gib is not None, args.host_gib is not None)
@@ -436,7 +436,10 @@ def report(args: argparse.Namespace) -> int:
     return 0 if plan.fits() else 1
 
 
-def _hosts(hosts: int) -> int:
+def _hosts(hosts: int | None, cfg: Config) -> int:
+    """--hosts, else actors.num_hosts (its auto: one host, the plan is of one host like this one)."""
+    if hosts is None:
+        return cfg.actors.num_hosts if isinstance(cfg.actors.num_hosts, int) else 1
     if hosts < 1:
         raise ConfigError(f"--hosts must be an integer >= 1 (the hosts of the run), got {hosts}")
     return hosts

@@ -186,10 +186,24 @@ def validate_tree(cfg: Config, where: Where | None = None) -> None:
         raise fail(
             "ipc.grad_slabs", f"{cfg.ipc.grad_slabs} must be >= actors.num_accumulators ({cfg.actors.num_accumulators})"
         )
-    gpus = cfg.actors.num_gpus
+    gpus, hosts = cfg.actors.num_gpus, cfg.actors.num_hosts
     split = batch_split_problem(cfg.data.batch_size, gpus) if gpus != "auto" else None
     if split:
         raise fail("data.batch_size", split)
+    if hosts != "auto" and hosts > 1:
+        every = hosts * (gpus if gpus != "auto" else 1)
+        if cfg.data.batch_size < every:
+            raise fail(
+                "data.batch_size",
+                f"{cfg.data.batch_size} is split by rows over the executors of actors.num_hosts {hosts} hosts "
+                f"({every} at least): it must be at least that",
+            )
+        if cfg.ipc.staging == "slabs":
+            raise fail(
+                "ipc.staging",
+                f"slabs are packed from the whole fp32 weights, which no host of actors.num_hosts {hosts} holds: "
+                "a run over several hosts streams from each host's resident copy (ipc.staging: resident or auto)",
+            )
     if gpus != "auto" and gpus > 1 and cfg.ipc.staging == "slabs":
         raise fail(
             "ipc.staging",

@@ -17,7 +17,7 @@ from megatrain.ipc.procs import live, start_ticks
 from megatrain.ipc.protocol.messages import ActorInfo
 from megatrain.launch.control.handles import Handle, Pending, Runner
 from megatrain.launch.control.placement import Demand
-from megatrain.roster import OWNER, Kind, Roster, kind_of
+from megatrain.roster import OWNER, Kind, Roster, kind_of, on_host, split_host
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -29,8 +29,9 @@ GONE_S = 30.0
 
 
 class Crew:
-    """The actors by name, their pids and start-up marks once attached, and the owner's serve() call, held
-    open for the run's life: it ends (fails) when the owner dies or the run is aborted."""
+    """The actors by name, their pids and start-up marks once attached, and each store owner's serve() call,
+    held open for the run's life: it ends (fails) when the owner dies or the run is aborted. Over several
+    hosts every host has its own actors (named by megatrain/roster.py on_host) and its own store."""
 
     def __init__(self, runner: Runner, setup_timeout_s: float):
         self.runner, self.setup_timeout_s = runner, setup_timeout_s
@@ -38,10 +39,11 @@ class Crew:
         self.roster: Roster | None = None  # the run's actors (megatrain/roster.py), once spawned
         self.pids: dict[str, int] = {}
         self.marks: dict[str, dict] = {}  # each actor's start-up timeline (Role.mark)
-        self.sentinel: Pending | None = None
-        self.serving = False  # the owner was asked for a store (serve_owner): it may hold shared memory
+        self.hosts = 1  # actors.num_hosts, resolved
+        self.sentinels: dict[str, Pending] = {}  # per store owner, its serve() call
+        self.serving = False  # the owners were asked for a store (serve_owner): they may hold shared memory
         self.local: dict[str, tuple[int, int]] = {}  # actors on this node: (pid, start ticks), waited for at the end
-        self._owner_info: Pending[ActorInfo] | None = None
+        self._owner_info: dict[str, Pending[ActorInfo]] = {}
         self._closed = False
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -56,10 +58,20 @@ class Crew:
         """The actors of these kinds, in spawning order (executor 0 first)."""
         return [n for n in self.actors if kind_of(n) in kinds]
 
+    @property
+    def owners(self) -> list[str]:
+        """Every host's store owner, host 0's first."""
+        return [on_host(OWNER, h) for h in range(self.hosts) if on_host(OWNER, h) in self.actors]
+
+    def on(self, host: int, *kinds: Kind) -> list[str]:
+        """The actors of these kinds on host `host`, in spawning order."""
+        return [n for n in self.of(*kinds) if split_host(n)[1] == host]
+
     def serve_owner(self) -> None:
         self.serving = True
-        self.sentinel = self.call(OWNER, StoreOwner.serve)
-        self._owner_info = self.call(OWNER, Role.info)  # its process, waited for at the end even before attach
+        for owner in self.owners:
+            self.sentinels[owner] = self.call(owner, StoreOwner.serve)
+            self._owner_info[owner] = self.call(owner, Role.info)  # waited for at the end even before attach
 
     def note_processes(self, infos: dict[str, ActorInfo]) -> None:
         """Record the attached actors' pids, and those on this node (not this process: the in-process runner's)
@@ -80,22 +92,25 @@ class Crew:
         if self._closed:
             return
         self._closed = True
-        owner = self.actors.get(OWNER)
-        for h in self.actors.values():
-            if h is not owner:
+        owners = {n: self.actors[n] for n in self.owners}
+        for name, h in self.actors.items():
+            if name not in owners:
                 self.runner.kill(h)
-        if owner is not None and self.serving and OWNER not in self.pids and self._owner_info is not None:
-            try:  # a run that ends before the workers attach: the owner's process is still to be waited for
-                self._note_local(OWNER, self.runner.result(self._owner_info, timeout=2))
-            except Exception:
-                pass
-        if owner is not None and self.serving:
-            try:  # waits for the workers to be gone, then unlinks everything of the run
-                self.runner.result(self.runner.call(owner, StoreOwner.shutdown), timeout=SHUTDOWN_S)
+        for name in owners:
+            if self.serving and name not in self.pids and name in self._owner_info:
+                try:  # a run that ends before the workers attach: the owner's process is still to be waited for
+                    self._note_local(name, self.runner.result(self._owner_info[name], timeout=2))
+                except Exception:
+                    pass
+        # each waits for its host's workers to be gone, then unlinks everything of its store; all at once
+        ending = {n: self.runner.call(h, StoreOwner.shutdown) for n, h in owners.items()} if self.serving else {}
+        for name, pending in ending.items():
+            try:
+                self.runner.result(pending, timeout=SHUTDOWN_S)
             except Exception as exc:  # the reaper unlinks if the owner is gone
-                print(f"[megatrain] store owner did not shut down cleanly: {exc}", file=sys.stderr)
-        if owner is not None:  # without a store (an input refused after the spawn) it holds nothing to release
-            self.runner.kill(owner)
+                print(f"[megatrain] {name} did not shut down cleanly: {exc}", file=sys.stderr)
+        for h in owners.values():  # without a store (an input refused after the spawn) it holds nothing to release
+            self.runner.kill(h)
         self._wait_gone(GONE_S)
         self.runner.close()
 
@@ -137,7 +152,7 @@ class Crew:
         extra = {k: v for k, v in (optional or {}).items() if k not in pending}
         deadline = time.monotonic() + timeout
         while pending:
-            watch = list(pending.values()) + list(extra.values()) + ([self.sentinel] if self.sentinel else [])
+            watch = list(pending.values()) + list(extra.values()) + list(self.sentinels.values())
             done = self.runner.wait_any(watch, max(deadline - time.monotonic(), 0.0))
             if not done:
                 self.abort(f"{what} timed out")
@@ -145,9 +160,10 @@ class Crew:
                     f"{what} did not finish within {timeout:.0f}s; still waiting on: {', '.join(pending)}"
                 )
             for p in done:
-                if p is self.sentinel:
-                    self.sentinel = None
-                    self._owner_died(p, {**pending, **extra})
+                owner = next((n for n, s in self.sentinels.items() if s is p), None)
+                if owner is not None:
+                    del self.sentinels[owner]
+                    self._owner_died(owner, p, {**pending, **extra})
                 key = next(k for k, v in {**pending, **extra}.items() if v is p)
                 pending.pop(key, None)
                 extra.pop(key, None)
@@ -158,14 +174,14 @@ class Crew:
         return results
 
     # ---- failures ---------------------------------------------------------------------------
-    def _owner_died(self, serve: Pending, pending: dict[str, Pending]) -> None:
-        """The owner's serve() call ended before shutdown: its process is gone, or the run was aborted."""
+    def _owner_died(self, owner: str, serve: Pending, pending: dict[str, Pending]) -> None:
+        """An owner's serve() call ended before shutdown: its process is gone, or the run was aborted."""
         try:
             self.runner.result(serve)
-            exc: Exception = ActorFailure(OWNER, "stopped serving the store", self.pids.get(OWNER))
+            exc: Exception = ActorFailure(owner, "stopped serving the store", self.pids.get(owner))
         except (ActorFailure, AbortError) as failure:
             exc = failure
-        raise self._root_cause(exc, OWNER, pending)
+        raise self._root_cause(exc, owner, pending)
 
     def _root_cause(self, first: Exception, actor: str, pending: dict[str, Pending]) -> MegatrainError:
         """Abort the run, let the others fail fast, and report the failure that started it all."""
@@ -187,12 +203,13 @@ class Crew:
         return root if isinstance(root, MegatrainError) else MegatrainError(str(root))
 
     def abort(self, reason: str) -> None:
-        """Raise the shared abort flag through any actor that still answers."""
-        for name, h in self.actors.items():
-            if name == OWNER or name not in self.pids:
-                continue
-            try:
-                self.runner.result(self.runner.call(h, Role.abort, reason), timeout=2)
-                return
-            except Exception:
-                continue
+        """Raise each host's shared abort flag through any actor of that host that still answers."""
+        for host in range(self.hosts):
+            for name in self.on(host, Kind.EXECUTOR, Kind.ADAM, Kind.PACKER, Kind.ACCUMULATOR, Kind.WRITER):
+                if name not in self.pids:
+                    continue
+                try:
+                    self.runner.result(self.runner.call(self.actors[name], Role.abort, reason), timeout=2)
+                    break
+                except Exception:
+                    continue

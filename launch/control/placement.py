@@ -18,6 +18,15 @@ class ActorsConfig:
         "each runs its share of every batch (data.batch_size is the whole batch, split by rows), their "
         "gradients are summed on the GPUs, and one Adam updates the store. auto: the GPUs of the node.",
     )
+    num_hosts: int | str = opt(
+        1,
+        "Hosts (nodes of the Ray cluster) the run spans, each with its own store, Adam updater and "
+        "actors.num_gpus executors: host h holds slice h of the fp32 master weights and Adam moments (12/H bytes "
+        "per parameter) and the whole compute-dtype copy its executors stream from (ipc.staging resident); each "
+        "gradient is summed over every executor and split among the hosts, each host updates its slice, and the "
+        "updated slices are gathered into every host's copy. data.batch_size is the whole batch, split by rows over "
+        "every executor of every host. auto: the nodes of the cluster that can hold a host's actors.",
+    )
     num_packers: int = opt(1, "Pinned-packing worker processes (fp32 master -> compute-dtype slabs).")
     num_accumulators: int = opt(1, "Gradient-accumulation worker processes (gradient slabs -> fp32 plane).")
     # Thread counts: 0 = the node's CPU plan (ipc/protocol/cpus.py; printed at start), which splits the
@@ -47,6 +56,8 @@ class ActorsConfig:
     def __post_init__(self) -> None:
         if self.num_gpus != "auto" and (isinstance(self.num_gpus, str) or self.num_gpus < 1):
             raise ValueError(f"actors.num_gpus must be auto or >= 1, not {self.num_gpus!r}")
+        if self.num_hosts != "auto" and (isinstance(self.num_hosts, str) or self.num_hosts < 1):
+            raise ValueError(f"actors.num_hosts must be auto or >= 1, not {self.num_hosts!r}")
         if self.num_packers < 1 or self.num_accumulators < 1:
             raise ValueError("actors.num_packers and actors.num_accumulators must be >= 1")
         if self.writer_threads < 1:
@@ -122,6 +133,12 @@ def resolve_executors(cfg: ActorsConfig, cuda: bool, gpus: int) -> int:
             "so they run on one node (actors.num_gpus=auto takes them all)"
         )
     return n
+
+
+def resolve_hosts(cfg: ActorsConfig, nodes: int) -> int:
+    """actors.num_hosts as a number: auto is every node the runner has (`nodes`; the in-process runner: 1). More
+    hosts than nodes is refused where the actors are placed (each host a node of its own)."""
+    return max(nodes, 1) if cfg.num_hosts == "auto" else int(cfg.num_hosts)
 
 
 def batch_split_problem(batch: int, executors: int) -> str | None:

@@ -19,7 +19,7 @@ from megatrain.errors import AbortError, ActorFailure, ConfigError, MegatrainErr
 from megatrain.launch.control import cluster
 from megatrain.launch.control.handles import Handle, Pending, Runner, checked, checked_init
 from megatrain.launch.control.placement import Demand
-from megatrain.roster import EXECUTOR
+from megatrain.roster import EXECUTOR, split_host
 
 A = TypeVar("A")
 P = ParamSpec("P")
@@ -71,8 +71,16 @@ class InProcessRunner:
 
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
-    def place(self, bundle: dict[str, float], need: str = "") -> None:
+    def place(self, bundle: dict[str, float], need: str = "", hosts: int = 1) -> None:
         pass
+
+    def nodes(self) -> int:
+        """Hosts this runner can give a run: every simulated host is a set of threads of this process."""
+        return 1
+
+    def host_address(self, host: int) -> str:
+        """Where host `host`'s actors listen for the other hosts' (a rendezvous): this process."""
+        return "127.0.0.1"
 
     def spawn(self, name: str, cls: type[A], args: tuple, demand: Demand) -> Handle[A]:
         checked_init(cls, args)
@@ -144,18 +152,37 @@ class RayRunner:
         """The GPUs of the node with the most (the executors share one host store: one node)."""
         return int(max((n.get("Resources", {}).get("GPU", 0) for n in self.ray.nodes() if n.get("Alive")), default=0))
 
-    def place(self, bundle: dict[str, float], need: str = "") -> None:
-        """`need`: the demand per role, for the message when the cluster cannot hold it."""
+    def place(self, bundle: dict[str, float], need: str = "", hosts: int = 1) -> None:
+        """One bundle per host, each host's actors on one node and every host on a node of its own. `need`: the
+        demand per role, for the message when the cluster cannot hold it."""
         from ray.util.placement_group import placement_group
 
-        self.pg = placement_group([bundle], strategy="STRICT_PACK")
+        alive = self.nodes()
+        if hosts > alive:
+            raise ResourceError(
+                f"actors.num_hosts {hosts}: the Ray cluster has {alive} node{'s' * (alive != 1)} alive; each host of "
+                "the run is a node of its own (`ray start --address ...` on each, or fewer hosts)"
+            )
+        self.pg = placement_group([bundle] * hosts, strategy="STRICT_PACK" if hosts == 1 else "STRICT_SPREAD")
         ready, _ = self.ray.wait([self.pg.ready()], timeout=self.cfg.placement_timeout_s)
         if not ready:
             have = {k: v for k, v in self.ray.available_resources().items() if k in ("CPU", "GPU")}
+            where = "one node" if hosts == 1 else f"each of {hosts} nodes"
             raise ResourceError(
-                f"cannot place the store's actors on one node: they need {need or bundle}; the "
+                f"cannot place the store's actors on {where}: they need {need or bundle}; the "
                 f"cluster has {have} available (waited {self.cfg.placement_timeout_s:.0f}s)"
             )
+
+    def nodes(self) -> int:
+        """The cluster's nodes alive now."""
+        return sum(1 for n in self.ray.nodes() if n.get("Alive"))
+
+    def host_address(self, host: int) -> str:
+        """The address of the node that holds host `host`'s bundle (where its actors open a rendezvous)."""
+        from ray.util.placement_group import placement_group_table
+
+        node = placement_group_table(self.pg)["bundles_to_node_id"][host]
+        return next(n["NodeManagerAddress"] for n in self.ray.nodes() if n["NodeID"] == node)
 
     def spawn(self, name: str, cls: type[A], args: tuple, demand: Demand) -> Handle[A]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -173,7 +200,9 @@ class RayRunner:
             num_gpus=demand.gpus,
             max_concurrency=3,
             max_restarts=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=split_host(name)[1]
+            ),
             runtime_env=env,
         )
         return Handle(name, cls, remote.remote(*args))

@@ -34,6 +34,7 @@ from megatrain.launch.control.placement import (
     local_cpus,
     per_executor,
     resolve_executors,
+    resolve_hosts,
     roster_for,
 )
 from megatrain.launch.control.runners import Pending
@@ -44,7 +45,7 @@ from megatrain.memory import budget as gpubudget
 from megatrain.memory.gpu import reduction_bytes
 from megatrain.memory.plan import staging_by_rule, staging_mode
 from megatrain.model import ModelSpec, pretrained_config
-from megatrain.roster import EXECUTOR, OWNER, Attach, Kind, RoleSpec, Roster
+from megatrain.roster import ADAM, EXECUTOR, OWNER, Attach, Kind, RoleSpec, Roster, on_host
 
 # Each kind's actor class (megatrain/roster.py says how a role is added).
 ACTORS: dict[Kind, type[Role]] = {
@@ -94,7 +95,8 @@ class Phases:
 @dataclass(frozen=True, kw_only=True)
 class Spawned:
     cuda: bool  # the run uses a GPU
-    executors: int  # actors.num_gpus, resolved
+    executors: int  # actors.num_gpus, resolved: the executors of each host
+    hosts: int  # actors.num_hosts, resolved
     engine: EngineConfig  # resolved for the device, `auto` sizes still open
     roster: Roster  # the run's actors, for the staging mode resolved before any worker was spawned
 
@@ -110,25 +112,28 @@ def spawn_actors(crew: Crew, cfg: Config, reading: Background, phases: Phases) -
         reading.result()
     cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and crew.runner.has_gpu())
     n = resolve_executors(cfg.actors, cuda, crew.runner.gpus() if cuda else 0)
-    split = batch_split_problem(cfg.data.batch_size, n)  # auto: known only now
+    crew.hosts = hosts = resolve_hosts(cfg.actors, crew.runner.nodes())
+    split = batch_split_problem(cfg.data.batch_size, n * hosts)  # auto: known only now
     if split:
-        raise ConfigError(f"data.batch_size {split}")
+        raise ConfigError(f"data.batch_size {split}" + (f" (actors.num_hosts {hosts})" if hosts > 1 else ""))
     engine = resolve_engine(cfg.engine, cuda)
-    staging = staging_by_rule(cfg.ipc.staging, cuda, cfg.optim.clips, n)
+    staging = staging_by_rule(cfg.ipc.staging, cuda, cfg.optim.clips, n, hosts)
     # Where the memory decides, the node is placed for the larger roster (slabs: the packers' CPUs too).
     roster = _roster(cfg, cuda, n, staging or "slabs")
-    crew.runner.place(bundle(demands(roster)), describe_need(demands(roster)))
+    crew.runner.place(bundle(demands(roster)), describe_need(demands(roster)), hosts)
     family = pretrained_config(cfg.model)[0]
     # Beside the inputs means a Ray run with no checkpoint to resume (driver.py): a fresh init, unless pretrained.
     ahead = not reading.here and not cfg.model.pretrained
-    _spawn(crew, roster[OWNER], (OWNER, family if ahead else ""))
+    for host in range(hosts):
+        _spawn(crew, roster[OWNER], (OWNER, family if ahead else ""), host)
     if staging is None:
         roster = _roster(cfg, cuda, n, staging_by_memory(crew, cfg, engine, reading, n))
     crew.roster = roster
-    for role in roster.workers:
-        _spawn(crew, role, actor_args(role, cfg, family, engine))
+    for host in range(hosts):
+        for role in roster.workers:
+            _spawn(crew, role, actor_args(role, cfg, family, engine), host)
     phases.close("placement, actors spawned")
-    return Spawned(cuda=cuda, executors=n, engine=engine, roster=roster)
+    return Spawned(cuda=cuda, executors=n, hosts=hosts, engine=engine, roster=roster)
 
 
 def _roster(cfg: Config, cuda: bool, executors: int, staging: str) -> Roster:
@@ -136,8 +141,8 @@ def _roster(cfg: Config, cuda: bool, executors: int, staging: str) -> Roster:
     return roster_for(cfg.actors, cuda=cuda, clip=cfg.optim.clips, writer=writer, staging=staging, executors=executors)
 
 
-def _spawn(crew: Crew, role: RoleSpec, args: tuple) -> None:
-    crew.spawn(role.name, ACTORS[role.kind], args, Demand(role.cpus, role.gpus))
+def _spawn(crew: Crew, role: RoleSpec, args: tuple, host: int = 0) -> None:
+    crew.spawn(on_host(role.name, host), ACTORS[role.kind], args, Demand(role.cpus, role.gpus))
 
 
 def actor_args(role: RoleSpec, cfg: Config, family: str, engine: EngineConfig) -> tuple:
@@ -222,12 +227,35 @@ def form_group(crew: Crew, size: int, timeout: float) -> None:
     log(f"{size} executors: gradients summed through torch.distributed ({backends[executors[0]]}) into executor 0")
 
 
+def form_host_groups(crew: Crew, timeout: float) -> None:
+    """A run over several hosts: every executor of every host joins one rendezvous on host 0 (the statistics
+    of the step over all of them, each host's gradient sum, the reduce-scatter among the hosts), and the hosts'
+    Adam updaters one of their own (the global norm, the gather of the updated slices)."""
+    executors, address = crew.of(Kind.EXECUTOR), crew.runner.host_address(0)
+    port = crew.call_one(executors[0], GpuExecutor.open_world, len(executors), address)
+    backends = crew.gather(
+        {n: crew.call(n, GpuExecutor.join_world, address, port) for n in executors},
+        timeout,
+        "forming the executors' group over the hosts",
+    )
+    adams = [on_host(ADAM, h) for h in range(crew.hosts)]
+    port = crew.call_one(adams[0], AdamUpdater.open_hosts, address)
+    crew.gather({n: crew.call(n, AdamUpdater.join_hosts, address, port) for n in adams}, timeout, "joining the hosts")
+    log(
+        f"{crew.hosts} hosts of {len(executors) // crew.hosts} executor(s): gradients summed over all "
+        f"{len(executors)} and split among the hosts through torch.distributed ({backends[executors[0]]}), "
+        "the updated slices gathered into every host's copy"
+    )
+
+
 def settle_store(
-    crew: Crew, creating: Pending[StoreSpec], engine: EngineConfig, timeout: float
-) -> tuple[StoreSpec, FillReport]:
-    """Wait for the owner's create call, settle the store with the chosen sizes; (spec, how it was filled)."""
-    crew.gather({OWNER: creating}, timeout, f"{OWNER}.create")
-    spec = crew.call_one(OWNER, StoreOwner.settle, engine)
+    crew: Crew, creating: dict[str, Pending[StoreSpec]], engine: EngineConfig, timeout: float
+) -> tuple[list[StoreSpec], FillReport]:
+    """Wait for the owners' create calls, settle each store with the chosen sizes; (each host's spec, how host
+    0's store was filled)."""
+    crew.gather(creating, timeout, f"{OWNER}.create")
+    specs = [crew.call_one(owner, StoreOwner.settle, engine) for owner in crew.owners]
+    spec = specs[0]
     log(
         f"weight staging: {spec.staging_mode}; gradients: "
         + (
@@ -248,40 +276,52 @@ def settle_store(
             if fill.bytes
             else ""
         )
+        + (f" (host 0 of {len(specs)})" if len(specs) > 1 else "")
     )
-    return spec, fill
+    return specs, fill
 
 
-def attach_workers(crew: Crew, cfg: Config, spec: StoreSpec, roster: Roster, engine: EngineConfig, start: int) -> None:
-    """Attach every worker of the roster, and connect the executor's CUDA IPC events to the processes that
-    drain its gradient slabs."""
-    if spec.staging_mode != roster.staging:
-        raise ProtocolError(
-            f"the store was made for weight staging {spec.staging_mode}, the actors were spawned for {roster.staging}"
-        )
+def attach_workers(
+    crew: Crew, cfg: Config, specs: list[StoreSpec], roster: Roster, engine: EngineConfig, start: int
+) -> None:
+    """Attach every host's workers of the roster to that host's store, and connect the executor's CUDA IPC
+    events to the processes that drain its gradient slabs."""
+    for spec in specs:
+        if spec.staging_mode != roster.staging:
+            raise ProtocolError(
+                f"the store was made for weight staging {spec.staging_mode}, the actors were spawned for "
+                f"{roster.staging}"
+            )
     timeout = cfg.train.setup_timeout_s
-    crew.gather({r.name: _attach(crew, r, spec, engine, start) for r in roster.workers}, timeout, "starting the actors")
+    attaching = {
+        on_host(r.name, h): _attach(crew, on_host(r.name, h), r, spec, engine, start)
+        for h, spec in enumerate(specs)
+        for r in roster.workers
+    }
+    crew.gather(attaching, timeout, "starting the actors")
     infos = crew.gather({n: crew.call(n, Role.info) for n in crew.actors}, timeout, "starting the actors")
     crew.note_processes(infos)
     crew.marks = {n: i.marks for n, i in infos.items()}
     crew.runner.pids = crew.pids
-    crew.call_one(OWNER, StoreOwner.page_in)  # now, not beside the fill or the pinning (it slows both)
-    handles = crew.call_one(EXECUTOR, GpuExecutor.event_handles)
-    if handles is not None:
-        drainers = roster.drainers()
-        crew.gather({n: crew.call(n, Role.open_events, handles) for n in drainers}, 120, "opening CUDA IPC events")
+    for owner in crew.owners:  # now, not beside the fill or the pinning (it slows both)
+        crew.call_one(owner, StoreOwner.page_in)
+    for h in range(len(specs)):
+        handles = crew.call_one(on_host(EXECUTOR, h), GpuExecutor.event_handles)
+        if handles is not None:
+            drainers = [on_host(n, h) for n in roster.drainers()]
+            crew.gather({n: crew.call(n, Role.open_events, handles) for n in drainers}, 120, "opening CUDA IPC events")
 
 
-def _attach(crew: Crew, role: RoleSpec, spec: StoreSpec, engine: EngineConfig, start: int) -> Pending[None]:
-    """A worker's attach call, with what its roster row says it attaches with besides the spec."""
+def _attach(crew: Crew, name: str, role: RoleSpec, spec: StoreSpec, engine: EngineConfig, start: int) -> Pending[None]:
+    """Worker `name`'s attach call, with what its roster row says it attaches with besides the spec."""
     if role.attach is Attach.ENGINE:
-        return crew.call(role.name, GpuExecutor.attach, spec, cfg=engine)  # with the sizes chosen since it started
+        return crew.call(name, GpuExecutor.attach, spec, cfg=engine)  # with the sizes chosen since it started
     if role.attach is Attach.START:
         # Adam's step count (bias correction) continues
-        return crew.call(role.name, AdamUpdater.attach, spec, start_step=start)
+        return crew.call(name, AdamUpdater.attach, spec, start_step=start)
     if role.attach is Attach.SPEC:
-        return crew.call(role.name, ACTORS[role.kind].attach, spec)  # type: ignore[attr-defined]
-    raise ProtocolError(f"actor '{role.name}' does not attach to the store")
+        return crew.call(name, ACTORS[role.kind].attach, spec)  # type: ignore[attr-defined]
+    raise ProtocolError(f"actor '{name}' does not attach to the store")
 
 
 def describe(crew: Crew, spec: StoreSpec, engine: EngineConfig, inprocess: bool, phases: Phases) -> None:

@@ -15,17 +15,20 @@ import os
 import secrets
 from pathlib import Path
 
+import torch
+
 from megatrain import log
 from megatrain.actors.base import Role
 from megatrain.actors.store_owner import StoreOwner
 from megatrain.checkpoint import step_dir as ckpt_step_dir
 from megatrain.configbase import Where, differences, dump_yaml, to_dict
 from megatrain.data import Data
+from megatrain.export import export
 from megatrain.flops import active_params
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, resolve_stall
 from megatrain.ipc.protocol.messages import FillReport, HostMemory, StoreRequest
 from megatrain.ipc.segments import check_run_id_free
-from megatrain.ipc.shm import check_run_id
+from megatrain.ipc.shm import check_run_id, host_run_id
 from megatrain.launch.config import memplan, timeplan
 from megatrain.launch.config.tree import Config
 from megatrain.launch.control import startup
@@ -75,7 +78,9 @@ class Trainer:
         self.host_room: int | None = None  # host RAM for pinned checkpoints beside the store (a local store)
         self.memory: MemoryPlan | None = None  # the run's memory plan (megatrain/memory/), made once
         self.model: ModelSpec | None = None  # the model's layout and config (build_spec), once
-        self.executors = 1  # actors.num_gpus, resolved
+        self.executors = 1  # actors.num_gpus, resolved: each host's
+        self.hosts = 1  # actors.num_hosts, resolved
+        self.specs: list[StoreSpec] = []  # each host's store (one host: [self.spec])
         self.roster: Roster | None = None  # the run's actors (megatrain/roster.py), as spawned
 
     # ---- public -----------------------------------------------------------------------------
@@ -112,7 +117,9 @@ class Trainer:
                 )
             )
             self.loop()
-            mem = self.crew.call_one(OWNER, StoreOwner.host_memory)  # after the last step: every page is in use
+            # after the last step: every page is in use; each host's own
+            mems = [self.crew.call_one(owner, StoreOwner.host_memory) for owner in self.crew.owners]
+            mem = mems[0]
             observed = self.crew.gather(
                 {n: self.crew.call(n, Role.thread_counts) for n in self.crew.actors},
                 self.cfg.train.setup_timeout_s,
@@ -120,7 +127,9 @@ class Trainer:
             )
             if self.loop.stopped_after is None:
                 self._finish(mem)
-            return self._summary(mem, observed)
+            return self._summary(mem, observed) | (
+                {"host_pss_bytes": [m.pss_bytes for m in mems]} if self.hosts > 1 else {}
+            )
         finally:
             self.shutdown()
             atexit.unregister(self.shutdown)
@@ -146,6 +155,7 @@ class Trainer:
             "store_bytes": sum(spec.part_bytes().values()),
             "staging": spec.staging_mode,
             "executors": self.executors,
+            "hosts": self.hosts,
             "executor_host_bytes": checkpoint_host_bytes(
                 spec.model, self.engine_cfg, self.cfg.data.batch_size, self.cfg.data.seq_len
             ),
@@ -164,10 +174,20 @@ class Trainer:
             )
         if self.cfg.train.save_final:
             record = {"step": self.steps, "checkpoint": None, "run_id": self.run_id}
-            path = self.crew.call_one(
-                OWNER, StoreOwner.save, directory=str(self.out / "final"), run=to_dict(self.cfg), record=record
-            )
+            final, run = str(self.out / "final"), to_dict(self.cfg)
+            if self.hosts == 1:
+                path = self.crew.call_one(OWNER, StoreOwner.save, directory=final, run=run, record=record)
+            else:
+                path = str(export(self.spec.model, self._gathered_unit, final, run=run, record=record))
             log(f"saved final fp32 weights (step {self.steps}) to {path}")
+
+    def _gathered_unit(self, unit: int) -> torch.Tensor:
+        """Unit `unit`'s fp32 master weights whole, from every host's slice of them: the export over several
+        hosts holds one unit at a time here, and no host ever holds the whole model in fp32."""
+        owners = self.crew.owners
+        calls = {o: self.crew.call(o, StoreOwner.params_slice, unit) for o in owners}
+        parts = self.crew.gather(calls, self.cfg.train.setup_timeout_s, f"unit {unit}'s slices of the weights")
+        return torch.cat([parts[o] for o in owners])
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self) -> None:
@@ -191,6 +211,7 @@ class Trainer:
         if beside or not reading.result().begin.complete:
             s = startup.spawn_actors(self.crew, cfg, reading, self.phases)
             cuda, self.executors, self.engine_cfg, self.roster = s.cuda, s.executors, s.engine, s.roster
+            self.hosts = s.hosts
             # the staging mode the actors were spawned for: the store, the plan and config.yaml take it
             self.cfg = cfg = dataclasses.replace(cfg, ipc=dataclasses.replace(cfg.ipc, staging=s.roster.staging))
         inputs = reading.result()
@@ -216,7 +237,7 @@ class Trainer:
         )  # the monitor's timeout for this model's layers, in the config.yaml written next
         # Where the store will be on this machine: the RAM its pinned checkpoints may take, measured before it.
         local = cuda and not (cfg.launch.address or os.environ.get("RAY_ADDRESS"))
-        self.memory = memplan.run_plan(cfg, spec, cuda, self.executors, machine)
+        self.memory = memplan.run_plan(cfg, spec, cuda, self.executors, machine, self.hosts)
         self.host_room = self.memory.pinned_room if local else None
         self._write_config()
         changed = differences(self._resolved(), Config())
@@ -238,22 +259,29 @@ class Trainer:
         self.engine_cfg = startup.choose_sizes(crew, cfg, self.model, self.engine_cfg, self.host_room)
         if self.engine_cfg.device == "cuda":
             phases.close("executor started (imports, CUDA context; the store is made meanwhile)")
-        self.spec, self.store_fill = startup.settle_store(crew, creating, self.engine_cfg, cfg.train.setup_timeout_s)
-        phases.close("store made and filled (beyond the executor's start)")
+        self.specs, self.store_fill = startup.settle_store(crew, creating, self.engine_cfg, cfg.train.setup_timeout_s)
+        self.spec = self.specs[0]
+        phases.close("store made and filled (beyond the executor's start)" if len(self.specs) == 1 else "stores made")
         self._write_config()  # now with ipc.staging as the store owner resolved it
-        startup.attach_workers(crew, cfg, self.spec, self.roster, self.engine_cfg, self.start)
+        startup.attach_workers(crew, cfg, self.specs, self.roster, self.engine_cfg, self.start)
         phases.close("actors attached (pinning, CUDA IPC events)")
-        if n > 1:
+        if self.hosts > 1:
+            startup.form_host_groups(crew, cfg.train.setup_timeout_s)
+            phases.close(f"the {self.hosts} hosts' groups formed")
+        elif n > 1:
             startup.form_group(crew, n, cfg.train.setup_timeout_s)
             phases.close(f"the {n} executors' group formed")
         startup.describe(crew, self.spec, self.engine_cfg, cfg.launch.runner == "inprocess", phases)
 
-    def _create_store(self) -> Pending[StoreSpec]:
-        """The owner's create call, not waited for: it plans with the engine's sizes still `auto`."""
-        cfg = self.cfg
+    def _create_store(self) -> dict[str, Pending[StoreSpec]]:
+        """Each host's owner's create call, not waited for: it plans with the engine's sizes still `auto`."""
         self.crew.serve_owner()
+        return {owner: self._create_host_store(owner, h) for h, owner in enumerate(self.crew.owners)}
+
+    def _create_host_store(self, owner: str, host: int) -> Pending[StoreSpec]:
+        cfg = self.cfg
         request = StoreRequest(
-            run_id=self.run_id,
+            run_id=host_run_id(self.run_id, host),
             model=cfg.model,
             no_decay_1d=cfg.optim.no_decay_1d,
             clip=cfg.optim.clips,
@@ -261,7 +289,10 @@ class Trainer:
             num_packers=cfg.actors.num_packers,
             num_accumulators=cfg.actors.num_accumulators,
             ipc=cfg.ipc,
-            batch_shape=(self.executors * per_executor(cfg.data.batch_size, self.executors), cfg.data.seq_len),
+            batch_shape=(
+                self.executors * per_executor(cfg.data.batch_size, self.executors * self.hosts),
+                cfg.data.seq_len,
+            ),
             resume=str(self.resume_dir) if self.resume_dir else None,
             threads=thread_request(cfg.actors),
             about={"output_dir": str(self.out), "steps": self.steps, "first": self.start},
@@ -269,8 +300,10 @@ class Trainer:
             spec=self.model,
             roster=self.roster,
             memory=self.memory,
+            hosts=self.hosts,
+            host=host,
         )
-        return self.crew.call(OWNER, StoreOwner.create, request)
+        return self.crew.call(owner, StoreOwner.create, request)
 
     def _resolved(self) -> Config:
         cfg = self.cfg

@@ -29,7 +29,7 @@ from megatrain.launch.report.reporting import Reporter
 from megatrain.launch.run.checkpoints import Checkpointer, Saves
 from megatrain.launch.run.evaluation import Evaluator
 from megatrain.launch.run.stopping import StopRequest
-from megatrain.roster import ADAM, EXECUTOR, Kind, Verb
+from megatrain.roster import EXECUTOR, Kind, Verb
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,7 +58,8 @@ class StepLoop:
         self.stopped_after: int | None = None
         self.first_step_s: float | None = None  # launch -> the first step's end (s)
         self.reporter: Reporter | None = None  # while the loop runs
-        self.executors = run.crew.of(Kind.EXECUTOR)  # executor 0 first; each runs its rows of a batch
+        self.executors = run.crew.of(Kind.EXECUTOR)  # executor 0 first, host by host; each runs its rows of a batch
+        self.adams = run.crew.of(Kind.ADAM)  # one per host, each updating its host's slice
         if run.crew.roster is None:
             raise ProtocolError("the step loop calls the spawned actors of the run's roster, and there is none")
         self.streaming = run.crew.roster.stepping(Verb.STREAM)  # called with step(t) each step
@@ -81,7 +82,7 @@ class StepLoop:
         and written while it runs (actors/checkpoint_writer.py)."""
         run, cfg = self.run, self.cfg
         timeout = cfg.train.step_timeout_s
-        prev: tuple[dict, Pending] | None = None
+        prev: tuple[dict, dict[str, Pending]] | None = None
         self.loader = loader = Prefetcher(run.data.batch, run.start, run.steps, cfg.data.prefetch)
         flops = model_step_flops(run.spec.model, cfg.data.batch_size, cfg.data.seq_len)
         self.reporter = Reporter(
@@ -99,18 +100,18 @@ class StepLoop:
                 if run.stop is not None and run.stop.signum is not None:
                     if prev is not None:  # the last launched step's update, then the checkpoint
                         self._record(
-                            prev[0], self.crew.gather({"adam-previous": prev[1]}, timeout, "Adam")["adam-previous"]
+                            prev[0], self._applied(self.crew.gather(_previous(prev[1]), timeout, "Adam"), previous=True)
                         )
                         prev = None
                     self._stop_gracefully(t)
                     break
                 sampled.before(t)
                 calls, row = self._launch(t, loader, saving=run.checkpointer.writing == t)
-                adam = calls.pop(ADAM)
+                adam = {n: calls.pop(n) for n in self.adams}
                 if prev is not None:
-                    calls["adam-previous"] = prev[1]
+                    calls.update(_previous(prev[1]))
                 if not cfg.train.overlap_adam:
-                    calls[ADAM] = adam
+                    calls.update(adam)
                 res = self.crew.gather(calls, timeout, f"step {t}", self.saves.writing())
                 self._first_step_done()
                 sampled.after(t)
@@ -118,21 +119,17 @@ class StepLoop:
                 row = executor_row(row, StepReport.merge([res.pop(n) for n in self.executors]))
                 row.update(self._maybe_evaluate(t + 1))
                 if prev is not None:
-                    self._record(prev[0], res["adam-previous"])
+                    self._record(prev[0], self._applied(res, previous=True))
                 if cfg.train.overlap_adam:
                     prev = (row, adam)
                 else:
-                    self._record(row, res[ADAM])
+                    self._record(row, self._applied(res))
                     prev = None
                 if run.checkpointer.due(t + 1):
                     self.saves.start(t + 1, row["epoch"], cfg.data.seed)
             if prev is not None:
-                self._record(
-                    prev[0],
-                    self.crew.gather({"adam-previous": prev[1]}, timeout, "the last Adam update", self.saves.writing())[
-                        "adam-previous"
-                    ],
-                )
+                last = self.crew.gather(_previous(prev[1]), timeout, "the last Adam update", self.saves.writing())
+                self._record(prev[0], self._applied(last, previous=True))
             self.saves.wait()
         finally:
             self.reporter.close()
@@ -169,7 +166,8 @@ class StepLoop:
             request = StepRequest(step=t, ids=rid, labels=rlab, timeline=timeline, profile=profile, positions=rpos)
             calls[name] = crew.call(name, GpuExecutor.step, request)
             timeline, profile = False, ""  # executor 0's only
-        calls[ADAM] = crew.call(ADAM, AdamUpdater.step, AdamRequest(step=t, lr=lr, saving=saving))
+        for name in self.adams:
+            calls[name] = crew.call(name, AdamUpdater.step, AdamRequest(step=t, lr=lr, saving=saving))
         for name in self.streaming:  # packers and accumulators: step(t), their share of the slabs
             calls[name] = crew.call(name, crew.actors[name].cls.step, t)
         return calls, row
@@ -188,6 +186,11 @@ class StepLoop:
             self.first_step_s = time.monotonic() - self.run.launched
             log(f"first step done {self.first_step_s:.1f} s after launch")
 
+    def _applied(self, res: dict, previous: bool = False) -> Applied:
+        """The step's update as one: each host's updater's answer, which agree on the global norm (host 0's
+        timeline; the slowest host's time)."""
+        return Applied.merge([res[_PREVIOUS + n if previous else n] for n in self.adams])
+
     def _record(self, row: dict, adam: Applied) -> None:
         if self.reporter is None:
             raise ProtocolError(f"step {row['step']} recorded outside the step loop")
@@ -200,6 +203,13 @@ class StepLoop:
     def _sync(self) -> None:
         if self.reporter is not None:
             self.reporter.sync()
+
+
+_PREVIOUS = "previous step: "  # an update launched with the step before, gathered with this one
+
+
+def _previous(adam: dict[str, Pending]) -> dict[str, Pending]:
+    return {_PREVIOUS + n: p for n, p in adam.items()}
 
 
 def _rows(parts: list[slice], *batch: torch.Tensor | None) -> list[tuple[torch.Tensor | None, ...]]:

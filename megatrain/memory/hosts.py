@@ -1,9 +1,11 @@
-"""A run over several hosts of one cluster, as the memory plan sizes one host of it (a run spans one host
-today; the plan is for sizing a cluster). Host h owns slice h of every unit's tile in each fp32 plane (the
+"""A run over several hosts of one cluster (actors.num_hosts): the slices each host holds, and what the memory
+plan counts for one host of it. Host h owns slice h of every unit's tile in each fp32 plane (the
 master weights, Adam's moments, and the gradients where the one-host rules give them a plane), the tile cut
 into contiguous slices on the store's tile alignment; every host keeps the rest of the store whole (the
 resident copy its executors stream from, the staging slabs, the control segment). The host that holds the
-most holds the largest slice of every unit: that is what each host must have room for."""
+most holds the largest slice of every unit: that is what each host must have room for; every host lays its
+slices out at the same offsets. The pieces (a version counter and a squared norm each) are cut at the slices
+too, so that each piece's gradient, update and checkpoint are one host's."""
 
 from __future__ import annotations
 
