@@ -19,12 +19,12 @@ import torch
 
 from megatrain import steptime
 from megatrain.actors.base import Role, guarded
-from megatrain.actors.executor_reduce import StreamedReducingSink, SyncReducingSink
+from megatrain.actors.executor_reduce import HostScatter, StreamedReducingSink, SyncReducingSink
 from megatrain.actors.executor_streams import Marks, StreamedSink, StreamedSource, SyncSink, SyncSource, copy_intervals
-from megatrain.collective import HOST, Group, open_rendezvous
+from megatrain.collective import HOST, Group, World, connect_rendezvous, join_world, open_rendezvous
 from megatrain.cudahost import use_expandable_segments
 from megatrain.engine import EngineConfig, StepEngine, resolve_device, resolve_dtype
-from megatrain.errors import ResourceError
+from megatrain.errors import MegatrainError, ResourceError
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.messages import EvalRequest, EvalSums, GenerateRequest, StepReport, StepRequest
 from megatrain.memory.budget import GpuCap, budget_bytes, cap_device, peak_bytes, sizes_of
@@ -41,7 +41,8 @@ class GpuExecutor(Role):
         place among the run's executors (actors.num_gpus), one GPU each."""
         super().__init__(role_name(Kind.EXECUTOR, rank))
         self.cfg, self.rank = cfg, rank
-        self.group: Group | None = None
+        self.group: Group | None = None  # the engine's: the step's statistics over every executor of the run
+        self.world: World | None = None  # a run over several hosts: every group this executor is in
         self.rendezvous = None  # executor 0's, while the group forms
         if cfg.device != "cpu" and torch.cuda.is_available():  # before anything initializes CUDA
             print(f"[{self.name}] {use_expandable_segments()}", flush=True)
@@ -138,17 +139,64 @@ class GpuExecutor(Role):
     def join_group(self, port: int, size: int) -> str:
         """Join the executors' group (every executor at once: it returns when all have joined); from now
         on each gradient is summed over the executors and only executor 0's reaches the store."""
-        spec = self.store.spec
         where = self.rendezvous if self.rank == 0 else (HOST, port)
-        self.group = Group(where, self.rank, size, self.device, spec.ipc.wait_timeout_s, self.store.check_abort)
-        self.engine.group = self.group
+        group = Group(where, self.rank, size, self.device, self.store.spec.ipc.wait_timeout_s, self.store.check_abort)
+        return self._reduce_through(group, group, None)
+
+    def open_world(self, size: int, address: str) -> int:
+        """The run's first executor (host 0's executor 0): the rendezvous of every executor of every host
+        (`size` of them), reachable at `address` (this node's, as the other hosts reach it); returns its port."""
+        spec = self.store.spec
+        if spec.host != 0 or self.rank != 0:
+            raise MegatrainError(
+                f"{self.name} of host {spec.host} opened the run's rendezvous: host 0's executor 0 does"
+            )
+        if size != spec.hosts * spec.num_executors:
+            raise MegatrainError(
+                f"a rendezvous for {size} executors; the run has {spec.hosts} hosts x {spec.num_executors} executors"
+            )
+        self.rendezvous = open_rendezvous(size, spec.ipc.wait_timeout_s, host=address)
+        return int(self.rendezvous.port)
+
+    def join_world(self, address: str, port: int) -> str:
+        """Join the run's groups (every executor of every host at once; megatrain/collective.py join_world):
+        the step's statistics over all of them; each gradient summed over this host's executors into its
+        executor 0, which reduce-scatters it among the hosts and lands only its own slice. Global rank: host x
+        executors per host + this executor's. One host: join_group's group, at `address`."""
+        spec = self.store.spec
+        timeout_s, check = spec.ipc.wait_timeout_s, self.store.check_abort
+        first = spec.host == 0 and self.rank == 0
+        if spec.hosts == 1:
+            where = self.rendezvous if first else (address, port)
+            group = Group(where, self.rank, spec.num_executors, self.device, timeout_s, check)
+            return self._reduce_through(group, group, None)
+        size = spec.hosts * spec.num_executors
+        rendezvous = self.rendezvous if first else connect_rendezvous(address, port, size, timeout_s)
+        self.world = join_world(
+            rendezvous,
+            host=spec.host,
+            hosts=spec.hosts,
+            rank=self.rank,
+            per_host=spec.num_executors,
+            device=self.device,
+            timeout_s=timeout_s,
+            check=check,
+        )
+        scatter = HostScatter(spec, self.world.hosts) if self.world.hosts is not None else None
+        return self._reduce_through(self.world.stats, self.world.local, scatter)
+
+    def _reduce_through(self, stats: Group, local: Group | None, hosts: HostScatter | None) -> str:
+        """From now on the engine's statistics are summed over `stats`, each gradient over `local` (this
+        host's executors) into executor 0 and by it over `hosts`; only executor 0's reaches the store.
+        Returns once every member of `stats` is there."""
+        self.group = self.engine.group = stats
         inner = self.sink if self.rank == 0 else None
         if self.cuda:
-            self.sink = StreamedReducingSink(self.store, self.group, self.device, inner)
+            self.sink = StreamedReducingSink(self.store, local, self.device, inner, hosts)
         else:
-            self.sink = SyncReducingSink(self.store, self.group, inner)
-        self._on_compute(self.group.barrier)
-        return self.group.backend
+            self.sink = SyncReducingSink(self.store, local, inner, hosts)
+        self._on_compute(stats.barrier)
+        return stats.backend
 
     def _fetched(self) -> int:
         """Fetches the engine has taken so far in this step's weight walk (the sink's safety check)."""

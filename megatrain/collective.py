@@ -7,10 +7,15 @@ are made over one rendezvous: `grads` carries the per-layer gradient reductions,
 executor's reducer thread; `stats` the small reductions the engine makes on the compute thread. A
 collective group must see the same calls in the same order on every rank, and two threads of one rank
 issuing on one group would interleave differently on each.
+
+A run over several hosts (join_world) forms three kinds of group over one rendezvous: the statistics over every
+executor of every host, each host's own executors' gradient sum, and the hosts' reduce-scatter among each host's
+executor 0.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import time
 from collections.abc import Callable
@@ -31,31 +36,56 @@ def open_rendezvous(size: int, timeout_s: float, host: str = HOST) -> dist.TCPSt
     )
 
 
+def connect_rendezvous(address: str, port: int, size: int, timeout_s: float) -> dist.TCPStore:
+    """A member's connection to the rendezvous open_rendezvous opened at `address`:`port`."""
+    return dist.TCPStore(address, port, size, False, timeout=datetime.timedelta(seconds=timeout_s), use_libuv=True)
+
+
 class Group:
     """One executor's membership: rank `rank` of `size`, on `device`. `check` raises when the run is
-    aborted (a host wait on a collective polls it, so a dead peer never hangs a live one)."""
+    aborted (a host wait on a collective polls it, so a dead peer never hangs a live one). `rendezvous`: rank 0's
+    store, (address, port) to connect to it, or a store over it (a prefix: several groups over one rendezvous).
+    `parts`: the process groups it makes, `grads` and `stats` (a group that never uses one does not connect it)."""
 
     def __init__(
         self,
-        rendezvous: dist.TCPStore | tuple[str, int],
+        rendezvous: dist.Store | tuple[str, int],
         rank: int,
         size: int,
         device: torch.device,
         timeout_s: float,
         check: Callable[[], None],
         poll_s: float = 0.01,
+        *,
+        parts: tuple[str, ...] = ("grads", "stats"),
     ):
         if not 0 <= rank < size:
             raise MegatrainError(f"executor rank {rank} is not in a group of {size}")
+        if not parts or set(parts) - {"grads", "stats"}:
+            raise MegatrainError(f"a group's parts are grads and/or stats, not {parts}")
         self.rank, self.size, self.device, self.check, self.poll_s = rank, size, device, check, poll_s
         self.timeout_s = timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
         if isinstance(rendezvous, tuple):
-            rendezvous = dist.TCPStore(*rendezvous, size, False, timeout=timeout, use_libuv=True)
+            rendezvous = connect_rendezvous(*rendezvous, size, timeout_s)
         self.rendezvous = rendezvous  # held: the groups' connections were made through it
         self.cuda = device.type == "cuda"
-        self.grads = self._make(dist.PrefixStore("grads", rendezvous), timeout)
-        self.stats = self._make(dist.PrefixStore("stats", rendezvous), timeout)
+        made = {p: self._make(dist.PrefixStore(p, rendezvous), timeout) for p in parts}
+        self._grads, self._stats = made.get("grads"), made.get("stats")
+
+    @property
+    def grads(self) -> dist.Backend:
+        """The gradients' process group (issued from one thread: the reducer's)."""
+        if self._grads is None:
+            raise MegatrainError("this executors' group carries statistics only, not gradients")
+        return self._grads
+
+    @property
+    def stats(self) -> dist.Backend:
+        """The statistics' process group (issued from the compute thread)."""
+        if self._stats is None:
+            raise MegatrainError("this executors' group carries gradients only, not statistics")
+        return self._stats
 
     def _make(self, store: dist.Store, timeout: datetime.timedelta) -> dist.Backend:
         if not self.cuda:
@@ -124,6 +154,45 @@ class Group:
             torch.cuda.current_stream(self.device).synchronize()
         if int(one.item()) != self.size:
             raise MegatrainError(f"the executors' group answered {int(one.item())} of {self.size} ranks")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class World:
+    """One executor's groups in a run over several hosts. `stats`: every executor of every host (the step's
+    token count and router statistics); `local`: this host's executors, whose gradients are summed into its
+    executor 0 (None with one executor per host); `hosts`: executor 0 of every host, which reduce-scatter the
+    hosts' sums so that each holds its own slice of the whole sum (None on the other executors)."""
+
+    stats: Group
+    local: Group | None
+    hosts: Group | None
+
+
+def join_world(
+    rendezvous: dist.Store,
+    *,
+    host: int,
+    hosts: int,
+    rank: int,
+    per_host: int,
+    device: torch.device,
+    timeout_s: float,
+    check: Callable[[], None],
+) -> World:
+    """Executor `rank` of `per_host` on host `host` of `hosts` joins the run's groups over one rendezvous (every
+    executor of every host at once). Each group forms only when all its members are there, so every member
+    forms them in one order, the run's group first, then its host's, then the hosts': a member never waits for
+    one still forming another."""
+    if not 0 <= host < hosts or not 0 <= rank < per_host:
+        raise MegatrainError(f"executor {rank} of host {host} is not one of {hosts} hosts x {per_host} executors")
+    at = {"device": device, "timeout_s": timeout_s, "check": check}
+    every = dist.PrefixStore("world/", rendezvous)
+    stats = Group(every, host * per_host + rank, hosts * per_host, parts=("stats",), **at)
+    mine = dist.PrefixStore(f"host{host}/", rendezvous)
+    local = Group(mine, rank, per_host, parts=("grads",), **at) if per_host > 1 else None
+    firsts = dist.PrefixStore("hosts/", rendezvous)
+    across = Group(firsts, host, hosts, parts=("grads",), **at) if rank == 0 else None
+    return World(stats=stats, local=local, hosts=across)
 
 
 def _sum() -> dist.AllreduceOptions:
