@@ -11,6 +11,8 @@ In resident mode it also rewrites the unit's compute-dtype copy right after the 
 forward streams it with no packing step in between.
 The waits, the order of the pieces and the versions are the protocol's (ipc/protocol/adam.py); this
 actor supplies the arithmetic of one piece (_update) and takes its steps in order.
+Over several hosts each host's updater updates its own slice of every unit; the updaters form a group of
+their own (open_hosts, join_hosts) for the global norm and the gather of each unit's updated slices.
 """
 
 from __future__ import annotations
@@ -26,10 +28,18 @@ import torch
 from megatrain import steptime
 from megatrain.actors.base import Role, guarded
 from megatrain.adamw import OptimConfig, adamw_update
+from megatrain.collective import Group, open_rendezvous
 from megatrain.errors import ProtocolError, WaitTimeout
 from megatrain.hostops import warm_up
 from megatrain.ipc.protocol import Store, StoreSpec
-from megatrain.ipc.protocol.adam import update_clipped, update_unclipped
+from megatrain.ipc.protocol.adam import (
+    HostsLink,
+    PieceUpdate,
+    update_clipped,
+    update_clipped_hosts,
+    update_unclipped,
+    update_unclipped_hosts,
+)
 from megatrain.ipc.protocol.messages import AdamRequest, Applied
 from megatrain.ipc.protocol.plan import Item
 from megatrain.roster import ADAM
@@ -41,6 +51,8 @@ class AdamUpdater(Role):
         self.cfg = cfg
         self.turn = threading.Condition()
         self.next_step = 0
+        self.rendezvous = None  # host 0's, while the hosts' group forms
+        self.hosts: HostsLink | None = None  # over several hosts, once joined
         warm_up()  # compiled (or loaded from Numba's cache) while the store is being made, not in a step
         a = np.zeros(4, np.float32)
         adamw_update(a, a.copy(), a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0)
@@ -59,6 +71,35 @@ class AdamUpdater(Role):
         self.store = Store.attach(spec, parts, role=self.name)
         self.mark("attached")
 
+    def open_hosts(self, address: str) -> int:
+        """Host 0's updater, after attach: the rendezvous of the hosts' updaters at `address` (this node's, as
+        the other hosts reach it); returns its port."""
+        spec = self._several_hosts()
+        if spec.host != 0:
+            raise ProtocolError(f"the hosts' rendezvous is host 0's updater's to open, not host {spec.host}'s")
+        self.rendezvous = open_rendezvous(spec.hosts, spec.ipc.wait_timeout_s, host=address)
+        return int(self.rendezvous.port)
+
+    def join_hosts(self, address: str, port: int) -> None:
+        """Join the hosts' updaters' group (every host's updater at once: it returns when all have joined)
+        through host 0's rendezvous at `address`:`port`."""
+        spec = self._several_hosts()
+        if spec.host == 0 and self.rendezvous is None:
+            raise ProtocolError("host 0's updater joins the hosts' group through its own rendezvous: open_hosts first")
+        where = self.rendezvous if spec.host == 0 else (address, port)
+        group = Group(
+            where, spec.host, spec.hosts, torch.device("cpu"), spec.ipc.wait_timeout_s, self.store.check_abort
+        )
+        self.hosts = HostsLink.make(spec, group)
+
+    def _several_hosts(self) -> StoreSpec:
+        if self.store is None:
+            raise ProtocolError("the Adam updater opens or joins the hosts' group after attach")
+        spec = self.store.spec
+        if spec.hosts == 1:
+            raise ProtocolError("a run on one host has no hosts' group to open or join")
+        return spec
+
     def memory_bandwidth(self) -> float:
         """This node's memory bandwidth with the updater's threads (bytes/s, megatrain/steptime.py): what its
         pass over every parameter runs at."""
@@ -73,7 +114,9 @@ class AdamUpdater(Role):
         try:
             t0 = time.perf_counter()
             store, update = self.store, functools.partial(self._piece, step + 1, lr)
-            if store.spec.clip:
+            if store.spec.hosts > 1:
+                out = self._step_hosts(step, saving, update)
+            elif store.spec.clip:
                 out = update_clipped(store, step, saving, self.cfg.max_grad_norm, update)
             else:
                 out = update_unclipped(store, self.events, step, saving, update)
@@ -82,6 +125,18 @@ class AdamUpdater(Role):
             with self.turn:
                 self.next_step = step + 1
                 self.turn.notify_all()
+
+    def _step_hosts(self, step: int, saving: bool, update: PieceUpdate) -> Applied:
+        """A step over several hosts: this host's slice, with the other hosts' updaters through their group."""
+        spec = self.store.spec
+        if self.hosts is None:
+            raise ProtocolError(
+                f"Adam's step {step} over {spec.hosts} hosts needs the hosts' group: host {spec.host}'s updater "
+                "has not joined it (AdamUpdater.join_hosts)"
+            )
+        if spec.clip:
+            return update_clipped_hosts(self.store, self.hosts, step, saving, self.cfg.max_grad_norm, update)
+        return update_unclipped_hosts(self.store, self.hosts, step, saving, update)
 
     def _wait_turn(self, step: int) -> None:
         ipc = self.store.spec.ipc

@@ -46,7 +46,8 @@ def drain(store: Store, events: list[Any] | None, item: Item, step: int) -> None
 
 
 def wait_all_grads(store: Store, step: int) -> None:
-    """Adam with clipping: every piece of the step's gradient is in the grads plane."""
-    pieces = store.spec.num_pieces
+    """Adam with clipping: every piece of the step's gradient that this host updates is in (the grads plane or
+    the resident copy): all of them on one host, this host's own over several."""
+    pieces = len(store.spec.update_items)
     for i in range(pieces):
         store.wait(GRADS_READY, f"the gradients of step {step} ({i} of {pieces} pieces arrived)")
