@@ -216,21 +216,21 @@ class StreamedSink(SyncSink):
         norms = None
         if self.store.spec.grads_in_resident:
             grad, items = self.in_resident(unit, grad)  # the drain thread walks the same items
-            # each piece's norm of the values Adam will read, in fp32 on the device, squared in fp64
-            norms = (
-                torch.stack([torch.linalg.vector_norm(grad[it.lo : it.hi], dtype=torch.float32) for it in items])
-                .double()
-                .square()
-            )
+            # each piece's norm of the values Adam will read, in fp32 on the device, squared in fp64; over
+            # several hosts only this host's pieces, none where it holds none of the unit
+            parts = [torch.linalg.vector_norm(grad[it.lo : it.hi], dtype=torch.float32) for it in items]
+            norms = torch.stack(parts).double().square() if parts else grad.new_zeros(0, dtype=torch.float64)
+            sent = sum(it.hi - it.lo for it in items) * grad.element_size()
         else:
             self.walk.next(unit)  # the drain thread walks the same items
             grad = grad.detach().float()
+            sent = grad.numel() * grad.element_size()
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         t0 = time.perf_counter()
         self.worker.acquire(self.credits, f"a gradient credit for unit {unit}")  # at most G queued on the GPU
         self.wait_s += time.perf_counter() - t0
-        self.bytes += grad.numel() * grad.element_size()
+        self.bytes += sent
         self.todo.put((unit, grad, norms, done))
 
     def _drain(self) -> None:
@@ -249,7 +249,10 @@ class StreamedSink(SyncSink):
 
     def _into_resident(self, unit: int, items: list, grad: torch.Tensor, norms: torch.Tensor) -> None:
         """The gradient into the unit's resident tile and its pieces' squared norms into ctl; Adam is told
-        (grads_landed) once the copy has landed. Only this thread waits for it, never the compute stream."""
+        (grads_landed) once the copy has landed. Only this thread waits for it, never the compute stream. A host
+        that holds none of the unit (several hosts, a unit smaller than their slices) lands nothing."""
+        if not items:
+            return
         tile, span = self.store.resident_tile(unit), slice(items[0].piece, items[-1].piece + 1)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.d2h):

@@ -389,10 +389,16 @@ def least_gpu(plan: MemPlan, cfg: Config) -> str:
     arch = arch_of(cfg)
     engine = resolve_engine(cfg.engine, True)
     n = executors_of(cfg, True)
-    reserve = reduction_bytes(arch.layout) if n > 1 else 0
+    reserve = reduction_bytes(arch.layout, plan.hosts) if n > 1 or plan.hosts > 1 else 0
     room = (host_room(cfg, arch, True, plan.machine, plan.hosts) or 0) // n
     least = gpubudget.least_room(
-        arch, engine, per_executor(cfg.data.batch_size, n), cfg.data.seq_len, cfg.optim.clips, room, reserve
+        arch,
+        engine,
+        per_executor(cfg.data.batch_size, n * plan.hosts),
+        cfg.data.seq_len,
+        cfg.optim.clips,
+        room,
+        reserve,
     )
     if least is None:
         return "no GPU holds the engine sizes set: set them auto"

@@ -188,7 +188,7 @@ def choose_sizes(
         # activations (megatrain/memory/gpu.py)
         free = min(f if room is None else min(f, room) for f, room in found.values())
         budget_note(engine, found)
-        free -= reduction_bytes(model.layout) if len(executors) > 1 else 0
+        free -= reduction_bytes(model.layout, crew.hosts) if len(executors) > 1 else 0
     room = host_room // len(executors) if host_room is not None else None  # each pins its own checkpoints
     sizes, why = autosize.choose(model, engine, batch, cfg.data.seq_len, free, cfg.optim.clips, room)
     engine = autosize.apply(engine, sizes)

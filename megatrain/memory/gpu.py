@@ -9,19 +9,22 @@ from dataclasses import dataclass, field
 from megatrain.arch import Arch
 from megatrain.engineconfig import EngineConfig
 from megatrain.errors import ResourceError
-from megatrain.layout import StoreLayout
+from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
 from megatrain.memory import autosize
 from megatrain.memory import budget as gpubudget
+from megatrain.memory.hosts import largest_slice
 
 REDUCE_CREDITS = 2  # fp32 gradients queued for their reduction on the GPU (actors/executor_reduce.py)
 REDUCTION = "fp32 gradients awaiting the executors' sum"
 
 
-def reduction_bytes(layout: StoreLayout) -> int:
+def reduction_bytes(layout: StoreLayout, hosts: int = 1) -> int:
     """GPU memory for the fp32 gradients waiting for their reduction (the credits' and the one reducing),
-    beside what autosize.py plans for one executor."""
+    beside what autosize.py plans for one executor; over several hosts, the reduce-scatter's buffer too (a
+    layer's gradient padded to the hosts' slices)."""
     layer = max(layout.structure_of(u).numel for u in range(1, layout.num_layers + 1))
-    return (REDUCE_CREDITS + 1) * layer * 4
+    padded = hosts * largest_slice(round_up(max(layer, 1), TILE_ALIGN), hosts) if hosts > 1 else 0
+    return ((REDUCE_CREDITS + 1) * layer + padded) * 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,13 +49,14 @@ def gpu_part(
     gpu_free: int | None,
     clip: bool,
     host_room: int | None,
+    hosts: int = 1,
 ) -> GpuPart:
     """Sizes and terms for `batch` sequences of `seq` tokens on each of `executors` GPUs with `gpu_free` free
     (None: the CPU device, or a GPU not measured here: the fixed sizes stand in), each executor's pinned
     checkpoints within `host_room` bytes (None: not bounded here)."""
     cuda = engine.device == "cuda"
     sized, budget_note = gpubudget.planning_room(engine, gpu_free) if cuda else (None, "")
-    reduction = reduction_bytes(arch.layout) if executors > 1 else 0
+    reduction = reduction_bytes(arch.layout, hosts) if executors > 1 or hosts > 1 else 0
     if sized is not None:
         sized -= reduction  # beside the activations, as the run's choose_sizes() leaves it
     try:

@@ -156,7 +156,7 @@ def plan_memory(arch: Arch, shape: RunShape, machine: Machine, gpu_free: int | N
     plain = _host_plan(arch, shape, machine, None)
     room = plain.pinned_room
     each = None if room is None else room // shape.executors  # each executor pins its own checkpoints
-    gpu = gpu_part(arch, shape.engine, shape.batch, shape.seq, shape.executors, gpu_free, shape.clip, each)
+    gpu = gpu_part(arch, shape.engine, shape.batch, shape.seq, shape.executors, gpu_free, shape.clip, each, shape.hosts)
     return dataclasses.replace(_host_plan(arch, shape, machine, gpu, plain.staging_mode), pinned_room=room)
 
 
