@@ -35,10 +35,11 @@ from megatrain.warmup import warm_up
 
 
 class GpuExecutor(Role):
-    def __init__(self, cfg: EngineConfig, family: str = "", rank: int = 0):
+    def __init__(self, cfg: EngineConfig, family: str = "", rank: int = 0, gpu: int | None = None):
         """Process-level set-up, done while the store owner makes the store: the CUDA context, and the
         modeling code of the model's family (the engine's templates come from it). `rank`: this executor's
-        place among the run's executors (actors.num_gpus), one GPU each."""
+        place among its host's executors (actors.num_gpus), one GPU each; `gpu`: the GPU it takes among those
+        its process sees, where not `rank` (hosts simulated in one process share its GPUs)."""
         super().__init__(role_name(Kind.EXECUTOR, rank))
         self.cfg, self.rank = cfg, rank
         self.group: Group | None = None  # the engine's: the step's statistics over every executor of the run
@@ -46,7 +47,7 @@ class GpuExecutor(Role):
         self.rendezvous = None  # executor 0's, while the group forms
         if cfg.device != "cpu" and torch.cuda.is_available():  # before anything initializes CUDA
             print(f"[{self.name}] {use_expandable_segments()}", flush=True)
-        self.device = resolve_device(cfg, rank)
+        self.device = resolve_device(cfg, rank if gpu is None else gpu)
         self.cuda = self.device.type == "cuda"
         self.cap: GpuCap | None = None  # engine.gpu_memory_gib (megatrain/memory/budget.py)
         self.planned: int | None = None  # the plan's GPU peak at the sizes chosen

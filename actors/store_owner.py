@@ -175,6 +175,8 @@ class StoreOwner(Role):
             clip=req.clip,
             last_block_layers=engine.last_block_layers,
             executors=req.executors,
+            hosts=req.hosts,
+            host=req.host,
         )
         ram_only["page tables of its mappings"] = spec.page_table_bytes()
         return self._with_cpu_plan(spec, engine.device == "cuda", req.threads), ram_only
@@ -347,16 +349,38 @@ class StoreOwner(Role):
     def _draw_unit(self, model: torch.nn.Module, unit: int, seed: int) -> None:
         self._check_going()
         spec = self.store.spec.model
-        tile = self.store.torch_tile("params", unit)  # zero: the segments are created zeroed
+        tile = self._whole_tile(unit)  # zero: the segments are created zeroed
         copy_slots(spec, unit, tile, init_unit(spec, model, unit, seed, into=slot_views(spec, unit, tile)))
-        if self.store.spec.resident:
-            self.store.refresh_resident(unit)
+        self._keep(unit, tile)
 
     def _fill_unit(self, unit: int, tensors: dict[str, torch.Tensor]) -> None:
         self._check_going()
-        fill_tile(self.store.spec.model, unit, self.store.torch_tile("params", unit), tensors)
-        if self.store.spec.resident:
-            self.store.refresh_resident(unit)
+        tile = self._whole_tile(unit)
+        fill_tile(self.store.spec.model, unit, tile, tensors)
+        self._keep(unit, tile)
+
+    def _whole_tile(self, unit: int) -> torch.Tensor:
+        """Where a unit's weights are drawn or read whole: its params tile, or over several hosts (the params
+        plane holds this host's slice) a buffer of the whole unit, every host drawing the same weights."""
+        if self.store.spec.hosts == 1:
+            return self.store.torch_tile("params", unit)
+        return torch.zeros(self.store.spec.layout.structure_of(unit).numel, dtype=torch.float32)
+
+    def _keep(self, unit: int, tile: torch.Tensor) -> None:
+        """The unit's weights, drawn or read whole into `tile`, into the store: this host's slice of them in
+        the params plane, and the whole unit into the resident copy its executors stream from."""
+        store = self.store
+        if store.spec.hosts > 1:
+            lo, hi = store.spec.owned(unit)
+            store.torch_tile("params", unit).copy_(tile[lo:hi])
+            store.resident_tile(unit).copy_(tile)  # torch's cast, as refresh_resident's
+        elif store.spec.resident:
+            store.refresh_resident(unit)
+
+    def params_slice(self, unit: int) -> torch.Tensor:
+        """A copy of this host's slice of the unit's fp32 master weights (a run over several hosts exports its
+        weights unit by unit, gathered from every host's slice)."""
+        return torch.from_numpy(self.store.tile("params", unit).copy())
 
     def _check_going(self) -> None:
         """A fill stops at the next unit (a resume: plane) once the run is shut down (it runs beside the

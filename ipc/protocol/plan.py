@@ -327,6 +327,8 @@ def plan_store(
     clip: bool = True,
     last_block_layers: int = 0,
     executors: int = 1,
+    hosts: int = 1,
+    host: int = 0,
 ) -> StoreSpec:
     """The store of ipc.staging as asked, or for 'auto' by staging_by_rule. Where the memory decides ('auto'
     on CUDA without clipping) the memory plan has decided it before (megatrain/memory/plan.py staging_mode):
@@ -345,9 +347,11 @@ def plan_store(
             clip,
             last_block_layers,
             num_executors=executors,
+            hosts=hosts,
+            host=host,
         )
 
-    mode = staging_by_rule(ipc.staging, cuda, clip, executors)
+    mode = staging_by_rule(ipc.staging, cuda, clip, executors, hosts)
     if mode is None:
         raise ProtocolError(
             "ipc.staging 'auto' without clipping on CUDA is decided by the memory plan on the store's node "

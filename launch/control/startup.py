@@ -131,7 +131,7 @@ def spawn_actors(crew: Crew, cfg: Config, reading: Background, phases: Phases) -
     crew.roster = roster
     for host in range(hosts):
         for role in roster.workers:
-            _spawn(crew, role, actor_args(role, cfg, family, engine), host)
+            _spawn(crew, role, actor_args(role, cfg, family, engine, host * n), host)
     phases.close("placement, actors spawned")
     return Spawned(cuda=cuda, executors=n, hosts=hosts, engine=engine, roster=roster)
 
@@ -145,10 +145,11 @@ def _spawn(crew: Crew, role: RoleSpec, args: tuple, host: int = 0) -> None:
     crew.spawn(on_host(role.name, host), ACTORS[role.kind], args, Demand(role.cpus, role.gpus))
 
 
-def actor_args(role: RoleSpec, cfg: Config, family: str, engine: EngineConfig) -> tuple:
-    """A worker's constructor arguments (each class's own)."""
+def actor_args(role: RoleSpec, cfg: Config, family: str, engine: EngineConfig, before: int = 0) -> tuple:
+    """A worker's constructor arguments (each class's own). `before`: the executors of the hosts before this
+    one's (in one process, as the in-process runner simulates hosts, each executor takes a GPU of its own)."""
     if role.kind is Kind.EXECUTOR:
-        return (engine, family, role.index)
+        return (engine, family, role.index, before + role.index if before else None)
     if role.kind in (Kind.PACKER, Kind.ACCUMULATOR):
         return (role.index,)
     if role.kind is Kind.ADAM:

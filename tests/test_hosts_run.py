@@ -1,0 +1,63 @@
+"""A run over several hosts (actors.num_hosts), each host its own store, Adam updater and executors, simulated
+in one process by the in-process runner: host h holds slice h of the fp32 master weights and Adam moments and
+the whole resident copy; the gradients are summed over every executor and split among the hosts, each host
+updates its slice, and the updated slices are gathered into every host's copy. Ten steps equal the plain HF
+model + torch.optim.AdamW on the whole batch, clipping by the global norm included, and the final weights are
+exported whole though no host holds them."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatrain.errors import ConfigError
+from megatrain.ipc.shm import host_run_id
+from megatrain.launch.cli.fidelity import compare
+from megatrain.launch.config.tree import load_config
+from tests.conftest import run_leftovers
+from tests.test_equivalence import check, tiny_config
+
+CASES = [
+    # family, tied, K, hosts, executors per host, extra
+    ("llama", False, 2, 2, 1, []),
+    ("qwen2", True, 1, 3, 1, ["engine.chunk_sequences=1"]),  # rows 2/1/1 over three hosts
+    ("mistral", False, 3, 2, 1, ["optim.max_grad_norm=0", "engine.last_block_layers=3"]),  # no clipping
+    ("llama", False, 2, 2, 2, []),  # two hosts of two executors: every executor one row
+]
+MOE_CASES = [("qwen3_moe", False, 1, 2, 1, []), ("mixtral", True, 2, 3, 1, [])]
+
+
+def _run(tmp_path, family: str, tied: bool, k: int, hosts: int, gpus: int, extra: list[str]) -> dict:
+    cfg = tiny_config(family, tied, k, tmp_path, extra=[f"actors.num_hosts={hosts}", f"actors.num_gpus={gpus}", *extra])
+    rep = compare(cfg, tmp_path)
+    check(rep, tied)
+    s = rep["summary"]
+    assert s["hosts"] == hosts and s["staging"] == "resident"
+    assert {f"store-owner@host{h}" for h in range(1, hosts)} <= set(s["pids"])
+    assert {f"adam-updater@host{h}" for h in range(1, hosts)} <= set(s["pids"])
+    row = s["metrics"][-1]
+    assert len(row["executor_compute_s"]) == hosts * gpus and row["tokens"] == 4 * 31
+    for h in range(1, hosts):
+        assert run_leftovers(host_run_id(s["run_id"], h)) == []
+    return rep
+
+
+@pytest.mark.parametrize("family,tied,k,hosts,gpus,extra", CASES, ids=[f"{c[0]}-{c[3]}x{c[4]}" for c in CASES])
+def test_hosts_match_one_model_on_the_whole_batch(tmp_path, family, tied, k, hosts, gpus, extra) -> None:
+    _run(tmp_path, family, tied, k, hosts, gpus, extra)
+
+
+@pytest.mark.parametrize("family,tied,k,hosts,gpus,extra", MOE_CASES, ids=[f"{c[0]}-{c[3]}x{c[4]}" for c in MOE_CASES])
+def test_hosts_match_one_moe_model_with_the_whole_batch_s_routing(
+    tmp_path, family, tied, k, hosts, gpus, extra
+) -> None:
+    """The router statistics (the load-balancing loss) are summed over every executor of every host."""
+    _run(tmp_path, family, tied, k, hosts, gpus, extra)
+
+
+def test_what_several_hosts_cannot_run_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"actors\.num_hosts must be auto or >= 1"):
+        load_config(None, ["actors.num_hosts=0"])
+    with pytest.raises(ConfigError, match=r"data\.batch_size.: 4 is split by rows over .*actors\.num_hosts 3 hosts"):
+        load_config(None, ["actors.num_hosts=3", "actors.num_gpus=2", "data.batch_size=4"])
+    with pytest.raises(ConfigError, match=r"ipc\.staging.*no host of actors\.num_hosts 2 holds"):
+        load_config(None, ["actors.num_hosts=2", "ipc.staging=slabs"])
