@@ -14,6 +14,9 @@ So the writer never sees a piece half-updated or one update too far, and Adam fo
 step N+1's forward and backward run meanwhile, and only its updates wait, each for one piece.
   4. the files written and fsync'ed, the driver waits until step N's metrics row is on disk too, then
      calls publish(N): manifest, rename, `latest`. So a checkpoint never runs ahead of metrics.jsonl.
+Over several hosts each host's writer writes its slices, the part of the checkpoint that is its host's
+(megatrain/checkpoint.py); publish(N) on every host's writer makes each part whole, and then publish_hosts(N)
+on any one of them makes the step's directory the checkpoint.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class CheckpointWriter(Role):
         super().__init__(WRITER)
         self.threads = max(threads, 1)
         self.staged: dict[int, tuple[Path, Path, dict]] = {}  # step -> (temporary dir, final dir, manifest)
+        self.roots: dict[int, Path] = {}  # step -> its root, over several hosts until publish_hosts
 
     def attach(self, spec: StoreSpec) -> None:
         self.apply_threads(spec)
@@ -59,9 +63,9 @@ class CheckpointWriter(Role):
         t0 = time.perf_counter()
         base = Path(root)
         base.mkdir(parents=True, exist_ok=True)
-        ckpt.remove_torn(base)
-        tmp = base / f"step-{step:07d}.tmp-{os.getpid()}"
-        nbytes = self.store.spec.layout.total * 4
+        tmp, final = self._where_to(base, step)
+        spec = self.store.spec
+        nbytes = (spec.layout.total if spec.hosts == 1 else spec.plane_elems) * 4
         try:
             if free_bytes(base) < nbytes * len(ckpt.PLANES):  # refused before a byte is written
                 raise OSError(errno.ENOSPC, "not enough free space for the checkpoint")
@@ -72,7 +76,6 @@ class CheckpointWriter(Role):
             if is_disk_full(exc):
                 raise self._no_room(base, step, f"the checkpoint of step {step}", nbytes * len(ckpt.PLANES)) from None
             raise
-        spec = self.store.spec
         manifest = {
             "format": ckpt.FORMAT,
             "step": step,
@@ -84,7 +87,10 @@ class CheckpointWriter(Role):
             "written_at": time.time(),
             **meta,
         }
-        self.staged[step] = (tmp, ckpt.step_dir(base, step), manifest)
+        if spec.hosts > 1:
+            manifest.update(hosts=spec.hosts, host=spec.host, plane_elems=spec.plane_elems, units=self._slices())
+            self.roots[step] = base
+        self.staged[step] = (tmp, final, manifest)
         return Written(
             path=str(ckpt.step_dir(base, step)),
             bytes=nbytes * len(ckpt.PLANES),
@@ -92,6 +98,29 @@ class CheckpointWriter(Role):
             waited_for_adam_s=waited,
             direct_io=direct,
         )
+
+    def _where_to(self, base: Path, step: int) -> tuple[Path, Path]:
+        """The temporary and the final directory of this writer's files of `step`, what an interrupted save
+        left removed. One host: the step's own. Several: the host's part, inside the directory every host's
+        writer writes its part into at once (only this host's leftovers in it are this writer's to remove)."""
+        spec = self.store.spec
+        if spec.hosts == 1:
+            ckpt.remove_torn(base)
+            return base / f"step-{step:07d}.tmp-{os.getpid()}", ckpt.step_dir(base, step)
+        shared = ckpt.hosts_tmp(base, step)
+        ckpt.remove_torn(base, keep=shared)  # one checkpoint is written at a time: any other is torn
+        shared.mkdir(exist_ok=True)
+        part = ckpt.part_name(spec.host)
+        ckpt.remove_torn(shared, pattern=f"{part}.tmp-*")
+        return shared / f"{part}.tmp-{os.getpid()}", shared / part
+
+    def _slices(self) -> list[dict]:
+        """The manifest's units with, per unit, this host's slice [lo, hi) of it and where it starts in the files."""
+        spec = self.store.spec
+        return [
+            {**u, "slice": list(spec.owned(i)), "slice_offset": spec.slice_offsets[i]}
+            for i, u in enumerate(ckpt.unit_table(spec.layout))
+        ]
 
     def _write_files(self, step: int, tmp: Path, nbytes: int) -> tuple[dict[str, list], float, bool]:
         """The planes' files in `tmp`, fsync'ed: their segments, the wait for Adam, whether all were direct I/O.
@@ -129,14 +158,31 @@ class CheckpointWriter(Role):
     def publish(self, step: int) -> str:
         """Make the written state of `step` a checkpoint: its manifest, the rename, then `latest`. The
         driver calls it once the metrics of every step up to `step` are on disk, so that a run resumed
-        from it never lacks a step's metrics."""
+        from it never lacks a step's metrics. Over several hosts, this host's part of it (its manifest, the
+        rename): the checkpoint is made by publish_hosts once every host's part is."""
         tmp, final, manifest = self.staged.pop(step)
         try:
-            ckpt.publish(tmp, final, manifest)
+            if self.store.spec.hosts == 1:
+                ckpt.publish(tmp, final, manifest)
+            else:
+                ckpt.seal(tmp, final, manifest)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed: then only `latest` was not rewritten
             if is_disk_full(exc):
                 raise self._no_room(final.parent, step, f"the manifest of step {step}'s checkpoint", None) from None
+            raise
+        return str(final)
+
+    @guarded
+    def publish_hosts(self, step: int) -> str:
+        """A run over several hosts: make the checkpoint of `step` from every host's part, once each host's
+        writer has published its own (publish). Called on one writer; any host's will do."""
+        base = self.roots.pop(step)
+        try:
+            final = ckpt.publish_hosts(base, step, self.store.spec.hosts)
+        except BaseException as exc:
+            if is_disk_full(exc):
+                raise self._no_room(base, step, f"the manifest of step {step}'s checkpoint", None) from None
             raise
         return str(final)
 
@@ -163,16 +209,25 @@ class CheckpointWriter(Role):
     def _submit(self, pool: ThreadPoolExecutor, item: Item, files: dict[str, ckpt.PlaneFile]) -> list:
         """The piece's bytes in every plane, in chunks: elements [lo, hi) of its tile, with the tile's padding
         when it is the unit's last piece (so the chunks cover the whole file)."""
-        unit = self.store.spec.layout.units[item.unit]
-        numel = self.store.spec.layout.structure_of(item.unit).numel
-        hi = unit.tile if item.hi >= numel else item.hi
-        lo_b, hi_b = 4 * (unit.offset + item.lo), 4 * (unit.offset + hi)
+        lo_b, hi_b = self._bytes(item)
         out = []
         for part in ckpt.PLANES:
             raw = self.store.plane(part).view(np.uint8)
             for off, n in ckpt.chunks(lo_b, hi_b):
                 out.append((part, pool.submit(files[part].write, raw[off : off + n], off)))
         return out
+
+    def _bytes(self, item: Item) -> tuple[int, int]:
+        """Where the piece lies in the files, in bytes: one host's extends the unit's last piece over its
+        tile's padding; over several, a piece is at its place in the host's slice, and bytes no piece covers
+        (the slices' padding) are the files' zeros."""
+        spec = self.store.spec
+        if spec.hosts > 1:
+            start = spec.slice_offsets[item.unit] - spec.owned(item.unit)[0]
+            return 4 * (start + item.lo), 4 * (start + item.hi)
+        unit = spec.layout.units[item.unit]
+        hi = unit.tile if item.hi >= spec.layout.structure_of(item.unit).numel else item.hi
+        return 4 * (unit.offset + item.lo), 4 * (unit.offset + hi)
 
     def _retire(self, entry: tuple[Item, list[tuple[str, Future]]], step: int, segments: dict[str, list]) -> None:
         item, futures = entry

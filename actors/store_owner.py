@@ -29,7 +29,7 @@ from megatrain.export import export
 from megatrain.hostmem import fault_in
 from megatrain.ipc.procs import live, maps_path, running, spawn_detached, start_ticks
 from megatrain.ipc.protocol import Store, StoreSpec, checkpoint_host_bytes, plan_store
-from megatrain.ipc.protocol.checkpoints import restore_versions
+from megatrain.ipc.protocol.checkpoints import restore
 from megatrain.ipc.protocol.cpus import ThreadRequest, cpu_plan, node_cores
 from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
 from megatrain.ipc.protocol.messages import FillReport, HostMemory, StoreRequest
@@ -79,6 +79,7 @@ def run_shape(request: StoreRequest) -> RunShape:
         header_bytes=HEADER_BYTES,
         ctl_fixed=CTL_FIXED,
         ctl_piece_bytes=PIECE_BYTES,
+        hosts=request.hosts,
     )
 
 
@@ -390,23 +391,12 @@ class StoreOwner(Role):
 
     def _restore(self, directory: Path) -> int:
         """The state after the checkpoint's step: every plane read back (CRC-checked), the version counters
-        at that step (its updates are applied), the resident copy rewritten."""
+        at that step (its updates are applied), the resident copy rewritten. A checkpoint written on another
+        host count is sliced again for this one (ipc/protocol/checkpoints.py restore)."""
         manifest = ckpt.manifest_of(directory)
         if manifest is None:
             raise ConfigError(f"train.resume: {directory} is not a complete checkpoint")
-        for part in ckpt.PLANES:
-            self._check_going()
-            ckpt.read_plane(
-                directory / f"{part}.bin",
-                self.store.plane(part),
-                manifest["files"][f"{part}.bin"],
-                lambda off: ckpt.unit_at(self.store.spec.layout, off),
-            )
-        if self.store.spec.resident:
-            for u in range(self.store.spec.num_units):
-                self.store.refresh_resident(u)
-        restore_versions(self.store, int(manifest["step"]))  # after every write it covers
-        return sum(int(manifest["files"][f"{part}.bin"]["bytes"]) for part in ckpt.PLANES)
+        return restore(self.store, directory, manifest, self._check_going)
 
     @staticmethod
     def _end_stragglers(pids: list[int], segment: str) -> None:

@@ -11,10 +11,19 @@ any moment leaves either the previous state or a *.tmp-* directory, which nothin
 save removes; a directory without a valid manifest is never taken for a checkpoint. verify() reads a
 checkpoint whole against its checksums (a resume does, before anything starts); one found corrupt is renamed
 corrupt-step-NNNNNNN, which nothing here takes for a checkpoint either.
+
+A run over several hosts (actors.num_hosts) writes one part per host into the step directory: host-h/ holds
+host h's planes (its slice of every unit, at the offsets every host shares) and a manifest of its own that
+records the hosts, the host, and per unit its slice [lo, hi) and where the slice starts in the file. Each
+host's writer writes its part into step-NNNNNNN.tmp-hosts/host-h.tmp-PID and renames it to host-h
+(seal); once every host's part is there, publish_hosts writes the step's manifest, which lists every
+part's files with their checksums (so verify() and manifest_of() read it as they read one host's) and every
+host's slices, and renames the directory into place. One host's checkpoint has no parts: the layout above.
 """
 
 from __future__ import annotations
 
+import bisect
 import errno
 import fcntl
 import json
@@ -29,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from megatrain.errors import ConfigError
+from megatrain.errors import ConfigError, ProtocolError
 
 FORMAT = 2  # 2: per-file checksums per written segment (format 1, one CRC per file, is still read)
 PLANES = ("params", "exp_avg", "exp_avg_sq")
@@ -39,6 +48,22 @@ READERS = 4  # threads reading a checkpoint back (each reads and checks whole se
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:07d}"
+
+
+def hosts_tmp(root: Path, step: int) -> Path:
+    """Where the hosts' parts of the checkpoint of `step` are written until publish_hosts (a *.tmp-* name:
+    nothing takes it for a checkpoint, and remove_torn clears one an interrupted save left)."""
+    return root / f"step-{step:07d}.tmp-hosts"
+
+
+def part_name(host: int) -> str:
+    """The directory of host `host`'s part of a checkpoint over several hosts."""
+    return f"host-{host}"
+
+
+def file_name(hosts: int, host: int, plane: str) -> str:
+    """A plane's file in a checkpoint's manifest: the step directory's own on one host, its part's over several."""
+    return f"{plane}.bin" if hosts == 1 else f"{part_name(host)}/{plane}.bin"
 
 
 class PlaneFile:
@@ -120,16 +145,54 @@ def read_plane(path: Path, out: np.ndarray, expect: dict, where: Callable[[int],
         have = zlib.crc32(raw[off : off + n])
         if got == n and have == crc:
             return None
-        what = f" ({where(off)})" if where else ""
-        return (
-            f"train.resume: {path} is corrupt: bytes {off}-{off + n}{what} have CRC-32 {have:08x}, the manifest "
-            f"says {crc:08x}"
-        )
+        return "train.resume: " + corrupt(path, seg, have, where)
 
     with ThreadPoolExecutor(READERS) as pool:
         bad = [msg for msg in pool.map(read, segments) if msg]
     if bad:
         raise ConfigError(bad[0])
+
+
+def corrupt(path: Path, segment: list[int], have: int, where: Callable[[int], str] | None) -> str:
+    """What is wrong with a segment [offset, length, crc32] of a file whose bytes have CRC-32 `have`."""
+    off, n, crc = segment
+    what = f" ({where(off)})" if where else ""
+    return f"{path} is corrupt: bytes {off}-{off + n}{what} have CRC-32 {have:08x}, the manifest says {crc:08x}"
+
+
+def check_size(path: Path, expect: dict) -> None:
+    """A plane file of a checkpoint being read is there at its manifest's size (a ConfigError naming it if not)."""
+    size = path.stat().st_size if path.is_file() else -1
+    if size != expect["bytes"]:
+        raise ConfigError(f"train.resume: {path} has {size} bytes; its manifest says {expect['bytes']}")
+
+
+def read_range(path: Path, expect: dict, lo: int, hi: int, out: np.ndarray, where: Callable[[int], str]) -> int:
+    """Bytes [lo, hi) of a plane file into `out` (hi - lo bytes), each checksummed segment they touch read
+    whole and checked against its CRC-32 (a ConfigError naming the file and what the segment holds if not):
+    how a resume on another host count reads the elements of its slices. The bytes read are returned."""
+    segments = expect.get("segments")
+    if not segments:  # format 1: one checksum for the whole file, which only a whole read can check
+        raise ConfigError(
+            f"train.resume: {path} has one checksum for the whole file (an older checkpoint format): it resumes "
+            "only on the host count it was written on"
+        )
+    i, pos, nbytes = max(bisect.bisect_right([s[0] for s in segments], lo) - 1, 0), lo, 0
+    with open(path, "rb", buffering=0) as f:
+        while pos < hi:
+            seg = segments[i] if i < len(segments) else [hi, 0, 0]
+            if not seg[0] <= pos < seg[0] + seg[1]:
+                raise ConfigError(
+                    f"train.resume: {path}: bytes {pos}-{hi} ({where(pos)}) are in no segment of its manifest"
+                )
+            f.seek(seg[0])
+            buf = f.read(seg[1])
+            if len(buf) != seg[1] or zlib.crc32(buf) != seg[2]:
+                raise ConfigError("train.resume: " + corrupt(path, seg, zlib.crc32(buf), where))
+            end = min(hi, seg[0] + seg[1])
+            out[pos - lo : end - lo] = np.frombuffer(buf, np.uint8, end - pos, pos - seg[0])
+            pos, i, nbytes = end, i + 1, nbytes + seg[1]
+    return nbytes
 
 
 def verify(directory: Path, where: Callable[[int], str] | None = None) -> str:
@@ -153,7 +216,10 @@ def verify_file(
     manifest = manifest or manifest_of(directory)
     if manifest is None or name not in manifest["files"]:
         return f"{directory} is not a complete checkpoint (no valid manifest.json listing {name})"
-    return _verify_file(directory / name, manifest["files"][name], where)
+    entry = manifest["files"][name]
+    if "host" in entry:  # a host's part: its offsets are of that host's slices, not of the whole units
+        where = part_where(manifest, int(entry["host"]))
+    return _verify_file(directory / name, entry, where)
 
 
 VERIFY_BUFFER = 8 * 2**20
@@ -182,8 +248,7 @@ def _verify_file(path: Path, expect: dict, where: Callable[[int], str] | None) -
                 done += k
         if done == n and have == crc:
             return ""
-        what = f" ({where(off)})" if where else ""
-        return f"{path} is corrupt: bytes {off}-{off + n}{what} have CRC-32 {have:08x}, the manifest says {crc:08x}"
+        return corrupt(path, seg, have, where)
 
     with ThreadPoolExecutor(READERS) as pool:
         return next((msg for msg in pool.map(check, segments) if msg), "")
@@ -209,8 +274,8 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def publish(tmp: Path, final: Path, manifest: dict) -> None:
-    """Finish a checkpoint written into `tmp`: the manifest, fsyncs, the rename, then `latest`."""
+def seal(tmp: Path, final: Path, manifest: dict) -> None:
+    """A directory written into `tmp` made `final`: its manifest, fsyncs, the rename, the parent fsync'ed."""
     (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
     with open(tmp / "manifest.json", "rb") as f:
         os.fsync(f.fileno())
@@ -219,16 +284,56 @@ def publish(tmp: Path, final: Path, manifest: dict) -> None:
         shutil.rmtree(final)
     os.rename(tmp, final)
     fsync_dir(final.parent)
+
+
+def publish(tmp: Path, final: Path, manifest: dict) -> None:
+    """Finish a checkpoint written into `tmp`: the manifest, fsyncs, the rename, then `latest`."""
+    seal(tmp, final, manifest)
     pointer = final.parent / f".latest.tmp-{os.getpid()}"
     pointer.write_text(final.name + "\n")
     os.rename(pointer, final.parent / "latest")
     fsync_dir(final.parent)
 
 
-def remove_torn(root: Path) -> list[str]:
-    """Remove what interrupted saves left (*.tmp-* entries)."""
+def publish_hosts(root: Path, step: int, hosts: int) -> Path:
+    """Make the hosts' parts of the checkpoint of `step` (each published by its host's writer into
+    hosts_tmp(root, step)) the checkpoint: the step's manifest from theirs, then as publish(). A part missing,
+    or one of another step, host count or model, is refused: the checkpoint would not be the run's state."""
+    tmp = hosts_tmp(root, step)
+    parts = [manifest_of(tmp / part_name(h)) for h in range(hosts)]
+    for h, m in enumerate(parts):
+        have = (m or {}).get("step"), (m or {}).get("hosts"), (m or {}).get("host"), (m or {}).get("layout_hash")
+        if m is None or have != (step, hosts, h, parts[0]["layout_hash"]):  # part 0 is checked first
+            raise ProtocolError(
+                f"the checkpoint of step {step} over {hosts} hosts: {tmp / part_name(h)} is not host {h}'s part "
+                "of it (missing, incomplete, or of another step, host count or model)"
+            )
+    final = step_dir(root, step)
+    publish(tmp, final, hosts_manifest(parts))
+    return final
+
+
+def hosts_manifest(parts: list[dict]) -> dict:
+    """The manifest of a checkpoint over several hosts, from its parts' (host order): every part's files under
+    the part's directory, each with its host; the units as one host's manifest lists them; per host, per unit,
+    its slice [lo, hi) and the element where it starts in that host's files."""
+    first = {k: v for k, v in parts[0].items() if k not in ("host", "plane_elems", "files", "units")}
+    files = {
+        f"{part_name(h)}/{name}": {**entry, "host": h}
+        for h, m in enumerate(parts)
+        for name, entry in m["files"].items()
+    }
+    units = [{k: v for k, v in u.items() if k not in ("slice", "slice_offset")} for u in parts[0]["units"]]
+    slices = [[[*u["slice"], u["slice_offset"]] for u in m["units"]] for m in parts]
+    return {**first, "files": files, "units": units, "slices": slices}
+
+
+def remove_torn(root: Path, pattern: str = "*.tmp-*", keep: Path | None = None) -> list[str]:
+    """Remove what interrupted saves left (`pattern`'s entries: *.tmp-*), all but `keep`."""
     gone = []
-    for p in root.glob("*.tmp-*") if root.is_dir() else []:
+    for p in root.glob(pattern) if root.is_dir() else []:
+        if p == keep:
+            continue
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         gone.append(p.name)
     return gone
@@ -303,6 +408,20 @@ def unit_at(layout: Any, byte_offset: int) -> str:
             name = layout.hf_name(u.index, inside[-1].name) if inside else "?"
             return f"unit {u.index}, from tensor '{name}'"
     return "past the last unit"
+
+
+def part_where(manifest: dict, host: int) -> Callable[[int], str]:
+    """unit_at for host `host`'s files of a checkpoint over several hosts, from its manifest alone."""
+
+    def where(byte_offset: int) -> str:
+        elem = byte_offset // 4
+        for unit, (lo, hi, start) in zip(manifest["units"], manifest["slices"][host], strict=True):
+            if start <= elem < start + hi - lo:
+                inside = [(o, n) for n, (_, o) in unit["tensors"].items() if o <= elem - start + lo]
+                return f"unit {unit['unit']}, from tensor '{max(inside)[1] if inside else '?'}'"
+        return "past the last unit's slice"
+
+    return where
 
 
 def unit_table(layout: Any) -> list[dict]:
