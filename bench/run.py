@@ -37,6 +37,7 @@ variant's error.log).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -53,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.auto import most_batch, most_layers  # noqa: E402
+from bench.hosts import host_overrides, simulated_hosts  # noqa: E402
 from bench.official.checkout import MissingCheckout, official_src  # noqa: E402
 from bench.peers import PEERS  # noqa: E402
 from bench.presets import ABLATIONS, MODELS  # noqa: E402
@@ -70,15 +72,20 @@ from megatrain.launch.run.driver import Trainer  # noqa: E402
 from megatrain.model import resolve_hf_config  # noqa: E402
 
 
-def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str], gpus: int | None = None) -> dict:
+def megatrain_variant(
+    args: argparse.Namespace, name: str, extra: list[str], gpus: int | None = None, hosts: int = 1
+) -> dict:
+    """One MegaTrain row on `gpus` GPUs in all (default --gpus); over `hosts` simulated hosts of --gpus each."""
     out, gpus = Path(args.out) / name, gpus or args.gpus
     trainer = None
     try:
         # The first row's start-up counts from this process's start, as the launcher's does from its own: the
         # imports of the product (and of this bench, a little more) come first.
         launched = (started_at(os.getpid()) or None) if name == "default" else None
-        trainer = Trainer(load_config(None, overrides(args, out, extra, gpus)), launched=launched)
-        summary = trainer.run()
+        with simulated_hosts(hosts, args.gpus) if hosts > 1 else contextlib.nullcontext() as address:
+            where = host_overrides(hosts, args.gpus, address) if hosts > 1 else []
+            trainer = Trainer(load_config(None, overrides(args, out, [*extra, *where], gpus)), launched=launched)
+            summary = trainer.run()
     except Exception as exc:  # the run has released its processes and shared memory
         raise Failed.of(exc, f"MegaTrain ({name})", getattr(trainer, "log_dir", None)) from exc
     rows = summary["metrics"][args.warmup :]
@@ -99,6 +106,9 @@ def megatrain_variant(args: argparse.Namespace, name: str, extra: list[str], gpu
         "active_params": summary["active_params"],
         "host_bytes_per_param": (summary["store_bytes"] + summary["executor_host_bytes"]) / summary["num_params"],
         "process_pss_bytes_per_param": summary["process_pss_bytes"] / summary["num_params"],
+        # over several hosts, each host's store and processes (host 0's is the column's)
+        "host_pss_bytes_per_param": [b / summary["num_params"] for b in summary.get("host_pss_bytes", [])],
+        "hosts": summary.get("hosts", 1),
         "pss_own_by_role": summary["pss_own_by_role"],
         "store_bytes": summary["store_bytes"],
         "gpu_peak_bytes": max(r.get("gpu_peak_bytes", 0) for r in rows),
@@ -197,6 +207,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "the same cap on every peer",
     )
     p.add_argument("--gpus", type=int, default=1, help="GPUs (actors.num_gpus; the peers' world size)")
+    p.add_argument(
+        "--hosts",
+        type=int,
+        default=1,
+        help="a run over this many hosts of --gpus GPUs each, simulated on this machine (bench/hosts.py), beside "
+        "one host of all their GPUs",
+    )
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--steps", type=int, default=12, help="steps per system (at least 10 steady ones)")
     p.add_argument("--warmup", type=int, default=2, help="first steps left out of the steady statistics")
@@ -252,6 +269,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--layers: at least 1, or auto")
     if args.layers == "auto" and args.batch == "auto":
         p.error("--layers auto and --batch auto: one at a time (the deepest model at a batch, or a model's most batch)")
+    if args.hosts < 1:
+        p.error("--hosts: at least 1")
+    if args.hosts > 1 and (args.peers or args.suite):
+        p.error("--hosts: the row over hosts is measured beside one host of as many GPUs: --peers '' and no --suite")
     if args.gpus > 1 and {"plain", "fsdp2", "official"} & set(args.peers.split(",")):
         p.error("--gpus > 1: only --peers deepspeed runs on several GPUs")
     for flag, names, known in (("--peers", args.peers, PEERS), ("--ablations", args.ablations, ABLATIONS)):
@@ -287,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
     args.tokens = args.tokens or default_tokens(args.hf)
     if args.tokens == "random":  # every batch a run reads, MegaTrain's (g x --batch a step) and the peers'
         steps = max(args.steps, args.peer_steps or 0)
-        whole = DataConfig(seq_len=args.seq, batch_size=args.batch * args.gpus)
+        whole = DataConfig(seq_len=args.seq, batch_size=args.batch * args.gpus * args.hosts)
         args.data = random_tokens(int(args.hf["vocab_size"]), whole, steps, Path(args.out))
     if args.routing == "uniform" and not any(k in args.hf for k in ("num_experts", "num_local_experts")):
         raise Failed(f"--routing uniform: --model {args.model} has no routers", 2)
@@ -297,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
     # before anything is measured: a missing checkout is the user's to fix, not a row's error 20 minutes in
     src = official_src(args.official_src) if "official" in peers else None
     _, hf = resolve_hf_config(load_config(None, overrides(args, Path(args.out), args.extra)).model)
-    whole = getattr(args, "data", None) or DataConfig(seq_len=args.seq, batch_size=args.batch * args.gpus)
+    whole = getattr(args, "data", None) or DataConfig(seq_len=args.seq, batch_size=args.batch * args.gpus * args.hosts)
     data = dataclasses.replace(whole, batch_size=args.batch)  # per GPU
     if args.routing == "uniform":
         from bench.routing import uniform_model
@@ -311,13 +332,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def measure(args: argparse.Namespace, hf, data, peers: list[str], src: Path | None) -> int:
-    variants = [("default", args.extra, None)]
-    if args.gpus > 1:  # the scaling's baseline: one executor, one GPU's share of the batch
-        variants.append(("one GPU", args.extra, 1))
-    variants += [(a, ABLATIONS[a], None) for a in filter(None, args.ablations.split(","))]
+    variants = [("default", args.extra, None, 1)]
+    if args.hosts > 1:  # the baseline: one host of every GPU the hosts have, the same batch in all
+        variants = [("default", args.extra, args.gpus * args.hosts, args.hosts)]
+        variants.append(("one host", args.extra, args.gpus * args.hosts, 1))
+    elif args.gpus > 1:  # the scaling's baseline: one executor, one GPU's share of the batch
+        variants.append(("one GPU", args.extra, 1, 1))
+    variants += [(a, ABLATIONS[a], None, 1) for a in filter(None, args.ablations.split(","))]
     results: list[dict] = []
-    for name, extra, gpus in variants:  # each row saved as it ends: a later row's failure keeps the earlier ones
-        results.append(megatrain_variant(args, name, extra, gpus))
+    for name, extra, gpus, hosts in variants:  # each row saved as it ends: a later row's failure keeps the others
+        results.append(megatrain_variant(args, name, extra, gpus, hosts))
         (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
     for peer in [None, *peers]:
         if peer is not None:
@@ -335,7 +359,8 @@ def measure(args: argparse.Namespace, hf, data, peers: list[str], src: Path | No
     given = ", ".join(f"{KNOBS[f]}={getattr(args, f)}" for f in KNOBS if getattr(args, f) is not None)
     head = (
         f"\n### {args.layers} layers ({MODELS[args.model][2]}), {args.batch}x{args.seq} tokens/step"
-        + (f" per GPU, {args.gpus} GPUs" if args.gpus > 1 else "")
+        + (f" per GPU, {args.gpus} GPUs" if args.gpus > 1 and args.hosts == 1 else "")
+        + (f" per GPU, {args.hosts} hosts of {args.gpus} GPU(s)" if args.hosts > 1 else "")
         + f"{f' ({given})' if given else ', product defaults'}"
         + (f", GPU memory budget {args.gpu_gib:g} GiB per GPU (every row)" if args.gpu_gib is not None else "")
         + (f", routing {args.routing}" if MODELS[args.model][1].get("num_experts_per_tok") else "")
@@ -347,6 +372,10 @@ def measure(args: argparse.Namespace, hf, data, peers: list[str], src: Path | No
     )
     if "expert_load" in results[0]:
         head += f"Last step's routing (MegaTrain): {routing(results[0]['expert_load'])}\n\n"
+    if results[0].get("host_pss_bytes_per_param"):  # each host's store and processes, against its plan
+        each = ", ".join(f"host {h} {b:.2f}" for h, b in enumerate(results[0]["host_pss_bytes_per_param"]))
+        head += f"Host PSS per parameter over {results[0]['hosts']} hosts: {each} (planned per host: "
+        head += f"{results[0]['host_bytes_per_param']:.2f})\n\n"
     (Path(args.out) / "results.md").write_text(head + md + "\n")
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
     print(head + md)
