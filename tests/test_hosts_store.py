@@ -6,7 +6,9 @@ a run id per host, every store unlinked on every path."""
 
 from __future__ import annotations
 
+import json
 import secrets
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -19,7 +21,7 @@ from megatrain import checkpoint as ckpt
 from megatrain.actors.checkpoint_writer import CheckpointWriter
 from megatrain.actors.store_owner import StoreOwner
 from megatrain.engine import EngineConfig
-from megatrain.errors import ConfigError
+from megatrain.errors import ConfigError, ProtocolError
 from megatrain.ipc.protocol import IpcConfig, Store
 from megatrain.ipc.protocol.messages import StoreRequest, WriteRequest
 from megatrain.ipc.shm import host_run_id
@@ -189,3 +191,22 @@ def test_a_corrupt_byte_in_one_host_s_file_is_refused_naming_the_file(tmp_path: 
     for hosts in (2, 3):  # read whole by its own host; read in slices by three
         with pytest.raises(ConfigError, match=f"train.resume: {bad} is corrupt"), owners(hosts, resume=directory):
             pass
+
+
+def test_a_checkpoint_lacking_a_host_s_part_is_not_made(tmp_path: Path) -> None:
+    """publish_hosts makes the step's directory only of every host's part of that step: with host 1's missing
+    it is refused naming it, and `latest` still names the checkpoint before."""
+    root = tmp_path / "checkpoints"
+    with owners(2) as two:
+        moments(stores(two))
+        directory = save(stores(two), root)
+    torn = ckpt.hosts_tmp(root, STEP + 1)
+    torn.mkdir()
+    shutil.copytree(directory / "host-0", torn / "host-0")  # of step STEP: not the part of STEP + 1
+    with pytest.raises(ProtocolError, match=r"host-0 is not host 0's part"):
+        ckpt.publish_hosts(root, STEP + 1, 2)
+    manifest = torn / "host-0" / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "step": STEP + 1}))  # now it is
+    with pytest.raises(ProtocolError, match=r"host-1 is not host 1's part"):
+        ckpt.publish_hosts(root, STEP + 1, 2)
+    assert ckpt.latest(root) == directory and not ckpt.step_dir(root, STEP + 1).exists()
