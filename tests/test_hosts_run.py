@@ -7,14 +7,21 @@ exported whole though no host holds them."""
 
 from __future__ import annotations
 
-import pytest
+import json
+from pathlib import Path
 
+import pytest
+import torch
+
+from megatrain import checkpoint as ckpt
 from megatrain.errors import ConfigError
 from megatrain.ipc.shm import host_run_id
 from megatrain.launch.cli.fidelity import compare
 from megatrain.launch.config.tree import load_config
+from megatrain.launch.run.driver import Trainer
 from tests.conftest import run_leftovers
 from tests.test_equivalence import check, tiny_config
+from tests.test_executors import _weights
 
 CASES = [
     # family, tied, K, hosts, executors per host, extra
@@ -61,3 +68,26 @@ def test_what_several_hosts_cannot_run_is_refused_by_name() -> None:
         load_config(None, ["actors.num_hosts=3", "actors.num_gpus=2", "data.batch_size=4"])
     with pytest.raises(ConfigError, match=r"ipc\.staging.*no host of actors\.num_hosts 2 holds"):
         load_config(None, ["actors.num_hosts=2", "ipc.staging=slabs"])
+
+
+@pytest.mark.parametrize("then", [1, 3])
+def test_a_two_host_checkpoint_resumes_on_another_host_count(tmp_path, capsys, then: int) -> None:
+    """Each host writes its part of the checkpoint (its slices); a resume on one host or on three re-slices it
+    exactly: 6 steps on 2 hosts, or 3 on 2 and then 3 more on `then` hosts, end with the same weights."""
+
+    def run(out: str, hosts: int, *extra: str) -> Path:
+        over = [f"actors.num_hosts={hosts}", f"train.output_dir={tmp_path}/{out}", "train.save_final=true", *extra]
+        Trainer(tiny_config("llama", False, 2, tmp_path, steps=6, extra=over)).run()
+        return tmp_path / out
+
+    whole = _weights(run("whole", 2))
+    part = run("part", 2, "train.save_every=3", "train.steps=3")
+    assert sorted(p.name for p in (ckpt.step_dir(part / "checkpoints", 3)).iterdir() if p.is_dir()) == [
+        "host-0",
+        "host-1",
+    ]
+    resumed = _weights(run("part", then, "train.resume=auto", "train.overwrite=true"))
+    rows = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    for name, w in whole.items():
+        assert torch.allclose(resumed[name], w, rtol=1e-5, atol=1e-7), name

@@ -21,7 +21,7 @@ from megatrain.launch.config.train import TrainConfig
 from megatrain.launch.control.crew import Crew
 from megatrain.launch.control.placement import Demand
 from megatrain.launch.control.runners import Pending
-from megatrain.roster import WRITER
+from megatrain.roster import WRITER, on_host
 
 
 class Checkpointer:
@@ -65,7 +65,8 @@ class Checkpointer:
 
 
 class Saves:
-    """`recorded()`: the last step whose metrics row is written; `sync()`: puts metrics.jsonl on disk."""
+    """`recorded()`: the last step whose metrics row is written; `sync()`: puts metrics.jsonl on disk. Over
+    several hosts every host's writer writes its part of each checkpoint, and one of them makes it whole."""
 
     def __init__(
         self,
@@ -78,14 +79,22 @@ class Saves:
     ):
         self.crew, self.checkpointer, self.meta, self.timeout_s = crew, checkpointer, meta, timeout_s
         self.recorded, self.sync = recorded, sync
-        self.pending: Pending[Written] | None = None  # the checkpoint being written
-        self.staged: Written | None = None  # written but not yet published
+        self.pending: dict[str, Pending[Written]] = {}  # each host's writer's part being written
+        self.parts: dict[str, Written] = {}  # the parts written so far
+        self.staged: Written | None = None  # written whole (every part) but not yet published
 
-    def ensure_writer(self, threads: int, spec: StoreSpec) -> None:
-        """The writer, started on demand (a graceful stop in a run that asked for no periodic saves)."""
-        if WRITER not in self.crew.actors:
-            self.crew.spawn(WRITER, CheckpointWriter, (threads,), Demand(0.0, 0.0))
-            self.crew.call_one(WRITER, CheckpointWriter.attach, spec)
+    @property
+    def writers(self) -> list[str]:
+        """Every host's writer, host 0's first."""
+        return [on_host(WRITER, h) for h in range(self.crew.hosts)]
+
+    def ensure_writer(self, threads: int, specs: list[StoreSpec]) -> None:
+        """The writers, started on demand (a graceful stop in a run that asked for no periodic saves): each
+        host's attached to its store (`specs`, host by host)."""
+        for name, spec in zip(self.writers, specs, strict=True):
+            if name not in self.crew.actors:
+                self.crew.spawn(name, CheckpointWriter, (threads,), Demand(0.0, 0.0))
+                self.crew.call_one(name, CheckpointWriter.attach, spec)
 
     def start(self, step: int, epoch: int, seed: int) -> None:
         """Launch the write of the state after `step`. The writer takes each piece once Adam's update of
@@ -99,16 +108,20 @@ class Saves:
         }
         self.checkpointer.started(step)
         request = WriteRequest(step=step, root=str(self.checkpointer.root.resolve()), meta=meta)
-        self.pending = self.crew.call(WRITER, CheckpointWriter.write, request)
+        self.pending = {n: self.crew.call(n, CheckpointWriter.write, request) for n in self.writers}
 
     def writing(self) -> dict[str, Pending]:
         """The write in flight, for a wait that watches it without waiting for it."""
-        return {WRITER: self.pending} if self.pending is not None else {}
+        return dict(self.pending)
 
     def taken(self, res: dict) -> None:
-        """Take the writer's answer if a wait got it, and publish it when its step's row is on disk."""
-        if WRITER in res:
-            self.pending, self.staged = None, res[WRITER]
+        """Take the writers' answers a wait got, and publish the checkpoint when every part is written and its
+        step's row is on disk."""
+        for name in [n for n in self.pending if n in res]:
+            self.pending.pop(name)
+            self.parts[name] = res[name]
+        if self.parts and not self.pending:
+            self.staged, self.parts = _whole([self.parts[n] for n in self.writers]), {}
             self.publish_ready()
 
     def publish_ready(self) -> None:
@@ -119,12 +132,29 @@ class Saves:
             return
         self.sync()
         res, self.staged = self.staged, None
-        self.crew.call_one(WRITER, CheckpointWriter.publish, step)
+        for name in self.writers:  # each host's part
+            self.crew.call_one(name, CheckpointWriter.publish, step)
+        if len(self.writers) > 1:  # the step's directory made the checkpoint from every part
+            path = self.crew.call_one(self.writers[0], CheckpointWriter.publish_hosts, step)
+            res = dataclasses.replace(res, path=path)
         self.checkpointer.finished(dataclasses.asdict(res))
 
     def wait(self) -> None:
         """Wait for the checkpoint being written, if any, and publish it (every caller has recorded the
         metrics of its step)."""
-        if self.pending is not None:
+        if self.pending:
             step = self.checkpointer.writing
             self.taken(self.crew.gather(self.writing(), self.timeout_s, f"the checkpoint after step {step}"))
+
+
+def _whole(parts: list[Written]) -> Written:
+    """Every host's part of a checkpoint as one: the bytes of all, the slowest part's time."""
+    if len(parts) == 1:
+        return parts[0]
+    return dataclasses.replace(
+        parts[0],
+        bytes=sum(p.bytes for p in parts),
+        seconds=max(p.seconds for p in parts),
+        waited_for_adam_s=max(p.waited_for_adam_s for p in parts),
+        direct_io=all(p.direct_io for p in parts),
+    )

@@ -105,6 +105,7 @@ class Trainer:
                     crew=self.crew,
                     data=self.data,
                     spec=self.spec,
+                    specs=self.specs,
                     cuda=self.engine_cfg.device == "cuda",
                     out=self.out,
                     start=self.start,

@@ -40,6 +40,7 @@ class PreparedRun:
     crew: Crew
     data: Data
     spec: StoreSpec
+    specs: list[StoreSpec]  # every host's store (host 0's is `spec`)
     cuda: bool  # the executor's device
     out: Path
     start: int  # the first step to run (a resumed run's checkpoint step)
@@ -143,7 +144,7 @@ class StepLoop:
         self.saves.wait()
         if not self.cfg.train.save_on_signal or step == self.run.start or step == self.run.checkpointer.written:
             return
-        self.saves.ensure_writer(self.cfg.actors.writer_threads, self.run.spec)
+        self.saves.ensure_writer(self.cfg.actors.writer_threads, self.run.specs)
         self.saves.start(step, self.metrics[-1]["epoch"], self.cfg.data.seed)
         self.saves.wait()
 
