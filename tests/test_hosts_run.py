@@ -91,3 +91,26 @@ def test_a_two_host_checkpoint_resumes_on_another_host_count(tmp_path, capsys, t
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     for name, w in whole.items():
         assert torch.allclose(resumed[name], w, rtol=1e-5, atol=1e-7), name
+
+
+def test_a_two_host_checkpoint_exports_whole_and_a_corrupt_part_is_refused(tmp_path, capsys) -> None:
+    """`megatrain-launch export` puts each unit together from every host's part: the weights equal the run's own
+    final export; a byte changed in host 1's file is refused by name before anything is written."""
+    from megatrain.launch.cli.main import main
+
+    over = ["actors.num_hosts=2", "train.save_every=3", "train.save_final=true"]
+    run_dir = Path(Trainer(tiny_config("llama", False, 2, tmp_path, steps=3, extra=over)).run()["output_dir"])
+    step = ckpt.step_dir(run_dir / "checkpoints", 3)
+    assert main(["export", str(step), str(tmp_path / "hf" / "final")]) == 0
+    final = _weights(run_dir)
+    exported = _weights(tmp_path / "hf")
+    assert exported.keys() == final.keys()
+    for name, w in final.items():
+        assert torch.equal(exported[name], w), name
+    data = bytearray((step / "host-1" / "params.bin").read_bytes())
+    data[100] ^= 0xFF
+    (step / "host-1" / "params.bin").write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["export", str(step), str(tmp_path / "hf2")]) == 2
+    assert "host-1/params.bin" in capsys.readouterr().err
+    assert not (tmp_path / "hf2").exists() or not any((tmp_path / "hf2").iterdir())

@@ -1,5 +1,6 @@
 """`megatrain-launch export CHECKPOINT_DIR|RUN_DIR OUT_DIR [--dtype bf16|fp32]`: a checkpoint's weights as
-an HF save_pretrained directory, streamed unit by unit from the memory-mapped checkpoint file."""
+an HF save_pretrained directory, streamed unit by unit from the memory-mapped checkpoint file (over several
+hosts, each unit put together from every host's part of it)."""
 
 from __future__ import annotations
 
@@ -47,15 +48,26 @@ def run(source: str, out: str, dtype: str = "fp32", shard_gb: float = 5.0) -> tu
     spec = build_spec(ModelConfig(family=manifest["family"], hf=hf), run_cfg.get("optim", {}).get("no_decay_1d", True))
     if spec.layout.digest().hex() != manifest["layout_hash"]:
         raise ConfigError(f"{src} does not match the model its manifest describes (layout hash)")
-    problem = ckpt.verify_file(src, "params.bin", lambda off: ckpt.unit_at(spec.layout, off))
-    if problem:  # the weights are what is exported: every byte of them is checked first
-        raise ConfigError(f"{problem}; export another checkpoint of the run (a step-N directory)")
-    params = np.memmap(src / "params.bin", dtype=np.float32, mode="r")  # pages are read as units are written
-    units = {u["unit"]: (u["offset"], u["numel"]) for u in manifest["units"]}
+    # Over several hosts each host's part holds its slice of every unit (its files, `slices`: lo, hi, offset).
+    hosts = int(manifest.get("hosts", 1))
+    if hosts == 1:
+        slices = [[(0, u["numel"], u["offset"]) for u in manifest["units"]]]
+    else:
+        slices = [[tuple(map(int, s)) for s in manifest["slices"][h]] for h in range(hosts)]
+    files = []
+    for h in range(hosts):
+        name = ckpt.file_name(hosts, h, "params")
+        problem = ckpt.verify_file(src, name, lambda off: ckpt.unit_at(spec.layout, off), manifest)
+        if problem:  # the weights are what is exported: every byte of them is checked first
+            raise ConfigError(f"{problem}; export another checkpoint of the run (a step-N directory)")
+        files.append(np.memmap(src / name, dtype=np.float32, mode="r"))  # pages are read as units are written
 
     def tile(u: int) -> torch.Tensor:
-        lo, n = units[u]
-        return torch.from_numpy(np.array(params[lo : lo + n]))
+        whole = np.empty(spec.layout.structure_of(u).numel, np.float32)
+        for params, part in zip(files, slices, strict=True):
+            lo, hi, at = part[u]
+            whole[lo:hi] = params[at : at + hi - lo]
+        return torch.from_numpy(whole)
 
     record = {"step": int(manifest["step"]), "checkpoint": str(src.resolve())}
     record["run_id"] = (run_cfg.get("train") or {}).get("run_id")
