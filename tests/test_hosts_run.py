@@ -19,7 +19,7 @@ from megatrain.ipc.shm import host_run_id
 from megatrain.launch.cli.fidelity import compare
 from megatrain.launch.config.tree import load_config
 from megatrain.launch.run.driver import Trainer
-from tests.conftest import run_leftovers
+from tests.conftest import ROOT, run_leftovers
 from tests.test_equivalence import check, tiny_config
 from tests.test_executors import _weights
 
@@ -114,3 +114,14 @@ def test_a_two_host_checkpoint_exports_whole_and_a_corrupt_part_is_refused(tmp_p
     assert main(["export", str(step), str(tmp_path / "hf2")]) == 2
     assert "host-1/params.bin" in capsys.readouterr().err
     assert not (tmp_path / "hf2").exists() or not any((tmp_path / "hf2").iterdir())
+
+
+def test_a_run_id_too_long_for_the_last_host_is_refused_by_name(tmp_path, capsys) -> None:
+    """Host h's store is named after the run id with `h<h>`: a run id with no room for it is refused before
+    anything starts, naming the key."""
+    from megatrain.launch.cli.main import main
+
+    args = ["actors.num_hosts=2", f"train.run_id={'a' * 32}", f"train.output_dir={tmp_path}/out"]
+    assert main([str(ROOT / "examples" / "default.yaml"), *args]) == 2
+    err = capsys.readouterr().err
+    assert "train.run_id" in err and "actors.num_hosts 2" in err and not (tmp_path / "out").exists()

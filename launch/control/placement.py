@@ -25,7 +25,7 @@ class ActorsConfig:
         "per parameter) and the whole compute-dtype copy its executors stream from (ipc.staging resident); each "
         "gradient is summed over every executor and split among the hosts, each host updates its slice, and the "
         "updated slices are gathered into every host's copy. data.batch_size is the whole batch, split by rows over "
-        "every executor of every host. auto: the nodes of the cluster that can hold a host's actors.",
+        "every executor of every host. auto: every node of the Ray cluster alive (one without a cluster).",
     )
     num_packers: int = opt(1, "Pinned-packing worker processes (fp32 master -> compute-dtype slabs).")
     num_accumulators: int = opt(1, "Gradient-accumulation worker processes (gradient slabs -> fp32 plane).")

@@ -23,6 +23,7 @@ from megatrain.actors.store_owner import StoreOwner
 from megatrain.checkpoint import step_dir as ckpt_step_dir
 from megatrain.configbase import Where, differences, dump_yaml, to_dict
 from megatrain.data import Data
+from megatrain.errors import ConfigError
 from megatrain.export import export
 from megatrain.flops import active_params
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, resolve_stall
@@ -60,6 +61,12 @@ class Trainer:
         self.launched = launched
         self.stop = stop  # a graceful-stop request (signal), checked between steps
         self.run_id = check_run_id(cfg.train.run_id or secrets.token_hex(5))
+        hosts = cfg.actors.num_hosts
+        if isinstance(hosts, int) and hosts > 1:
+            try:  # each host's store is named after the run (ipc/shm.py host_run_id): refused now, not at host 1
+                host_run_id(self.run_id, hosts - 1)
+            except ValueError as exc:
+                raise ConfigError(f"train.run_id: {exc} (actors.num_hosts {hosts})") from None
         self.out = resolve_output(cfg.train.output_dir, self.run_id)  # absolute; printed at start
         self.log_dir: Path | None = None  # where error.log may go: set once the output directory is ours
         self.crew = Crew(make_runner(cfg.launch), cfg.train.setup_timeout_s)

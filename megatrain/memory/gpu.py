@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from megatrain.arch import Arch
 from megatrain.engineconfig import EngineConfig
 from megatrain.errors import ResourceError
-from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
+from megatrain.layout import StoreLayout
 from megatrain.memory import autosize
 from megatrain.memory import budget as gpubudget
 from megatrain.memory.hosts import largest_slice
@@ -23,7 +23,8 @@ def reduction_bytes(layout: StoreLayout, hosts: int = 1) -> int:
     beside what autosize.py plans for one executor; over several hosts, the reduce-scatter's buffer too (a
     layer's gradient padded to the hosts' slices)."""
     layer = max(layout.structure_of(u).numel for u in range(1, layout.num_layers + 1))
-    padded = hosts * largest_slice(round_up(max(layer, 1), TILE_ALIGN), hosts) if hosts > 1 else 0
+    # every unit's gradient is padded to the hosts' slices, the embedding's and the head's too
+    padded = max(hosts * largest_slice(u.tile, hosts) for u in layout.units) if hosts > 1 else 0
     return ((REDUCE_CREDITS + 1) * layer + padded) * 4
 
 

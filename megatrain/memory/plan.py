@@ -15,13 +15,16 @@ from megatrain.errors import ConfigError
 from megatrain.memory.gpu import GpuPart, gpu_part
 from megatrain.memory.host import (
     PINNED,
+    STAGING_BYTES,
     StoreShape,
     host_terms,
     pinned_checkpoint_bytes,
     process_terms,
     run_roles,
 )
+from megatrain.memory.hosts import gather_bytes
 from megatrain.memory.machine import Machine
+from megatrain.roster import ADAM
 
 # Pinned checkpoints are optional host memory (the GPU takes those the host does not): they stop this far
 # below the run's limit, so that the processes' transient allocations and the planning error (about half a
@@ -120,7 +123,7 @@ def staging_by_rule(staging: str, cuda: bool, clip: bool, executors: int = 1, ho
     no host holds the whole fp32 weights a packer would fill slabs from (megatrain/memory/hosts.py)."""
     if executors > 1 or hosts > 1:
         if staging == "slabs":
-            who = f"actors.num_gpus {executors}" if executors > 1 else f"a run over {hosts} hosts"
+            who = f"actors.num_gpus {executors}" if executors > 1 else f"actors.num_hosts {hosts}"
             raise ConfigError(
                 f"ipc.staging: slabs streams weights to one executor from the whole fp32 weights; {who} needs the "
                 "resident copy (ipc.staging: resident or auto)"
@@ -207,6 +210,9 @@ def _plan(
     )
     parts = store.part_bytes()
     processes = process_terms(roles, shape.cuda, shape.launcher, shape.launcher and shape.private_ray)
+    if shape.hosts > 1:
+        gather = gather_bytes(arch.layout, shape.hosts, STAGING_BYTES[engine.compute_dtype])
+        processes[f"{ADAM}: buffers gathering the hosts' updated slices"] = gather
     return MemoryPlan(
         machine=machine,
         shape=shape,
