@@ -137,8 +137,8 @@ def test_the_levers_a_run_cannot_take_are_not_offered(capsys, tmp_path) -> None:
 
 
 def test_gpt_oss_120b_with_the_defaults_needs_five_hosts_of_512_gib(capsys, tmp_path) -> None:
-    """With clipping the resident copy is the rule: 12/H + 2 bytes per parameter and the gather's buffers, 5.1 on four hosts (559.3 GiB
-    each, over the 501.8 GiB Ray's monitor leaves a run of 512 GiB), 4.4 on five."""
+    """With clipping the resident copy is the rule: 12/H + 2 bytes per parameter and the gather's buffers, 5.1
+    on four hosts (559.3 GiB each, over the 501.8 GiB Ray's monitor leaves a run of 512 GiB), 4.5 on five."""
     path = _config(tmp_path)
     code, out = _run(capsys, path, "--hosts", "4")
     assert code == 1 and "\nhost 1 of 4: 559.31 GiB needed" in out and "verdict for host 1 of 4: does not fit" in out
