@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -148,3 +151,27 @@ def guard_tree(root: int) -> int:
 def stop_guard(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
+
+
+def on_threads(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Every call at once, one thread each (a group forms only when all its members are there); their
+    results in order, or the first error raised."""
+    out: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = calls[i]()
+        except BaseException as exc:  # surfaced below, not lost in the thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    if any(t.is_alive() for t in threads):
+        raise TimeoutError("an executor's call did not return")
+    return out

@@ -45,3 +45,13 @@ def make_spec(
 ) -> StoreSpec:
     ipc = {"weight_slabs": 3, "grad_slabs": 2, **ipc}
     return StoreSpec(rid, model_spec, staging, k, packers, accs, IpcConfig(**ipc), staging_mode)
+
+
+def release(stores: list, rids: list[str]) -> None:
+    """Stores a test made over several run ids (several hosts' on one machine): unlinked and closed, and
+    anything else of those runs removed."""
+    for st in stores:
+        st.unlink()
+        st.close()
+    for rid in rids:
+        remove_all(rid)

@@ -23,7 +23,7 @@ from megatrain.errors import NonFiniteGradient, ProtocolError
 from megatrain.ipc.protocol import Store
 from megatrain.ipc.protocol.executor import grads_landed
 from megatrain.ipc.protocol.messages import AdamRequest
-from tests.shm_fixtures import make_spec, remove_all
+from tests.shm_fixtures import make_spec, release
 
 LR = 1e-2
 ADDRESS = "127.0.0.1"
@@ -50,11 +50,7 @@ def _stores(model_spec, hosts: int, clip: bool) -> Iterator[tuple[Store, list[St
         made += [Store.create(_spec(rids[h + 1], model_spec, hosts, h, clip)) for h in range(hosts)]
         yield made[0], made[1:]
     finally:
-        for st in made:
-            st.unlink()
-            st.close()
-        for rid in rids:
-            remove_all(rid)
+        release(made, rids)
 
 
 @contextmanager

@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import pytest
 import torch
@@ -22,35 +20,11 @@ from megatrain.errors import MegatrainError
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.messages import StepReport, StepRequest
 from megatrain.weights import flat_unit
-from tests.helpers import spec_for, tiny_hf
+from tests.helpers import on_threads, spec_for, tiny_hf
 from tests.shm_fixtures import make_spec, remove_all
 
 FAMILY, BATCH, SEQ = "llama", 4, 16
 CFG = fixed_sizes(resolve_engine(EngineConfig(compute_dtype="fp32"), cuda=False))
-
-
-def _on_threads(calls: list[Callable[[], Any]]) -> list[Any]:
-    """Every call at once, one thread each (a group forms only when all its members are there); their
-    results in order, or the first error raised."""
-    out: list[Any] = [None] * len(calls)
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            out[i] = calls[i]()
-        except BaseException as exc:  # surfaced below, not lost in the thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(calls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    if any(t.is_alive() for t in threads):
-        raise TimeoutError("an executor's call did not return")
-    return out
 
 
 @contextmanager
@@ -100,7 +74,7 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
 def _steps(executors: list[GpuExecutor], ids: torch.Tensor, labels: torch.Tensor) -> list[StepReport]:
     rows = split_rows(BATCH, len(executors))
     step = [StepRequest(step=0, ids=ids[r], labels=labels[r]) for r in rows]
-    return _on_threads([functools.partial(ex.step, req) for ex, req in zip(executors, step, strict=True)])
+    return on_threads([functools.partial(ex.step, req) for ex, req in zip(executors, step, strict=True)])
 
 
 def _reference(rid: str, spec: StoreSpec, state: dict, ids: torch.Tensor, labels: torch.Tensor) -> tuple:
@@ -153,7 +127,7 @@ def test_hosts_executors_land_the_whole_batch_gradient_in_their_own_slices(rid: 
             with pytest.raises(MegatrainError, match="host 0's executor 0 does"):
                 executors[-1].open_world(len(executors), HOST)
         port = executors[0].open_world(len(executors), HOST)
-        backends = _on_threads([functools.partial(ex.join_world, HOST, port) for ex in executors])
+        backends = on_threads([functools.partial(ex.join_world, HOST, port) for ex in executors])
         assert backends == ["gloo"] * len(executors)
         reports = _steps(executors, ids, labels)
         pieces = sum(_check_host(st, want, state) for st in stores)

@@ -5,7 +5,7 @@ megatrain/collective.py)."""
 from __future__ import annotations
 
 import dataclasses
-import threading
+import functools
 
 import numpy as np
 import pytest
@@ -15,7 +15,8 @@ from megatrain.collective import Group, open_rendezvous
 from megatrain.errors import MegatrainError, ProtocolError
 from megatrain.ipc.protocol import Store
 from megatrain.memory.hosts import host_plane_elems
-from tests.shm_fixtures import make_spec
+from tests.helpers import on_threads
+from tests.shm_fixtures import make_spec, release
 
 
 def _spec(rid: str, model_spec, hosts: int, host: int, slab_params: int = 4096):
@@ -58,8 +59,6 @@ def test_each_host_holds_its_slice_and_only_its_slice(model_spec) -> None:
     refused by name."""
     import secrets
 
-    from tests.shm_fixtures import remove_all
-
     rids = ["test" + secrets.token_hex(4) for _ in range(2)]
     stores = []
     try:
@@ -82,11 +81,7 @@ def test_each_host_holds_its_slice_and_only_its_slice(model_spec) -> None:
             stores[1].refresh_resident(u)  # its own slice of the copy, from its own fp32 slice
             assert torch.equal(stores[1].resident_tile(u)[lo:hi], torch.from_numpy(whole[lo:hi]).bfloat16())
     finally:
-        for st in stores:
-            st.unlink()
-            st.close()
-        for r in rids:
-            remove_all(r)
+        release(stores, rids)
 
 
 def test_several_hosts_stream_from_a_resident_copy(rid: str, model_spec) -> None:
@@ -99,23 +94,12 @@ def test_several_hosts_stream_from_a_resident_copy(rid: str, model_spec) -> None
 def _groups(size: int, body) -> list:
     """`body(group)` on `size` ranks of a gloo group, one thread each; their results in rank order."""
     rendezvous = open_rendezvous(size, 30)
-    out, errors = [None] * size, []
 
-    def run(rank: int) -> None:
-        try:
-            where = rendezvous if rank == 0 else ("127.0.0.1", rendezvous.port)
-            out[rank] = body(Group(where, rank, size, torch.device("cpu"), 30, lambda: None))
-        except Exception as exc:  # surfaced below, not lost in the thread
-            errors.append(exc)
+    def member(rank: int):
+        where = rendezvous if rank == 0 else ("127.0.0.1", rendezvous.port)
+        return body(Group(where, rank, size, torch.device("cpu"), 30, lambda: None))
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return out
+    return on_threads([functools.partial(member, r) for r in range(size)])
 
 
 def test_a_gradient_is_reduce_scattered_and_the_weights_all_gathered_over_the_hosts() -> None:
