@@ -88,10 +88,11 @@ class PlaneFile:
         crc = zlib.crc32(data)  # releases the GIL: threads checksum and write in parallel
         view, pos = memoryview(data), offset
         while view.nbytes:
+            direct = self.direct  # as it was for this attempt: another thread may turn it off meanwhile
             try:
                 n = os.pwrite(self.fd, view, pos)
-            except OSError as exc:  # an unaligned tail or a filesystem that refuses O_DIRECT writes
-                if exc.errno != errno.EINVAL or not self.direct:
+            except OSError as exc:  # an unaligned chunk or a filesystem that refuses O_DIRECT writes
+                if exc.errno != errno.EINVAL or not direct:
                     raise
                 self._buffered()
                 continue

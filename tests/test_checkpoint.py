@@ -197,3 +197,38 @@ def test_the_first_signal_asks_the_second_insists(sig: str) -> None:
         with pytest.raises(KeyboardInterrupt):
             stop._handle(num, None)
     assert signal.getsignal(num) != stop._handle  # restored
+
+
+def test_threads_refused_o_direct_together_all_fall_back_to_buffered_writes(tmp_path: Path, monkeypatch) -> None:
+    """Two threads' O_DIRECT writes are both refused (an unaligned chunk, as a host's slice can be) before either
+    turns O_DIRECT off: both go on buffered, and the file holds both chunks with their CRCs."""
+    import errno
+    import fcntl
+    import os
+    import threading
+    import zlib
+
+    import numpy as np
+
+    real, both_refused = os.pwrite, threading.Barrier(2, timeout=10)
+
+    def pwrite(fd: int, data, pos: int) -> int:  # noqa: ANN001
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+            both_refused.wait()
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real(fd, data, pos)
+
+    monkeypatch.setattr(ckpt.os, "pwrite", pwrite)
+    pf = ckpt.PlaneFile(tmp_path / "plane.bin", 64)
+    if not pf.direct:
+        pytest.skip("this filesystem refuses O_DIRECT at open")
+    data = [np.full(32, i + 1, np.uint8) for i in range(2)]
+    out: list = [None, None]
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, pf.write(data[i], 32 * i))) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    pf.close()
+    assert out == [[32 * i, 32, zlib.crc32(data[i])] for i in range(2)] and not pf.direct
+    assert (tmp_path / "plane.bin").read_bytes() == bytes([1] * 32 + [2] * 32)
