@@ -88,7 +88,13 @@ class AdamUpdater(Role):
             raise ProtocolError("host 0's updater joins the hosts' group through its own rendezvous: open_hosts first")
         where = self.rendezvous if spec.host == 0 else (address, port)
         group = Group(
-            where, spec.host, spec.hosts, torch.device("cpu"), spec.ipc.wait_timeout_s, self.store.check_abort
+            where,
+            spec.host,
+            spec.hosts,
+            torch.device("cpu"),
+            spec.ipc.wait_timeout_s,
+            self.store.check_abort,
+            parts=("stats",),
         )
         self.hosts = HostsLink.make(spec, group)
 

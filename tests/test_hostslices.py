@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 
 import numpy as np
 import pytest
 import torch
 
-from megatrain.collective import Group, open_rendezvous
-from megatrain.errors import MegatrainError, ProtocolError
+from megatrain.collective import Group, SliceExchange, open_rendezvous
+from megatrain.errors import AbortError, MegatrainError, ProtocolError
 from megatrain.ipc.protocol import Store
 from megatrain.memory.hosts import host_plane_elems
 from tests.helpers import on_threads
@@ -102,21 +103,67 @@ def _groups(size: int, body) -> list:
     return on_threads([functools.partial(member, r) for r in range(size)])
 
 
-def test_a_gradient_is_reduce_scattered_and_the_weights_all_gathered_over_the_hosts() -> None:
+def test_a_gradient_is_reduce_scattered_over_the_hosts() -> None:
     hosts, chunk = 3, 5
 
-    def body(group: Group) -> tuple:
+    def body(group: Group) -> torch.Tensor:
         full = torch.arange(hosts * chunk, dtype=torch.float32) * (group.rank + 1)
         mine = torch.empty(chunk)
         group.reduce_scatter_(full, mine)
-        gathered = torch.zeros(hosts * chunk, dtype=torch.bfloat16)
-        group.all_gather_(torch.full((chunk,), group.rank + 1.0, dtype=torch.bfloat16), gathered)
         with pytest.raises(MegatrainError, match="reduce-scatter of 4 elements"):
             group.reduce_scatter_(torch.zeros(4), mine)
-        return mine, gathered
+        return mine
 
     total = torch.arange(hosts * chunk, dtype=torch.float32) * sum(range(1, hosts + 1))
-    want = torch.repeat_interleave(torch.arange(1, hosts + 1, dtype=torch.bfloat16), chunk)
-    for rank, (mine, gathered) in enumerate(_groups(hosts, body)):
+    for rank, mine in enumerate(_groups(hosts, body)):
         assert torch.equal(mine, total[rank * chunk : (rank + 1) * chunk])
-        assert torch.equal(gathered, want)
+
+
+def test_the_hosts_updated_slices_are_exchanged_in_place_over_several_channels() -> None:
+    """Host h's range of the tensor (unequal lengths, the last empty) reaches every host's tensor in place; a
+    range over twice MIN_CHANNEL_BYTES is cut over two channels, one under it is not cut."""
+    n = 1_700_000  # bf16: host 0's range 2.2 MB (two channels), host 1's 1.2 MB (one), host 2's empty
+    ranges = [(0, 1_100_000), (1_100_000, n), (n, n)]
+
+    def body(group: Group) -> tuple[torch.Tensor, int]:
+        exchange = SliceExchange(group.rendezvous, group.rank, group.size, 30, lambda: None)
+        tensor = torch.zeros(n, dtype=torch.bfloat16)
+        lo, hi = ranges[group.rank]
+        tensor[lo:hi] = group.rank + 1
+        works = exchange.start(tensor, ranges)
+        exchange.finish(works)
+        with pytest.raises(MegatrainError, match="an exchange over 3 ranks of 2 ranges"):
+            exchange.start(tensor, ranges[:2])
+        return tensor, len(works)
+
+    want = torch.cat([torch.full((1_100_000,), 1.0), torch.full((n - 1_100_000,), 2.0)]).to(torch.bfloat16)
+    for tensor, works in _groups(3, body):
+        assert torch.equal(tensor, want) and works == 3
+
+
+def test_a_host_waiting_on_the_exchange_stops_at_the_abort_and_the_exchange_still_completes() -> None:
+    """Host 0 waits on a host that has not entered the exchange yet: the abort flag ends its wait by name; once
+    host 1 enters, both hosts' broadcasts complete (nothing was left broken)."""
+    entered, aborted = threading.Event(), threading.Event()
+
+    def check() -> None:
+        if not entered.is_set():
+            aborted.set()
+            raise AbortError("the run was aborted")
+
+    def body(group: Group) -> torch.Tensor:
+        exchange = SliceExchange(group.rendezvous, group.rank, group.size, 30, check, poll_s=0.001)
+        tensor = torch.full((8,), group.rank + 1.0)
+        if group.rank == 0:
+            works = exchange.start(tensor, [(0, 4), (4, 8)])
+            with pytest.raises(AbortError, match="aborted"):
+                exchange.finish(works)
+            entered.set()
+        else:
+            aborted.wait(30)
+            works = exchange.start(tensor, [(0, 4), (4, 8)])
+        exchange.finish(works)
+        return tensor
+
+    for tensor in _groups(2, body):
+        assert tensor.tolist() == [1.0] * 4 + [2.0] * 4

@@ -12,11 +12,11 @@ slab (its squared norm computed here, the slab freed after the update) or, with 
 resident copy, where the executor wrote it and its squared norm.
 
 Over several hosts (update_clipped_hosts, update_unclipped_hosts) each host updates its own pieces (its slice
-of every unit), then, unit by unit, the hosts all-gather the unit's updated compute-dtype slices into every
-host's resident copy, and only then is every piece of the unit published: the next forward on any host reads
-the whole unit. Every host makes the same collective calls in the same order (a host owning no piece of a unit
-still joins its gather), and a decision to skip or stop rests on numbers all-reduced over the hosts, so that
-every host takes it alike instead of one waiting on a collective the others never enter.
+of every unit), then, unit by unit, the hosts gather the unit's updated compute-dtype slices into every host's
+resident copy (while the next unit is updated), and only then is every piece of the unit published: the next
+forward on any host reads the whole unit. Every host makes the same collective calls in the same order (a host
+owning no piece of a unit still joins its gather), and a decision to skip or stop rests on numbers all-reduced
+over the hosts, so that every host takes it alike instead of one waiting on a collective the others never enter.
 """
 
 from __future__ import annotations
@@ -25,24 +25,21 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from megatrain.adamw import clip_scale
+from megatrain.collective import Group, SliceExchange
 from megatrain.errors import NonFiniteGradient, ProtocolError
 from megatrain.hostops import sqnorm
 from megatrain.ipc.protocol.checkpoints import wait_taken
 from megatrain.ipc.protocol.messages import Applied
-from megatrain.ipc.protocol.plan import STAGING, Item, StoreSpec
+from megatrain.ipc.protocol.plan import Item, StoreSpec
 from megatrain.ipc.protocol.sems import GRADS_READY
 from megatrain.ipc.protocol.store import Store
 from megatrain.ipc.protocol.workers import free_grad, take_grad, wait_all_grads
-from megatrain.memory.hosts import largest_slice
-
-if TYPE_CHECKING:
-    from megatrain.collective import Group
 
 # The AdamW update of one piece: (item, its gradient, elements [item.lo, item.hi) of the unit, the clip scale).
 PieceUpdate = Callable[[Item, np.ndarray, float], None]
@@ -102,22 +99,22 @@ def update_unclipped(store: Store, events: list[Any] | None, step: int, saving: 
 
 @dataclass(frozen=True, kw_only=True)
 class HostsLink:
-    """An updater's link to the other hosts' updaters: their group (gloo on the CPU, rank = host) and the
-    buffers a unit's gather goes through, sized once for the largest unit and reused for every unit."""
+    """An updater's link to the other hosts' updaters: their group (gloo, rank = host) for the sums every host
+    decides by, and the exchange of each unit's updated slices (in place in the resident copies: no buffer)."""
 
     group: Group
-    chunk: torch.Tensor  # this host's slice of a unit: largest_slice elements of the largest unit
-    full: torch.Tensor  # every host's slice, host h's at h * largest_slice
+    exchange: SliceExchange
 
     @classmethod
     def make(cls, spec: StoreSpec, group: Group) -> HostsLink:
+        """`group`: the hosts' updaters' statistics group; the exchange's groups form over its rendezvous (every
+        host's updater at once)."""
         if (group.rank, group.size) != (spec.host, spec.hosts):
             raise ProtocolError(
                 f"the hosts' group has rank {group.rank} of {group.size}; the store is host {spec.host} of {spec.hosts}"
             )
-        most = max(largest_slice(u.tile, spec.hosts) for u in spec.layout.units)
-        dtype = STAGING[spec.staging_dtype][0]
-        return cls(group=group, chunk=torch.zeros(most, dtype=dtype), full=torch.zeros(spec.hosts * most, dtype=dtype))
+        exchange = SliceExchange(group.rendezvous, group.rank, group.size, group.timeout_s, group.check)
+        return cls(group=group, exchange=exchange)
 
     def totals(self, *values: float) -> tuple[float, ...]:
         """`values` each summed over the hosts, in float64 (the same answer on every host)."""
@@ -125,49 +122,60 @@ class HostsLink:
         self.group.all_reduce_(t)
         return tuple(t.tolist())
 
-    def gather(self, store: Store, unit: int) -> None:
-        """Every host's slice of the unit's resident copy (its compute dtype) into every host's copy."""
+    def start_gather(self, store: Store, unit: int) -> Gathering:
+        """Every host's updated slice of the unit's resident copy (its compute dtype) into every host's copy, on
+        gloo's threads while the caller goes on; `settle` finishes it and publishes the unit."""
         spec = store.spec
-        size = largest_slice(spec.layout.units[unit].tile, spec.hosts)
-        lo, hi = spec.owned(unit)
-        tile, numel = store.resident_tile(unit), spec.layout.structure_of(unit).numel
-        chunk, full = self.chunk[:size], self.full[: spec.hosts * size]
-        chunk[: hi - lo].copy_(tile[lo:hi])
-        self.group.all_gather_(chunk, full)
-        # host h's slice starts at h * size in `full` and in the tile alike, so full[:numel] is the unit whole
-        tile[:lo].copy_(full[:lo])
-        tile[hi:].copy_(full[hi:numel])
+        ranges = [spec.slice_of(unit, h) for h in range(spec.hosts)]
+        return Gathering(unit=unit, works=tuple(self.exchange.start(store.resident_tile(unit), ranges)))
+
+    def settle(self, store: Store, gathering: Gathering | None, version: int) -> None:
+        """The unit's gather finished, then every piece of it published at `version` (None: nothing pending)."""
+        if gathering is not None:
+            self.exchange.finish(gathering.works)
+            _publish_unit(store, gathering.unit, version)
+
+
+@dataclass(frozen=True)
+class Gathering:
+    """A unit's gather under way: the exchange's works, finished before the unit is published."""
+
+    unit: int
+    works: tuple[Any, ...] = ()
 
 
 def update_clipped_hosts(
     store: Store, hosts: HostsLink, step: int, saving: bool, max_grad_norm: float, update: PieceUpdate
 ) -> Applied:
     """Step `step` with clipping over several hosts: this host's pieces, with the norm of every host's; unit by
-    unit in forward order the update, the gather of the unit's slices, then every piece of the unit published.
-    A non-finite norm (the same on every host) skips the step whole on every host: no gather is needed, the
-    other hosts' slices of the copy never left the unchanged weights."""
+    unit in forward order the update, then the gather of the unit's slices, going on while the next unit is
+    updated, then every piece of the unit published. A non-finite norm (the same on every host) skips the step
+    whole on every host: no gather is needed, the other hosts' slices of the copy never left the unchanged
+    weights."""
     spec = store.spec
     wait_all_grads(store, step)
     own = spec.update_items
     (total,) = hosts.totals(float(store.sqnorms[[it.piece for it in own]].sum()))
     norm = math.sqrt(total)
-    finite, scale, spans = math.isfinite(norm), clip_scale(norm, max_grad_norm), []
+    finite, scale, spans, pending = math.isfinite(norm), clip_scale(norm, max_grad_norm), [], None
     for unit, items in _by_unit(own, spec.forward_order):
         for item in items:
             start = time.time()
             _clipped_piece(store, item, step, saving, finite, scale, update)
             spans.append((item.unit, start, time.time()))
-        if finite:
-            hosts.gather(store, unit)
-        _publish_unit(store, unit, step + 1)
+        now = hosts.start_gather(store, unit) if finite else Gathering(unit=unit)
+        hosts.settle(store, pending, step + 1)
+        pending = now
+    hosts.settle(store, pending, step + 1)
     return Applied(grad_norm=norm, clip_scale=scale, skipped=not finite, unit_spans=tuple(spans))
 
 
 def update_unclipped_hosts(store: Store, hosts: HostsLink, step: int, saving: bool, update: PieceUpdate) -> Applied:
     """Step `step` without clipping over several hosts: unit by unit in the gradient's order, this host's
     pieces as they arrive (in the resident copy); before the unit is touched the hosts add up how many of its
-    pieces are non-finite, so an inf or NaN on any host stops every host at the same unit."""
-    spec, total, spans = store.spec, 0.0, []
+    pieces are non-finite, so an inf or NaN on any host stops every host at the same unit (the unit before it
+    gathered and published first, as on every host)."""
+    spec, total, spans, pending = store.spec, 0.0, [], None
     for unit, items in _by_unit(spec.update_items, spec.grad_order):
         grads = [_arrived(store, item, step) for item in items]
         for item in items if saving else ():
@@ -175,14 +183,17 @@ def update_unclipped_hosts(store: Store, hosts: HostsLink, step: int, saving: bo
         sq = [float(store.sqnorms[item.piece]) for item in items]
         bad, part = hosts.totals(sum(not math.isfinite(x) for x in sq), math.fsum(x for x in sq if math.isfinite(x)))
         if bad:
+            hosts.settle(store, pending, step + 1)
             raise NonFiniteGradient(_non_finite(store, step, unit))
         total += part
         for item, grad in zip(items, grads, strict=True):
             start = time.time()
             update(item, grad, 1.0)
             spans.append((item.unit, start, time.time()))
-        hosts.gather(store, unit)
-        _publish_unit(store, unit, step + 1)
+        now = hosts.start_gather(store, unit)
+        hosts.settle(store, pending, step + 1)
+        pending = now
+    hosts.settle(store, pending, step + 1)
     return Applied(grad_norm=math.sqrt(total), clip_scale=1.0, skipped=False, unit_spans=tuple(spans))
 
 

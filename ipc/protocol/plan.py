@@ -172,10 +172,15 @@ class StoreSpec:
     def owned(self, unit: int) -> tuple[int, int]:
         """Elements [lo, hi) of the unit's tile whose fp32 state this host holds (every element on one host),
         within the unit's own elements (never its tile's padding)."""
+        return self.slice_of(unit, self.host)
+
+    def slice_of(self, unit: int, host: int) -> tuple[int, int]:
+        """Elements [lo, hi) of the unit's tile whose fp32 state host `host` holds, within the unit's own
+        elements."""
         numel = self.layout.structure_of(unit).numel
         if self.hosts == 1:
             return 0, numel
-        lo, hi = host_slice(self.layout.units[unit].tile, self.hosts, self.host)
+        lo, hi = host_slice(self.layout.units[unit].tile, self.hosts, host)
         return min(lo, numel), min(hi, numel)
 
     def owns(self, item: Item) -> bool:

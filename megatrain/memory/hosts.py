@@ -63,14 +63,6 @@ def host_of(tile: int, hosts: int, element: int) -> int:
     return min(element // largest_slice(tile, hosts), hosts - 1)
 
 
-def gather_bytes(layout: StoreLayout, hosts: int, itemsize: int) -> int:
-    """Host RAM each host's Adam updater holds over several hosts for gathering the updated slices (its own chunk
-    and every host's, of the largest unit, in the compute dtype: ipc/protocol/adam.py); 0 on one host."""
-    if hosts == 1:
-        return 0
-    return (hosts + 1) * max(largest_slice(u.tile, hosts) for u in layout.units) * itemsize
-
-
 def host_plane_elems(layout: StoreLayout, hosts: int) -> int:
     """Elements of one fp32 plane on each of `hosts` hosts: the largest slice of every unit (one host:
     the whole plane, layout.total)."""

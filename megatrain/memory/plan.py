@@ -15,16 +15,13 @@ from megatrain.errors import ConfigError
 from megatrain.memory.gpu import GpuPart, gpu_part
 from megatrain.memory.host import (
     PINNED,
-    STAGING_BYTES,
     StoreShape,
     host_terms,
     pinned_checkpoint_bytes,
     process_terms,
     run_roles,
 )
-from megatrain.memory.hosts import gather_bytes
 from megatrain.memory.machine import Machine
-from megatrain.roster import ADAM
 
 # Pinned checkpoints are optional host memory (the GPU takes those the host does not): they stop this far
 # below the run's limit, so that the processes' transient allocations and the planning error (about half a
@@ -210,9 +207,6 @@ def _plan(
     )
     parts = store.part_bytes()
     processes = process_terms(roles, shape.cuda, shape.launcher, shape.launcher and shape.private_ray)
-    if shape.hosts > 1:
-        gather = gather_bytes(arch.layout, shape.hosts, STAGING_BYTES[engine.compute_dtype])
-        processes[f"{ADAM}: buffers gathering the hosts' updated slices"] = gather
     return MemoryPlan(
         machine=machine,
         shape=shape,
