@@ -10,6 +10,7 @@ The transports (launch/control/runners.py) call connect() and disconnect(); noth
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -115,7 +116,7 @@ def _join(ray: ModuleType, address: str, key: str) -> None:
             "address a private local instance is started"
         )
     disabled = os.environ.get(AUTH_MODE_ENV, "").lower() == "disabled"  # nothing of Ray's auth is touched
-    refused = "" if disabled else _join_auth() or (_auth_refused(address) if _host_port(address) else "")
+    refused = "" if disabled else _join_auth(address)
     if refused:  # ray.init would retry for 20 s and end in a ConnectionError that does not say why
         raise ConfigError(f"{key} '{address}': cannot join that Ray cluster: {refused}")
     try:
@@ -251,28 +252,27 @@ def _local_auth() -> None:
         _token_mode()
 
 
-def _join_auth() -> str:
+def _join_auth(address: str) -> str:
     """Joining a cluster: Ray sends its token only in token mode, which an explicit address never turns on,
     while `ray start` runs the cluster in token mode wherever it finds a token. With RAY_AUTH_MODE unset and a
-    token on this machine, send it (a cluster without authentication ignores it). Returns why this process
-    cannot authenticate, or '': token mode without a token would abort the process in Ray's client."""
-    try:
-        from ray._raylet import AuthenticationTokenLoader
-    except ImportError:
-        return ""
-    try:
-        has_token = AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True)
-    except _auth_error() as exc:  # RAY_AUTH_TOKEN_PATH naming no file, or an empty one
-        return _auth_message(exc)
+    token on this machine, send it, unless the cluster at host:port takes a client without one.
+    Returns why this process cannot authenticate, or '': token mode without a token would abort the process
+    in Ray's client, and a refused join would retry for 20 s and end in a ConnectionError that does not say
+    why. What Ray finds is asked of a child process (_probe_auth)."""
     mode = os.environ.get(AUTH_MODE_ENV)
-    if mode is None and has_token:
+    found = _probe_auth(address, tokenless=mode is None)
+    if found.get("error"):  # RAY_AUTH_TOKEN_PATH naming no file, or an empty one
+        return f"authentication failed: {found['error']}"
+    probed = _host_port(address) is not None  # 'auto' and ray:// addresses: the token is sent where there is one
+    if mode is None and found.get("token") and (found.get("refused") or not probed):
         _token_mode()
-    if (mode or "").lower() == "token" and not has_token:
+        found = _probe_auth(address, tokenless=False) if probed else found
+    elif (mode or "").lower() == "token" and not found.get("token"):
         return (
             f"authentication failed: {AUTH_MODE_ENV} is token but this machine has no Ray token; put the "
             f"cluster's token in {TOKEN_PLACES} (`ray get-auth-token` on its head prints it)"
         )
-    return ""
+    return _auth_advice() if found.get("refused") else ""
 
 
 def _auth_message(exc: Exception) -> str:
@@ -293,29 +293,36 @@ def _auth_advice() -> str:
 
 
 _PROBE = """
-import sys
-from ray._raylet import GcsClient
+import json, sys
+from ray._raylet import AuthenticationTokenLoader, GcsClient
 from ray.exceptions import AuthenticationError
+out = {}
 try:
-    GcsClient(address=sys.argv[1])
-except AuthenticationError:
-    print("refused")
+    out["token"] = AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True)
+except AuthenticationError as exc:
+    out["error"] = getattr(exc, "message", str(exc)).strip().rstrip(".")
+if sys.argv[1] and "error" not in out:
+    try:
+        GcsClient(address=sys.argv[1])
+    except AuthenticationError:
+        out["refused"] = True
+print(json.dumps(out))
 """
 
 
-def _auth_refused(address: str, timeout: float = 30.0) -> str:
-    """Why the cluster's GCS at host:port refuses this process's credentials, or '': one request, answered at
-    once, where ray.init would retry for 20 s and end in a ConnectionError that does not say why. The request
-    runs in a child process with this one's environment: a GCS client made in the driver before ray.init
-    left the actors it then created without their owner's references (they died as unreferenced)."""
+def _probe_auth(address: str, tokenless: bool, timeout: float = 30.0) -> dict:
+    """What Ray finds here, asked of a child process with this one's environment: whether this machine has a
+    Ray token ("token"), why the one named cannot be read ("error"), and whether the cluster's GCS at
+    host:port refuses this process's credentials ("refused"; `tokenless`: a client that sends none). One
+    request, answered at once. A child, because in the driver before ray.init a GCS client, or even Ray's
+    token loader, left the actors it then created without their owner's references (they died as
+    unreferenced before they started)."""
+    env = {**os.environ, AUTH_MODE_ENV: "disabled"} if tokenless else os.environ.copy()
+    where = address if _host_port(address) else ""
     try:
         probe = subprocess.run(
-            [sys.executable, "-c", _PROBE, address],
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            env=os.environ.copy(),
+            [sys.executable, "-c", _PROBE, where], capture_output=True, text=True, timeout=timeout, env=env
         )
-    except (OSError, subprocess.TimeoutExpired):  # anything else is ray.init's to report
-        return ""
-    return _auth_advice() if probe.stdout.strip() == "refused" else ""
+        return json.loads(probe.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):  # anything else is ray.init's to report
+        return {}
