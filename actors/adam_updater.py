@@ -80,9 +80,10 @@ class AdamUpdater(Role):
         self.rendezvous = open_rendezvous(spec.hosts, spec.ipc.wait_timeout_s, host=address)
         return int(self.rendezvous.port)
 
-    def join_hosts(self, address: str, port: int) -> None:
+    def join_hosts(self, address: str, port: int, bind: str | None = None) -> None:
         """Join the hosts' updaters' group (every host's updater at once: it returns when all have joined)
-        through host 0's rendezvous at `address`:`port`."""
+        through host 0's rendezvous at `address`:`port`; `bind`: this node's address as the other hosts reach
+        it (for gloo's connections)."""
         spec = self._several_hosts()
         if spec.host == 0 and self.rendezvous is None:
             raise ProtocolError("host 0's updater joins the hosts' group through its own rendezvous: open_hosts first")
@@ -95,6 +96,7 @@ class AdamUpdater(Role):
             spec.ipc.wait_timeout_s,
             self.store.check_abort,
             parts=("stats",),
+            bind=bind,
         )
         self.hosts = HostsLink.make(spec, group)
 

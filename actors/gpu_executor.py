@@ -159,11 +159,12 @@ class GpuExecutor(Role):
         self.rendezvous = open_rendezvous(size, spec.ipc.wait_timeout_s, host=address)
         return int(self.rendezvous.port)
 
-    def join_world(self, address: str, port: int) -> str:
+    def join_world(self, address: str, port: int, bind: str | None = None) -> str:
         """Join the run's groups (every executor of every host at once; megatrain/collective.py join_world):
         the step's statistics over all of them; each gradient summed over this host's executors into its
         executor 0, which reduce-scatters it among the hosts and lands only its own slice. Global rank: host x
-        executors per host + this executor's. One host: join_group's group, at `address`."""
+        executors per host + this executor's. One host: join_group's group, at `address`. `bind`: this node's
+        address as the other hosts reach it (for gloo's connections, megatrain/collective.py gloo_options)."""
         spec = self.store.spec
         timeout_s, check = spec.ipc.wait_timeout_s, self.store.check_abort
         first = spec.host == 0 and self.rank == 0
@@ -182,6 +183,7 @@ class GpuExecutor(Role):
             device=self.device,
             timeout_s=timeout_s,
             check=check,
+            bind=bind,
         )
         scatter = HostScatter(spec, self.world.hosts) if self.world.hosts is not None else None
         return self._reduce_through(self.world.stats, self.world.local, scatter)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 import time
 from collections.abc import Callable, Sequence
 
@@ -45,7 +46,8 @@ class Group:
     """One executor's membership: rank `rank` of `size`, on `device`. `check` raises when the run is
     aborted (a host wait on a collective polls it, so a dead peer never hangs a live one). `rendezvous`: rank 0's
     store, (address, port) to connect to it, or a store over it (a prefix: several groups over one rendezvous).
-    `parts`: the process groups it makes, `grads` and `stats` (a group that never uses one does not connect it)."""
+    `parts`: the process groups it makes, `grads` and `stats` (a group that never uses one does not connect it).
+    `bind`: this node's address as the other members reach it, for gloo's connections (gloo_options)."""
 
     def __init__(
         self,
@@ -58,13 +60,14 @@ class Group:
         poll_s: float = 0.01,
         *,
         parts: tuple[str, ...] = ("grads", "stats"),
+        bind: str | None = None,
     ):
         if not 0 <= rank < size:
             raise MegatrainError(f"executor rank {rank} is not in a group of {size}")
         if not parts or set(parts) - {"grads", "stats"}:
             raise MegatrainError(f"a group's parts are grads and/or stats, not {parts}")
         self.rank, self.size, self.device, self.check, self.poll_s = rank, size, device, check, poll_s
-        self.timeout_s = timeout_s
+        self.timeout_s, self.bind = timeout_s, bind
         timeout = datetime.timedelta(seconds=timeout_s)
         if isinstance(rendezvous, tuple):
             rendezvous = connect_rendezvous(*rendezvous, size, timeout_s)
@@ -89,7 +92,7 @@ class Group:
 
     def _make(self, store: dist.Store, timeout: datetime.timedelta) -> dist.Backend:
         if not self.cuda:
-            return dist.ProcessGroupGloo(store, self.rank, self.size, timeout)
+            return dist.ProcessGroupGloo(store, self.rank, self.size, gloo_options(self.bind, timeout))
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         return dist.ProcessGroupNCCL(store, self.rank, self.size, opts)
@@ -165,6 +168,7 @@ def join_world(
     device: torch.device,
     timeout_s: float,
     check: Callable[[], None],
+    bind: str | None = None,
 ) -> World:
     """Executor `rank` of `per_host` on host `host` of `hosts` joins the run's groups over one rendezvous (every
     executor of every host at once). Each group forms only when all its members are there, so every member
@@ -172,7 +176,7 @@ def join_world(
     one still forming another."""
     if not 0 <= host < hosts or not 0 <= rank < per_host:
         raise MegatrainError(f"executor {rank} of host {host} is not one of {hosts} hosts x {per_host} executors")
-    at = {"device": device, "timeout_s": timeout_s, "check": check}
+    at = {"device": device, "timeout_s": timeout_s, "check": check, "bind": bind}
     every = dist.PrefixStore("world/", rendezvous)
     stats = Group(every, host * per_host + rank, hosts * per_host, parts=("stats",), **at)
     mine = dist.PrefixStore(f"host{host}/", rendezvous)
@@ -180,6 +184,32 @@ def join_world(
     firsts = dist.PrefixStore("hosts/", rendezvous)
     across = Group(firsts, host, hosts, parts=("grads",), **at) if rank == 0 else None
     return World(stats=stats, local=local, hosts=across)
+
+
+def gloo_options(bind: str | None, timeout: datetime.timedelta) -> dist.ProcessGroupGloo._Options:
+    """A gloo group's options: its connections on `bind` (this node's address as the other nodes reach it), unless
+    the user named interfaces in GLOO_SOCKET_IFNAME or there is no such address (one host). Gloo's own default is
+    the address this machine's hostname resolves to, a loopback address on many a Linux, which no other node
+    reaches."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    named = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    try:
+        if named:
+            opts._devices = [dist.ProcessGroupGloo.create_device(interface=i) for i in named.split(",")]
+        else:
+            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind) if bind else _default_device()]
+    except RuntimeError as exc:
+        where = f"the interfaces GLOO_SOCKET_IFNAME names ({named})" if named else f"this node's address {bind}"
+        raise MegatrainError(
+            f"gloo cannot listen on {where}: {exc}; set GLOO_SOCKET_IFNAME to the network interface the other "
+            "hosts reach this one through"
+        ) from None
+    return opts
+
+
+def _default_device() -> object:
+    return dist.ProcessGroupGloo.create_default_device()
 
 
 def await_works(
@@ -220,11 +250,12 @@ class SliceExchange:
         check: Callable[[], None],
         channels: int = GATHER_CHANNELS,
         poll_s: float = 0.002,
+        bind: str | None = None,
     ):
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.size, self.timeout_s, self.check, self.poll_s = rank, size, timeout_s, check, poll_s
         self.groups = [
-            dist.ProcessGroupGloo(dist.PrefixStore(f"gather{c}/", rendezvous), rank, size, timeout)
+            dist.ProcessGroupGloo(dist.PrefixStore(f"gather{c}/", rendezvous), rank, size, gloo_options(bind, timeout))
             for c in range(channels)
         ]
 

@@ -5,6 +5,7 @@ megatrain/collective.py)."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import functools
 import threading
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain.collective import Group, SliceExchange, open_rendezvous
+from megatrain.collective import Group, SliceExchange, gloo_options, open_rendezvous
 from megatrain.errors import AbortError, MegatrainError, ProtocolError
 from megatrain.ipc.protocol import Store
 from megatrain.memory.hosts import host_plane_elems
@@ -167,3 +168,19 @@ def test_a_host_waiting_on_the_exchange_stops_at_the_abort_and_the_exchange_stil
 
     for tensor in _groups(2, body):
         assert tensor.tolist() == [1.0] * 4 + [2.0] * 4
+
+
+def test_gloo_listens_on_the_nodes_address_or_the_interfaces_the_user_names(monkeypatch) -> None:
+    """A group over hosts binds gloo to the node's address (the hostname may resolve to a loopback address no
+    other node reaches); GLOO_SOCKET_IFNAME, where set, wins; an address or interface gloo cannot listen on is
+    one error naming what to set."""
+    timeout = datetime.timedelta(seconds=5)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert len(gloo_options("127.0.0.1", timeout)._devices) == 1
+    with pytest.raises(MegatrainError, match=r"this node's address 198\.51\.100\.7: .*set GLOO_SOCKET_IFNAME"):
+        gloo_options("198.51.100.7", timeout)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    assert len(gloo_options("198.51.100.7", timeout)._devices) == 1  # the interface named, not the address
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no-such-interface0")
+    with pytest.raises(MegatrainError, match=r"GLOO_SOCKET_IFNAME names \(no-such-interface0\)"):
+        gloo_options(None, timeout)

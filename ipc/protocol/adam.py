@@ -113,7 +113,9 @@ class HostsLink:
             raise ProtocolError(
                 f"the hosts' group has rank {group.rank} of {group.size}; the store is host {spec.host} of {spec.hosts}"
             )
-        exchange = SliceExchange(group.rendezvous, group.rank, group.size, group.timeout_s, group.check)
+        exchange = SliceExchange(
+            group.rendezvous, group.rank, group.size, group.timeout_s, group.check, bind=group.bind
+        )
         return cls(group=group, exchange=exchange)
 
     def totals(self, *values: float) -> tuple[float, ...]:

@@ -45,7 +45,7 @@ from megatrain.memory import budget as gpubudget
 from megatrain.memory.gpu import reduction_bytes
 from megatrain.memory.plan import staging_by_rule, staging_mode
 from megatrain.model import ModelSpec, pretrained_config
-from megatrain.roster import ADAM, EXECUTOR, OWNER, Attach, Kind, RoleSpec, Roster, on_host
+from megatrain.roster import ADAM, EXECUTOR, OWNER, Attach, Kind, RoleSpec, Roster, on_host, split_host
 
 # Each kind's actor class (megatrain/roster.py says how a role is added).
 ACTORS: dict[Kind, type[Role]] = {
@@ -232,16 +232,18 @@ def form_host_groups(crew: Crew, timeout: float) -> None:
     """A run over several hosts: every executor of every host joins one rendezvous on host 0 (the statistics
     of the step over all of them, each host's gradient sum, the reduce-scatter among the hosts), and the hosts'
     Adam updaters one of their own (the global norm, the gather of the updated slices)."""
-    executors, address = crew.of(Kind.EXECUTOR), crew.runner.host_address(0)
+    executors, nodes = crew.of(Kind.EXECUTOR), [crew.runner.host_address(h) for h in range(crew.hosts)]
+    address = nodes[0]
     port = crew.call_one(executors[0], GpuExecutor.open_world, len(executors), address)
     backends = crew.gather(
-        {n: crew.call(n, GpuExecutor.join_world, address, port) for n in executors},
+        {n: crew.call(n, GpuExecutor.join_world, address, port, nodes[split_host(n)[1]]) for n in executors},
         timeout,
         "forming the executors' group over the hosts",
     )
     adams = [on_host(ADAM, h) for h in range(crew.hosts)]
     port = crew.call_one(adams[0], AdamUpdater.open_hosts, address)
-    crew.gather({n: crew.call(n, AdamUpdater.join_hosts, address, port) for n in adams}, timeout, "joining the hosts")
+    joining = {n: crew.call(n, AdamUpdater.join_hosts, address, port, nodes[h]) for h, n in enumerate(adams)}
+    crew.gather(joining, timeout, "joining the hosts")
     log(
         f"{crew.hosts} hosts of {len(executors) // crew.hosts} executor(s): gradients summed over all "
         f"{len(executors)} and split among the hosts through torch.distributed ({backends[executors[0]]}), "
