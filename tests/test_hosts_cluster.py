@@ -104,3 +104,14 @@ def test_more_hosts_than_nodes_is_one_line_before_anything_starts(cluster, tmp_p
     assert cli.finish() == 1, cli.text()
     assert f"actors.num_hosts {NODES + 1}: the Ray cluster has {NODES} nodes alive" in "".join(cli.stderr), cli.text()
     assert "actors: " not in "".join(cli.stdout)
+
+
+def test_the_launchers_gloo_interface_reaches_every_host_and_one_it_cannot_use_is_named(cluster, tmp_path) -> None:
+    """GLOO_SOCKET_IFNAME set where the launcher runs goes to the actors on every node (theirs is their raylet's
+    environment); an interface gloo cannot listen on ends the run at start-up, named, with nothing left behind."""
+    env = {**NO_AUTH, "GLOO_SOCKET_IFNAME": "no-such-if0"}
+    cli = Cli(tmp_path, "actors.num_hosts=2", "engine.device=cpu", "--address", cluster.address, env=env)
+    assert cli.finish(timeout=300) == 1, cli.text()
+    err = "".join(cli.stderr)
+    assert "gloo cannot listen on the interfaces GLOO_SOCKET_IFNAME names (no-such-if0)" in err, cli.text()
+    cli.assert_clean()

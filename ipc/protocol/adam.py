@@ -131,6 +131,14 @@ class HostsLink:
         ranges = [spec.slice_of(unit, h) for h in range(spec.hosts)]
         return Gathering(unit=unit, works=tuple(self.exchange.start(store.resident_tile(unit), ranges)))
 
+    def settle_done(self, store: Store, gathering: Gathering | None, version: int) -> Gathering | None:
+        """Settle the gather if it has finished (the unit published now, not after the next unit's update);
+        returns what is still pending."""
+        if gathering is None or not all(w.is_completed() for w in gathering.works):
+            return gathering
+        self.settle(store, gathering, version)
+        return None
+
     def settle(self, store: Store, gathering: Gathering | None, version: int) -> None:
         """The unit's gather finished, then every piece of it published at `version` (None: nothing pending)."""
         if gathering is not None:
@@ -161,6 +169,7 @@ def update_clipped_hosts(
     norm = math.sqrt(total)
     finite, scale, spans, pending = math.isfinite(norm), clip_scale(norm, max_grad_norm), [], None
     for unit, items in _by_unit(own, spec.forward_order):
+        pending = hosts.settle_done(store, pending, step + 1)
         for item in items:
             start = time.time()
             _clipped_piece(store, item, step, saving, finite, scale, update)
@@ -188,6 +197,7 @@ def update_unclipped_hosts(store: Store, hosts: HostsLink, step: int, saving: bo
             hosts.settle(store, pending, step + 1)
             raise NonFiniteGradient(_non_finite(store, step, unit))
         total += part
+        pending = hosts.settle_done(store, pending, step + 1)
         for item, grad in zip(items, grads, strict=True):
             start = time.time()
             update(item, grad, 1.0)

@@ -261,12 +261,14 @@ def _join_auth(address: str) -> str:
     why. What Ray finds is asked of a child process (_probe_auth)."""
     mode = os.environ.get(AUTH_MODE_ENV)
     found = _probe_auth(address, tokenless=mode is None)
+    if found is None:  # the probe itself failed: ray.init reports whatever there is
+        return ""
     if found.get("error"):  # RAY_AUTH_TOKEN_PATH naming no file, or an empty one
         return f"authentication failed: {found['error']}"
     probed = _host_port(address) is not None  # 'auto' and ray:// addresses: the token is sent where there is one
     if mode is None and found.get("token") and (found.get("refused") or not probed):
         _token_mode()
-        found = _probe_auth(address, tokenless=False) if probed else found
+        found = (_probe_auth(address, tokenless=False) or {}) if probed else found
     elif (mode or "").lower() == "token" and not found.get("token"):
         return (
             f"authentication failed: {AUTH_MODE_ENV} is token but this machine has no Ray token; put the "
@@ -296,33 +298,41 @@ _PROBE = """
 import json, sys
 from ray._raylet import AuthenticationTokenLoader, GcsClient
 from ray.exceptions import AuthenticationError
-out = {}
 try:
-    out["token"] = AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True)
+    print(json.dumps({"token": AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True)}), flush=True)
 except AuthenticationError as exc:
-    out["error"] = getattr(exc, "message", str(exc)).strip().rstrip(".")
-if sys.argv[1] and "error" not in out:
+    print(json.dumps({"error": getattr(exc, "message", str(exc)).strip().rstrip(".")}), flush=True)
+    sys.exit()
+if sys.argv[1]:
     try:
         GcsClient(address=sys.argv[1])
     except AuthenticationError:
-        out["refused"] = True
-print(json.dumps(out))
+        print(json.dumps({"refused": True}), flush=True)
 """
 
 
-def _probe_auth(address: str, tokenless: bool, timeout: float = 30.0) -> dict:
+def _probe_auth(address: str, tokenless: bool, timeout: float = 30.0) -> dict | None:
     """What Ray finds here, asked of a child process with this one's environment: whether this machine has a
     Ray token ("token"), why the one named cannot be read ("error"), and whether the cluster's GCS at
     host:port refuses this process's credentials ("refused"; `tokenless`: a client that sends none). One
     request, answered at once. A child, because in the driver before ray.init a GCS client, or even Ray's
     token loader, left the actors it then created without their owner's references (they died as
-    unreferenced before they started)."""
+    unreferenced before they started). None where the child said nothing of the token."""
     env = {**os.environ, AUTH_MODE_ENV: "disabled"} if tokenless else os.environ.copy()
     where = address if _host_port(address) else ""
     try:
         probe = subprocess.run(
             [sys.executable, "-c", _PROBE, where], capture_output=True, text=True, timeout=timeout, env=env
         )
-        return json.loads(probe.stdout.strip().splitlines()[-1])
-    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):  # anything else is ray.init's to report
-        return {}
+        out = probe.stdout
+    except subprocess.TimeoutExpired as exc:  # what it said before then still counts
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+    except OSError:
+        return None
+    found: dict = {}
+    for line in out.splitlines():
+        try:
+            found.update(json.loads(line))
+        except ValueError:
+            continue
+    return found if {"token", "error"} & found.keys() else None

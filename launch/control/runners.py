@@ -8,6 +8,7 @@ shared memory and semaphores included, without process start-up costs; the Ray r
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import shutil
 import traceback
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from megatrain.launch.control import cluster
 from megatrain.launch.control.handles import Handle, Pending, Runner, checked, checked_init
 from megatrain.launch.control.placement import Demand
 from megatrain.roster import EXECUTOR, split_host
+
+NETWORK_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # the launcher's, passed to every actor
 
 A = TypeVar("A")
 P = ParamSpec("P")
@@ -189,7 +192,9 @@ class RayRunner:
 
         checked_init(cls, args)
 
-        env: dict[str, Any] = {"env_vars": {"PYTHONUNBUFFERED": "1"}}
+        # The interfaces the user names for gloo and NCCL go with the actors: a worker has its raylet's environment
+        forwarded = {k: os.environ[k] for k in NETWORK_ENV if os.environ.get(k)}
+        env: dict[str, Any] = {"env_vars": {"PYTHONUNBUFFERED": "1", **forwarded}}
         if name == EXECUTOR and self.cfg.nsight:
             if self.started_ray and shutil.which("nsys") is None:
                 raise ConfigError("launch.nsight: nsys (Nsight Systems) is not on PATH on this node")
