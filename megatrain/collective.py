@@ -198,7 +198,8 @@ def gloo_options(bind: str | None, timeout: datetime.timedelta) -> dist.ProcessG
         if named:
             opts._devices = [dist.ProcessGroupGloo.create_device(interface=i) for i in named.split(",")]
         else:
-            opts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind) if bind else _default_device()]
+            make = dist.ProcessGroupGloo
+            opts._devices = [make.create_device(hostname=bind) if bind else make.create_default_device()]
     except RuntimeError as exc:
         where = f"the interfaces GLOO_SOCKET_IFNAME names ({named})" if named else f"this node's address {bind}"
         raise MegatrainError(
@@ -206,10 +207,6 @@ def gloo_options(bind: str | None, timeout: datetime.timedelta) -> dist.ProcessG
             "hosts reach this one through"
         ) from None
     return opts
-
-
-def _default_device() -> object:
-    return dist.ProcessGroupGloo.create_default_device()
 
 
 def await_works(

@@ -264,7 +264,7 @@ def _join_auth(address: str) -> str:
     if found is None:  # the probe itself failed: ray.init reports whatever there is
         return ""
     if found.get("error"):  # RAY_AUTH_TOKEN_PATH naming no file, or an empty one
-        return f"authentication failed: {found['error']}"
+        return _auth_message(found["error"])
     probed = _host_port(address) is not None  # 'auto' and ray:// addresses: the token is sent where there is one
     if mode is None and found.get("token") and (found.get("refused") or not probed):
         _token_mode()
@@ -277,9 +277,11 @@ def _join_auth(address: str) -> str:
     return _auth_advice() if found.get("refused") else ""
 
 
-def _auth_message(exc: Exception) -> str:
-    """Ray's AuthenticationError without the paragraph of general advice Ray appends to it."""
-    return f"authentication failed: {getattr(exc, 'message', str(exc)).strip().rstrip('.')}"
+def _auth_message(exc: Exception | str) -> str:
+    """Ray's AuthenticationError (or its message, as a probe reported it) without the paragraph of general
+    advice Ray appends to it."""
+    text = exc if isinstance(exc, str) else getattr(exc, "message", str(exc))
+    return f"authentication failed: {text.strip().rstrip('.')}"
 
 
 def _auth_advice() -> str:
@@ -301,7 +303,7 @@ from ray.exceptions import AuthenticationError
 try:
     print(json.dumps({"token": AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True)}), flush=True)
 except AuthenticationError as exc:
-    print(json.dumps({"error": getattr(exc, "message", str(exc)).strip().rstrip(".")}), flush=True)
+    print(json.dumps({"error": getattr(exc, "message", str(exc))}), flush=True)
     sys.exit()
 if sys.argv[1]:
     try:
