@@ -126,6 +126,19 @@ class StreamedReducingSink:
     def timeline(self) -> list:
         return self.inner.timeline if self.inner is not None else []
 
+    def warm(self) -> None:
+        """One small collective on each of this sink's NCCL groups, from its stream, waited for. NCCL makes a
+        group's communicator and its buffers at the group's first collective, with its own allocations outside
+        torch's allocator: made here, at the join, while the GPU is empty, not in the first backward, where the
+        allocator already holds all but the plan's margin (the hosts' reduce-scatter failed so, out of memory)."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.comm):
+            if self.group is not None:
+                self.group.finish(self.group.reduce_(torch.zeros(1, device=self.device)))
+            if self.hosts is not None:
+                full = torch.zeros(self.hosts.hosts, device=self.device)
+                self.hosts.group.reduce_scatter_(full, full[self.hosts.host : self.hosts.host + 1])
+        self.comm.synchronize()
+
     def begin(self) -> None:
         self.order, self.wait_s, self.bytes = _order(self.store), 0.0, 0
         self.todo = queue.Queue()

@@ -196,6 +196,7 @@ class GpuExecutor(Role):
         inner = self.sink if self.rank == 0 else None
         if self.cuda:
             self.sink = StreamedReducingSink(self.store, local, self.device, inner, hosts)
+            self._on_compute(self.sink.warm)
         else:
             self.sink = SyncReducingSink(self.store, local, inner, hosts)
         self._on_compute(stats.barrier)
