@@ -171,3 +171,13 @@ def test_a_one_host_plan_with_slabs_names_the_hosts_with_the_resident_copy(capsy
     assert re.search(
         r"^on 5 hosts like that one \(--hosts 5, actors\.num_hosts=5\) each needs 486.16 GiB: fits", out, re.M
     )
+
+
+def test_the_plan_over_hosts_says_what_each_host_sends_a_step(capsys, tmp_path) -> None:
+    """The time section splits the batch over every host's executors and says each host's traffic: 6 (H-1)/H
+    bytes per parameter (GPT-OSS-120B, 116.8B: about 561 GB a step on five hosts) and the speed that hides it."""
+    code, out = _run(capsys, _config(tmp_path), "--hosts", "5", "--gpu", "H200")
+    assert code == 0 and "on each of 5 executors (1 on each of 5 hosts)" in out
+    sent = re.search(r"between the hosts: each sends ([\d,.]+) GB a step and receives as much", out)
+    assert sent is not None and 560 <= float(sent.group(1).replace(",", "")) <= 570
+    assert re.search(r"it hides behind the step at [\d,.]+ GB/s \([\d,]+ Gb/s\) each way or more", out)

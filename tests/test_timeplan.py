@@ -18,6 +18,7 @@ from megatrain.errors import ConfigError
 from megatrain.launch.cli.main import main
 from megatrain.launch.config import timeplan
 from megatrain.launch.config.tree import load_config, load_tree, validate_model
+from megatrain.memory.hosts import network_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {
@@ -51,6 +52,31 @@ def test_a_step_takes_its_flops_at_the_rate() -> None:
     assert one.total_s == pytest.approx(1000 * one.step_s + (one.eval_s or 0))
     halves = timeplan.estimate(cfg, spec, gpu_basis(), 2, 1000)  # two executors: each does half
     assert halves is not None and halves.compute_s == pytest.approx(one.compute_s / 2)
+
+
+def test_over_several_hosts_each_takes_its_share_and_the_network_is_said() -> None:
+    """The batch splits over every executor of every host, each host's Adam updates its slice, and the plan
+    says the bytes each host sends a step (6 (H-1)/H per parameter on GPUs, 10 (H-1)/H on the CPU device:
+    an all-reduce of the gradients) and the speed at which they hide behind the estimated step."""
+    cfg, spec = small_cfg(), arch_from_config(small_cfg().model)
+    one = timeplan.estimate(cfg, spec, gpu_basis(host_gb_s=1.0), 1, 10)
+    two = timeplan.estimate(cfg, spec, gpu_basis(host_gb_s=1.0), 1, 10, hosts=2)
+    assert one is not None and two is not None
+    assert two.compute_s == pytest.approx(one.compute_s / 2) and two.adam_s == pytest.approx(one.adam_s / 2, rel=1e-6)
+    n = spec.layout.num_params
+    assert network_bytes(spec.layout, 1) == 0
+    for hosts in (2, 3, 4):  # padded to the hosts' slices: a little over the parameters' own bytes
+        assert 6 * (hosts - 1) / hosts * n <= network_bytes(spec.layout, hosts) <= 1.05 * 6 * (hosts - 1) / hosts * n
+        gpu, cpu = network_bytes(spec.layout, hosts), network_bytes(spec.layout, hosts, cuda=False)
+        assert cpu * 6 == gpu * 10
+    said = timeplan.lines(cfg, spec, gpu_basis(), 1, hosts=4)
+    est = timeplan.estimate(cfg, spec, gpu_basis(), 1, cfg.train.steps, hosts=4)
+    assert est is not None
+    (net,) = [line for line in said if "between the hosts" in line]
+    sent = network_bytes(spec.layout, 4)
+    assert f"each sends {sent / 1e9:,.1f} GB a step" in net and f"{sent / est.step_s / 1e9:,.1f} GB/s" in net
+    assert "on each of 4 executors (1 on each of 4 hosts)" in said[1] and "slice (1/4)" in said[3]
+    assert not any("between the hosts" in line for line in timeplan.lines(cfg, spec, gpu_basis(), 2))
 
 
 def test_the_adam_pass_is_a_floor_on_a_gpu_and_adds_on_the_cpu() -> None:

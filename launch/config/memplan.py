@@ -437,7 +437,7 @@ def report(args: argparse.Namespace) -> int:
     plan = dataclasses.replace(make_plan(cfg, free, cuda, this_host(cfg, args.host_gib), hosts), gpu_note=note)
     engine, n = resolve_engine(cfg.engine, cuda), executors_of(cfg, cuda)
     asked = timeplan.Asked(args.gpu, args.gpu_tflops, args.gpu_gib is not None, args.host_gib is not None)
-    timing = timeplan.plan_lines(cfg, engine, n, asked)
+    timing = timeplan.plan_lines(cfg, engine, n, asked, hosts)
     print(render(plan, cfg, timing + _weights_note(cfg)))
     return 0 if plan.fits() else 1
 

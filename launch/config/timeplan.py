@@ -15,6 +15,7 @@ from megatrain.flops import active_params, model_step_flops
 from megatrain.ipc.protocol.cpus import node_cores
 from megatrain.launch.config.tree import Config
 from megatrain.launch.control.placement import per_executor
+from megatrain.memory.hosts import network_bytes
 from megatrain.memory.machine import local_gpus
 
 if TYPE_CHECKING:  # the crew imports the actors, which a plan does not need; the spec, torch
@@ -40,20 +41,21 @@ def executor_threads(cfg: Config, executors: int) -> int:
     return cfg.actors.executor_threads or max(1, node_cores() // max(executors, 1))
 
 
-def mlp_shape(cfg: Config, arch: Arch, executors: int) -> tuple[int, int, int]:
-    """(hidden, intermediate, tokens of an executor's batch): the matmul a CPU's rate is timed on (HF's
-    intermediate_size, which is an expert's width in the families with no dense MLP)."""
+def mlp_shape(cfg: Config, arch: Arch, executors: int, hosts: int = 1) -> tuple[int, int, int]:
+    """(hidden, intermediate, tokens of an executor's batch, the batch split over `executors` on each of
+    `hosts`): the matmul a CPU's rate is timed on (HF's intermediate_size, which is an expert's width in the
+    families with no dense MLP)."""
     inner = arch.fields.get("intermediate_size") or 4 * arch.hidden_size
-    return arch.hidden_size, inner, per_executor(cfg.data.batch_size, executors) * cfg.data.seq_len
+    return arch.hidden_size, inner, per_executor(cfg.data.batch_size, executors * hosts) * cfg.data.seq_len
 
 
-def cpu_rate(cfg: Config, arch: Arch, engine: EngineConfig, executors: int) -> steptime.Rate:
+def cpu_rate(cfg: Config, arch: Arch, engine: EngineConfig, executors: int, hosts: int = 1) -> steptime.Rate:
     """This CPU's rate for the model, measured with the threads the executor would run (with torch, as the
     executor computes: only a plan for this machine's CPU imports it)."""
     import torch
 
     dtype = torch.bfloat16 if engine.compute_dtype == "bf16" else torch.float32
-    return steptime.cpu_rate(*mlp_shape(cfg, arch, executors), dtype, executor_threads(cfg, executors))
+    return steptime.cpu_rate(*mlp_shape(cfg, arch, executors, hosts), dtype, executor_threads(cfg, executors))
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,7 @@ def gpu_rate(engine: EngineConfig, asked: Asked) -> tuple[steptime.Rate | None, 
     return rate, ""
 
 
-def plan_basis(cfg: Config, arch: Arch, engine: EngineConfig, executors: int, asked: Asked) -> Basis:
+def plan_basis(cfg: Config, arch: Arch, engine: EngineConfig, executors: int, asked: Asked, hosts: int = 1) -> Basis:
     """What the plan's time assumes: the planned device (this CPU measured, a GPU by --gpu or this machine's),
     and this host's measured memory bandwidth, or, planning a GPU for a host of --host-gib, the bandwidth
     of BENCHMARKS.md's GPU hosts."""
@@ -118,7 +120,7 @@ def plan_basis(cfg: Config, arch: Arch, engine: EngineConfig, executors: int, as
         raise ConfigError(
             "--gpu and --gpu-tflops name the GPU the time assumes, but the plan is for the CPU device: add --gpu-gib N"
         )
-    rate, why = gpu_rate(engine, asked) if cuda else (cpu_rate(cfg, arch, engine, executors), "")
+    rate, why = gpu_rate(engine, asked) if cuda else (cpu_rate(cfg, arch, engine, executors, hosts), "")
     if cuda and asked.host_gib:
         bench = steptime.BENCH_HOST_BYTES_PER_S
         return Basis(rate, bench, f"{bench / 1e9:.0f} GB/s, BENCHMARKS.md's 16-core GPU hosts (--host-gib)", why)
@@ -142,18 +144,21 @@ def evaluation_flops(cfg: Config, arch: Arch, steps: int) -> float | None:
     return count * batches * model_step_flops(arch, d.batch_size, d.seq_len) / 3
 
 
-def estimate(cfg: Config, arch: Arch, basis: Basis, executors: int, steps: int) -> steptime.Estimate | None:
-    """`steps` steps (and the evaluations among them) of the run on `basis`'s machine; None without a rate."""
+def estimate(
+    cfg: Config, arch: Arch, basis: Basis, executors: int, steps: int, hosts: int = 1
+) -> steptime.Estimate | None:
+    """`steps` steps (and the evaluations among them) of the run on `basis`'s machine, `executors` on each of
+    `hosts` (the batch split over all of them; each host's Adam over its slice); None without a rate."""
     if basis.rate is None:
         return None
     rate = basis.rate
     if arch.is_moe:  # routing, the experts' smaller matmuls (BENCHMARKS.md)
         rate = steptime.Rate(rate.flops_per_s * steptime.MOE_FACTOR, rate.how, rate.cpu)
-    flops = model_step_flops(arch, cfg.data.batch_size, cfg.data.seq_len) / executors
+    flops = model_step_flops(arch, cfg.data.batch_size, cfg.data.seq_len) / (executors * hosts)
     evals = evaluation_flops(cfg, arch, steps)
     return steptime.step_estimate(
         flops,
-        arch.layout.num_params,
+        -(-arch.layout.num_params // hosts),
         len(arch.layout.units),
         rate,
         basis.host_bytes_per_s,
@@ -162,16 +167,16 @@ def estimate(cfg: Config, arch: Arch, basis: Basis, executors: int, steps: int) 
     )
 
 
-def plan_lines(cfg: Config, engine: EngineConfig, executors: int, asked: Asked) -> list[str]:
-    """The plan's time section for the machine planned for."""
+def plan_lines(cfg: Config, engine: EngineConfig, executors: int, asked: Asked, hosts: int = 1) -> list[str]:
+    """The plan's time section for the machine planned for, `executors` on each of `hosts` like it."""
     arch = arch_from_config(cfg.model, no_decay_1d=cfg.optim.no_decay_1d)
-    return lines(cfg, arch, plan_basis(cfg, arch, engine, executors, asked), executors)
+    return lines(cfg, arch, plan_basis(cfg, arch, engine, executors, asked, hosts), executors, hosts)
 
 
-def lines(cfg: Config, arch: Arch, basis: Basis, executors: int) -> list[str]:
+def lines(cfg: Config, arch: Arch, basis: Basis, executors: int, hosts: int = 1) -> list[str]:
     """The plan's time section."""
     d, steps = cfg.data, cfg.train.steps
-    est = estimate(cfg, arch, basis, executors, steps)
+    est = estimate(cfg, arch, basis, executors, steps, hosts)
     if est is None or basis.rate is None:
         return [f"time: no estimate: {basis.why}"]
     head = f"time (an estimate): {steptime.duration(est.step_s)} a step; train.steps {steps:,}: "
@@ -187,15 +192,39 @@ def lines(cfg: Config, arch: Arch, basis: Basis, executors: int) -> list[str]:
         head,
         f"  compute: {model_step_flops(arch, d.batch_size, d.seq_len):.3g} useful FLOPs a step (6·N·D + 12·L·H·S·D, "
         f"N = {active_params(arch) / 1e6:,.1f}M active parameters) in {steptime.duration(est.compute_s)}"
-        + (f" on each of {executors} executors" if executors > 1 else ""),
+        + _on_each(executors, hosts),
         f"    at {basis.rate.how}{moe}",
-        f"  the CPU Adam pass: {steptime.ADAM_BYTES_PER_PARAM} bytes per parameter at {basis.host_how}: "
-        f"{steptime.duration(est.adam_s)} a step"
+        f"  the CPU Adam pass: {steptime.ADAM_BYTES_PER_PARAM} bytes per parameter"
+        + (f" of each host's slice (1/{hosts})" if hosts > 1 else "")
+        + f" at {basis.host_how}: {steptime.duration(est.adam_s)} a step"
         + (", beside the compute on the same cores" if basis.rate.cpu else ", a floor once the backward ends"),
+        *_network(arch, hosts, not basis.rate.cpu, est.step_s),
     ]
     if est.total_s > DAY_S:
         out.append(f"  WARNING: {long_run(est)}")
     return out
+
+
+def _on_each(executors: int, hosts: int) -> str:
+    """Where the compute line's time is spent: each executor's share of the batch."""
+    if hosts > 1:
+        return f" on each of {executors * hosts} executors ({executors} on each of {hosts} hosts)"
+    return f" on each of {executors} executors" if executors > 1 else ""
+
+
+def _network(arch: Arch, hosts: int, cuda: bool, step_s: float) -> list[str]:
+    """Over several hosts: what each host sends a step, and the network speed at which it hides behind the
+    estimated step (the gradients' reduce-scatter and the weights' gather overlap the compute, docs/hosts.md)."""
+    sent = network_bytes(arch.layout, hosts, cuda)
+    if not sent:
+        return []
+    grads = "the fp32 gradients' reduce-scatter" if cuda else "the fp32 gradients' all-reduce (CPU device)"
+    per_s = sent / step_s
+    return [
+        f"  between the hosts: each sends {sent / 1e9:,.1f} GB a step and receives as much ({grads}, the bf16 "
+        f"weights' gather); it hides behind the step at {per_s / 1e9:,.1f} GB/s ({per_s * 8 / 1e9:,.0f} Gb/s) "
+        "each way or more"
+    ]
 
 
 def long_run(est: steptime.Estimate) -> str:
@@ -206,19 +235,20 @@ def long_run(est: steptime.Estimate) -> str:
     )
 
 
-def warn_if_long(crew: Crew, cfg: Config, spec: ModelSpec, executors: int, steps: int) -> None:
+def warn_if_long(crew: Crew, cfg: Config, spec: ModelSpec, executors: int, steps: int, hosts: int = 1) -> None:
     """At a run's start: a warning line when its `steps` left are estimated at more than a day, on the rate
-    the executor finds for its device and the bandwidth the Adam updater measures on the store's node."""
+    the executor finds for its device and the bandwidth the Adam updater measures on the store's node
+    (`executors` on each of `hosts`)."""
     from megatrain import log
     from megatrain.actors.adam_updater import AdamUpdater
     from megatrain.actors.gpu_executor import GpuExecutor
     from megatrain.roster import ADAM, EXECUTOR
 
     arch = arch_of_spec(spec)
-    hidden, inner, tokens = mlp_shape(cfg, arch, executors)
+    hidden, inner, tokens = mlp_shape(cfg, arch, executors, hosts)
     rate = crew.call_one(EXECUTOR, GpuExecutor.step_rate, hidden=hidden, inner=inner, tokens=tokens)
     bandwidth = crew.call_one(ADAM, AdamUpdater.memory_bandwidth)
-    est = estimate(cfg, arch, Basis(rate, bandwidth), executors, steps)
+    est = estimate(cfg, arch, Basis(rate, bandwidth), executors, steps, hosts)
     if est is not None and rate is not None and est.total_s > DAY_S:
         flops = model_step_flops(arch, cfg.data.batch_size, cfg.data.seq_len)
         log(

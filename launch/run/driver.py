@@ -255,7 +255,7 @@ class Trainer:
             f"{self.out / 'config.yaml'}):\n  " + "\n  ".join(f"{k}: {short(v)}" for k, v in changed)
         )
         self._start_actors()
-        timeplan.warn_if_long(self.crew, cfg, spec, self.executors, self.steps - self.start)
+        timeplan.warn_if_long(self.crew, cfg, spec, self.executors, self.steps - self.start, self.hosts)
         self.evaluator = Evaluator(self.data, cfg.train.eval_batches, self.crew, cfg.train.step_timeout_s)
 
     def _start_actors(self) -> None:

@@ -72,3 +72,13 @@ def host_plane_elems(layout: StoreLayout, hosts: int) -> int:
 def fewest_hosts(fits: Callable[[int], bool], start: int, most: int = MAX_HOSTS) -> int | None:
     """The fewest hosts, from `start` up to `most`, on which `fits(hosts)` holds; None where none does."""
     return next((h for h in range(start, most + 1) if fits(h)), None)
+
+
+def network_bytes(layout: StoreLayout, hosts: int, cuda: bool = True) -> int:
+    """The bytes each host sends between the hosts in a step, and receives as many, over `hosts` hosts: each
+    unit's fp32 gradient reduce-scattered (a ring: H-1 of its H chunks; on the CPU device an all-reduce, twice
+    that) and its own bf16 slice of each unit to every other host: 6 (H-1)/H bytes per parameter on GPUs."""
+    if hosts < 2:
+        return 0
+    grad_bytes = 4 if cuda else 8
+    return sum((hosts - 1) * largest_slice(u.tile, hosts) * (grad_bytes + 2) for u in layout.units)
