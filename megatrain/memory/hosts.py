@@ -5,7 +5,8 @@ into contiguous slices on the store's tile alignment; every host keeps the rest 
 resident copy its executors stream from, the staging slabs, the control segment). The host that holds the
 most holds the largest slice of every unit: that is what each host must have room for; every host lays its
 slices out at the same offsets. The pieces (a version counter and a squared norm each) are cut at the slices
-too, so that each piece's gradient, update and checkpoint are one host's."""
+too, so that each piece's gradient, update and checkpoint are one host's. The bytes each host sends a step
+(network_bytes) are the plan's too: its time section says what network hides them."""
 
 from __future__ import annotations
 
