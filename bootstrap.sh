@@ -55,8 +55,8 @@ megatrain_env() {
         fi
         stamp="$root/.venv/.megatrain-setup"
     fi
-    # The stamp: "<pyproject hash> <root>", then one line per extras set installed ("-" for none).
-    want="$(sha256sum < "$root/pyproject.toml" | cut -c1-16) $root"
+    # The stamp: "<hash of pyproject.toml and setup.py> <root>", then one line per extras set installed ("-" for none).
+    want="$(cat "$root/pyproject.toml" "$root/setup.py" | sha256sum | cut -c1-16) $root"
     local extras="${MEGATRAIN_EXTRAS:--}"
     if [ -f "$stamp" ] && [ "$(head -1 "$stamp")" = "$want" ] \
         && { [ "$extras" = "-" ] || tail -n +2 "$stamp" | grep -qx "$extras"; } \
