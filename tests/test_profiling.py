@@ -103,31 +103,68 @@ def _py_spy() -> str:
     return exe
 
 
-def _adam_at_work(seconds: float) -> None:
-    """Python work py-spy can see, in Adam's thread, for `seconds`."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        sum(range(1000))
+def _sleeps(pid: int) -> int:
+    """How often py-spy's threads have gone to sleep (voluntary context switches): its sampling loop sleeps
+    at most once a round and its writer waits at most once per sample (a py-spy that falls behind samples
+    without sleeping: more samples per sleep, never fewer)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as f:
+                total += sum(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+        except OSError:  # a thread that ended since the listing
+            pass
+    return total
+
+
+SAMPLE_ROUNDS = 40  # py-spy's sampling rounds that each piece of Adam's work outlasts
+
+
+def _adam_at_work(pyspy: int) -> None:
+    """Python work py-spy can see, in Adam's thread, until py-spy (pid `pyspy`) has gone round its sampling
+    loop SAMPLE_ROUNDS times since it began (two sleeps a round at most): as long as a loaded machine needs,
+    not a set time."""
+    start, deadline = _sleeps(pyspy), time.monotonic() + 120  # only a py-spy that hangs without exiting
+    while _sleeps(pyspy) - start < 2 * SAMPLE_ROUNDS and time.monotonic() < deadline:
+        end = time.perf_counter() + 0.005  # Python work between looks at py-spy's threads
+        while time.perf_counter() < end:
+            sum(range(1000))
 
 
 def test_a_cpu_actor_is_sampled_over_its_step(tmp_path: Path, rid: str, capsys, monkeypatch) -> None:
     """The actor's sampler was sampling before step 3 began (start() returns once py-spy says it samples) and
-    wrote its file after the step: the log line says both. Adam's updates of steps 2 and 3 (the window holds
-    the one of the step before where Adam overlaps the next step) each spend a tenth of a second per piece in
-    Python, so the file must hold samples of Adam's thread in that work, called from the updater's code: the
-    process that runs the adam-updater, sampled while it updated."""
+    wrote its file after the step: the log line says both. The window gathers Adam's update of step 2 (which
+    overlaps step 3): each of its pieces waits for the sampler to sample, then works in Python until py-spy
+    has gone round many times, however slowly a loaded machine runs it. So the file must hold samples of
+    Adam's thread in that work, called from the updater's code: the process that runs the adam-updater,
+    sampled while it updated."""
+    import functools
     import json
+    import threading
 
     from megatrain.actors.adam_updater import AdamUpdater
+    from megatrain.actors.base import Role
 
-    real = AdamUpdater._update
+    real_update, real_start = AdamUpdater._update, Role.profile_start
+    sampling = threading.Event()
+    worked: list[int] = []  # the units whose step-2 update worked while py-spy sampled
+
+    @functools.wraps(real_start)  # the crew calls it by its name
+    def profile_start(self, path):  # noqa: ANN001, ANN202
+        why = real_start(self, path)
+        if not why:
+            sampling.set()
+        return why
 
     def update(self, unit, lo, hi, g, t, lr, scale):  # noqa: ANN001
-        if t in (2, 3):
-            _adam_at_work(0.1)
-        real(self, unit, lo, hi, g, t, lr, scale)
+        # step 2's update runs (its pieces wait here) until the window that gathers it has py-spy sampling
+        if t == 2 and sampling.wait(120):
+            _adam_at_work(self.sampler.proc.pid)
+            worked.append(unit)
+        real_update(self, unit, lo, hi, g, t, lr, scale)
 
     _py_spy()
+    monkeypatch.setattr(Role, "profile_start", profile_start)
     monkeypatch.setattr(AdamUpdater, "_update", update)
     out, log = _profiled_run(tmp_path, rid, "adam-updater", capsys)
     trace = out / "profiles" / "adam-updater-step-3.speedscope.json"
@@ -137,7 +174,8 @@ def test_a_cpu_actor_is_sampled_over_its_step(tmp_path: Path, rid: str, capsys, 
     frames = data["shared"]["frames"]
     stacks = [[frames[f] for f in sample] for prof in data["profiles"] for sample in prof["samples"]]
     working = [s for s in stacks if any(f["name"] == "_adam_at_work" for f in s)]
-    assert len(working) >= 10, f"{len(working)} of {len(stacks)} samples in Adam's work"
+    assert worked, "no piece of Adam's step-2 update worked while py-spy sampled"
+    assert working, f"none of {len(stacks)} samples in Adam's work ({len(worked)} pieces worked while sampled)"
     assert all(any(f.get("file", "").endswith("actors/adam_updater.py") for f in s) for s in working)
     assert not (out / "profile-step-3.json").exists()  # the executor was not profiled
 
