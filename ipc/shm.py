@@ -60,6 +60,16 @@ def host_run_id(run_id: str, host: int) -> str:
     return named
 
 
+def run_of_host(store_run_id: str, host: int) -> str:
+    """The run's id, from the run id of host `host`'s store (host_run_id's inverse)."""
+    mark = f"h{host}"
+    if host == 0:
+        return store_run_id
+    if not store_run_id.endswith(mark):
+        raise ValueError(f"'{store_run_id}' is not the run id of host {host}'s store")
+    return store_run_id[: -len(mark)]
+
+
 def seg_name(run_id: str, part: str) -> str:
     return f"/{PREFIX}{run_id}-{part}"
 

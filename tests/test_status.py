@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -10,8 +11,9 @@ import pytest
 
 from megatrain.ipc.protocol import Store
 from megatrain.ipc.protocol.status import read_run
+from megatrain.ipc.shm import host_run_id
 from megatrain.launch.cli.main import main
-from tests.shm_fixtures import ALL_PARTS, SHM, make_spec, owned, remove_all
+from tests.shm_fixtures import ALL_PARTS, SHM, make_spec, owned, release, remove_all
 from tests.test_shm import DEAD_OWNER, child_env
 
 
@@ -70,3 +72,40 @@ def test_a_run_whose_owner_died_is_not_listed_but_named_for_cleanup(rid: str, ca
         assert line.endswith("`megatrain-launch --cleanup` removes it (so does the next launch on this node)")
     finally:
         remove_all(rid)
+
+
+def test_a_run_over_two_hosts_is_one_run_with_each_hosts_roles_named(rid: str, model_spec, capsys) -> None:
+    """Host 1's store (its own run id, as hosts on one machine have it) is shown as host 1 of the same run, its
+    roles as the driver names them (ROLE@host1), not as a run of its own."""
+    resident = {"staging_mode": "resident", "slab_params": 2048}
+    specs = [
+        dataclasses.replace(make_spec(host_run_id(rid, h), model_spec, **resident), hosts=2, host=h) for h in (0, 1)
+    ]
+    stores, workers = [], []
+    try:
+        for spec in specs:
+            stores.append(Store.create(spec))
+            stores[-1].write_about({"output_dir": "/runs/two", "steps": 10})
+            workers.append(Store.attach(spec, ("params",), role="adam-updater"))
+        assert main(["status", "--shm-dir", SHM]) == 0
+        out = capsys.readouterr().out
+        assert f"run {rid}h1" not in out, out
+        (head,) = [line for line in out.splitlines() if line.startswith(f"run {rid}:")]
+        assert "over 2 hosts, hosts 0, 1 on this node" in head, out
+        assert f"  host 1: store {rid}h1, owner pid {os.getpid()}" in out, out
+        rows = [line.split() for line in out.splitlines() if line.startswith("  adam-updater")]
+        assert [r[0] for r in rows] == ["adam-updater", "adam-updater@host1"], out
+    finally:
+        for w in workers:
+            w.close()
+        release(stores, [host_run_id(rid, 1)])
+
+
+@pytest.mark.parametrize("argv", [["status"], ["--cleanup"]])
+def test_a_shm_dir_that_is_no_directory_is_a_usage_error_naming_it(tmp_path, capsys, argv: list[str]) -> None:
+    for path, what in ((tmp_path / "shmm", "no such directory"), (tmp_path / "file", "not a directory")):
+        if path.name == "file":
+            path.write_text("")
+        assert main([*argv, "--shm-dir", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err == f"megatrain-launch: error: --shm-dir {path}: {what}\n", err

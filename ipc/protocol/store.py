@@ -36,6 +36,7 @@ from megatrain.ipc.shm import (
     Segment,
     check_space,
     run_entries,
+    run_of_host,
     seg_name,
 )
 
@@ -119,6 +120,12 @@ class Store:
             "staging": spec.staging_mode,
             "clip": spec.clip,
             "created": time.time(),
+            # over several hosts, each host's store says whose host it is (status shows it under its run)
+            **(
+                {"run": run_of_host(spec.run_id, spec.host), "host": spec.host, "hosts": spec.hosts}
+                if spec.hosts > 1
+                else {}
+            ),
             **(extra or {}),
         }
         raw = json.dumps(about).encode()

@@ -44,8 +44,9 @@ def cleanup(shm_dir: str = "/dev/shm") -> int:
     """Remove what `status` calls left over (ipc/segments.py: one classification for both, and for a launch);
     say what stays that is not a live run, in status's words."""
     from megatrain.ipc.segments import LIVE, found, sweep
+    from megatrain.launch.cli.status_cmd import shm_dir_arg
 
-    removed = sweep(shm_dir=shm_dir)
+    removed = sweep(shm_dir=shm_dir_arg(shm_dir))
     print(
         f"megatrain-launch: removed {len(removed)} shared-memory objects left over in {shm_dir}"
         + (":\n  " + "\n  ".join(sorted(removed)) if removed else "")
@@ -130,10 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["status"]:
         from megatrain.launch.cli.status_cmd import main as status_main
 
-        return status_main(argv[1:])
+        return _usage_errors(lambda: status_main(argv[1:]))
     args = _parser().parse_intermixed_args(argv)  # overrides may come after --address too
     if args.cleanup:
-        return cleanup(args.shm_dir)
+        return _usage_errors(lambda: cleanup(args.shm_dir))
     if args.shm_dir != "/dev/shm":
         _parser().error("--shm-dir goes with --cleanup (a run's own is the config key ipc.shm_dir)")
     if args.config_reference:
