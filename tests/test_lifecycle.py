@@ -455,7 +455,8 @@ def test_the_launcher_leaves_once_its_inputs_read_has_ended() -> None:
     release = threading.Event()
     held = Background(release.wait, name="inputs")
     began = time.monotonic()
-    assert not settle_reads(0.3) and time.monotonic() - began < 2.0  # the limit ends the wait
+    # the limit ends the wait for a read never released (the bound: a loaded machine's lateness, not the limit's)
+    assert not settle_reads(0.3) and time.monotonic() - began < 30.0
     assert not settle_reads(30.0, stop=lambda: True)  # a signal came: no wait
     release.set()
     assert settle_reads(5.0) and held.result() is True
