@@ -116,6 +116,21 @@ def test_auto_resume_in_place_appends_metrics_and_ignores_torn_saves(tmp_path: P
     assert not list(root.glob("*.tmp-*"))
 
 
+def test_an_unfinished_write_a_killed_run_left_is_removed_at_the_next_start_and_said(tmp_path: Path, capsys) -> None:
+    """A run over several hosts killed while writing leaves every host's part in step-N.tmp-hosts, a checkpoint's
+    size on the disk: the next run in the directory removes it before it starts, with a line, even one that
+    writes no checkpoint itself (the writers' own clean-up never runs there)."""
+    out = tmp_path / "run"
+    torn = out / "checkpoints" / "step-0000004.tmp-hosts"
+    for part in ("host-0", "host-1.tmp-4242"):
+        (torn / part).mkdir(parents=True)
+        (torn / part / "params.bin").write_bytes(b"torn")
+    run(out, "llama", "train.save_every=0", "train.save_final=false", steps=2)
+    assert not torn.exists() and not list((out / "checkpoints").glob("*.tmp-*"))
+    said = capsys.readouterr().out
+    assert f"removed step-0000004.tmp-hosts from {out / 'checkpoints'}: an earlier run's checkpoint write" in said
+
+
 def test_resume_refuses_another_model_and_a_corrupt_file(tmp_path: Path) -> None:
     run(tmp_path / "a", "llama", steps=5)
     step5 = ckpt.step_dir(tmp_path / "a" / "checkpoints", 5)

@@ -24,6 +24,21 @@ from megatrain.launch.control.runners import Pending
 from megatrain.roster import WRITER, on_host
 
 
+def clear_torn(root: Path, whose: str) -> list[str]:
+    """Remove what unfinished checkpoint writes left in `root`, saying so: a *.tmp-* entry (one host's
+    step-N.tmp-PID, or step-N.tmp-hosts holding every host's part over several), which nothing reads but which
+    takes a checkpoint's size on the disk. The run's start removes what a killed run left (the output
+    directory's lock says no other run writes there), its end what its own aborted write left. `whose`: whose
+    write it was, as the line says."""
+    gone = sorted(ckpt.remove_torn(root))
+    if gone:
+        log(
+            f"removed {', '.join(gone)} from {root}: {whose} checkpoint write that did not finish "
+            "(no complete checkpoint was touched)"
+        )
+    return gone
+
+
 class Checkpointer:
     """When a checkpoint is due, and what a finished one leaves: the older ones pruned, a log line, its record."""
 

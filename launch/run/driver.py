@@ -38,7 +38,7 @@ from megatrain.launch.control.placement import per_executor, thread_request
 from megatrain.launch.control.runners import Pending, make_runner
 from megatrain.launch.report.describe import describe_memory, short
 from megatrain.launch.report.tensorboard import summary_writer
-from megatrain.launch.run.checkpoints import Checkpointer
+from megatrain.launch.run.checkpoints import Checkpointer, clear_torn
 from megatrain.launch.run.evaluation import Evaluator
 from megatrain.launch.run.inputs import read_inputs
 from megatrain.launch.run.outdir import OutputLock, prepare_output, resolve_output
@@ -232,6 +232,7 @@ class Trainer:
         prepare_output(self.out, cfg.train.overwrite, self.start if self.begin.in_place else None)
         self.log_dir = self.out
         self.checkpointer = Checkpointer(cfg.train, self.out / "checkpoints", self.steps)
+        clear_torn(self.checkpointer.root, "an earlier run's")  # a killed run's (the directory is ours now)
         if self.resume_dir:
             log(f"resuming from {self.resume_dir} (after step {self.start} of {self.steps})")
         if self.steps != cfg.train.steps:
@@ -331,5 +332,7 @@ class Trainer:
         self._closed = True
         with sigint_deferred():
             self.crew.shutdown()
+            if self.log_dir is not None:  # the output directory is this run's: a write its end cut short goes
+                clear_torn(self.out / "checkpoints", "this run's")
             if self.lock is not None:
                 self.lock.release()
