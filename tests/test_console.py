@@ -59,6 +59,11 @@ def test_ctrl_c_with_the_pipe_reader_gone_still_checkpoints(tmp_path: Path, stde
     assert [r["step"] for r in done] == list(range(1, len(done) + 1)) and len(done) >= 3
     assert [s for s, _ in ckpt.complete(cli.out / "checkpoints")] == [done[-1]["step"]]  # every step applied
     assert not (cli.out / "error.log").exists()
+    # the stop's line and the command that resumes, which the dead pipe did not carry, are in the run's directory
+    line = (cli.out / "exit.log").read_text()
+    assert line.startswith(f"megatrain-launch: stopped by SIGINT after step {done[-1]['step']}; checkpoint "), line
+    resume = (cli.out / "RESUME").read_text().splitlines()
+    assert resume[0] == f"# {line.strip()}" and f"train.output_dir={cli.out}" in resume[-1], resume
     assert "\x1b" not in (tmp_path / "run.log").read_text()  # no colour codes into a pipe
     if not stderr_too:
         said = err.read_text()

@@ -9,6 +9,7 @@ import json
 import os
 import shlex
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +38,14 @@ ARGS = [
     "train.log_every=1",
     "launch.runner=inprocess",
 ]
+
+
+@pytest.fixture(autouse=True)
+def launcher_on_path(monkeypatch) -> None:
+    """A shell in this environment: PATH finds its megatrain-launch, which the resume command names bare
+    (tests/test_ended_early.py shows the other cases); no wrapper script started the launch."""
+    monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    monkeypatch.delenv("MEGATRAIN_RERUN", raising=False)
 
 
 def losses(out: Path) -> list[tuple[int, float]]:

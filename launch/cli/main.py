@@ -184,20 +184,22 @@ def _run(args: argparse.Namespace, stop: Any, program: bool = False) -> int:
             )
             return 0
         if summary.get("stopped_by"):
-            print(
+            _last_line(
                 f"megatrain-launch: stopped by {summary['stopped_by']} after step {summary['last_step']}; "
                 + (_continue(trainer, argv) or "no checkpoint written"),
-                file=sys.stderr,
+                trainer,
+                argv,
             )
             return 128 + stop.signum
         print(f"megatrain-launch: done, {len(summary['metrics'])} steps; metrics in {trainer.out / 'metrics.jsonl'}")
         return 0
     except KeyboardInterrupt:
         after = _continue(trainer, argv)
-        print(
+        _last_line(
             f"{_interrupted(stop, trainer)}; the run's processes and shared memory were released"
             + (f"; {after}" if after else ""),
-            file=sys.stderr,
+            trainer,
+            argv,
         )
         return 128 + (stop.signum or signal.SIGINT)
     except (ConfigError, DataError) as exc:  # the user's input: nothing was started
@@ -206,12 +208,22 @@ def _run(args: argparse.Namespace, stop: Any, program: bool = False) -> int:
 
         return _report(exc, locate(str(exc), where, Config), trainer, USAGE_ERROR)
     except MegatrainError as exc:
-        return _report(exc, _with_free_space(str(exc), trainer), trainer, after=_resumable(trainer, argv))
+        return _report(exc, _with_free_space(str(exc), trainer), trainer, after=_resumable(trainer, argv), argv=argv)
     except OSError as exc:  # the machine's, not the input's: a full disk, a directory made read-only meanwhile
-        return _report(exc, _os_error(exc, trainer), trainer, after=_resumable(trainer, argv))
+        return _report(exc, _os_error(exc, trainer), trainer, after=_resumable(trainer, argv), argv=argv)
     except Exception as exc:  # a bug of ours: still one line, the traceback goes to error.log
         message = f"internal error: {type(exc).__name__}: {exc}"
-        return _report(exc, message, trainer, after=_resumable(trainer, argv))
+        return _report(exc, message, trainer, after=_resumable(trainer, argv), argv=argv)
+
+
+def _last_line(line: str, trainer: Any, argv: list[str]) -> None:
+    """The launcher's last line, on stderr and, once the output directory is the run's, in its exit.log (with
+    the command that resumes it in RESUME: launch/report/rerun.py): the console may have died with the signal."""
+    if getattr(trainer, "log_dir", None) is not None:
+        from megatrain.launch.report.rerun import record_end
+
+        record_end(trainer.log_dir, line, argv, trainer.cfg.train)
+    print(line, file=sys.stderr)
 
 
 def _interrupted(stop: Any, trainer: Any) -> str:
@@ -238,11 +250,19 @@ def _resumable(trainer: Any, argv: list[str]) -> str:
     return f"; {after}" if after else ""
 
 
-def _report(exc: BaseException, message: str, trainer: object, code: int = RUNTIME_ERROR, after: str = "") -> int:
+def _report(
+    exc: BaseException,
+    message: str,
+    trainer: object,
+    code: int = RUNTIME_ERROR,
+    after: str = "",
+    argv: list[str] | None = None,
+) -> int:
+
     """One line on stderr, ending with `after` (how to resume). A run that failed (not refused input: that creates
     nothing) leaves error.log in its own output directory, with the traceback of where it failed: the failing
     actor's own when it came from one, else this process's. Where error.log cannot be written (a full disk), the
-    line still comes, and says so."""
+    line still comes, and says so. `argv`: the launch's, for the resume command the directory keeps (RESUME)."""
     out_dir: Path | None = getattr(trainer, "log_dir", None)
     where = ""
     if code == RUNTIME_ERROR and out_dir is not None and out_dir.is_dir():
@@ -255,7 +275,11 @@ def _report(exc: BaseException, message: str, trainer: object, code: int = RUNTI
         except OSError as err:
             log.unlink(missing_ok=True)  # a cut-off one would only mislead
             where = f" ({log} could not be written: {err.strerror or err})"
-    print(f"megatrain-launch: error: {message}{where}{after}", file=sys.stderr)
+    line = f"megatrain-launch: error: {message}{where}{after}"
+    if code == RUNTIME_ERROR and argv is not None:
+        _last_line(line, trainer, argv)
+    else:
+        print(line, file=sys.stderr)
     return code
 
 

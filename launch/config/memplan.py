@@ -24,7 +24,7 @@ from megatrain.flops import active_params, expert_params
 from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
 from megatrain.ipc.shm import HEADER_BYTES, gib
 from megatrain.launch.config import timeplan
-from megatrain.launch.config.tree import Config, load_tree, validate_plan
+from megatrain.launch.config.tree import Config, gpu_budget_without_gpu, load_tree, validate_plan
 from megatrain.launch.control.placement import demands, describe_need, per_executor, resolve_executors, roster_for
 from megatrain.memory import budget as gpubudget
 from megatrain.memory.gpu import reduction_bytes
@@ -470,7 +470,11 @@ def _gpu(cfg: Config, gib_given: float | None) -> tuple[int | None, bool, str]:
             raise ConfigError("--gpu-gib must be > 0")
         return int(gib_given * GIB), True, " (--gpu-gib)"
     if not local_gpus():
-        if gpubudget.budget_bytes(cfg.engine) is not None:  # a GPU of that budget, wherever it will be
+        remote = bool(cfg.launch.address or os.environ.get("RAY_ADDRESS"))
+        problem = gpu_budget_without_gpu(cfg, remote, gpus=0)  # as the run refuses it
+        if problem:
+            raise ConfigError(f"{problem}; --gpu-gib N plans for a GPU with N GiB free elsewhere")
+        if gpubudget.budget_bytes(cfg.engine) is not None:  # a GPU of that budget, on the cluster's node
             return None, True, f" (planned for {gpubudget.KEY})"
         if cfg.engine.device == "cuda":
             raise ConfigError(

@@ -144,6 +144,27 @@ def check_model(cfg: Config, where: Where | None = None) -> Arch:
     return arch
 
 
+def gpu_budget_without_gpu(
+    cfg: Config, remote: bool, gpus: int | None = None, place: str = "this machine"
+) -> str | None:
+    """engine.gpu_memory_gib is a GPU's budget: where engine.device auto finds no GPU, the run and `plan` alike
+    refuse it (the message, key first), rather than train or plan the CPU with the budget ignored, or plan a GPU
+    the run will not have. `remote`: the run joins a Ray cluster, whose nodes decide (None: they may have
+    GPUs); `gpus`: this machine's (None: counted here), or those of `place` (the cluster's, once joined)."""
+    if cfg.engine.gpu_memory_gib in (None, "auto") or cfg.engine.device != "auto" or remote:
+        return None
+    if gpus is None:
+        from megatrain.memory.machine import local_gpus
+
+        gpus = local_gpus()
+    if gpus:
+        return None
+    return (
+        f"engine.gpu_memory_gib: {cfg.engine.gpu_memory_gib} GiB is the budget of a GPU, but {place} has none "
+        "(engine.device auto would train on the CPU): leave the key out to train on the CPU"
+    )
+
+
 def check_gpu_budget(cfg: Config, where: Where | None = None) -> None:
     """engine.gpu_memory_gib must hold the run's plan (explicit sizes included) before anything starts. Only
     where the run computes on a GPU: engine.device cuda, or auto on a machine with one."""

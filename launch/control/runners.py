@@ -161,10 +161,10 @@ class RayRunner:
         from ray.util.placement_group import placement_group
 
         alive = self.nodes()
-        if hosts > alive:
-            raise ResourceError(
-                f"actors.num_hosts {hosts}: the Ray cluster has {alive} node{'s' * (alive != 1)} alive; each host of "
-                "the run is a node of its own (`ray start --address ...` on each, or fewer hosts)"
+        if hosts > alive:  # the value asks for what the cluster lacks: a usage error, named where it was set
+            raise ConfigError(
+                f"actors.num_hosts: {hosts} hosts, but the Ray cluster has {alive} node{'s' * (alive != 1)} alive; "
+                "each host of the run is a node of its own (`ray start --address ...` on each, or fewer hosts)"
             )
         self.pg = placement_group([bundle] * hosts, strategy="STRICT_PACK" if hosts == 1 else "STRICT_SPREAD")
         ready, _ = self.ray.wait([self.pg.ready()], timeout=self.cfg.placement_timeout_s)

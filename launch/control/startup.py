@@ -6,6 +6,7 @@ then every worker attaches. Each phase is timed (Phases)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from megatrain.errors import ConfigError, ProtocolError, ResourceError
 from megatrain.ipc.protocol import StoreSpec
 from megatrain.ipc.protocol.messages import FillReport
 from megatrain.launch.config import memplan
-from megatrain.launch.config.tree import Config
+from megatrain.launch.config.tree import Config, gpu_budget_without_gpu
 from megatrain.launch.control.crew import Crew
 from megatrain.launch.control.placement import (
     Demand,
@@ -111,6 +112,10 @@ def spawn_actors(crew: Crew, cfg: Config, reading: Background, phases: Phases) -
     if reading.failed():  # refused while Ray started: no actor is spawned for it
         reading.result()
     cuda = cfg.engine.device == "cuda" or (cfg.engine.device == "auto" and crew.runner.has_gpu())
+    place = "the Ray cluster" if cfg.launch.address or os.environ.get("RAY_ADDRESS") else "this machine"
+    problem = None if cuda else gpu_budget_without_gpu(cfg, remote=False, gpus=0, place=place)
+    if problem:  # a budget for a GPU the run does not have (a joined cluster's nodes decide): as plan refuses it
+        raise ConfigError(problem)
     n = resolve_executors(cfg.actors, cuda, crew.runner.gpus() if cuda else 0)
     crew.hosts = hosts = resolve_hosts(cfg.actors, crew.runner.nodes())
     split = batch_split_problem(cfg.data.batch_size, n * hosts)  # auto: known only now

@@ -40,7 +40,7 @@ from megatrain.launch.report.describe import describe_memory, short
 from megatrain.launch.report.tensorboard import summary_writer
 from megatrain.launch.run.checkpoints import Checkpointer, clear_torn
 from megatrain.launch.run.evaluation import Evaluator
-from megatrain.launch.run.inputs import read_inputs
+from megatrain.launch.run.inputs import check_first, read_inputs
 from megatrain.launch.run.outdir import OutputLock, prepare_output, resolve_output
 from megatrain.launch.run.resume import Start, may_resume
 from megatrain.launch.run.steploop import PreparedRun, StepLoop
@@ -206,11 +206,13 @@ class Trainer:
             summary_writer()  # a missing package is a usage error before anything starts
         self.lock = OutputLock(self.out, self.run_id)  # before anything in the directory is read or changed
         machine = memplan.this_host(cfg)  # as `megatrain-launch plan` sees it: before Ray and the actors
+        resumable = may_resume(cfg.train.resume, self.out)
+        check_first(cfg, self.where, self.out, fresh=not resumable)  # what takes no time: before Ray starts
         # The inputs (launch/run/inputs.py) are read on a thread while Ray starts and the actors spawn; a refused one
         # ends them again and leaves the directory as it was. Not beside in-process actors: there is no process
         # start to hide, and their threads would import transformers side by side (its lazy module fails so).
         # Nor where a checkpoint may be resumed: a complete run or a corrupt checkpoint starts nothing.
-        beside = cfg.launch.runner == "ray" and not may_resume(cfg.train.resume, self.out)
+        beside = cfg.launch.runner == "ray" and not resumable
         reading = Background(read_inputs, cfg, self.where, self.out, name="inputs", here=not beside)
         if not beside:
             self.phases.close("inputs read (config checks, data, checkpoint)")

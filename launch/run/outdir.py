@@ -19,7 +19,7 @@ from megatrain.errors import ConfigError
 from megatrain.ipc.procs import pid_alive
 
 # What a run writes at the top of its output directory (final/ is the saved model).
-RUN_FILES = ("metrics.jsonl", "config.yaml", "error.log", "timeline.json")
+RUN_FILES = ("metrics.jsonl", "config.yaml", "error.log", "timeline.json", "exit.log", "RESUME")
 LIVE_FILE = ".megatrain-live.json"  # who holds the directory: written by the live run, removed when it ends
 
 
@@ -119,6 +119,16 @@ def resolve_output(template: str, run_id: str) -> Path:
 def in_ray_job() -> bool:
     """This process is a `ray job submit` entrypoint (Ray sets this variable for it and its children)."""
     return "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+
+
+def check_free(out: Path, overwrite: bool) -> None:
+    """Refuse, before anything starts, an output directory that prepare_output would refuse for a run starting
+    afresh in it: not a directory, or holding another run's metrics (without train.overwrite)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"train.output_dir: '{out}' exists and is not a directory")
+    metrics = out / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0 and not overwrite:
+        raise ConfigError(_occupied(out, metrics))
 
 
 def prepare_output(out: Path, overwrite: bool, resume_step: int | None = None) -> None:

@@ -1,6 +1,10 @@
 """Graceful stop: the first SIGINT, SIGTERM or SIGHUP lets the current step finish, writes a checkpoint
 (train.save_on_signal) and exits 128 + the signal's number; a second one stops at once (the same
-cleanup as any failure: every process and segment of the run is released). From the first signal on the
+cleanup as any failure: every process and segment of the run is released), however soon after the first it
+comes. Python runs a signal's handler once for any number of that signal that arrived before the main thread got
+to it (a flag, not a count: the main thread waits in Ray's calls or for the GIL on a busy machine), so the
+handler counts the deliveries from the wakeup pipe, where the interpreter writes a byte for each one. From the
+first signal on the
 console is best-effort (launch/report/console.py): a terminal or pipe gone with the same Ctrl-C or SIGHUP must not
 cost the checkpoint. SIGPIPE is ignored: a closed pipe is a write's EPIPE, which the console drops.
 
@@ -10,9 +14,11 @@ while the interpreter exits races the exit handlers."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,6 +28,7 @@ from megatrain import checkpoint as ckpt
 from megatrain.launch.report import console
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+NUMBERS = frozenset(int(s) for s in SIGNALS)
 T = TypeVar("T")
 
 _RUNNING: set[Background] = set()  # the calls still running on their threads
@@ -31,16 +38,45 @@ _LOCK = threading.Lock()
 class StopRequest:
     def __init__(self) -> None:
         self.signum: int | None = None
+        self._wakeup: tuple[int, int] | None = None  # the pipe the interpreter writes each signal's number into
+        self._bytes: Counter[int] = Counter()  # each signal's bytes read from it
+        self._calls: Counter[int] = Counter()  # each signal's handler calls
+        self._counted = 0  # the deliveries the handler has acted on
+        self._first: int | None = None  # the first signal's number, as the pipe got it (handlers run in number order)
 
     def _handle(self, signum: int, _frame: object) -> None:
-        if self.signum is not None:
+        self._calls[signum] += 1
+        received = self._received()
+        if received <= self._counted:
+            return  # a call for a signal already counted (two signals handled in one go)
+        first = self.signum is None
+        self._counted = received
+        if first:
+            self.signum = self._first or signum
+        if received > 1:
             raise KeyboardInterrupt  # the second one: now
-        self.signum = signum
         console.best_effort()
         console.say(
-            f"[megatrain] {signal.Signals(signum).name}: finishing the current step, then a checkpoint and "
+            f"[megatrain] {self.name}: finishing the current step, then a checkpoint and "
             "exit (send it again to stop at once, without a checkpoint)"
         )
+
+    def _received(self) -> int:
+        """The signals delivered so far. Neither count alone is sure: each handler call follows at least one
+        delivery of its signal and each byte is one, but a call may run before its byte is written (the
+        interpreter sets the flag first) or once for several; so for each signal, the larger."""
+        if self._wakeup is not None:
+            while True:
+                try:
+                    data = os.read(self._wakeup[0], 4096)
+                except OSError:  # BlockingIOError: nothing more now
+                    break
+                if not data:
+                    break
+                ours = [b for b in data if b in NUMBERS]
+                self._bytes.update(ours)
+                self._first = self._first or (ours[0] if ours else None)
+        return sum(max(self._bytes[s], self._calls[s]) for s in NUMBERS)
 
     @property
     def name(self) -> str:
@@ -52,12 +88,37 @@ class StopRequest:
         in-process)."""
         old = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
         old[signal.SIGPIPE] = signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+        old_fd = self._open_wakeup()
         try:
             yield self
         finally:
             for sig, handler in old.items():
                 signal.signal(sig, handler)
+            self._close_wakeup(old_fd)
             console.best_effort(False)
+
+    def _open_wakeup(self) -> int | None:
+        """The wakeup pipe installed (the descriptor it replaces returned); None where none can be (a thread
+        other than the main one): the handler's calls count alone then."""
+        read, write = os.pipe()
+        for fd in (read, write):
+            os.set_blocking(fd, False)  # the interpreter's write must never block a signal's delivery
+        try:
+            old = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+        except ValueError:
+            os.close(read)
+            os.close(write)
+            return None
+        self._wakeup = (read, write)
+        return old
+
+    def _close_wakeup(self, old_fd: int | None) -> None:
+        if self._wakeup is None:
+            return
+        signal.set_wakeup_fd(old_fd if old_fd is not None else -1)
+        for fd in self._wakeup:
+            os.close(fd)
+        self._wakeup = None
 
 
 @contextmanager

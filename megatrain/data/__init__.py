@@ -115,8 +115,8 @@ def open_data(cfg: DataConfig, hf_config: Any, pretrained: str | None) -> Data:
         return Data(cfg, None, None)
     tokenizer, eos = None, None
     if cfg.kind == "tokens":
-        train_files = [_token_file(p, cfg, vocab) for p in _expand(cfg.path, "data.path")]
-        eval_files = [_token_file(p, cfg, vocab) for p in _expand(cfg.eval_path, "data.eval_path")]
+        train_files = [_token_file(p, cfg, vocab) for p in expand_paths(cfg.path, "data.path")]
+        eval_files = [_token_file(p, cfg, vocab) for p in expand_paths(cfg.eval_path, "data.eval_path")]
         eos = _eos_ids(cfg, hf_config, pretrained) if cfg.pack_documents else None
     else:
         tok_dir, key = (cfg.tokenizer, "data.tokenizer") if cfg.tokenizer else (pretrained, "model.pretrained")
@@ -133,8 +133,8 @@ def open_data(cfg: DataConfig, hf_config: Any, pretrained: str | None) -> Data:
             )
         builder = Builder(cfg, tokenizer, tok_dir, key)
         try:
-            train_files = [builder.get(p, "data.path") for p in _expand(cfg.path, "data.path")]
-            eval_files = [builder.get(p, "data.eval_path") for p in _expand(cfg.eval_path, "data.eval_path")]
+            train_files = [builder.get(p, "data.path") for p in expand_paths(cfg.path, "data.path")]
+            eval_files = [builder.get(p, "data.eval_path") for p in expand_paths(cfg.eval_path, "data.eval_path")]
         finally:
             stop_workers()
     train, evaluation = _sources(cfg, train_files, eval_files, _pad_id(hf_config, tokenizer), eos)
@@ -151,7 +151,7 @@ def open_data(cfg: DataConfig, hf_config: Any, pretrained: str | None) -> Data:
     return data
 
 
-def _expand(value: Any, key: str) -> list[str]:
+def expand_paths(value: Any, key: str) -> list[str]:
     """Files of a path, a glob, or a list of them, in the order given (a glob's matches sorted)."""
     out: list[str] = []
     for p in paths_of(value):
