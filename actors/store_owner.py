@@ -22,6 +22,7 @@ import torch
 
 from megatrain import checkpoint as ckpt
 from megatrain.actors.base import Role, guarded
+from megatrain.actors.lifeline import Lifeline, raylet
 from megatrain.arch import arch_of_spec
 from megatrain.engine import EngineConfig, fixed_sizes
 from megatrain.errors import AbortError, ConfigError, ProtocolError
@@ -101,6 +102,9 @@ class StoreOwner(Role):
         self.paging_stop = threading.Event()
         self.space: tuple[int, int] | None = None  # shm free and MemAvailable before the store (create)
         self.memory: MemoryPlan | None = None  # the run's memory plan (create)
+        self.lost: AbortError | None = None  # why this host's part of the run ended itself (its node was lost)
+        node = raylet()  # a Ray worker's: its host's part of the run ends with its node (actors/lifeline.py)
+        self.lifeline = Lifeline(node, self._node_lost).start() if node else None
 
     def _import(self, family: str) -> None:
         if family:
@@ -114,6 +118,8 @@ class StoreOwner(Role):
         while not self.done.wait(0.1):
             if self.store is not None and self.store.aborted:
                 raise AbortError(f"run aborted: {self.store.abort_reason()}")
+        if self.lost is not None:  # the lifeline's shutdown set `done` first: the driver must still learn why
+            raise self.lost
 
     def create(self, request: StoreRequest) -> StoreSpec:
         """Plan (resolving the staging mode on this node's memory), create and fill the store: from the
@@ -293,6 +299,22 @@ class StoreOwner(Role):
         against, where the memory decides it, before the workers are spawned (launch/control/startup.py)."""
         return space_now(shm_dir)
 
+    def _node_lost(self, why: str) -> None:
+        """The lifeline's verdict: abort this host's store (its workers stop; serve() gives the driver the reason,
+        if it still listens), end its workers, unlink it, and exit: nothing of the run outlives the node's Ray."""
+        if self.shared_process:  # the driver's own process (the in-process runner): not this role's to end
+            return
+        request = getattr(self, "request", None)  # the host it serves, once asked for a store
+        reason = (f"host {request.host}: " if request is not None and request.hosts > 1 else "") + why
+        print(f"[{self.name}] {reason}; ending this host's part of the run", flush=True)
+        self.lost = AbortError(f"run aborted: {reason}")
+        if self.store is not None:
+            self.store.abort(reason)
+        try:
+            self.shutdown()  # its workers first (they map the store), then every name of the store
+        finally:
+            os._exit(1)
+
     def _start_reaper(self, run_id: str) -> None:
         pid = os.getpid()
         self.reaper = spawn_detached("megatrain.ipc.reaper", run_id, str(pid), str(start_ticks(pid)))
@@ -444,6 +466,8 @@ class StoreOwner(Role):
         The driver kills the workers first; what the CUDA driver left for them goes once they are dead.
         """
         self.done.set()
+        if self.lifeline is not None and threading.current_thread() is not self.lifeline.thread:
+            self.lifeline.stop()  # a shutdown the driver asked for: the node may go now
         with self.making:  # a store being created is released too; none is created after this
             self._release()
 
