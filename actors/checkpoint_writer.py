@@ -33,7 +33,7 @@ import numpy as np
 
 from megatrain import checkpoint as ckpt
 from megatrain.actors.base import Role, guarded
-from megatrain.errors import DiskFull, disk_full, free_bytes, is_disk_full
+from megatrain.errors import DiskFull, disk_full, free_bytes, human_bytes, is_disk_full
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.checkpoints import claim, written
 from megatrain.ipc.protocol.messages import WriteRequest, Written
@@ -66,15 +66,16 @@ class CheckpointWriter(Role):
         tmp, final = self._where_to(base, step)
         spec = self.store.spec
         nbytes = (spec.layout.total if spec.hosts == 1 else spec.plane_elems) * 4
+        need, what = self._need(base, step, nbytes * len(ckpt.PLANES))
         try:
-            if free_bytes(base) < nbytes * len(ckpt.PLANES):  # refused before a byte is written
+            if free_bytes(base) < need:  # refused before a byte is written
                 raise OSError(errno.ENOSPC, "not enough free space for the checkpoint")
             tmp.mkdir()
             segments, waited, direct = self._write_files(step, tmp, nbytes)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint only takes space (the disk may be full)
             if is_disk_full(exc):
-                raise self._no_room(base, step, f"the checkpoint of step {step}", nbytes * len(ckpt.PLANES)) from None
+                raise self._no_room(base, step, what, None) from None
             raise
         manifest = {
             "format": ckpt.FORMAT,
@@ -97,6 +98,23 @@ class CheckpointWriter(Role):
             seconds=time.perf_counter() - t0,
             waited_for_adam_s=waited,
             direct_io=direct,
+        )
+
+    def _need(self, base: Path, step: int, part: int) -> tuple[int, str]:
+        """The bytes this write needs free in `base` (`part`: this host's), and the refusal's words for them. Over
+        several hosts every host's part of the step lands in this one directory, on a filesystem every node sees
+        (docs/hosts.md), at once: each writer counts them all, less what the other hosts' parts already hold on
+        the disk. Were each to count its own alone, every one would find room for it and the parts together would
+        fill the disk part-way through."""
+        hosts = self.store.spec.hosts
+        if hosts == 1:
+            return part, f"the checkpoint of step {step} needs {human_bytes(part)};"
+        written = _held(ckpt.hosts_tmp(base, step), skip=ckpt.part_name(self.store.spec.host))
+        need = hosts * part - written
+        held = f", {human_bytes(written)} of the others' already on the disk" if written else ""
+        return need, (
+            f"the checkpoint of step {step} needs {human_bytes(need)} (its {hosts} hosts' parts of "
+            f"{human_bytes(part)} each, all written into this directory{held});"
         )
 
     def _where_to(self, base: Path, step: int) -> tuple[Path, Path]:
@@ -234,3 +252,18 @@ class CheckpointWriter(Role):
         for part, f in futures:
             segments[part].append(f.result())
         written(self.store, item, step)
+
+
+def _held(shared: Path, skip: str) -> int:
+    """The bytes the files in `shared` (the step's directory of every host's part) take on the disk, this host's
+    own part (`skip`: its name, and its temporary one) aside."""
+    held = 0
+    for top in shared.iterdir() if shared.is_dir() else []:
+        if top.name == skip or top.name.startswith(f"{skip}.tmp-"):
+            continue
+        for path in [top] if top.is_file() else top.rglob("*"):
+            try:
+                held += path.stat().st_blocks * 512 if path.is_file() else 0
+            except OSError:  # removed meanwhile (an interrupted save's, cleared by its host)
+                continue
+    return held

@@ -24,6 +24,7 @@ from megatrain.launch.cli import main as cli
 from megatrain.launch.config.tree import load_config
 from megatrain.launch.report.metrics import MetricsFile
 from megatrain.launch.run.outdir import prepare_output
+from megatrain.memory.hosts import host_plane_elems
 from megatrain.model import build_spec
 from tests.conftest import ROOT
 
@@ -51,12 +52,23 @@ def whole_rows(metrics: Path) -> list[int]:
 # ---- a real small filesystem ----------------------------------------------------------------------------
 # Runs as root of a user namespace of its own: mounts a tmpfs of SIZE bytes on MNT, runs the launcher with its
 # output there, fills the rest of the tmpfs once metrics.jsonl holds FILL_AFTER rows (0: never), and copies what
-# the run left (the filler aside) to COPY, with the exit code and output in COPY.json.
+# the run left (the filler aside) to COPY, with the exit code and output in COPY.json. NODES above 0: the
+# launcher joins a Ray cluster of that many nodes simulated inside the namespace (they see the tmpfs too),
+# shut down by pid at the end.
 INNER = r"""
 import json, os, shutil, subprocess, sys, time
-mnt, size, fill_after, copy, *argv = sys.argv[1:]
+mnt, size, fill_after, copy, nodes, *argv = sys.argv[1:]
 subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", mnt], check=True)
+cluster = None
 try:
+    if int(nodes):
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        from ray.cluster_utils import Cluster
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
+        for _ in range(int(nodes) - 1):
+            cluster.add_node(num_cpus=3)
+        cluster.wait_for_nodes()
+        argv = [*argv, "--address", cluster.address]
     logs = {k: open(f"{copy}.{k}", "w+") for k in ("stdout", "stderr")}
     proc = subprocess.Popen([sys.executable, "-m", "megatrain.launch.cli.main", *argv], stdout=logs["stdout"],
                             stderr=logs["stderr"])
@@ -75,6 +87,8 @@ try:
     shutil.copytree(mnt, copy, ignore=shutil.ignore_patterns("filler"))
     json.dump({"rc": rc, **{k: open(f"{copy}.{k}").read() for k in logs}}, open(copy + ".json", "w"))
 finally:
+    if cluster is not None:
+        cluster.shutdown()
     subprocess.run(["umount", "-l", mnt])
 """
 
@@ -88,7 +102,7 @@ def _namespaces() -> bool:
 small_fs = pytest.mark.skipif(not _namespaces(), reason="no user namespaces here (unshare -rm) for a small tmpfs")
 
 
-def on_small_fs(tmp_path: Path, size: int, fill_after: int, *argv: str) -> tuple[dict, Path]:
+def on_small_fs(tmp_path: Path, size: int, fill_after: int, *argv: str, nodes: int = 0) -> tuple[dict, Path]:
     mnt, copy = tmp_path / "mnt", tmp_path / "left"
     mnt.mkdir()
     subprocess.run(
@@ -102,6 +116,7 @@ def on_small_fs(tmp_path: Path, size: int, fill_after: int, *argv: str) -> tuple
             str(size),
             str(fill_after),
             str(copy),
+            str(nodes),
             *argv,
             f"train.output_dir={mnt / 'run'}",
         ],
@@ -115,6 +130,12 @@ def on_small_fs(tmp_path: Path, size: int, fill_after: int, *argv: str) -> tuple
 def checkpoint_bytes(*overrides: str) -> int:
     cfg = load_config(SMALL[0], [*SMALL[1:], *overrides])
     return build_spec(cfg.model, cfg.optim.no_decay_1d).layout.total * 4 * len(ckpt.PLANES)
+
+
+def host_part_bytes(hosts: int) -> int:
+    """One host's part of a checkpoint over `hosts` hosts: its slice of every unit, on the offsets all share."""
+    cfg = load_config(SMALL[0], SMALL[1:])
+    return host_plane_elems(build_spec(cfg.model, cfg.optim.no_decay_1d).layout, hosts) * 4 * len(ckpt.PLANES)
 
 
 @small_fs
@@ -138,6 +159,49 @@ def test_a_checkpoint_that_does_not_fit_is_one_line_and_leaves_the_earlier_one(t
     assert not [p for p in (run / "checkpoints").iterdir() if ".tmp-" in p.name]
     assert whole_rows(run / "metrics.jsonl")[:2] == [1, 2]
     assert "no space left on the disk" in (run / "error.log").read_text()  # there was room for it
+
+
+def _two_hosts_refused(tmp_path: Path, *argv: str, nodes: int = 0) -> tuple[str, Path]:
+    """Two hosts write their parts of each checkpoint into one directory, with room for one part and not for
+    both: the first checkpoint is refused before a byte of it is written, counting both parts."""
+    part = host_part_bytes(2)
+    size = (int(part * 1.5) + (16 << 10)) // 4096 * 4096
+    res, run = on_small_fs(
+        tmp_path, size, 0, *SMALL, *argv, "actors.num_hosts=2", "train.steps=4", "train.save_every=2", nodes=nodes
+    )
+    err = res["stderr"]
+    assert res["rc"] == 1, res
+    assert (
+        f"no space left on the disk of {tmp_path / 'mnt' / 'run' / 'checkpoints'}: the checkpoint of step 2 needs "
+        f"{human_bytes(2 * part)} (its 2 hosts' parts of {human_bytes(part)} each, all written into this "
+        "directory); " in err
+    ), err
+    assert " free there (nothing of step 2 was left behind; no earlier checkpoint; " in err, err
+    assert ckpt.complete(run / "checkpoints") == [], list((run / "checkpoints").iterdir())
+    assert not [p for p in (run / "checkpoints").iterdir() if ".tmp-" in p.name]
+    steps = whole_rows(run / "metrics.jsonl")
+    assert steps == list(range(1, len(steps) + 1)) and steps, steps
+    return err, run
+
+
+@small_fs
+def test_every_host_s_part_is_counted_where_the_hosts_share_the_directory(tmp_path: Path) -> None:
+    """Hosts simulated in one process, as hosts on one machine share its disk: each writer would find room for
+    its own part, and the parts together would fill the disk part-way through."""
+    err, _ = _two_hosts_refused(tmp_path)
+    assert len([ln for ln in err.splitlines() if ln.strip()]) == 1 and "Traceback" not in err, err
+
+
+@small_fs
+@pytest.mark.slow
+def test_a_full_disk_over_two_hosts_of_a_ray_cluster_is_one_line_on_the_terminal(tmp_path: Path) -> None:
+    """The same over two nodes of a Ray cluster: both hosts' writers refuse the checkpoint, and the terminal shows
+    the run's one line, no traceback of either writer or of the calls the failure ended (error.log has them)."""
+    err, run = _two_hosts_refused(tmp_path, "launch.runner=ray", "engine.device=cpu", nodes=2)
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("megatrain-launch: error: "), err
+    assert "Traceback" not in err and "Unhandled error" not in err and "INFO worker.py" not in err, err
+    assert "no space left on the disk of " in (run / "error.log").read_text()
 
 
 @small_fs

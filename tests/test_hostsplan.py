@@ -121,7 +121,7 @@ def test_gpt_oss_120b_without_clipping_needs_five_hosts_of_512_gib_too(capsys, t
     assert code == 1 and "\nhost 1 of 4: 551.83 GiB needed" in out and "staging resident, clipping off" in out
     code, out = _run(capsys, path, no_clip, "--hosts", "5")
     assert code == 0 and "verdict for host 1 of 5: fits" in out
-    assert out.startswith("memory plan of host 1 of 5: ") and "on each of the 5 hosts: its own checkpoint shards" in out
+    assert out.startswith("memory plan of host 1 of 5: ") and "each checkpoint: the 5 hosts' parts of " in out
 
 
 def test_slabs_are_refused_across_hosts(capsys, tmp_path) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from megatrain.arch import Arch, arch_from_config, arch_of_spec, holds_weights
 from megatrain.engineconfig import resolve_engine
-from megatrain.errors import ConfigError
+from megatrain.errors import ConfigError, human_bytes
 from megatrain.flops import active_params, expert_params
 from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
 from megatrain.ipc.shm import HEADER_BYTES, gib
@@ -418,14 +418,19 @@ def _machine(plan: MemPlan) -> str:
 
 def _disk(cfg: Config, hosts: int) -> list[str]:
     """The checkpoints' disk against the output directory's free space (a warning; the verdict is memory's):
-    each host writes its own shards, its slice of the three fp32 planes; the final fp32 weights counted whole."""
-    from megatrain.launch.config.diskplan import disk_lines
+    each host writes its slice of the three fp32 planes as its part of each checkpoint, every part into the one
+    checkpoint directory (a filesystem every node sees), so a checkpoint counts every part; the final fp32
+    weights counted whole."""
+    from megatrain.launch.config.diskplan import disk_lines, disk_need
     from megatrain.launch.run.outdir import resolve_output
 
     layout = arch_of(cfg).layout
     out = resolve_output(cfg.train.output_dir, cfg.train.run_id or "{run_id}")
-    lines = disk_lines(cfg.train, out, 4 * host_plane_elems(layout, hosts) * 3, 4 * layout.total)
-    return lines + ([f"  on each of the {hosts} hosts: its own checkpoint shards"] if hosts > 1 else [])
+    part = 4 * host_plane_elems(layout, hosts) * 3
+    lines = disk_lines(cfg.train, out, hosts * part, 4 * layout.total)
+    if hosts > 1 and disk_need(cfg.train, part)[0]:
+        lines.append(f"  each checkpoint: the {hosts} hosts' parts of {human_bytes(part)} each, all in this directory")
+    return lines
 
 
 def report(args: argparse.Namespace) -> int:

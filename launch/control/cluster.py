@@ -10,6 +10,7 @@ The transports (launch/control/runners.py) call connect() and disconnect(); noth
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -32,6 +33,16 @@ from megatrain.memory.machine import PRIVATE_THRESHOLD, RAY_THRESHOLD_ENV  # a n
 # gets a process of its own, with its own environment).
 LOCAL_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
 GCS_WAIT_ENV = "RAY_gcs_server_port_wait_time_s"  # Ray's wait for its GCS to start (30 s unless set)
+# Ray's own lines on the run's terminal, off unless the user set their variable (they stay in Ray's log files):
+# its deduplication of the actors' lines, which holds a line back and prints it later as "[repeated Nx across
+# cluster]" with a notice about itself, and the autoscaler's events ("(autoscaler +4s) Error: No available node
+# types ...") while a placement waits, which the run says in a line of its own (runners.py). Ray reads both
+# variables when it is imported, before a run connects: the values are set where Ray keeps them (variable,
+# module, attribute, value when off).
+QUIET = (
+    ("RAY_DEDUP_LOGS", "ray._private.ray_logging", "RAY_DEDUP_LOGS", False),
+    ("RAY_SCHEDULER_EVENTS", "ray._private.ray_constants", "AUTOSCALER_EVENTS", 0),
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +64,7 @@ def connect(
         if address:
             _check_same_cluster(ray, address)
         return Connection(started=False)
+    _quiet_console()
     with _keep_sigterm_handler():
         target = address or os.environ.get("RAY_ADDRESS")
         if target:
@@ -70,6 +82,22 @@ def disconnect(ray: ModuleType, connection: Connection) -> None:
     if connection.guard:
         with contextlib.suppress(ProcessLookupError):
             os.kill(connection.guard, signal.SIGTERM)
+
+
+def _quiet_console() -> None:
+    """Ray's deduplication and autoscaler events off in this process (QUIET), each unless its variable is set; and
+    where the terminal is a file or a pipe (`| tee run.log`), the actors' lines without Ray's colour codes."""
+    if not getattr(sys.stdout, "isatty", lambda: False)():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # read by Ray as it prints each line
+    for variable, module, name, off in QUIET:
+        if variable in os.environ:
+            continue
+        try:
+            where = importlib.import_module(module)
+        except ImportError:  # a Ray that keeps them elsewhere prints its lines: nothing else changes
+            continue
+        if hasattr(where, name):
+            setattr(where, name, off)
 
 
 def _start_local(ray: ModuleType, cpus: int, object_store_mb: int) -> None:
@@ -120,7 +148,8 @@ def _join(ray: ModuleType, address: str, key: str) -> None:
     if refused:  # ray.init would retry for 20 s and end in a ConnectionError that does not say why
         raise ConfigError(f"{key} '{address}': cannot join that Ray cluster: {refused}")
     try:
-        ray.init(address=address, log_to_driver=True)
+        # Ray's INFO lines on joining ("Connecting to existing Ray cluster ...") stay off the terminal
+        ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
     except (ConnectionError, ValueError, RuntimeError, TimeoutError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(

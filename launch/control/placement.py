@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from megatrain.configbase import opt
 from megatrain.errors import ConfigError
 from megatrain.ipc.protocol.cpus import ThreadRequest
+from megatrain.ipc.shm import host_run_id
 from megatrain.roster import Roster, build_roster
 
 
@@ -141,6 +142,19 @@ def resolve_hosts(cfg: ActorsConfig, nodes: int) -> int:
     return max(nodes, 1) if cfg.num_hosts == "auto" else int(cfg.num_hosts)
 
 
+def check_hosts_run_id(run_id: str, cfg: ActorsConfig, hosts: int) -> None:
+    """Refuse a run id with no room for the name of the last host's store (ipc/shm.py host_run_id: the run id with
+    `h<h>` after it), naming train.run_id: checked as soon as the number of hosts is known (for auto, once the
+    cluster's nodes are counted), before anything is placed or allocated."""
+    if hosts < 2:
+        return
+    try:
+        host_run_id(run_id, hosts - 1)
+    except ValueError as exc:
+        count = f"{hosts}" if cfg.num_hosts == hosts else f"{cfg.num_hosts}: {hosts} hosts, one per node alive"
+        raise ConfigError(f"train.run_id: {exc} (actors.num_hosts {count})") from None
+
+
 def batch_split_problem(batch: int, executors: int) -> str | None:
     """Why data.batch_size cannot be split by rows over the executors, or None."""
     if executors > batch:
@@ -162,4 +176,28 @@ def describe_need(d: dict[str, Demand]) -> str:
     return (
         f"{cpus} on one node ({roles}); fewer CPUs: actors.num_packers and actors.num_accumulators (at least 1 "
         "each, one CPU each), optim.max_grad_norm=0 (no accumulators); the thread counts do not change it"
+    )
+
+
+def resources_text(have: dict[str, float]) -> str:
+    """CPUs and GPUs as a message says them: '4 CPUs and 1 GPU'."""
+    cpus, gpus = have.get("CPU", 0), have.get("GPU", 0)
+    return f"{cpus:g} CPU{'s' * (cpus != 1)}" + (f" and {gpus:g} GPU{'s' * (gpus != 1)}" if gpus else "")
+
+
+def placement_wait(bundle: dict[str, float], hosts: int, timeout: float, nodes: list[dict], free: dict) -> str:
+    """The line a run prints while its placement waits for the cluster: what each host needs of a node of its own,
+    for how long it waits (launch.placement_timeout_s), and what the cluster has: each node alive, in all, and
+    what is free now."""
+    need = resources_text(bundle)
+    who = (
+        f"the run's actors: one node with {need} free"
+        if hosts == 1
+        else f"hosts 0-{hosts - 1}: each a node of its own with {need} free"
+    )
+    sizes = "; ".join(resources_text(n) for n in nodes) or "none"
+    count = f"{len(nodes)} node{'s' * (len(nodes) != 1)} alive"
+    return (
+        f"waiting up to {timeout:g} s (launch.placement_timeout_s) for the placement of {who}; the cluster has "
+        f"{count} ({sizes}), {resources_text(free)} free now"
     )

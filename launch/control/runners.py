@@ -15,13 +15,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
+from megatrain import log
 from megatrain.configbase import opt
 from megatrain.errors import AbortError, ActorFailure, ConfigError, MegatrainError, ResourceError
 from megatrain.launch.control import cluster
 from megatrain.launch.control.handles import Handle, Pending, Runner, checked, checked_init
-from megatrain.launch.control.placement import Demand
+from megatrain.launch.control.placement import Demand, placement_wait, resources_text
 from megatrain.roster import EXECUTOR, split_host
 
+# A placement not ready within this many seconds waits for the cluster: the run says for what, in one line
+# (Ray's autoscaler events, which would say it in its own words, are kept off the terminal: cluster.py).
+PLACEMENT_NOTE_S = 2.0
 NETWORK_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # the launcher's, passed to every actor
 
 A = TypeVar("A")
@@ -167,14 +171,25 @@ class RayRunner:
                 "each host of the run is a node of its own (`ray start --address ...` on each, or fewer hosts)"
             )
         self.pg = placement_group([bundle] * hosts, strategy="STRICT_PACK" if hosts == 1 else "STRICT_SPREAD")
-        ready, _ = self.ray.wait([self.pg.ready()], timeout=self.cfg.placement_timeout_s)
+        timeout = self.cfg.placement_timeout_s
+        ready, _ = self.ray.wait([self.pg.ready()], timeout=min(PLACEMENT_NOTE_S, timeout))
+        if not ready and timeout > PLACEMENT_NOTE_S:  # the cluster cannot hold it now: say what the run waits for
+            log(placement_wait(bundle, hosts, timeout, self._node_sizes(), self._free()))
+            ready, _ = self.ray.wait([self.pg.ready()], timeout=timeout - PLACEMENT_NOTE_S)
         if not ready:
-            have = {k: v for k, v in self.ray.available_resources().items() if k in ("CPU", "GPU")}
             where = "one node" if hosts == 1 else f"each of {hosts} nodes"
             raise ResourceError(
                 f"cannot place the store's actors on {where}: they need {need or bundle}; the "
-                f"cluster has {have} available (waited {self.cfg.placement_timeout_s:.0f}s)"
+                f"cluster has {resources_text(self._free())} free (waited {timeout:.0f}s)"
             )
+
+    def _node_sizes(self) -> list[dict[str, float]]:
+        """Each node alive, its CPUs and GPUs in all."""
+        return [n.get("Resources", {}) for n in self.ray.nodes() if n.get("Alive")]
+
+    def _free(self) -> dict[str, float]:
+        """The CPUs and GPUs free in the whole cluster now."""
+        return self.ray.available_resources()
 
     def nodes(self) -> int:
         """The cluster's nodes alive now."""

@@ -30,6 +30,7 @@ from megatrain.launch.control.placement import (
     Demand,
     batch_split_problem,
     bundle,
+    check_hosts_run_id,
     demands,
     describe_need,
     local_cpus,
@@ -118,6 +119,8 @@ def spawn_actors(crew: Crew, cfg: Config, reading: Background, phases: Phases) -
         raise ConfigError(problem)
     n = resolve_executors(cfg.actors, cuda, crew.runner.gpus() if cuda else 0)
     crew.hosts = hosts = resolve_hosts(cfg.actors, crew.runner.nodes())
+    if cfg.train.run_id:  # a random one always has room for every host's store name
+        check_hosts_run_id(cfg.train.run_id, cfg.actors, hosts)
     split = batch_split_problem(cfg.data.batch_size, n * hosts)  # auto: known only now
     if split:
         raise ConfigError(f"data.batch_size {split}" + (f" (actors.num_hosts {hosts})" if hosts > 1 else ""))

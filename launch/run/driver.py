@@ -23,7 +23,6 @@ from megatrain.actors.store_owner import StoreOwner
 from megatrain.checkpoint import step_dir as ckpt_step_dir
 from megatrain.configbase import Where, differences, dump_yaml, to_dict
 from megatrain.data import Data
-from megatrain.errors import ConfigError
 from megatrain.export import export
 from megatrain.flops import active_params
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, resolve_stall
@@ -34,7 +33,7 @@ from megatrain.launch.config import memplan, timeplan
 from megatrain.launch.config.tree import Config
 from megatrain.launch.control import startup
 from megatrain.launch.control.crew import Crew
-from megatrain.launch.control.placement import per_executor, thread_request
+from megatrain.launch.control.placement import check_hosts_run_id, per_executor, thread_request
 from megatrain.launch.control.runners import Pending, make_runner
 from megatrain.launch.report.describe import describe_memory, short
 from megatrain.launch.report.tensorboard import summary_writer
@@ -61,12 +60,8 @@ class Trainer:
         self.launched = launched
         self.stop = stop  # a graceful-stop request (signal), checked between steps
         self.run_id = check_run_id(cfg.train.run_id or secrets.token_hex(5))
-        hosts = cfg.actors.num_hosts
-        if isinstance(hosts, int) and hosts > 1:
-            try:  # each host's store is named after the run (ipc/shm.py host_run_id): refused now, not at host 1
-                host_run_id(self.run_id, hosts - 1)
-            except ValueError as exc:
-                raise ConfigError(f"train.run_id: {exc} (actors.num_hosts {hosts})") from None
+        if isinstance(cfg.actors.num_hosts, int):  # auto: once the cluster's nodes are counted (startup.py)
+            check_hosts_run_id(self.run_id, cfg.actors, cfg.actors.num_hosts)
         self.out = resolve_output(cfg.train.output_dir, self.run_id)  # absolute; printed at start
         self.log_dir: Path | None = None  # where error.log may go: set once the output directory is ours
         self.crew = Crew(make_runner(cfg.launch), cfg.train.setup_timeout_s)
