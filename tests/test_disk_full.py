@@ -339,3 +339,17 @@ def test_plan_warns_when_the_checkpoints_do_not_fit(tmp_path: Path, capsys) -> N
     printed = capsys.readouterr().out
     assert f"checkpoints {human_bytes(many * each)} ({many}, all kept (train.keep_last 0)" in printed, printed
     assert "  WARNING: " in printed and " short: the run would stop when a checkpoint does not fit" in printed
+
+
+def test_plan_counts_every_host_s_part_of_a_checkpoint(tmp_path: Path, capsys) -> None:
+    """`plan --hosts 2`: every host's part of a checkpoint lands in the one output directory, so each checkpoint
+    counts both parts (a host's own part alone would promise room the run does not have)."""
+    part, out = host_part_bytes(2), tmp_path / "run"
+    argv = ["plan", *SMALL[:-1], "train.save_every=10", "train.keep_last=2", f"train.output_dir={out}", "--hosts", "2"]
+    assert cli.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert (
+        f"disk: {human_bytes(3 * 2 * part)} needed in {out}: checkpoints {human_bytes(3 * 2 * part)} (train.keep_last "
+        f"2 + one being written, {human_bytes(2 * part)} each); " in printed
+    ), printed
+    assert f"  each checkpoint: the 2 hosts' parts of {human_bytes(part)} each, all in this directory" in printed
