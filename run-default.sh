@@ -8,4 +8,6 @@ export MEGATRAIN_RERUN_FROM="$PWD"
 cd "$(dirname "$0")"
 source ./bootstrap.sh
 megatrain_env
+# exec keeps this shell's process, whose start is the set-up's: the launcher's start-up clock begins here.
+export MEGATRAIN_EXEC_AT="$(date +%s.%N)"
 exec "$PY" -m megatrain.launch.cli examples/default.yaml "$@"

@@ -260,6 +260,8 @@ def arch_from_config(cfg: ModelConfig, where: Where | None = None, no_decay_1d: 
     f = _over_defaults(family, merged)
     for key in _SHAPE_FIELDS:
         _int_field(cfg, where, f, key)
+    if f.get("head_dim") is not None:  # null: hidden_size / heads; 0 would read as null below, and is refused
+        _int_field(cfg, where, f, "head_dim")
     _derive(family, f)
     return _arch(family, f, layout_of(family, f, no_decay_1d))
 

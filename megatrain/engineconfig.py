@@ -5,6 +5,7 @@ megatrain/engine.py, which computes with them, imports them from here."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 from megatrain.configbase import opt
@@ -124,8 +125,8 @@ class EngineConfig:
         if self.prefetch < 0:
             raise ValueError("engine.prefetch must be >= 0")
         budget = self.gpu_memory_gib
-        if budget is not None and budget != "auto" and (isinstance(budget, str) or not budget > 0):
-            raise ValueError(f"engine.gpu_memory_gib must be null, auto or a number of GiB > 0, not {budget!r}")
+        if budget is not None and budget != "auto" and (isinstance(budget, str) or not 0 < budget < math.inf):
+            raise ValueError(f"engine.gpu_memory_gib must be null, auto or a finite number of GiB > 0, not {budget!r}")
 
 
 # What an `auto` size is where no memory is scarce (the CPU device; megatrain/memory/autosize.py decides on CUDA).

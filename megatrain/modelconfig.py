@@ -4,6 +4,7 @@ here."""
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 
 from megatrain.configbase import opt
@@ -45,4 +46,6 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
-            raise ValueError(f"model.family '{self.family}' is not one of {sorted(FAMILIES)}")
+            close = difflib.get_close_matches(str(self.family), sorted(FAMILIES), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ValueError(f"model.family '{self.family}' is not one of {sorted(FAMILIES)}{hint}")

@@ -3,15 +3,17 @@ the device's rate, and the CPU AdamW's pass over every parameter at the host's m
 
 A GPU's rate is its nominal dense bf16 rate (by name, else from its SMs and compute capability) times the
 share of it MegaTrain reached in BENCHMARKS.md; the CPU's is measured: a matmul of the model's own shape,
-timed with the threads the executor would run. Both are estimates, and say how they were made.
+timed with the threads the executor would run, in short rounds of which the fastest count. Both are
+estimates, and say how they were made.
 """
 
 from __future__ import annotations
 
 import math
 import re
+import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -72,6 +74,45 @@ GPUS: list[tuple[str, str, float]] = [
     ("RTX 3070", r"3070", 40.6),
     ("RTX 3060", r"3060", 25.5),
 ]
+# Memory by the vendors' data sheets, in GB, for `plan --gpu NAME` without --gpu-gib; a part sold in several
+# sizes has them all (the plan asks which, unless the name says it: "A100 80GB"). CUDA reports about 99 % of
+# the number as GiB (an H100's 80 GB: 79.2 GiB).
+GPU_MEMORY_GB: dict[str, tuple[int, ...]] = {
+    "GB200": (186,),
+    "B200": (180,),
+    "B100": (180,),
+    "H100 PCIe": (80,),
+    "H100 NVL": (94,),
+    "GH200": (96, 144),
+    "H200": (141,),
+    "H100": (80,),
+    "H800": (80,),
+    "H20": (96,),
+    "A100": (40, 80),
+    "A800": (40, 80),
+    "A30": (24,),
+    "A40": (48,),
+    "A10G": (24,),
+    "A10": (24,),
+    "L40S": (48,),
+    "L40": (48,),
+    "L4": (24,),
+    "RTX 6000 Ada": (48,),
+    "RTX A6000": (48,),
+    "RTX A5000": (24,),
+    "RTX A4000": (16,),
+    "RTX 5090": (32,),
+    "RTX 5080": (16,),
+    "RTX 4090": (24,),
+    "RTX 4080": (16,),
+    "RTX 3090": (24,),
+    "RTX 3080": (10, 12),
+    "RTX 4070": (12,),
+    "RTX 3070": (8,),
+    "RTX 3060": (8, 12),
+}
+REPORTED_GIB_PER_GB = 0.99
+
 # Dense bf16 FLOPs per SM per clock by compute capability (fp32 accumulation; the consumer parts' rate where
 # data-center and consumer chips differ): the fallback for a GPU not in the table. None: no bf16 tensor cores.
 SM_FLOPS = {(8, 0): 2048, (9, 0): 4096, (10, 0): 7680}
@@ -117,6 +158,19 @@ def gpu_by_name(name: str) -> tuple[str, float] | None:
     return None
 
 
+def gpu_memory_gb(name: str) -> tuple[int, ...]:
+    """The memory sizes (GB, the data sheet's) of a GPU named `name` that the table knows: the one the name
+    says ("A100 80GB", "a100-40gb") where it says one of them; () for a GPU the table does not know."""
+    known = gpu_by_name(name)
+    if known is None:
+        return ()
+    sizes = GPU_MEMORY_GB.get(known[0], ())
+    said = re.search(r"(\d+)\s*GB?\b", name.upper())
+    if said and int(said.group(1)) in sizes:
+        return (int(said.group(1)),)
+    return sizes
+
+
 def gpu_rate(name: str, sms: int = 0, capability: tuple[int, int] = (0, 0), clock_hz: float = 0.0) -> Rate | None:
     """The rate of a step on a GPU: its nominal rate (by `name`, else from its SMs, compute capability and
     clock) times MegaTrain's measured share of it. None: nothing known of it, or no bf16 tensor cores."""
@@ -160,40 +214,98 @@ def _threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def matmul_flops_per_s(rows: int, inner: int, cols: int, dtype: object, threads: int, seconds: float = 0.15) -> float:
-    """FLOP/s of a (rows x inner) @ (inner x cols) matmul on this CPU with `threads` torch threads: the best of
-    rounds of about 10 ms over about `seconds`, so that what else runs meanwhile costs rounds, not the figure."""
+# The CPU's rate is timed in rounds of about ROUND_S (shorter than a scheduler's time slice, so that on a
+# machine shared with other work some rounds run uninterrupted) for at least MIN_S and until the fastest
+# BEST rounds agree within SETTLED, or MAX_S. A round is only ever slowed by other work, never sped up: the
+# fastest rounds are the CPU's rate, their median is robust to one round's timer noise. Two plans made one
+# after the other on a 2-core machine at a load of 15 said 16 and 251 GFLOPS with one 0.1 s window.
+ROUND_S = 0.002
+MIN_S = 0.1
+MAX_S = 0.5
+BEST = 3
+SETTLED = 0.1
+BUSY_SPREAD = 2.0  # the fastest round this many times the median one: other work shares the cores, said so
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A CPU's rate from rounds of timing: `rate` (best_rate of `rounds`, each a rate) and their spread."""
+
+    rate: float
+    rounds: tuple[float, ...]
+
+    @property
+    def busy(self) -> bool:
+        """The rounds spread widely: other work took the cores in most of them."""
+        return self.rate > BUSY_SPREAD * statistics.median(self.rounds)
+
+    def spread(self, scale: float = 1e9) -> str:
+        """The rounds' range in `scale` units (GFLOPS by default), for the plan's line."""
+        return f"{min(self.rounds) / scale:.0f}-{max(self.rounds) / scale:.0f}"
+
+
+def best_rate(rounds: list[float], best: int = BEST) -> float:
+    """The median of the fastest `best` rounds' rates: the rate of the CPU when nothing else runs, robust to a
+    round that other work slowed (most of them on a busy machine) and to one that timer noise sped up."""
+    if not rounds:
+        raise ValueError("best_rate of no rounds")
+    return statistics.median(sorted(rounds)[-best:])
+
+
+def settled(rounds: list[float], best: int = BEST, within: float = SETTLED) -> bool:
+    """The fastest `best` rounds agree within `within` of the fastest: more rounds would not change the rate."""
+    top = sorted(rounds)[-best:]
+    return len(top) == best and top[0] >= (1 - within) * top[-1]
+
+
+def timed_rounds(work: Callable[[], object], min_s: float = MIN_S, max_s: float = MAX_S) -> Timing:
+    """Calls of `work` per second, in rounds of about ROUND_S after one warm-up call (its allocations, the
+    thread pool's start): at least `min_s`, then until the fastest rounds settle or `max_s` has passed."""
+    work()
+    rounds: list[float] = []
+    begin = time.perf_counter()
+    while True:
+        count, start = 0, time.perf_counter()
+        while count < 1 or time.perf_counter() - start < ROUND_S:
+            work()
+            count += 1
+        now = time.perf_counter()
+        rounds.append(count / (now - start))
+        if now - begin >= max_s or (now - begin >= min_s and settled(rounds)):
+            return Timing(best_rate(rounds), tuple(rounds))
+
+
+def matmul_timing(rows: int, inner: int, cols: int, dtype: object, threads: int) -> Timing:
+    """FLOP/s of a (rows x inner) @ (inner x cols) matmul on this CPU with `threads` torch threads
+    (timed_rounds)."""
     import torch
 
     a, b = torch.randn(rows, inner, dtype=dtype), torch.randn(inner, cols, dtype=dtype)
-    best, end = 0.0, time.perf_counter() + seconds
+    flops = 2.0 * rows * inner * cols
     with _threads(threads):
-        a @ b
-        while True:
-            count, start = 0, time.perf_counter()
-            while count < 1 or time.perf_counter() - start < 0.01:
-                a @ b
-                count += 1
-            now = time.perf_counter()
-            best = max(best, count / (now - start))
-            if now >= end:
-                break
-    return 2.0 * rows * inner * cols * best
+        calls = timed_rounds(lambda: a @ b)
+    return Timing(calls.rate * flops, tuple(r * flops for r in calls.rounds))
 
 
 def cpu_rate(hidden: int, intermediate: int, tokens: int, dtype: object, threads: int) -> Rate:
     """The rate of a step on this CPU: a matmul of the model's MLP shape (tokens x hidden @ hidden x
     intermediate, each at most 2048-4096 wide so that it takes a fraction of a second), measured with the
     run's threads, times the share of it a step reaches. Where one thread is faster, the cores are busy with
-    other work (each of the run's threads then waits for the slowest): the one thread's rate, said so."""
+    other work (each of the run's threads then waits for the slowest): the one thread's rate, said so; where
+    the rounds spread widely, their range is said too."""
     rows, inner, cols = min(tokens, 2048), min(hidden, 4096), min(intermediate, 4096)
-    peak = matmul_flops_per_s(rows, inner, cols, dtype, threads, 0.1)
-    used = f"{threads} threads" if threads > 1 else "1 thread"
+    timing = matmul_timing(rows, inner, cols, dtype, threads)
+    used, notes = (f"{threads} threads" if threads > 1 else "1 thread"), []
     if threads > 1:
-        one = matmul_flops_per_s(rows, inner, cols, dtype, 1, 0.1)
-        if one > peak:
-            peak, used = one, f"1 thread ({threads} ran slower: the cores are busy with other work now)"
-    name = str(dtype).removeprefix("torch.")
+        one = matmul_timing(rows, inner, cols, dtype, 1)
+        if one.rate > timing.rate:
+            timing, used = one, "1 thread"
+            notes.append(f"{threads} ran slower")
+    if timing.busy:
+        notes.append(f"its {len(timing.rounds)} rounds ranged {timing.spread()} GFLOPS")
+    if notes:
+        used += f" ({'; '.join(notes)}: the cores are busy with other work now, the fastest rounds count)"
+    peak, name = timing.rate, str(dtype).removeprefix("torch.")
     return Rate(
         peak * CPU_EFFICIENCY,
         f"this CPU: a {name} matmul of the model's shape ({rows}x{inner} @ {inner}x{cols}) timed at "

@@ -121,6 +121,13 @@ def test_misspelled_key_suggests_the_right_one(
     assert f"did you mean '{suggestion}'" in msg
 
 
+def test_a_misspelled_model_family_suggests_the_family(write_yaml) -> None:
+    path = write_yaml("model:\n  family: lama\n")
+    msg = config_error(path)
+    assert f"{path}:2" in msg and "model.family 'lama' is not one of" in msg and msg.endswith("did you mean llama?")
+    assert "did you mean" not in config_error(None, ["model.family=zzzz"])  # nothing close: no guess
+
+
 # ---- wrong types and values ----------------------------------------------------------------------
 
 

@@ -142,6 +142,35 @@ def test_escape_codes_reach_a_terminal_only() -> None:
         os.close(slave)
 
 
+def test_no_color_takes_the_colours_off_a_terminal_and_keeps_the_cursor_moves(monkeypatch) -> None:
+    """NO_COLOR (no-color.org): a terminal still gets a bar's cursor moves, never a colour."""
+    monkeypatch.setenv("NO_COLOR", "1")
+    master, slave = os.openpty()
+    try:
+        with open(slave, "w", closefd=False) as tty:
+            out = GuardedStream(tty)
+            out.write("\x1b[36m(StoreOwner pid=7)\x1b[0m paged in\x1b[1;32m!\x1b[m\x1b[2K\n")
+            out.flush()
+        assert os.read(master, 1000).decode().replace("\r\n", "\n") == "(StoreOwner pid=7) paged in!\x1b[2K\n"
+    finally:
+        os.close(master)
+        os.close(slave)
+
+
+@pytest.mark.slow
+def test_the_fidelity_report_keeps_no_escape_codes_when_redirected(tmp_path: Path) -> None:
+    """The fidelity tool through Ray, its output into files: the run's actor lines (Ray colours their prefixes)
+    arrive without escape codes, as the report does."""
+    argv = [str(ROOT / "examples/default.yaml"), "train.steps=2", "train.eval_every=0", "train.final_eval=false"]
+    with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
+        code = subprocess.run(
+            [sys.executable, "-m", "megatrain.launch.cli.fidelity", *argv], stdout=out, stderr=err, cwd=ROOT
+        ).returncode
+    said = (tmp_path / "out.txt").read_text() + (tmp_path / "err.txt").read_text()
+    assert code == 0 and "max per-step loss rel diff" in said, said
+    assert "(StoreOwner pid=" in said and "\x1b" not in said, said
+
+
 def test_the_first_signal_is_said_even_with_stderr_gone(broken_pipe, monkeypatch) -> None:
     """The stop's words meet a closed stderr inside the signal handler: the stop is still taken, not raised
     over; SIGPIPE is ignored while the handlers are installed."""

@@ -155,6 +155,22 @@ def test_import_of_sharded_bf16_weights_and_a_truncated_shard(tmp_path: Path, ca
     assert str(shard) in err and "truncated" in err
 
 
+def test_export_of_a_run_that_saved_no_checkpoint_says_which_settings_write_one(tmp_path: Path, capsys) -> None:
+    """A run without train.save_every keeps no checkpoint: export's error says so and names the settings that
+    write one; where the run wrote final/ (train.save_final), it points there instead."""
+    run(tmp_path / "run", "llama", "train.save_every=0", steps=2)
+    assert (tmp_path / "run" / "metrics.jsonl").is_file() and not (tmp_path / "run" / "checkpoints").exists()
+    capsys.readouterr()
+    assert cli.main(["export", str(tmp_path / "run"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "is a run's output directory with no checkpoint" in err, err
+    assert "train.save_every=N" in err and "train.save_final=true" in err and len(err.strip().splitlines()) == 1
+    run(tmp_path / "final", "llama", "train.save_every=0", "train.save_final=true", steps=2)
+    assert cli.main(["export", str(tmp_path / "final"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"its {tmp_path / 'final' / 'final'} is already an HF directory" in err, err
+
+
 def test_export_takes_the_special_ids_from_the_tokenizer_and_generates_with_the_cache(tmp_path: Path, capsys) -> None:
     """A fresh model keeps its class's defaults (bos 1, eos 2); the user's tokenizer ends texts with id 0.
     The exported config and generation config carry the tokenizer's ids, with the KV cache on, so

@@ -150,10 +150,18 @@ def test_explicit_sizes_that_cannot_fit_the_budget_are_named(tmp_path: Path) -> 
     load_config(config_file(tmp_path), ["engine.gpu_memory_gib=12", "engine.last_block_layers=2"])
 
 
-@pytest.mark.parametrize("value", ["0", "-3", "lots", "true"])
+@pytest.mark.parametrize("value", ["0", "-3", "lots", "true", ".inf", "nan"])
 def test_a_bad_budget_names_the_key(tmp_path: Path, value: str) -> None:
     with pytest.raises(ConfigError, match="engine.gpu_memory_gib"):
         load_config(config_file(tmp_path), [f"engine.gpu_memory_gib={value}"])
+
+
+def test_an_infinite_budget_is_a_usage_error_of_the_plan(tmp_path: Path, capsys) -> None:
+    """.inf passes `> 0`: the plan took it and died converting it to bytes. Now one line naming the key, exit 2."""
+    assert main(["plan", str(config_file(tmp_path)), "engine.gpu_memory_gib=.inf", "--gpu-gib", "80"]) == 2
+    err = capsys.readouterr().err
+    assert "config key 'engine.gpu_memory_gib'" in err and "a finite number of GiB > 0" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the budget is checked where the run would use a GPU")

@@ -57,6 +57,20 @@ def test_every_family_takes_head_dim_and_olmoe_only_its_own(tmp_path: Path) -> N
     assert f"leave head_dim out or set it to {PLAIN}" in str(err.value)
 
 
+@pytest.mark.parametrize("value", ["0", "-8", "1.5"])
+def test_a_head_dim_that_is_no_width_is_a_usage_error_naming_the_key(value: str, capsys) -> None:
+    """0 read as "absent" and planned; -8 and 0 failed in HF's attention as internal errors (exit 1). Now the
+    plan and the run refuse each alike: exit 2, one line naming model.hf.head_dim."""
+    from megatrain.launch.cli.main import main
+
+    default = str(Path(__file__).parents[1] / "examples" / "default.yaml")
+    for argv in (["plan", default], [default, "--print-config"]):  # --print-config: every check a run makes
+        assert main([*argv, f"model.hf.head_dim={value}"]) == 2, argv
+        err = capsys.readouterr().err
+        assert f"config key 'model.hf.head_dim': {value}: must be a whole number > 0" in err, err
+        assert len(err.strip().splitlines()) == 1, err
+
+
 @pytest.mark.parametrize("family", WIDE_FAMILIES)
 def test_head_dim_is_accepted_and_counted(tmp_path: Path, family: str) -> None:
     """The parameters are HF's model's, and the FLOPs' attention term and every activation estimate of the

@@ -118,10 +118,10 @@ def test_gpt_oss_120b_without_clipping_needs_five_hosts_of_512_gib_too(capsys, t
         r"^on 5 hosts like that one \(--hosts 5, actors\.num_hosts=5\) each needs 486.16 GiB: fits", out, re.M
     )
     code, out = _run(capsys, path, no_clip, "--hosts", "4")
-    assert code == 1 and "\nhost 1 of 4: 551.83 GiB needed" in out and "staging resident, clipping off" in out
+    assert code == 1 and "\nhost 0 of 4: 551.83 GiB needed" in out and "staging resident, clipping off" in out
     code, out = _run(capsys, path, no_clip, "--hosts", "5")
-    assert code == 0 and "verdict for host 1 of 5: fits" in out
-    assert out.startswith("memory plan of host 1 of 5: ") and "each checkpoint: the 5 hosts' parts of " in out
+    assert code == 0 and "verdict for host 0 of 5: fits" in out
+    assert out.startswith("memory plan of host 0 of 5: ") and "each checkpoint: the 5 hosts' parts of " in out
 
 
 def test_slabs_are_refused_across_hosts(capsys, tmp_path) -> None:
@@ -141,10 +141,10 @@ def test_gpt_oss_120b_with_the_defaults_needs_five_hosts_of_512_gib(capsys, tmp_
     each, over the 501.8 GiB Ray's monitor leaves a run of 512 GiB), 4.4 on five."""
     path = _config(tmp_path)
     code, out = _run(capsys, path, "--hosts", "4")
-    assert code == 1 and "\nhost 1 of 4: 551.83 GiB needed" in out and "verdict for host 1 of 4: does not fit" in out
+    assert code == 1 and "\nhost 0 of 4: 551.83 GiB needed" in out and "verdict for host 0 of 4: does not fit" in out
     assert "\non 5 hosts like that one (--hosts 5, actors.num_hosts=5) each needs 486.16 GiB: fits" in out
     code, out = _run(capsys, path, "--hosts", "5")
-    assert code == 0 and "verdict for host 1 of 5: fits" in out and "staging resident, clipping on" in out
+    assert code == 0 and "verdict for host 0 of 5: fits" in out and "staging resident, clipping on" in out
 
 
 def test_no_number_of_hosts_fits_what_each_keeps_whole(capsys) -> None:

@@ -253,6 +253,26 @@ def test_the_old_profile_keys_are_read_as_train_profile(tmp_path, capsys) -> Non
         load_config(None, ["train.profile_step=2", "train.profile.step=4"])
 
 
+def test_a_launcher_execd_after_a_set_up_counts_from_the_exec() -> None:
+    """run-default.sh sets up the environment (pip, seconds to minutes) in its own process, then execs Python,
+    which keeps that process and its start: the start-up's first phase begins at the exec it records, not
+    at the set-up's start. Without the record the process's start holds; a record older than it is stale."""
+    import subprocess
+
+    probe = (
+        "import os, time; from megatrain.ipc.procs import started_at; from megatrain.launch.cli.main import "
+        "_launched_at as at; s = started_at(os.getpid()); print(s, at(s), os.environ.get('MEGATRAIN_EXEC_AT', 0))"
+    )
+    script = f'sleep 1; {{}}exec "{sys.executable}" -c "{probe}"'
+    for record in ('export MEGATRAIN_EXEC_AT="$(date +%s.%N)"; ', "", "export MEGATRAIN_EXEC_AT=1000; "):
+        out = subprocess.run(["bash", "-c", script.format(record)], capture_output=True, text=True, check=True)
+        start, launched, exec_at = map(float, out.stdout.split())
+        if record.endswith('%N)"; '):
+            assert launched == exec_at >= start + 0.9, out.stdout  # the set-up (the sleep) is not counted
+        else:
+            assert launched == start, out.stdout
+
+
 def test_start_up_counts_from_the_launchers_start(tmp_path, rid: str) -> None:
     """The launcher passes its process's start: its own Python start and imports are the first phase, and the
     first step is done that much later after launch (here a start 30 s ago, as if the imports took that)."""

@@ -39,7 +39,7 @@ def run(source: str, out: str, dtype: str = "fp32", shard_gb: float = 5.0) -> tu
     from megatrain.model import ModelConfig, build_spec
 
     _check_target(Path(out))
-    src = find_checkpoint(source, Path(source), key="SOURCE")
+    src = _no_checkpoint_run(Path(source)) or find_checkpoint(source, Path(source), key="SOURCE")
     if src is None:
         raise ConfigError(f"SOURCE '{source}' holds no complete checkpoint")
     manifest = ckpt.manifest_of(src)
@@ -73,6 +73,28 @@ def run(source: str, out: str, dtype: str = "fp32", shard_gb: float = 5.0) -> tu
     record["run_id"] = (run_cfg.get("train") or {}).get("run_id")
     path = export(spec, tile, out, dtype, int(shard_gb * 1e9), run=run_cfg, record=record)
     return path, record
+
+
+def _no_checkpoint_run(source: Path) -> None:
+    """A run's output directory that holds no checkpoint (a run saves one only when told to): a usage error
+    saying which settings write one, and where the HF model already is when the run wrote it."""
+    if not (source / "metrics.jsonl").is_file() or _holds_checkpoint(source):
+        return None
+    final = source / "final"
+    if (final / "config.json").is_file():
+        hint = f"its {final} is already an HF directory (train.save_final)"
+    else:
+        hint = (
+            "train.save_every=N writes one every N steps and after the last, and train.save_final=true writes "
+            "OUTPUT_DIR/final/, an HF directory, at the end; a run stopped by Ctrl-C writes one too"
+        )
+    raise ConfigError(f"SOURCE '{source}' is a run's output directory with no checkpoint: the run saved none; {hint}")
+
+
+def _holds_checkpoint(run_dir: Path) -> bool:
+    from megatrain import checkpoint as ckpt
+
+    return ckpt.latest(run_dir / "checkpoints") is not None
 
 
 def _check_target(out: Path) -> None:

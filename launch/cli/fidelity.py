@@ -110,6 +110,15 @@ def compare(cfg: Config, workdir: Path, batches: Batches | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The comparison's report; its output, the run's lines among it, without escape codes where stdout and
+    stderr are no terminal, and without colours under NO_COLOR, as megatrain-launch's."""
+    from megatrain.launch.report import console
+
+    with console.guarded():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     p = argparse.ArgumentParser(prog="python -m megatrain.launch.cli.fidelity")
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")

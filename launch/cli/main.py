@@ -6,6 +6,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -157,6 +158,19 @@ def main(argv: list[str] | None = None) -> int:
         return code
 
 
+def _launched_at(process_start: float) -> float | None:
+    """When the launcher started (time.time()), for the start-up's first phase: its process's start, or, where
+    a script set up the environment in that process and then exec'd Python (run-default.sh says when, in
+    MEGATRAIN_EXEC_AT), the exec: the set-up is not the launcher's start. None where neither is known."""
+    try:
+        exec_at = float(os.environ.get("MEGATRAIN_EXEC_AT", "0"))
+    except ValueError:
+        exec_at = 0.0
+    # A child of the launcher inherits the variable but starts after it; a stale one is never in the future.
+    at = max(process_start, exec_at) if exec_at <= time.time() else process_start
+    return at or None
+
+
 def _run(args: argparse.Namespace, stop: Any, program: bool = False) -> int:
     trainer, where = None, None
     argv = [args.config, *args.overrides, *(["--address", args.address] if args.address else [])]
@@ -173,7 +187,7 @@ def _run(args: argparse.Namespace, stop: Any, program: bool = False) -> int:
         from megatrain.ipc.procs import started_at
         from megatrain.launch.run.driver import Trainer
 
-        launched = (started_at(os.getpid()) or None) if program else None
+        launched = _launched_at(started_at(os.getpid())) if program else None
         trainer = Trainer(cfg, stop, launched=launched, where=where)
         summary = trainer.run()
         if summary.get("complete"):
@@ -258,7 +272,6 @@ def _report(
     after: str = "",
     argv: list[str] | None = None,
 ) -> int:
-
     """One line on stderr, ending with `after` (how to resume). A run that failed (not refused input: that creates
     nothing) leaves error.log in its own output directory, with the traceback of where it failed: the failing
     actor's own when it came from one, else this process's. Where error.log cannot be written (a full disk), the
@@ -266,11 +279,11 @@ def _report(
     out_dir: Path | None = getattr(trainer, "log_dir", None)
     where = ""
     if code == RUNTIME_ERROR and out_dir is not None and out_dir.is_dir():
-        remote = getattr(exc, "traceback", "")
-        detail = f"traceback of actor '{exc.actor}':\n{remote}" if remote else traceback.format_exc()
+        from megatrain.launch.control.failures import error_log
+
         log = out_dir / "error.log"
         try:
-            log.write_text(message + "\n\n" + detail)
+            log.write_text(error_log(message, exc, traceback.format_exc()))
             where = f" (details in {log})"
         except OSError as err:
             log.unlink(missing_ok=True)  # a cut-off one would only mislead

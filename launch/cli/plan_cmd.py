@@ -33,7 +33,9 @@ def parser() -> argparse.ArgumentParser:
         "fewest hosts that fit (default: actors.num_hosts, or 1 for auto)",
     )
     p.add_argument(
-        "--gpu", help="the GPU the time estimate assumes: H100, A100, RTX 4090, ... (default: this machine's)"
+        "--gpu",
+        help="the GPU the time estimate assumes: H100, 'A100 80GB', RTX 4090, ... (default: this machine's); "
+        "without --gpu-gib, its memory too",
     )
     p.add_argument("--gpu-tflops", type=float, help="the time estimate's GPU by its nominal dense bf16 TFLOPS instead")
     return p

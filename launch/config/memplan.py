@@ -27,6 +27,7 @@ from megatrain.launch.config import timeplan
 from megatrain.launch.config.tree import Config, gpu_budget_without_gpu, load_tree, validate_plan
 from megatrain.launch.control.placement import demands, describe_need, per_executor, resolve_executors, roster_for
 from megatrain.memory import budget as gpubudget
+from megatrain.memory.autosize import PLAN_HINT, SEQ_ADVICE
 from megatrain.memory.gpu import reduction_bytes
 from megatrain.memory.hosts import fewest_hosts, host_plane_elems
 from megatrain.memory.machine import (
@@ -278,16 +279,17 @@ def suggestions(plan: MemPlan, cfg: Config) -> list[str]:
         if not fits:
             tips.append(_host_needed(plan, least, bool(tips)))
     if not plan.gpu_fits():
-        tips += [
-            "engine.chunk_sequences=1 (the batch through each layer one sequence at a time)",
-            "engine.checkpoint_interval=1 and engine.last_block_layers=1 (the fewest layers' activations kept)",
-            "engine.loss_chunk_tokens=1024 (smaller logits)",
-            "a shorter data.seq_len",
-        ]
         least = _set(
             cfg, "engine", chunk_sequences=1, checkpoint_interval=1, last_block_layers=1, loss_chunk_tokens=1024
         )
-        if not make_plan(least, plan.gpu_free, plan.cuda, plan.machine, plan.hosts).gpu_fits():
+        if make_plan(least, plan.gpu_free, plan.cuda, plan.machine, plan.hosts).gpu_fits():
+            tips += [
+                "engine.chunk_sequences=1 (the batch through each layer one sequence at a time)",
+                "engine.checkpoint_interval=1 and engine.last_block_layers=1 (the fewest layers' activations kept)",
+                "engine.loss_chunk_tokens=1024 (smaller logits)",
+                "a shorter data.seq_len",
+            ]
+        else:  # the settings above would be listed for nothing
             tips.append(
                 "none of the engine settings makes it fit this GPU, not even all of them at once: only a shorter "
                 "data.seq_len or a GPU with more memory does"
@@ -337,8 +339,9 @@ def _hosts_needed(plan: MemPlan, cfg: Config) -> str:
 
 def _one_of(plan: MemPlan, before: str = "") -> str:
     """Which host the plan is of a run over several (`before` it, the words that lead to it): the hosts are
-    alike, so it is the first's; nothing for one host."""
-    return f"{before} 1 of {plan.hosts}" if plan.hosts > 1 else ""
+    alike, so it is the first's, numbered as the run numbers them (ROLE@host0 is the first); nothing for one
+    host."""
+    return f"{before} 0 of {plan.hosts}" if plan.hosts > 1 else ""
 
 
 def render(plan: MemPlan, cfg: Config, extra: list[str] | None = None) -> str:
@@ -364,13 +367,15 @@ def render(plan: MemPlan, cfg: Config, extra: list[str] | None = None) -> str:
     lines += [f"  {k:<52} {gib(v):>12}" for k, v in plan.host.items() if v]
     lines.append(f"  -> {'fits' if plan.host_fits() else 'DOES NOT FIT'}")
     if plan.gpu:
-        have = f"{gib(plan.gpu_free)} free on this machine's GPU" if plan.gpu_free is not None else "no GPU here"
+        gpu = "the GPU" if plan.gpu_note.startswith(" (--gpu") else "this machine's GPU"  # another's: --gpu(-gib)
+        have = f"{gib(plan.gpu_free)} free on {gpu}" if plan.gpu_free is not None else "no GPU here"
         lines += ["", f"GPU: {gib(sum(plan.gpu.values()))} at the peak; {have}{plan.gpu_note}"]
         if plan.memory.gpu.budget_note:
             lines.append(f"  budget: {plan.memory.gpu.budget_note}")
         lines += [f"  {k:<52} {gib(v):>12}" for k, v in plan.gpu.items()]
         lines.append(
-            f"  -> {'fits' if plan.gpu_fits() else 'DOES NOT FIT'}" + (f": {plan.gpu_error}" if plan.gpu_error else "")
+            f"  -> {'fits' if plan.gpu_fits() else 'DOES NOT FIT'}"
+            + (f": {_gpu_error(plan)}" if plan.gpu_error else "")
         )
         lines.append(f"  {least_gpu(plan, cfg)}")
     lines += ["", *_disk(cfg, plan.hosts)]
@@ -382,6 +387,11 @@ def render(plan: MemPlan, cfg: Config, extra: list[str] | None = None) -> str:
     if tips:
         lines += ["settings that need less:"] + [f"  {t}" for t in tips]
     return "\n".join(lines)
+
+
+def _gpu_error(plan: MemPlan) -> str:
+    """Why the GPU does not fit, less the way out (the suggestions say it) and the pointer to the plan (this)."""
+    return plan.gpu_error.removesuffix(PLAN_HINT).removesuffix(SEQ_ADVICE)
 
 
 def least_gpu(plan: MemPlan, cfg: Config) -> str:
@@ -437,11 +447,15 @@ def report(args: argparse.Namespace) -> int:
     """Print the plan of launch/cli/plan_cmd.py's arguments; 0 when it fits, 1 when it does not."""
     cfg, where = load_tree(args.config, args.overrides)
     validate_plan(cfg, where)  # planning comes before the download: config.json is enough
-    free, cuda, note = _gpu(cfg, args.gpu_gib)
+    gpu_gib, named = args.gpu_gib, ""
+    if gpu_gib is None and args.gpu is not None and cfg.engine.device != "cpu":  # a GPU by name: its memory too
+        gpu_gib, named = timeplan.named_gpu_gib(args.gpu)
+    free, cuda, note = _gpu(cfg, gpu_gib)
     hosts = _hosts(args.hosts, cfg)
-    plan = dataclasses.replace(make_plan(cfg, free, cuda, this_host(cfg, args.host_gib), hosts), gpu_note=note)
+    plan = make_plan(cfg, free, cuda, this_host(cfg, args.host_gib), hosts)
+    plan = dataclasses.replace(plan, gpu_note=named or note)
     engine, n = resolve_engine(cfg.engine, cuda), executors_of(cfg, cuda)
-    asked = timeplan.Asked(args.gpu, args.gpu_tflops, args.gpu_gib is not None, args.host_gib is not None)
+    asked = timeplan.Asked(args.gpu, args.gpu_tflops, gpu_gib is not None, args.host_gib is not None)
     timing = timeplan.plan_lines(cfg, engine, n, asked, hosts)
     print(render(plan, cfg, timing + _weights_note(cfg)))
     return 0 if plan.fits() else 1

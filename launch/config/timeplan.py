@@ -89,6 +89,24 @@ def asked_gpu_rate(asked: Asked) -> steptime.Rate:
     return rate
 
 
+def named_gpu_gib(gpu: str) -> tuple[float, str]:
+    """`plan --gpu NAME` without --gpu-gib: (GiB free, the plan's note of it) on a GPU of that name, its data
+    sheet's memory as CUDA reports it less the CUDA context. A ConfigError where the name does not say
+    which of its sizes, or the plan does not know it."""
+    from megatrain.memory.budget import CONTEXT_BYTES, GIB
+
+    sizes = steptime.gpu_memory_gb(gpu)
+    if not sizes:
+        asked_gpu_rate(Asked(gpu=gpu))  # not a GPU the plan knows: its error
+    if len(sizes) > 1:
+        said = " or ".join(f"'{gpu} {gb}GB'" for gb in sizes)
+        raise ConfigError(
+            f"--gpu '{gpu}' comes with {' or '.join(map(str, sizes))} GB: name it as {said}, or add --gpu-gib N"
+        )
+    free = sizes[0] * steptime.REPORTED_GIB_PER_GB - CONTEXT_BYTES / GIB
+    return free, f" (--gpu {gpu}: {sizes[0]} GB, {free:.1f} GiB free after the CUDA context; --gpu-gib N for another)"
+
+
 def gpu_rate(engine: EngineConfig, asked: Asked) -> tuple[steptime.Rate | None, str]:
     """The GPU's rate for a plan: --gpu's or --gpu-tflops', else this machine's GPU's; (None, why) where none
     is known."""
@@ -117,8 +135,9 @@ def plan_basis(cfg: Config, arch: Arch, engine: EngineConfig, executors: int, as
     of BENCHMARKS.md's GPU hosts."""
     cuda = engine.device == "cuda"
     if (asked.gpu is not None or asked.tflops is not None) and not cuda:
+        way = "engine.device is cpu" if cfg.engine.device == "cpu" else "add --gpu-gib N, or name the GPU with --gpu"
         raise ConfigError(
-            "--gpu and --gpu-tflops name the GPU the time assumes, but the plan is for the CPU device: add --gpu-gib N"
+            f"--gpu and --gpu-tflops name the GPU the time assumes, but the plan is for the CPU device: {way}"
         )
     rate, why = gpu_rate(engine, asked) if cuda else (cpu_rate(cfg, arch, engine, executors, hosts), "")
     if cuda and asked.host_gib:

@@ -70,6 +70,7 @@ def validate_model(cfg: Config, where: Where | None = None, weights: bool = True
     from megatrain.weights import check_checkpoint
 
     check_hf_keys(cfg.model, where)
+    arch_from_config(cfg.model, where)  # the shape fields whole and > 0, which HF's own check lets through
     resolve_hf_config(cfg.model, where)  # HF's strict fields: a value of the wrong type, named
     check_on_meta(cfg.model, cfg.engine.moe_experts, where)
     check_model(cfg, where)

@@ -8,7 +8,8 @@ descriptor into /dev/null (so the interpreter's exit flush finds nothing to comp
 stream's output from then on, silently. Once a stop is requested, any OSError of the console is dropped so.
 
 Where a stream is not a terminal (a file, a pipe, `ray job submit`), terminal escape codes (Ray's coloured
-actor prefixes, a forced bar's cursor moves) are taken out of what is written.
+actor prefixes, a forced bar's cursor moves) are taken out of what is written; on a terminal, with NO_COLOR
+set (no-color.org), the colours alone.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import TextIO
 GONE = frozenset({errno.EPIPE, errno.EIO, errno.ENOSPC, errno.EDQUOT})
 # ECMA-48 control sequences (colours, cursor moves) and the two-byte escapes (charset selection and the like).
 ESCAPES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+COLOURS = re.compile(r"\x1b\[[0-9;:]*m")  # select graphic rendition: colours, bold, reset
 
 _stopping = False  # a stop was requested: the console is best-effort whatever its error
 
@@ -35,12 +37,14 @@ class GuardedStream:
     def __init__(self, stream: TextIO):
         self.stream = stream
         self.gone = False
-        self.plain = not _isatty(stream)  # no escape codes into a file or a pipe
+        # no escape codes into a file or a pipe; no colours where the user's NO_COLOR asks for none
+        self.plain = not _isatty(stream)
+        self.strip = ESCAPES if self.plain else COLOURS if os.environ.get("NO_COLOR") else None
 
     def write(self, text: str) -> int:
         if not self.gone:
             try:
-                self.stream.write(ESCAPES.sub("", text) if self.plain else text)
+                self.stream.write(self.strip.sub("", text) if self.strip else text)
             except OSError as exc:
                 self._lost(exc)
         return len(text)

@@ -76,6 +76,10 @@ STREAM_COPIES, TILED_STREAM_COPIES = 12, 10  # hidden-state copies beside the ke
 # where the count alone was 5-11 % under. A lean layer's activations on that path take the same factor: GPT-OSS-20B
 # whole with 21 of 24 layers lean peaked at 131.4 GiB on an H200, the plan 134.1 without it and 141.2 with it.
 OUR_GPU_EXCESS = 1.15
+# The way out of a GPU too small for one sequence, and where to see why: the plan, which prints the error,
+# strips both (its suggestions say the first once, and it is the plan).
+SEQ_ADVICE = "; use a shorter data.seq_len or a GPU with more free memory"
+PLAN_HINT = " (megatrain-launch plan CONFIG shows the whole plan)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,8 +291,7 @@ class _Shape:
                 f"the GPU cannot hold one sequence of {seq} tokens through {k} layer(s): {self.gpu_free / GIB:.1f} "
                 f"GiB free, {max(room, 0) / GIB:.1f} GiB of it left for activations after the weight buffers, the "
                 f"loss chunk, the hidden states and the chunks' gradient sums, one sequence needs "
-                f"{k * one / GIB:.2f} GiB; use a shorter data.seq_len or a GPU with more free memory "
-                f"(megatrain-launch plan CONFIG shows the whole plan)"
+                f"{k * one / GIB:.2f} GiB{SEQ_ADVICE}{PLAN_HINT}"
             )
         chunk = 0 if k * per_layer <= budget else self._chunk(room, k)
         # A tiled layer keeps about what a lean one does (its MLP half is recomputed per tile): no lean layers.
