@@ -25,7 +25,7 @@ from megatrain.roster import EXECUTOR, split_host
 
 # A placement not ready within this many seconds waits for the cluster: the run says for what, in one line
 # (Ray's autoscaler events, which would say it in its own words, are kept off the terminal: cluster.py).
-PLACEMENT_NOTE_S = 2.0
+PLACEMENT_NOTE_S = 5.0  # a placement the cluster has room for is ready long before
 NETWORK_ENV = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")  # the launcher's, passed to every actor
 
 A = TypeVar("A")
