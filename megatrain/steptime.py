@@ -302,9 +302,9 @@ def cpu_rate(hidden: int, intermediate: int, tokens: int, dtype: object, threads
             timing, used = one, "1 thread"
             notes.append(f"{threads} ran slower")
     if timing.busy:
-        notes.append(f"its {len(timing.rounds)} rounds ranged {timing.spread()} GFLOPS")
+        notes.append(f"its {len(timing.rounds)} timings ranged {timing.spread()} GFLOPS")
     if notes:
-        used += f" ({'; '.join(notes)}: the cores are busy with other work now, the fastest rounds count)"
+        used += f" ({'; '.join(notes)}: the cores are busy with other work now, the fastest timings count)"
     peak, name = timing.rate, str(dtype).removeprefix("torch.")
     return Rate(
         peak * CPU_EFFICIENCY,
