@@ -92,8 +92,11 @@ def test_a_run_over_two_hosts_is_one_run_with_each_hosts_roles_named(rid: str, m
         assert f"run {rid}h1" not in out, out
         (head,) = [line for line in out.splitlines() if line.startswith(f"run {rid}:")]
         assert "over 2 hosts, hosts 0, 1 on this node" in head, out
-        assert f"  host 1: store {rid}h1, owner pid {os.getpid()}" in out, out
-        rows = [line.split() for line in out.splitlines() if line.startswith("  adam-updater")]
+        lines = out.splitlines()
+        start = lines.index(head)  # this run's block (other runs may be alive on the machine)
+        block = lines[start + 1 : next((i for i in range(start + 1, len(lines)) if not lines[i].startswith(" ")), None)]
+        assert f"  host 1: store {rid}h1, owner pid {os.getpid()}, step 0 applied" in block, out
+        rows = [line.split() for line in block if line.startswith("  adam-updater")]
         assert [r[0] for r in rows] == ["adam-updater", "adam-updater@host1"], out
     finally:
         for w in workers:
