@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import run as bench_run
 from bench.table import load_cell, load_stats
 from megatrain.arch import arch_from_config
@@ -44,6 +46,10 @@ def _bench(out: Path, routing: str) -> dict:
     return json.loads((out / "results.json").read_text())[0]
 
 
+# The whole bench in a process of its own, its run's actors and all (about 2 minutes on 2 loaded cores): the
+# evenness itself is test_bench_tokens.py's, in seconds, and the load columns test_load_columns_from_steady_metrics's;
+# this checks the bench's plumbing.
+@pytest.mark.slow
 def test_uniform_routing_gives_near_even_load_through_the_bench(tmp_path: Path) -> None:
     """A tiny OLMoE on the CPU, 4 steps on random token ids (a mixture of experts' default), MegaTrain starting from
     the saved init: its steady steps route near evenly (1.19 worst when written; every layer balanced on the
