@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from megatrain.errors import AbortError
+from megatrain.errors import RAISED_AT, AbortError, Origin
 from megatrain.ipc.procs import started_at
 from megatrain.ipc.protocol import StoreSpec
 from megatrain.ipc.protocol.messages import ActorInfo
@@ -31,14 +31,24 @@ def guarded(fn: F) -> F:
         except AbortError:
             raise
         except BaseException as exc:
+            _stamp(exc)
             if store is not None:
-                store.abort(f"{self.name}: {type(exc).__name__}: {exc}")
+                store.abort(f"{store.label(self.name)}: {type(exc).__name__}: {exc}", Origin.RAISE)
             raise
         finally:
             if store is not None:
                 store.call_ended()
 
     return wrapper  # type: ignore[return-value]
+
+
+def _stamp(exc: BaseException) -> None:
+    """When the actor raised, on the exception itself (it travels to the driver with it): the driver names the
+    earliest failure, not the first answer to reach it."""
+    try:
+        setattr(exc, RAISED_AT, time.time())
+    except AttributeError:  # an exception type that takes no attributes: the driver's clock stands in
+        pass
 
 
 class Role:
@@ -108,6 +118,7 @@ class Role:
         return ActorInfo(name=self.name, pid=os.getpid(), host=socket.gethostname(), marks=dict(self.marks))
 
     def abort(self, reason: str) -> None:
-        """Callable while a step is blocked (actors run with max_concurrency=3: Adam may hold two overlapping steps)."""
+        """The driver's abort of the run, after a failure it learnt of (a consequence here, never the cause).
+        Callable while a step is blocked (actors run with max_concurrency=3: Adam may hold two overlapping steps)."""
         if self.store is not None:
-            self.store.abort(reason)
+            self.store.abort(reason, Origin.RELAY)

@@ -13,6 +13,7 @@ from bench.presets import MODELS
 from bench.tokens import overrides as token_overrides
 from megatrain.configbase import merge_overrides, parse_override
 from megatrain.errors import ConfigError, DataError, MegatrainError
+from megatrain.launch.control.failures import error_log
 
 # Flag -> config key. A flag left out keeps the product's default: the benchmark measures the config a
 # user gets, and every override a number needs is on its command line (BENCHMARKS.md quotes it).
@@ -52,9 +53,7 @@ class Failed(Exception):
             else f"internal error: {type(exc).__name__}: {exc}"
         )
         if log_dir is not None and log_dir.is_dir():
-            remote = getattr(exc, "traceback", "")
-            detail = f"traceback of actor '{exc.actor}':\n{remote}" if remote else traceback.format_exc()
-            (log_dir / "error.log").write_text(message + "\n\n" + detail)
+            (log_dir / "error.log").write_text(error_log(message, exc, traceback.format_exc()))
             message += f" (details in {log_dir / 'error.log'})"
         return cls(f"{what}: {message}" if what else message, code)
 

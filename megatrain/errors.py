@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import shutil
+import time
+from enum import IntEnum
 from pathlib import Path
 
 # The errors whose message says all there is to say: raised in an actor, they are reported with their message
@@ -25,15 +27,37 @@ class ResourceError(MegatrainError, ValueError):
     """Not enough memory (host RAM, /dev/shm, GPU); the message carries the numbers."""
 
 
+class Origin(IntEnum):
+    """What raised a host's abort flag, the strongest first. Every watcher of a run (each host's stall monitor, each
+    actor's guarded calls, the driver) may see a failure; the driver names the strongest it learnt of, of equals
+    the earliest (launch/control/failures.py): a death before the failures it caused, wherever they were seen first."""
+
+    DEATH = 1  # a process of the run is gone (the stall monitor saw it, or a call on it failed with its death)
+    STALL = 2  # the stall monitor's verdict: a process stopped, or made no progress
+    RAISE = 3  # an actor's own exception (a guarded call raised the flag as it failed)
+    RELAY = 4  # the driver's abort of the run after a failure it learnt of elsewhere: a consequence, never a cause
+
+
 class AbortError(MegatrainError):
-    """A data-plane wait gave up because the run was aborted (a peer failed or the driver asked)."""
+    """A data-plane wait gave up because the run was aborted (a peer failed or the driver asked). `origin` and `at`
+    (time.time()): what raised the flag and when, from the host's control segment."""
+
+    def __init__(self, message: str, origin: int = Origin.RELAY, at: float = 0.0):
+        super().__init__(message)
+        try:
+            self.origin = Origin(origin)
+        except ValueError:  # 0: a flag raised without one (a control segment of an older run)
+            self.origin = Origin.RELAY
+        self.at = at
 
 
 def is_stall_verdict(exc: BaseException) -> bool:
     """The stall monitor's verdict, come back as the abort of the run: it names the actor that stopped, which
     never answers, and no peer's answer can be a better root cause (they only waited on it). Whoever waits for
     the others' answers after it need not wait long."""
-    return isinstance(exc, AbortError) and str(exc).removeprefix("run aborted: ").startswith(STALLED)
+    if not isinstance(exc, AbortError):
+        return False
+    return exc.origin is Origin.STALL or str(exc).removeprefix("run aborted: ").startswith(STALLED)
 
 
 class WaitTimeout(MegatrainError):
@@ -45,15 +69,44 @@ class LayoutMismatch(MegatrainError):
 
 
 class ActorFailure(MegatrainError):
-    """An actor died or raised; names the actor and carries the root cause."""
+    """An actor died or raised; names the actor (with its pid, and its node over several hosts) and carries the
+    root cause. `at` (time.time()): when it raised (the actor's own clock, RAISED_AT), or when its death was seen."""
 
-    def __init__(self, actor: str, cause: str, pid: int | None = None, died: bool = False, traceback: str = ""):
+    def __init__(
+        self,
+        actor: str,
+        cause: str,
+        pid: int | None = None,
+        died: bool = False,
+        traceback: str = "",
+        node: str = "",
+        at: float | None = None,
+    ):
         name, sep, message = cause.partition(": ")
         cause = message if sep and name in SELF_EXPLAINED else cause
-        self.actor, self.cause, self.pid, self.died = actor, cause, pid, died
+        self.actor, self.cause, self.pid, self.died, self.node = actor, cause, pid, died, node
         self.traceback = traceback  # the actor's own, where it raised (for error.log)
-        where = f"actor '{actor}'" + (f" (pid {pid})" if pid else "")
+        self.at = time.time() if at is None else at
+        about = [f"pid {pid}"] * bool(pid) + [f"node {node}"] * bool(node)
+        where = f"actor '{actor}'" + (f" ({', '.join(about)})" if about else "")
         super().__init__(f"{where} failed: {cause}")
+
+    @property
+    def origin(self) -> Origin:
+        return Origin.DEATH if self.died else Origin.RAISE
+
+    def named(self, actor: str, pid: int | None, node: str) -> ActorFailure:
+        """The same failure under the name, pid and node the driver knows the actor by."""
+        return ActorFailure(actor, self.cause, pid or self.pid, self.died, self.traceback, node, self.at)
+
+
+# Set by an actor's guarded call on the exception it raises (time.time()): the driver orders failures by when
+# they happened, not by when their answers reached it.
+RAISED_AT = "megatrain_raised_at"
+
+
+def raised_at(exc: BaseException) -> float | None:
+    return getattr(exc, RAISED_AT, None)
 
 
 class DataError(MegatrainError, ValueError):

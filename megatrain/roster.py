@@ -188,6 +188,13 @@ def split_host(name: str) -> tuple[str, int]:
     return role, int(host) if mark else 0
 
 
+def shown(name: str, hosts: int) -> str:
+    """Actor `name` (as on_host names it) in what a run says of it: over several hosts every actor with its host,
+    host 0's too (`adam-updater@host0`), so that no message leaves its host to be guessed; on one host its own."""
+    role, host = split_host(name)
+    return f"{role}{HOST_MARK}{host}" if hosts > 1 else role
+
+
 def parse_role(name: str) -> tuple[Kind, int]:
     """The kind and index of a role name (of any host); ValueError for a name no run has."""
     name = split_host(name)[0]

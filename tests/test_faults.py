@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import threading
 import time
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from megatrain.errors import MegatrainError
+from megatrain.ipc.shm import host_run_id
 from megatrain.launch.config.tree import load_config
 from megatrain.launch.run.driver import Trainer
 from tests.conftest import run_leftovers
@@ -141,3 +143,28 @@ def test_non_finite_gradient_without_clipping_stops_naming_step_and_unit(tmp_pat
     rows = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1] or [r["step"] for r in rows] == [1, 2]  # never a half-applied step
     assert run_leftovers(rid) == []
+
+
+def test_an_actor_that_raises_on_host_1_is_named_with_its_host(tmp_path, rid: str, monkeypatch) -> None:
+    """Over two hosts (simulated in this process) host 1's Adam raises: it is named with its host, whatever
+    its failure made of the others (host 0 aborted by the driver, the executors' collective broken), and those
+    are its consequences (error.log lists them)."""
+    from megatrain.actors.adam_updater import AdamUpdater
+
+    real = AdamUpdater._update
+
+    def update(self, unit, lo, hi, g, t, lr, scale):  # noqa: ANN001
+        if t == 2 and self.store.spec.host == 1:
+            raise RuntimeError("boom on host 1")
+        real(self, unit, lo, hi, g, t, lr, scale)
+
+    monkeypatch.setattr(AdamUpdater, "_update", update)
+    with pytest.raises(MegatrainError) as info:
+        run(tmp_path, rid, "actors.num_hosts=2", "engine.device=cpu")
+    named = r"actor 'adam-updater@host1' \(pid \d+, node [^)]+\) failed: RuntimeError: boom on host 1"
+    assert re.fullmatch(named, str(info.value)), info.value
+    assert "boom on host 1" in info.value.traceback  # the actor's own stack
+    caused = info.value.consequences
+    assert any("adam-updater@host1: RuntimeError: boom on host 1" in line for line in caused), caused
+    assert all("boom" not in line or "run aborted" in line for line in caused), caused  # the root once
+    assert run_leftovers(rid) == [] and run_leftovers(host_run_id(rid, 1)) == []

@@ -2,7 +2,8 @@
 StoreSpec (`megatrain-launch status`, ipc/protocol/status.py) go through. Byte offsets are into the data area
 (after the segment header):
 
-  flags         8 int64 words; word 0 the abort flag
+  flags         8 int64 words: the abort flag (ABORTED), what raised it (ABORT_ORIGIN, errors.Origin) and
+                when (ABORT_AT, ns since the epoch)
   pids          MAX_PIDS int64 worker pids, at CTL_PIDS_OFFSET (fixed in ipc/shm.py: the reaper reads them)
   reason        the abort reason, NUL-padded UTF-8
   role table    one ROLE_BYTES row per worker slot: heartbeat, progress, calls and waits in flight, when the
@@ -22,6 +23,7 @@ import numpy as np
 from megatrain.ipc.shm import CTL_PIDS_OFFSET, MAX_PIDS
 
 FLAG_WORDS = 8
+ABORTED, ABORT_ORIGIN, ABORT_AT = 0, 1, 2  # flag words: the abort, its origin, its time
 REASON_OFFSET, REASON_BYTES = CTL_PIDS_OFFSET + 8 * MAX_PIDS, 1024
 ROLE_BYTES = 128  # per role: heartbeat, progress, calls in flight, waits in flight, what it waits on
 ROLE_TABLE_OFFSET = REASON_OFFSET + REASON_BYTES
@@ -74,7 +76,7 @@ class CtlView:
 
     @property
     def aborted(self) -> bool:
-        return bool(self.flags[0])
+        return bool(self.flags[ABORTED])
 
     def abort_reason(self) -> str:
         return text(self.reason)

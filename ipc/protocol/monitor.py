@@ -22,9 +22,11 @@ the driver reports the verdict.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 
+from megatrain.errors import Origin
 from megatrain.ipc.procs import running
 from megatrain.ipc.protocol.store import BEAT, BEAT_S, CALLS, PROGRESS, WAITS, Store
 
@@ -33,6 +35,12 @@ STALE_BEATS = 5  # heartbeats missed before a process counts as stopped
 
 def find_stall(store: Store, timeout: float, now: float | None = None) -> str | None:
     """The verdict if the run is stalled, else None."""
+    found = find_verdict(store, timeout, now)
+    return found[0] if found else None
+
+
+def find_verdict(store: Store, timeout: float, now: float | None = None) -> tuple[str, Origin] | None:
+    """The verdict and what it is (a death, or a stall) if the run is stalled, else None."""
     now = time.monotonic() if now is None else now
     rows = [
         (role, slot, store.role_words[slot]) for slot, role in enumerate(store.spec.roles()) if store.pids[slot] > 0
@@ -41,35 +49,44 @@ def find_stall(store: Store, timeout: float, now: float | None = None) -> str | 
         return None
     if not any(row[CALLS] > 0 for _, _, row in rows):  # a frozen worker only: see the module's docstring
         stopped = _stopped(store, rows, now, max(STALE_BEATS * BEAT_S, timeout))
-        return stopped and f"{stopped} while no worker was inside a call; the driver waits on it"
+        if not stopped:
+            return None
+        return f"{stopped} while no worker was inside a call; the driver waits on it", Origin.STALL
     gone = [(role, slot) for role, slot, _ in rows if not running(int(store.pids[slot]))]
     if gone:  # at once: a worker that is idle when it dies fails no call the driver waits on
         role, slot = gone[0]
         return (
-            f"actor '{role}' (pid {int(store.pids[slot])}) died: its process is gone (killed, or crashed in "
-            f"native code) while the run was in a step"
+            f"{who(store, role, slot)} died: its process is gone (killed, or crashed in native code) while the run "
+            "was in a step",
+            Origin.DEATH,
         )
     idle = now - max(row[PROGRESS] for _, _, row in rows)
     if idle < timeout:
         return None
 
-    def who(role: str, slot: int) -> str:
-        return f"actor '{role}' (pid {int(store.pids[slot])})"
-
-    waits = "; ".join(f"{role} waits for {store.waiting_on(slot)}" for role, slot, row in rows if row[WAITS] > 0)
+    waits = "; ".join(
+        f"{store.label(role)} waits for {store.waiting_on(slot)}" for role, slot, row in rows if row[WAITS] > 0
+    )
     waiting = f" ({waits})" if waits else ""
     stopped = _stopped(store, rows, now, STALE_BEATS * BEAT_S)
     if stopped:
-        return f"{stopped}; no progress anywhere for {idle:.0f}s{waiting}"
+        return f"{stopped}; no progress anywhere for {idle:.0f}s{waiting}", Origin.STALL
     working = [(role, slot, row) for role, slot, row in rows if row[CALLS] > 0 and row[WAITS] == 0]
     if working:
         role, slot, row = min(working, key=lambda r: r[2][PROGRESS])
         return (
-            f"stalled: {who(role, slot)} made no progress for {now - row[PROGRESS]:.0f}s while working (not "
+            f"stalled: {who(store, role, slot)} made no progress for {now - row[PROGRESS]:.0f}s while working (not "
             f"waiting on any peer){waiting}; if one unit legitimately takes this long, raise "
-            f"ipc.stall_timeout_s"
+            f"ipc.stall_timeout_s",
+            Origin.STALL,
         )
-    return f"stalled: no progress anywhere for {idle:.0f}s, every actor in a call is waiting{waiting}"
+    return f"stalled: no progress anywhere for {idle:.0f}s, every actor in a call is waiting{waiting}", Origin.STALL
+
+
+def who(store: Store, role: str, slot: int) -> str:
+    """A worker of this store as a verdict names it: with its pid, and over several hosts with its host and node."""
+    node = f", node {socket.gethostname()}" if store.spec.hosts > 1 else ""
+    return f"actor '{store.label(role)}' (pid {int(store.pids[slot])}{node})"
 
 
 def _stopped(store: Store, rows: list, now: float, limit: float) -> str | None:
@@ -83,8 +100,8 @@ def _stopped(store: Store, rows: list, now: float, limit: float) -> str | None:
         return None
     role, slot, age = max(quiet, key=lambda r: r[2])
     return (
-        f"stalled: actor '{role}' (pid {int(store.pids[slot])}) stopped running (no heartbeat for {age:.0f}s: "
-        "stopped, frozen, or stuck in native code)"
+        f"stalled: {who(store, role, slot)} stopped running (no heartbeat for {age:.0f}s: stopped, frozen, or stuck "
+        "in native code)"
     )
 
 
@@ -106,10 +123,11 @@ class Monitor:
         while not self.stop.wait(BEAT_S):
             if self.store.aborted:
                 continue
-            verdict = find_stall(self.store, self.store.spec.ipc.stall_seconds())
-            if verdict:
-                print(f"[store-owner] {verdict}", flush=True)
-                self.store.abort(verdict)
+            found = find_verdict(self.store, self.store.spec.ipc.stall_seconds())
+            if found:
+                verdict, origin = found
+                print(f"[{self.store.label('store-owner')}] {verdict}", flush=True)
+                self.store.abort(verdict, origin)
 
     def close(self) -> None:
         self.stop.set()

@@ -14,8 +14,11 @@ import numpy as np
 import posix_ipc
 import torch
 
-from megatrain.errors import AbortError, ProtocolError, ResourceError, WaitTimeout
+from megatrain.errors import AbortError, Origin, ProtocolError, ResourceError, WaitTimeout
 from megatrain.ipc.protocol.ctl import (
+    ABORT_AT,
+    ABORT_ORIGIN,
+    ABORTED,
     ABOUT_BYTES,
     BEAT,
     CALLS,
@@ -39,6 +42,7 @@ from megatrain.ipc.shm import (
     run_of_host,
     seg_name,
 )
+from megatrain.roster import on_host, shown
 
 BEAT_S = 1.0
 # A counter wait sleeps in naps that grow from NAP_MIN_S to NAP_MAX_S: a published version is seen
@@ -232,22 +236,34 @@ class Store:
         return torch.frombuffer(seg.mm, dtype=torch.uint8, count=seg.data_bytes, offset=HEADER_BYTES)
 
     # ---- abort -------------------------------------------------------------------------------
-    def abort(self, reason: str) -> None:
-        if self._flags[0]:
+    def abort(self, reason: str, origin: Origin = Origin.RAISE) -> None:
+        """Raise this host's abort flag with `reason`, unless it is up: the first watcher to see a failure
+        decides what the host says of it; the ones after it see only its consequences."""
+        if self._flags[ABORTED]:
             return  # keep the first (root) cause
         write_text(self.ctl.reason, reason)
-        self._flags[0] = 1
+        self._flags[ABORT_ORIGIN], self._flags[ABORT_AT] = int(origin), time.time_ns()
+        self._flags[ABORTED] = 1  # last: a reader that sees the flag sees the reason
 
     @property
     def aborted(self) -> bool:
-        return bool(self._flags[0])
+        return bool(self._flags[ABORTED])
 
     def abort_reason(self) -> str:
         return self.ctl.abort_reason()
 
+    def abort_error(self) -> AbortError:
+        """The raised flag as the error every wait of this host ends with, its origin and time with it."""
+        at = int(self._flags[ABORT_AT]) / 1e9
+        return AbortError(f"run aborted: {self.abort_reason()}", int(self._flags[ABORT_ORIGIN]), at)
+
     def check_abort(self) -> None:
-        if self._flags[0]:
-            raise AbortError(f"run aborted: {self.abort_reason()}")
+        if self._flags[ABORTED]:
+            raise self.abort_error()
+
+    def label(self, role: str) -> str:
+        """This host's role `role` as messages name it: over several hosts with its host (roster.shown)."""
+        return shown(on_host(role, self.spec.host), self.spec.hosts)
 
     # ---- progress (the role table) -------------------------------------------------------------
     def progressed(self) -> None:

@@ -1,5 +1,6 @@
 """The run's actors as the driver sees them: spawning and ending them, calling them, and waiting for the
-calls with the run's failure handling (the first real failure is the one reported, never its victims)."""
+calls with the run's failure handling (the failure that started it is the one reported, never its victims:
+launch/control/failures.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ from megatrain.actors.store_owner import StoreOwner
 from megatrain.errors import AbortError, ActorFailure, MegatrainError, is_stall_verdict
 from megatrain.ipc.procs import live, start_ticks
 from megatrain.ipc.protocol.messages import ActorInfo
+from megatrain.launch.control.failures import ABORTED, Heard, root_cause
 from megatrain.launch.control.handles import Handle, Pending, Runner
 from megatrain.launch.control.placement import Demand
-from megatrain.roster import OWNER, Kind, Roster, kind_of, on_host, split_host
+from megatrain.roster import OWNER, Kind, Roster, kind_of, on_host, shown, split_host
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -26,6 +28,14 @@ SHUTDOWN_S = 15.0
 # memory is the system's again only when the last process that maps it is gone, and the caller's next run (a bench's
 # next row, a notebook's next Trainer) plans against what is free. Ray's kill reaches a frozen process in ~5 s.
 GONE_S = 30.0
+# After a failure, every host's word (its serve() call ends with its abort reason) and every actor's (alive, or
+# found dead) come within a poll of the abort; the bound only ends a wait on a host that never answers.
+HEAR_S = 30.0
+# The calls still running once those are heard are its victims (every wait polls the abort flag): waited for
+# this long from the failure, for the consequences error.log lists. After the stall monitor's verdict, which
+# names the stopped actor itself (it never answers), nothing is waited for longer than STALL_HEAR_S.
+VICTIMS_S, STALL_HEAR_S = 5.0, 0.5
+SETTLE_S = 2.0  # at the end, how long the calls ended with the actors are waited for (their failures are known)
 
 
 class Crew:
@@ -38,6 +48,9 @@ class Crew:
         self.actors: dict[str, Handle[Any]] = {}
         self.roster: Roster | None = None  # the run's actors (megatrain/roster.py), once spawned
         self.pids: dict[str, int] = {}
+        self.nodes: dict[str, str] = {}  # each attached actor's node (its host name), named in its failure
+        self.inflight: set[Pending] = set()  # calls whose answer was not taken yet
+        self.unsettled: list[Pending] = []  # calls left running by a failure: their answers are taken at the end
         self.marks: dict[str, dict] = {}  # each actor's start-up timeline (Role.mark)
         self.hosts = 1  # actors.num_hosts, resolved
         self.sentinels: dict[str, Pending] = {}  # per store owner, its serve() call
@@ -77,6 +90,7 @@ class Crew:
         """Record the attached actors' pids, and those on this node (not this process: the in-process runner's)
         to wait for at the end."""
         self.pids = {n: i.pid for n, i in infos.items()}
+        self.nodes = {n: i.host for n, i in infos.items()}
         for name, info in infos.items():
             self._note_local(name, info)
 
@@ -107,12 +121,30 @@ class Crew:
         for name, pending in ending.items():
             try:
                 self.runner.result(pending, timeout=SHUTDOWN_S)
-            except Exception as exc:  # the reaper unlinks if the owner is gone
-                print(f"[megatrain] {name} did not shut down cleanly: {exc}", file=sys.stderr)
+            except ActorFailure as exc:
+                if not exc.died:  # a dead owner's store is its reaper's to unlink; its death is reported already
+                    print(f"[megatrain] {self.shown(name)} did not shut down cleanly: {exc}", file=sys.stderr)
+            except Exception as exc:
+                print(f"[megatrain] {self.shown(name)} did not shut down cleanly: {exc}", file=sys.stderr)
         for h in owners.values():  # without a store (an input refused after the spawn) it holds nothing to release
             self.runner.kill(h)
+        self._settle()
         self._wait_gone(GONE_S)
         self.runner.close()
+
+    def _settle(self) -> None:
+        """Take the answers of the calls a failure (or a signal) left running, now that their actors are ended: Ray
+        prints a failed answer never taken, traceback and all, on the user's terminal (the failure is known)."""
+        left, self.inflight = self.unsettled + list(self.inflight), set()
+        if not self.runner.prints_untaken:
+            left = []
+        deadline = time.monotonic() + SETTLE_S
+        for p in left:
+            try:
+                self.runner.result(p, timeout=max(deadline - time.monotonic(), 0.01))
+            except Exception:
+                pass
+        self.unsettled.clear()
 
     def _wait_gone(self, timeout: float) -> None:
         """Wait for the ended actors' processes on this node to exit (their mappings of the store with them)."""
@@ -135,7 +167,9 @@ class Crew:
     ) -> Pending[R]:
         """Start `method` (the actor class's own, e.g. AdamUpdater.step) on actor `name`; a method of another
         class or arguments that do not fit its signature raise TypeError here (launch/control/handles.py)."""
-        return self.runner.call(self.actors[name], method, *args, **kwargs)
+        pending = self.runner.call(self.actors[name], method, *args, **kwargs)
+        self.inflight.add(pending)
+        return pending
 
     def call_one(self, name: str, method: Callable[Concatenate[Any, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         """The call's result, waited for with the start-up timeout."""
@@ -160,47 +194,80 @@ class Crew:
                     f"{what} did not finish within {timeout:.0f}s; still waiting on: {', '.join(pending)}"
                 )
             for p in done:
+                self.inflight.discard(p)
                 owner = next((n for n, s in self.sentinels.items() if s is p), None)
                 if owner is not None:
                     del self.sentinels[owner]
-                    self._owner_died(owner, p, {**pending, **extra})
+                    self._owner_died(owner, p)
                 key = next(k for k, v in {**pending, **extra}.items() if v is p)
                 pending.pop(key, None)
                 extra.pop(key, None)
                 try:
                     results[key] = self.runner.result(p)
                 except (ActorFailure, AbortError) as exc:
-                    raise self._root_cause(exc, p.actor, {**pending, **extra}) from None
+                    raise self._root_cause(exc, p.actor) from None
         return results
 
     # ---- failures ---------------------------------------------------------------------------
-    def _owner_died(self, owner: str, serve: Pending, pending: dict[str, Pending]) -> None:
+    def shown(self, name: str) -> str:
+        """Actor `name` as messages name it: over several hosts with its host (roster.shown)."""
+        return shown(name, self.hosts)
+
+    def _owner_died(self, owner: str, serve: Pending) -> None:
         """An owner's serve() call ended before shutdown: its process is gone, or the run was aborted."""
         try:
             self.runner.result(serve)
-            exc: Exception = ActorFailure(owner, "stopped serving the store", self.pids.get(owner))
+            exc: ActorFailure | AbortError = ActorFailure(owner, "stopped serving the store", self.pids.get(owner))
         except (ActorFailure, AbortError) as failure:
             exc = failure
-        raise self._root_cause(exc, owner, pending)
+        raise self._root_cause(exc, owner)
 
-    def _root_cause(self, first: Exception, actor: str, pending: dict[str, Pending]) -> MegatrainError:
-        """Abort the run, let the others fail fast, and report the failure that started it all."""
-        self.abort(f"{actor} failed")
-        failures: list[Exception] = [first]
-        # A stopped actor never answers: the verdict must not wait long, and after the stall monitor's verdict
-        # (which names the stopped one itself) hardly at all: the others are only its victims.
-        deadline = time.monotonic() + (0.5 if is_stall_verdict(first) else 5)
-        for p in pending.values():
-            try:
-                self.runner.result(p, timeout=max(deadline - time.monotonic(), 0.1))
-            except (ActorFailure, AbortError) as exc:
-                failures.append(exc)
-            except MegatrainError:
-                pass
-        real = [f for f in failures if isinstance(f, ActorFailure)]
-        deaths = [f for f in real if f.died]
-        root = (deaths or real or failures)[0]
-        return root if isinstance(root, MegatrainError) else MegatrainError(str(root))
+    def _root_cause(self, first: ActorFailure | AbortError, actor: str) -> MegatrainError:
+        """Abort the run on every host, hear every watcher, and report the failure that started it all
+        (launch/control/failures.py), its consequences with it (error.log lists them)."""
+        seen = self._heard(actor, first)
+        self.abort(str(seen.error).removeprefix(ABORTED))  # what the driver knows so far, as each host's reason
+        return root_cause([seen, *self._hear(first)])
+
+    def _heard(self, name: str, error: ActorFailure | AbortError) -> Heard:
+        """A failure of actor `name`'s call, under the name, pid and node messages give it."""
+        if isinstance(error, ActorFailure):
+            node = self.nodes.get(name, "") if self.hosts > 1 else ""
+            error = error.named(self.shown(name), self.pids.get(name), node)
+        return Heard(self.shown(name), error)
+
+    def _hear(self, first: ActorFailure | AbortError) -> list[Heard]:
+        """Every watcher's word, once the run is aborted: each host's abort reason (its owner's serve() call), each
+        call still running (its victims, for the consequences), and whether each actor is alive (a death no call
+        failed with, seen here even where the driver's abort reached the dead actor's host before its monitor
+        did). A call not answered within the bounds is left to the end (_settle)."""
+        stall = is_stall_verdict(first)
+        dead = {first.actor} if isinstance(first, ActorFailure) and first.died else set()
+        calls = {p: p.actor for p in self.inflight}
+        words = {s: n for n, s in self.sentinels.items()}
+        words |= {self.call(n, Role.info): n for n in self.actors if n not in dead}  # alive, or found dead
+        self.sentinels.clear()
+        start = time.monotonic()
+        waiting = calls | words
+        heard: list[Heard] = []
+        while waiting:
+            limit = STALL_HEAR_S if stall else HEAR_S if any(p in words for p in waiting) else VICTIMS_S
+            left = start + limit - time.monotonic()
+            done = self.runner.wait_any(list(waiting), left) if left > 0 else []
+            if not done:
+                break
+            for p in done:
+                name = waiting.pop(p)
+                self.inflight.discard(p)
+                try:
+                    self.runner.result(p)
+                except (ActorFailure, AbortError) as exc:
+                    heard.append(self._heard(name, exc))
+                except MegatrainError:
+                    pass
+        self.unsettled += list(waiting)
+        self.inflight.clear()
+        return heard
 
     def abort(self, reason: str) -> None:
         """Raise each host's shared abort flag through any actor of that host that still answers."""

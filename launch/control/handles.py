@@ -77,6 +77,7 @@ class Runner(Protocol):
     this process. `pids`: each actor's pid once attached (named in failures)."""
 
     pids: dict[str, int]
+    prints_untaken: bool  # a call's failure whose answer is never taken is printed on the terminal (Ray does it)
 
     def connect(self, cpus_needed: float) -> None: ...
 

@@ -17,7 +17,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from megatrain import log
 from megatrain.configbase import opt
-from megatrain.errors import AbortError, ActorFailure, ConfigError, MegatrainError, ResourceError
+from megatrain.errors import AbortError, ActorFailure, ConfigError, MegatrainError, ResourceError, raised_at
 from megatrain.launch.control import cluster
 from megatrain.launch.control.handles import Handle, Pending, Runner, checked, checked_init
 from megatrain.launch.control.placement import Demand, placement_wait, resources_text
@@ -59,6 +59,8 @@ class LaunchConfig:
 
 
 class InProcessRunner:
+    prints_untaken = False
+
     def __init__(self, cfg: LaunchConfig):
         self.cfg = cfg
         self.pools: dict[str, cf.ThreadPoolExecutor] = {}
@@ -115,7 +117,10 @@ class InProcessRunner:
             raise
         except Exception as exc:
             raise ActorFailure(
-                p.actor, f"{type(exc).__name__}: {exc}", traceback="".join(traceback.format_exception(exc))
+                p.actor,
+                f"{type(exc).__name__}: {exc}",
+                traceback="".join(traceback.format_exception(exc)),
+                at=raised_at(exc),
             ) from exc
 
     def kill(self, h: Handle[Any]) -> None:
@@ -132,6 +137,8 @@ class InProcessRunner:
 
 
 class RayRunner:
+    prints_untaken = True  # Ray's "Unhandled error" with the actor's traceback, when the answer is dropped
+
     def __init__(self, cfg: LaunchConfig):
         import ray
 
@@ -246,13 +253,14 @@ class RayRunner:
             raise MegatrainError(f"actor '{p.actor}' did not answer within {timeout}s") from None
         except rex.RayTaskError as exc:
             cause = exc.cause if exc.cause is not None else exc
-            if isinstance(cause, AbortError):
-                raise AbortError(str(cause)) from None
+            if isinstance(cause, AbortError):  # its origin and time with it: the driver orders failures by them
+                raise AbortError(str(cause), cause.origin, cause.at) from None
             raise ActorFailure(
                 p.actor,
                 f"{type(cause).__name__}: {cause}",
                 self.pids.get(p.actor),
                 traceback=getattr(exc, "traceback_str", "") or str(exc),
+                at=raised_at(cause),
             ) from None
         except rex.OutOfMemoryError:
             raise ActorFailure(
