@@ -117,7 +117,7 @@ class StoreOwner(Role):
         is how the driver learns of either while it waits on a step, even on an actor that never answers."""
         while not self.done.wait(0.1):
             if self.store is not None and self.store.aborted:
-                raise AbortError(f"run aborted: {self.store.abort_reason()}")
+                raise self.store.abort_error()  # its origin and time with it (launch/control/failures.py)
         if self.lost is not None:  # the lifeline's shutdown set `done` first: the driver must still learn why
             raise self.lost
 
