@@ -25,7 +25,7 @@ from megatrain.actors.base import Role, guarded
 from megatrain.actors.lifeline import Lifeline, raylet
 from megatrain.arch import arch_of_spec
 from megatrain.engine import EngineConfig, fixed_sizes
-from megatrain.errors import AbortError, ConfigError, ProtocolError
+from megatrain.errors import AbortError, ConfigError, Origin, ProtocolError
 from megatrain.export import export
 from megatrain.hostmem import fault_in
 from megatrain.ipc.procs import live, maps_path, running, spawn_detached, start_ticks
@@ -307,9 +307,10 @@ class StoreOwner(Role):
         request = getattr(self, "request", None)  # the host it serves, once asked for a store
         reason = (f"host {request.host}: " if request is not None and request.hosts > 1 else "") + why
         print(f"[{self.name}] {reason}; ending this host's part of the run", flush=True)
-        self.lost = AbortError(f"run aborted: {reason}")
+        # a death, of the node's every process: the run's root cause, before what it brings about on other hosts
+        self.lost = AbortError(f"run aborted: {reason}", Origin.DEATH, time.time())
         if self.store is not None:
-            self.store.abort(reason)
+            self.store.abort(reason, Origin.DEATH)
         try:
             self.shutdown()  # its workers first (they map the store), then every name of the store
         finally:
