@@ -252,15 +252,16 @@ class StoreOwner(Role):
         planes = [store.plane(part) for part in parts]
         t0 = time.perf_counter()
         done, pieces = fault_in([(a.ctypes.data, a.nbytes) for a in planes], PAGE_IN_THREADS, stop)
+        me = store.label(self.name)  # over several hosts, with its host
         if pieces and done == pieces:
             print(
-                f"[{self.name}] paged in {', '.join(parts)} ({sum(a.nbytes for a in planes) / 2**30:.1f} GiB) "
+                f"[{me}] paged in {', '.join(parts)} ({sum(a.nbytes for a in planes) / 2**30:.1f} GiB) "
                 f"in {time.perf_counter() - t0:.1f} s",
                 flush=True,
             )
         elif pieces and not done and not stop.is_set():
             print(
-                f"[{self.name}] this kernel cannot page in ahead (madvise MADV_POPULATE_WRITE): the first "
+                f"[{me}] this kernel cannot page in ahead (madvise MADV_POPULATE_WRITE): the first "
                 f"update faults {', '.join(parts)} in",
                 flush=True,
             )

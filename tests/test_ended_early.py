@@ -10,6 +10,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from megatrain.launch.cli import main as cli
 from megatrain.launch.config.train import TrainConfig
 from megatrain.launch.control.runners import RayRunner
 from megatrain.launch.report import rerun
+from megatrain.launch.run.stopping import StopRequest
 from tests.conftest import ROOT
 from tests.data_fixtures import make_tokenizer, text_records, write_jsonl
 from tests.test_rerun import ARGS, STEPS, losses, sigterm_after
@@ -206,3 +208,17 @@ def test_a_gpu_budget_without_a_gpu_is_refused_by_the_run_and_the_plan_alike(
     said = capsys.readouterr()
     assert "engine.gpu_memory_gib: 8.0 GiB is the budget of a GPU, but this machine has none" in said.err, said
     assert cli.main(["plan", DEFAULT, "engine.gpu_memory_gib=8", "--gpu-gib", "8"]) == 0  # another machine's GPU
+
+
+@pytest.mark.parametrize("saves, said", [(True, "then a checkpoint and exit"), (False, "save_on_signal is off")])
+def test_the_first_signals_line_promises_a_checkpoint_only_where_one_is_written(saves: bool, said: str, capsys) -> None:
+    request = StopRequest()
+    request.saves = saves
+    with request.installed():
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while request.signum is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert request.signum == signal.SIGTERM
+    line = capsys.readouterr()
+    assert said in line.out + line.err

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -20,14 +21,20 @@ import pytest
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
+# what a working copy holds beside the source: environments, runs, caches, earlier builds
+LOCAL = (".git", ".venv", ".devbundle", "runs", "build", "dist", "*.egg-info", "__pycache__", ".*_cache")
 FOLDERS = {"megatrain": "megatrain", "actors": "megatrain/actors", "ipc": "megatrain/ipc", "launch": "megatrain/launch"}
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Built from a copy of the tree: setuptools leaves build/ and *.egg-info in the source folder, and a build/
+    left from an earlier build could carry a module the tree no longer has into the wheel."""
     out = tmp_path_factory.mktemp("wheel")
+    src = out / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(*LOCAL))
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out), str(src)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -59,6 +59,8 @@ class Trainer:
         self.cfg, self.where = cfg, where
         self.launched = launched
         self.stop = stop  # a graceful-stop request (signal), checked between steps
+        if stop is not None:
+            stop.saves = cfg.train.save_on_signal  # what its first signal's line promises
         self.run_id = check_run_id(cfg.train.run_id or secrets.token_hex(5))
         if isinstance(cfg.actors.num_hosts, int):  # auto: once the cluster's nodes are counted (startup.py)
             check_hosts_run_id(self.run_id, cfg.actors, cfg.actors.num_hosts)

@@ -43,6 +43,9 @@ class StopRequest:
         self._calls: Counter[int] = Counter()  # each signal's handler calls
         self._counted = 0  # the deliveries the handler has acted on
         self._first: int | None = None  # the first signal's number, as the pipe got it (handlers run in number order)
+        self.saves = (
+            True  # whether the first signal's stop writes a checkpoint (train.save_on_signal; the Trainer sets it)
+        )
 
     def _handle(self, signum: int, _frame: object) -> None:
         self._calls[signum] += 1
@@ -56,9 +59,10 @@ class StopRequest:
         if received > 1:
             raise KeyboardInterrupt  # the second one: now
         console.best_effort()
+        then = "then a checkpoint and exit" if self.saves else "then exit (train.save_on_signal is off: no checkpoint)"
+        again = ", without a checkpoint" if self.saves else ""
         console.say(
-            f"[megatrain] {self.name}: finishing the current step, then a checkpoint and "
-            "exit (send it again to stop at once, without a checkpoint)"
+            f"[megatrain] {self.name}: finishing the current step, {then} (send it again to stop at once{again})"
         )
 
     def _received(self) -> int:
