@@ -65,17 +65,19 @@ with stop.installed():
 @pytest.mark.parametrize(
     "signals, said",
     [
-        (["SIGINT", "SIGINT"], "interrupted SIGINT"),
-        (["SIGTERM", "SIGINT"], "interrupted SIGTERM"),
-        (["SIGINT"], "not interrupted SIGINT"),  # one signal is never taken for two
+        (["SIGINT", "SIGINT"], {"interrupted SIGINT"}),
+        # Which of two different signals is named first is the interpreter's order of its handlers when both
+        # arrived before either ran (seen either way): what holds is that the second one stops at once.
+        (["SIGTERM", "SIGINT"], {"interrupted SIGTERM", "interrupted SIGINT"}),
+        (["SIGINT"], {"not interrupted SIGINT"}),  # one signal is never taken for two
     ],
 )
-def test_a_second_signal_counts_however_soon_it_comes(signals: list[str], said: str) -> None:
+def test_a_second_signal_counts_however_soon_it_comes(signals: list[str], said: set[str]) -> None:
     done = subprocess.run(
         [sys.executable, "-c", TWO_SIGNALS, *signals], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == said, done.stdout + done.stderr
+    assert done.stdout.strip() in said, done.stdout + done.stderr
 
 
 @pytest.fixture

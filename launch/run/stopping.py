@@ -43,9 +43,8 @@ class StopRequest:
         self._calls: Counter[int] = Counter()  # each signal's handler calls
         self._counted = 0  # the deliveries the handler has acted on
         self._first: int | None = None  # the first signal's number, as the pipe got it (handlers run in number order)
-        self.saves = (
-            True  # whether the first signal's stop writes a checkpoint (train.save_on_signal; the Trainer sets it)
-        )
+        # whether the first signal's stop writes a checkpoint (train.save_on_signal; the Trainer sets it)
+        self.saves = True
 
     def _handle(self, signum: int, _frame: object) -> None:
         self._calls[signum] += 1
