@@ -23,6 +23,16 @@ requires_cuda = pytest.mark.skipif(
 )
 NEEDS_CUDA = [pytest.mark.cuda, requires_cuda]  # a module's pytestmark
 
+# The bundled default shrunk to a model that starts and steps in moments: the launcher's arguments before a test's own
+TINY_DEFAULT = [
+    str(Path(__file__).resolve().parent.parent / "examples/default.yaml"),
+    "model.hf.hidden_size=32",
+    "model.hf.intermediate_size=64",
+    "model.hf.num_hidden_layers=2",
+    "data.seq_len=32",
+    "data.batch_size=2",
+]
+
 TINY = dict(
     hidden_size=32,
     intermediate_size=64,

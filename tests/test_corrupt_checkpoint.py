@@ -13,19 +13,14 @@ import pytest
 from megatrain import checkpoint as ckpt
 from megatrain.launch.cli import main as cli
 from megatrain.launch.control.runners import InProcessRunner, RayRunner
-from tests.conftest import ROOT
+from tests.helpers import TINY_DEFAULT
 
 STEPS = 10
 
 
 def args(out: Path, *extra: str) -> list[str]:
     return [
-        str(ROOT / "examples/default.yaml"),
-        "model.hf.hidden_size=32",
-        "model.hf.intermediate_size=64",
-        "model.hf.num_hidden_layers=2",
-        "data.seq_len=32",
-        "data.batch_size=2",
+        *TINY_DEFAULT,
         "train.save_every=5",
         f"train.steps={STEPS}",
         "train.eval_every=0",

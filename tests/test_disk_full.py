@@ -28,14 +28,10 @@ from megatrain.launch.run.outdir import prepare_output
 from megatrain.memory.hosts import host_plane_elems
 from megatrain.model import build_spec
 from tests.conftest import ROOT
+from tests.helpers import TINY_DEFAULT
 
 SMALL = [
-    str(ROOT / "examples/default.yaml"),
-    "model.hf.hidden_size=32",
-    "model.hf.intermediate_size=64",
-    "model.hf.num_hidden_layers=2",
-    "data.seq_len=32",
-    "data.batch_size=2",
+    *TINY_DEFAULT,
     "train.eval_every=0",
     "train.final_eval=false",
     "train.log_every=1",

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from tests.conftest import ROOT
+from tests.helpers import TINY_DEFAULT
 from tests.test_hosts_cluster import NO_AUTH, NODE_CPUS, NODES, cluster  # noqa: F401  (the fixture)
 from tests.test_lifecycle import Cli
 
@@ -29,12 +30,7 @@ def test_a_run_id_too_long_for_the_hosts_of_auto_is_refused_by_name(cluster, tmp
         sys.executable,
         "-m",
         "megatrain.launch.cli.main",
-        str(ROOT / "examples/default.yaml"),
-        "model.hf.hidden_size=32",
-        "model.hf.intermediate_size=64",
-        "model.hf.num_hidden_layers=2",
-        "data.seq_len=32",
-        "data.batch_size=2",
+        *TINY_DEFAULT,
         "engine.device=cpu",
         "actors.num_hosts=auto",
         f"train.run_id={run_id}",
