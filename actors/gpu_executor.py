@@ -11,7 +11,6 @@ import dataclasses
 import functools
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
@@ -23,6 +22,7 @@ from megatrain.actors.executor_reduce import HostScatter, StreamedReducingSink, 
 from megatrain.actors.executor_streams import Marks, StreamedSink, StreamedSource, SyncSink, SyncSource, copy_intervals
 from megatrain.collective import HOST, Group, World, connect_rendezvous, join_world, open_rendezvous
 from megatrain.cudahost import use_expandable_segments
+from megatrain.daemons import DaemonExecutor
 from megatrain.engine import EngineConfig, StepEngine, resolve_device, resolve_dtype
 from megatrain.errors import MegatrainError, ResourceError
 from megatrain.ipc.protocol import Store, StoreSpec
@@ -67,7 +67,7 @@ class GpuExecutor(Role):
         # The initializer must not hold self: the pool's thread would keep the executor (its pinned and
         # GPU memory) alive after the actor is dropped in the in-process runner.
         init = functools.partial(torch.cuda.set_device, self.device) if self.cuda else None  # per thread
-        self.compute = ThreadPoolExecutor(1, "compute", initializer=init)
+        self.compute = DaemonExecutor("compute", initializer=init)  # a stuck step never holds the exit
         self.mark("ready")
 
     def warm_up(self, model: ModelSpec, cfg: EngineConfig, batch: int, seq: int) -> None:

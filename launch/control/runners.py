@@ -10,6 +10,8 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import shutil
+import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from megatrain import log
 from megatrain.configbase import opt
+from megatrain.daemons import DaemonExecutor
 from megatrain.errors import AbortError, ActorFailure, ConfigError, MegatrainError, ResourceError, raised_at
 from megatrain.launch.control import cluster
 from megatrain.launch.control.handles import Handle, Pending, Runner, checked, checked_init
@@ -58,12 +61,33 @@ class LaunchConfig:
             raise ValueError("launch.nsight needs launch.runner 'ray' (nsys runs the executor's own process)")
 
 
+# How long the end of an in-process run waits for its actors' threads once their calls were cancelled: a call
+# still running then is stuck (Ray would have killed its process) and is named with where it is.
+THREADS_SETTLE_S = 5.0
+
+
+def stuck_threads(pools: list[DaemonExecutor], settle_s: float) -> list[str]:
+    """The actor threads still inside a call `settle_s` after shutdown, each with the line it is at."""
+    deadline = time.monotonic() + settle_s
+    threads = [t for p in pools for t in p.threads]
+    for t in threads:
+        t.join(max(deadline - time.monotonic(), 0.0))
+    frames = sys._current_frames()
+    out = []
+    for t in threads:
+        if t.is_alive() and t.ident in frames:
+            where = traceback.extract_stack(frames[t.ident])[-1]
+            out.append(f"{t.name} (at {os.path.basename(where.filename)}:{where.lineno} in {where.name})")
+    return out
+
+
 class InProcessRunner:
     prints_untaken = False
 
     def __init__(self, cfg: LaunchConfig):
         self.cfg = cfg
-        self.pools: dict[str, cf.ThreadPoolExecutor] = {}
+        self.pools: dict[str, DaemonExecutor] = {}
+        self.ended: list[DaemonExecutor] = []
         self.pids: dict[str, int] = {}
 
     def connect(self, cpus_needed: float) -> None:
@@ -93,7 +117,7 @@ class InProcessRunner:
 
     def spawn(self, name: str, cls: type[A], args: tuple, demand: Demand) -> Handle[A]:
         checked_init(cls, args)
-        self.pools[name] = cf.ThreadPoolExecutor(max_workers=3, thread_name_prefix=name)
+        self.pools[name] = DaemonExecutor(name, workers=3)
         obj = cls(*args)
         obj.shared_process = True  # type: ignore[attr-defined]  # one process for every role (torch's threads)
         return Handle(name, cls, obj)
@@ -129,11 +153,16 @@ class InProcessRunner:
     def _end(self, name: str) -> None:
         pool = self.pools.pop(name, None)
         if pool is not None:
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.shutdown()
+            self.ended.append(pool)
 
     def close(self) -> None:
         for name in list(self.pools):
             self._end(name)
+        stuck = stuck_threads(self.ended, THREADS_SETTLE_S)
+        self.ended = []
+        if stuck:  # never a hang: they are daemon threads; named, as a stuck actor is a bug to see
+            log(f"in-process actor calls still running {THREADS_SETTLE_S:.0f} s after the end: {', '.join(stuck)}")
 
 
 class RayRunner:
