@@ -23,7 +23,6 @@ import torch
 from megatrain import checkpoint as ckpt
 from megatrain.actors.base import Role, guarded
 from megatrain.actors.lifeline import Lifeline, raylet
-from megatrain.arch import arch_of_spec
 from megatrain.engine import EngineConfig, fixed_sizes
 from megatrain.errors import AbortError, ConfigError, Origin, ProtocolError
 from megatrain.export import export
@@ -32,12 +31,10 @@ from megatrain.ipc.procs import live, maps_path, running, spawn_detached, start_
 from megatrain.ipc.protocol import Store, StoreSpec, checkpoint_host_bytes, plan_store
 from megatrain.ipc.protocol.checkpoints import restore
 from megatrain.ipc.protocol.cpus import ThreadRequest, cpu_plan, node_cores
-from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
 from megatrain.ipc.protocol.messages import FillReport, HostMemory, StoreRequest
 from megatrain.ipc.protocol.monitor import Monitor
 from megatrain.ipc.segments import sweep
 from megatrain.ipc.shm import (
-    HEADER_BYTES,
     check_space,
     mem_total_bytes,
     pss_split,
@@ -48,7 +45,7 @@ from megatrain.ipc.shm import (
 )
 from megatrain.memory.host import REAPER
 from megatrain.memory.machine import Machine
-from megatrain.memory.plan import MemoryPlan, RunShape, plan_memory
+from megatrain.memory.plan import MemoryPlan
 from megatrain.model import ModelConfig, build_spec, family_classes, init_unit, meta_model, unit_seed
 from megatrain.roster import OWNER, Roster, build_roster
 from megatrain.weights import checkpoint_index, copy_slots, fill_tile, read_unit, slot_views
@@ -56,32 +53,6 @@ from megatrain.weights import checkpoint_index, copy_slots, fill_tile, read_unit
 STRAGGLER_S = 1.0  # how long workers get to exit after the driver's kill before they are ended by pid
 LOADERS = 2  # units read from a pretrained checkpoint at once: one is read while the other is converted
 PAGE_IN_THREADS = 8  # page faults are the kernel's work: half the cores leave step 1 theirs
-
-
-def run_shape(request: StoreRequest) -> RunShape:
-    """What of a request the memory plan reads, where the driver sent none (a store made outside a run: its
-    roles are the spec's, the checkpoint writer included; no launcher or Ray of its own on the node)."""
-    executors = max(request.executors, 1)
-    return RunShape(
-        engine=request.engine,
-        executors=executors,
-        batch=request.batch_shape[0] // executors,
-        seq=request.batch_shape[1],
-        clip=request.clip,
-        staging=request.ipc.staging,
-        weight_slabs=request.ipc.weight_slabs,
-        grad_slabs=request.ipc.grad_slabs,
-        slab_params=request.ipc.slab_params,
-        num_packers=request.num_packers,
-        num_accumulators=request.num_accumulators,
-        saves_checkpoints=True,
-        launcher=False,
-        private_ray=False,
-        header_bytes=HEADER_BYTES,
-        ctl_fixed=CTL_FIXED,
-        ctl_piece_bytes=PIECE_BYTES,
-        hosts=request.hosts,
-    )
 
 
 class StoreOwner(Role):
@@ -122,9 +93,10 @@ class StoreOwner(Role):
             raise self.lost
 
     def create(self, request: StoreRequest) -> StoreSpec:
-        """Plan (resolving the staging mode on this node's memory), create and fill the store: from the
-        model config, or from checkpoint directory `request.resume` (weights and Adam state, versions at its
-        step). The node's CPU plan is made here, on the node the workers share, and travels in the spec.
+        """Plan (in the staging mode of the request's memory plan, which the driver made before anything was
+        spawned), create and fill the store: from the model config, or from checkpoint directory
+        `request.resume` (weights and Adam state, versions at its step). The node's CPU plan is made here, on
+        the node the workers share, and travels in the spec.
         While the engine has `auto` sizes the plan takes the fixed ones, and settle() gets the chosen ones."""
         shm_dir = request.ipc.shm_dir
         removed = sweep(shm_dir=shm_dir)
@@ -134,9 +106,7 @@ class StoreOwner(Role):
         # The driver's spec: its structure is built once, and the modeling code this process imports for the
         # init comes after the segments, while their pages are faulted in (_make).
         self.model = request.spec if request.spec is not None else build_spec(request.model, request.no_decay_1d)
-        self.memory = request.memory or plan_memory(
-            arch_of_spec(self.model), run_shape(request), self.node_machine(shm_dir)
-        )
+        self.memory = request.memory  # the driver's, made once before anything was spawned
         # the staging mode is the plan's: decided once, before the store; admission only re-checks it here
         self.request = dataclasses.replace(
             request, ipc=dataclasses.replace(request.ipc, staging=self.memory.staging_mode)

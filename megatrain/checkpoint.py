@@ -39,9 +39,10 @@ from typing import Any
 import numpy as np
 
 from megatrain.errors import ConfigError, ProtocolError
+from megatrain.layout import STATE_PLANES
 
 FORMAT = 2  # 2: per-file checksums per written segment (format 1, one CRC per file, is still read)
-PLANES = ("params", "exp_avg", "exp_avg_sq")
+PLANES = STATE_PLANES  # a checkpoint holds the store's fp32 state (megatrain/layout.py)
 CHUNK = 64 * 2**20  # bytes per write and per checksum: a multiple of any block size direct I/O needs
 READERS = 4  # threads reading a checkpoint back (each reads and checks whole segments)
 

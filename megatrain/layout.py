@@ -16,6 +16,11 @@ import math
 from dataclasses import dataclass
 
 TILE_ALIGN = 2048  # elements: 8 KiB of fp32, 4 KiB of bf16
+# The store's fp32 planes, each with every unit's tile: the state (what a checkpoint holds: master weights and
+# Adam's moments), then the gradient plane, which a store has only with clipping in slabs mode
+# (megatrain/memory/host.py StoreShape.planes).
+STATE_PLANES = ("params", "exp_avg", "exp_avg_sq")
+PLANES = (*STATE_PLANES, "grads")
 SLOT_ALIGN = 16  # elements: 64-byte aligned tensors inside a tile (vector loads)
 
 

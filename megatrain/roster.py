@@ -233,25 +233,47 @@ def slot_names(*, executors: int, packers: int, accumulators: int) -> list[str]:
     return [role_name(k, i) for k in ORDER if k is not Kind.OWNER for i in range(counts.get(k, 1))]
 
 
+def slabs_refusal(executors: int, hosts: int) -> str:
+    """Why weight staging in slabs cannot serve a run of `executors` executors per host over `hosts` hosts ('' where
+    it can): slabs are filled for one reader from the whole fp32 weights, so several executors (every one streams
+    every unit) read the resident copy, and so does a run over several hosts, each host's executors from its own
+    (no host holds the whole fp32 weights a packer would fill slabs from). The one statement of the rule: the
+    config, the staging rule (megatrain/memory/plan.py), the roster and the store's spec refuse with it."""
+    copy = "needs the resident copy (ipc.staging: resident or auto)"
+    if executors > 1:
+        return f"slabs streams weights to one executor; actors.num_gpus {executors} {copy}"
+    if hosts > 1:
+        return (
+            f"slabs are packed from the whole fp32 weights, which no host of actors.num_hosts {hosts} holds: "
+            f"actors.num_hosts {hosts} {copy}"
+        )
+    return ""
+
+
+def running_workers(*, packers: int, accumulators: int, clip: bool, staging: str) -> dict[Kind, int]:
+    """The packers and accumulators that run in staging mode `staging` (resolved), of those configured: packers
+    only with slabs (in resident mode Adam writes the copy the DMA reads), accumulators only with slabs and
+    clipping (without clipping Adam drains the gradient slabs; in resident mode the gradients wait in the copy)."""
+    if staging not in STAGING_MODES:
+        raise ValueError(f"the roster takes a resolved staging mode ({' or '.join(STAGING_MODES)}), not '{staging}'")
+    slabs = staging == "slabs"
+    return {Kind.PACKER: packers if slabs else 0, Kind.ACCUMULATOR: accumulators if slabs and clip else 0}
+
+
 def build_roster(
     *, executors: int, packers: int, accumulators: int, cuda: bool, clip: bool, writer: bool, staging: str
 ) -> Roster:
-    """The run's actors. `staging`: resolved ('slabs' or 'resident'): packers run only with slabs (in resident
-    mode Adam writes the copy the DMA reads), accumulators only with slabs and clipping (without clipping
-    Adam drains the gradient slabs; in resident mode the gradients wait in the copy). `writer`: periodic
-    checkpoints are on (else the writer is spawned on demand, at a graceful stop)."""
-    if staging not in STAGING_MODES:
-        raise ValueError(f"the roster takes a resolved staging mode ({' or '.join(STAGING_MODES)}), not '{staging}'")
+    """The run's actors. `staging`: resolved ('slabs' or 'resident'); the workers that run follow from it
+    (running_workers). `writer`: periodic checkpoints are on (else the writer is spawned on demand, at a graceful
+    stop)."""
+    workers = running_workers(packers=packers, accumulators=accumulators, clip=clip, staging=staging)
     if executors < 1 or packers < 1 or accumulators < 1:
         raise ValueError("a run has at least one executor, packer and accumulator configured")
-    if executors > 1 and staging != "resident":
-        raise ValueError(f"{executors} executors read the resident copy: the staging mode must be resident")
+    refusal = slabs_refusal(executors, 1)
+    if refusal and staging != "resident":
+        raise ValueError(refusal)
     slabs = staging == "slabs"
-    counts = {
-        Kind.EXECUTOR: executors,
-        Kind.PACKER: packers if slabs else 0,
-        Kind.ACCUMULATOR: accumulators if slabs and clip else 0,
-    }
+    counts = {Kind.EXECUTOR: executors, **workers}
     drainers = counts[Kind.ACCUMULATOR] if clip else 1  # without clipping Adam drains the slabs itself
     roles = tuple(
         RoleSpec(

@@ -6,6 +6,7 @@ a run id per host, every store unlinked on every path."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import shutil
@@ -25,23 +26,46 @@ from megatrain.errors import ConfigError, ProtocolError
 from megatrain.ipc.protocol import IpcConfig, Store
 from megatrain.ipc.protocol.messages import StoreRequest, WriteRequest
 from megatrain.ipc.shm import host_run_id
-from megatrain.model import ModelConfig
+from megatrain.launch.config.memplan import run_plan
+from megatrain.launch.config.tree import Config
+from megatrain.memory.machine import Machine
+from megatrain.memory.plan import MemoryPlan
+from megatrain.model import ModelConfig, build_spec
 from tests.helpers import tiny_config_dict, tiny_hf
 from tests.shm_fixtures import leftovers, remove_all
 
 # The embedding's tile is 4 blocks of the store's alignment: on 3 hosts, host 2 holds none of it.
 INIT = ModelConfig(family="llama", hf=tiny_config_dict("llama", tied=False), init_seed=7)
 IPC = IpcConfig(staging="resident", slab_params=2048)  # several pieces a unit: several checksums a file
+ENGINE = EngineConfig(device="cpu", compute_dtype="bf16")
 STEP = 3
 
 
-def request(run_id: str, model: ModelConfig, hosts: int, host: int, resume: Path | None) -> StoreRequest:
+def plan(model: ModelConfig, hosts: int, machine: Machine) -> MemoryPlan:
+    """Each host's memory plan of the run over `hosts` hosts, as its driver makes it (in-process, periodic
+    checkpoints: the writer runs)."""
+    cfg = Config()
+    cfg = dataclasses.replace(
+        cfg,
+        model=model,
+        data=dataclasses.replace(cfg.data, batch_size=4 * hosts, seq_len=32),
+        engine=ENGINE,
+        ipc=IPC,
+        train=dataclasses.replace(cfg.train, save_every=STEP),
+        launch=dataclasses.replace(cfg.launch, runner="inprocess"),
+    )
+    return run_plan(cfg, build_spec(model), cuda=False, executors=1, machine=machine, hosts=hosts)
+
+
+def request(
+    run_id: str, model: ModelConfig, hosts: int, host: int, resume: Path | None, machine: Machine
+) -> StoreRequest:
     return StoreRequest(
         run_id=run_id,
         model=model,
         no_decay_1d=True,
         clip=True,
-        engine=EngineConfig(device="cpu", compute_dtype="bf16"),
+        engine=ENGINE,
         num_packers=1,
         num_accumulators=1,
         ipc=IPC,
@@ -49,6 +73,7 @@ def request(run_id: str, model: ModelConfig, hosts: int, host: int, resume: Path
         resume=str(resume) if resume else None,
         hosts=hosts,
         host=host,
+        memory=plan(model, hosts, machine),
     )
 
 
@@ -60,7 +85,7 @@ def owners(hosts: int, model: ModelConfig = INIT, resume: Path | None = None) ->
     try:
         for h in range(hosts):
             made.append(StoreOwner())
-            made[-1].create(request(rids[h], model, hosts, h, resume))
+            made[-1].create(request(rids[h], model, hosts, h, resume, made[-1].node_machine(IPC.shm_dir)))
         yield made
     finally:
         for owner in made:

@@ -24,7 +24,8 @@ from megatrain.ipc.protocol import PLANES, Store
 from megatrain.ipc.shm import HEADER_BYTES
 from megatrain.launch.control.placement import ActorsConfig, roster_for
 from megatrain.layout import TILE_ALIGN
-from tests.helpers import spec_for, tiny_hf
+from megatrain.roster import Kind, running_workers
+from tests.model_fixtures import spec_for, tiny_hf
 from tests.shm_fixtures import ALL_PARTS, SHM, leftovers, make_spec, owned, remove_all
 
 # ---- the Store --------------------------------------------------------------------------------------------
@@ -303,12 +304,20 @@ def test_create_refuses_a_store_that_does_not_fit(rid: str, model_spec, monkeypa
     assert leftovers(rid) == []
 
 
+def accumulators(spec) -> int:
+    """The accumulators a run with the store of `spec` starts (the roster's rule)."""
+    workers = running_workers(
+        packers=spec.num_packers, accumulators=spec.num_accumulators, clip=spec.clip, staging=spec.staging_mode
+    )
+    return workers[Kind.ACCUMULATOR]
+
+
 def test_a_resident_copy_holds_the_gradients_no_plane_slabs_or_accumulators(model_spec) -> None:
     slabs = make_spec("plan-a", model_spec, staging_mode="slabs")
     resident = dataclasses.replace(slabs, staging_mode="resident")
-    assert slabs.planes == PLANES and slabs.running_accumulators == 2 and slabs.num_grad_slabs == 2
+    assert slabs.planes == PLANES and accumulators(slabs) == 2 and slabs.num_grad_slabs == 2
     assert resident.grads_in_resident and "grads" not in resident.planes
-    assert resident.running_accumulators == 0 and resident.num_grad_slabs == 0
+    assert accumulators(resident) == 0 and resident.num_grad_slabs == 0
     assert resident.part_bytes()["staging"] == TILE_ALIGN  # no slabs at all: a page
     assert not any(k.startswith("g_") for k in resident.sem_names())
     unclipped = dataclasses.replace(resident, clip=False)  # Adam takes them from the copy as they come

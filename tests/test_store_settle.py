@@ -14,18 +14,19 @@ import pytest
 import torch
 
 from megatrain import hostmem
-from megatrain.actors.store_owner import StoreOwner, run_shape
-from megatrain.arch import arch_of_spec
+from megatrain.actors.store_owner import StoreOwner
 from megatrain.engine import EngineConfig, fixed_sizes
 from megatrain.errors import ResourceError
 from megatrain.ipc import shm
 from megatrain.ipc.protocol import IpcConfig, Store, checkpoint_host_bytes, plan_store
 from megatrain.ipc.protocol.messages import StoreRequest
 from megatrain.ipc.shm import HEADER_BYTES
+from megatrain.launch.config.memplan import run_plan
+from megatrain.launch.config.tree import Config
 from megatrain.memory.machine import Machine
-from megatrain.memory.plan import plan_memory
+from megatrain.memory.plan import MemoryPlan
 from megatrain.model import ModelConfig, ModelSpec, build_spec
-from tests.helpers import TINY
+from tests.harness import TINY
 from tests.shm_fixtures import leftovers
 
 MODEL = ModelConfig(family="llama", hf={**TINY, "num_hidden_layers": 4, "vocab_size": 4096})
@@ -36,8 +37,32 @@ CHOSEN = dataclasses.replace(
 )  # 3 checkpoints where the fixed sizes keep 1
 
 
-def request(rid: str, ipc: IpcConfig, clip: bool = True, spec: ModelSpec | None = None) -> StoreRequest:
-    """The owner's request for MODEL, one packer and one accumulator, the engine's sizes still `auto`."""
+def run(ipc: IpcConfig, clip: bool) -> Config:
+    """The run the owner is asked for a store of: MODEL, BATCH, the engine's sizes still `auto`, periodic
+    checkpoints (the writer runs from the start), in-process (no launcher or Ray of its own beside the store)."""
+    cfg = Config()
+    return dataclasses.replace(
+        cfg,
+        model=MODEL,
+        data=dataclasses.replace(cfg.data, batch_size=BATCH[0], seq_len=BATCH[1]),
+        optim=dataclasses.replace(cfg.optim, max_grad_norm=cfg.optim.max_grad_norm if clip else 0.0),
+        engine=AUTO,
+        ipc=ipc,
+        train=dataclasses.replace(cfg.train, save_every=10),
+        launch=dataclasses.replace(cfg.launch, runner="inprocess"),
+    )
+
+
+def plan(ipc: IpcConfig, clip: bool, machine: Machine) -> MemoryPlan:
+    """The run's memory plan on `machine`, as its driver makes it before anything is spawned."""
+    return run_plan(run(ipc, clip), build_spec(MODEL), cuda=True, executors=1, machine=machine)
+
+
+def request(
+    rid: str, ipc: IpcConfig, machine: Machine, clip: bool = True, spec: ModelSpec | None = None
+) -> StoreRequest:
+    """The owner's request for MODEL, one packer and one accumulator, the engine's sizes still `auto`, with the
+    run's memory plan on `machine`."""
     return StoreRequest(
         run_id=rid,
         model=MODEL,
@@ -49,19 +74,20 @@ def request(rid: str, ipc: IpcConfig, clip: bool = True, spec: ModelSpec | None 
         ipc=ipc,
         batch_shape=BATCH,
         spec=spec,
+        memory=plan(ipc, clip, machine),
     )
 
 
 def create(owner: StoreOwner, rid: str, ipc: IpcConfig, clip: bool = True) -> None:
-    owner.create(request(rid, ipc, clip))
+    """The owner's store, planned on its node's memory now."""
+    owner.create(request(rid, ipc, owner.node_machine(ipc.shm_dir), clip))
 
 
 def reserve(mode: str, clip: bool) -> int:
-    """The processes' memory beside the store as the owner's memory plan counts it (the machine does not
+    """The processes' memory beside the store as the run's memory plan counts it (the machine does not
     change it: any will do)."""
     machine = Machine(ram=2**40, total=2**40, shm=2**40, threshold=None)
-    shape = run_shape(request("x", IpcConfig(staging=mode), clip))
-    return plan_memory(arch_of_spec(build_spec(MODEL)), shape, machine).reserve
+    return plan(IpcConfig(staging=mode), clip, machine).reserve
 
 
 def need(mode: str, engine: EngineConfig, clip: bool = True) -> int:
@@ -191,7 +217,7 @@ def test_the_drivers_spec_is_used_and_the_fills_pages_are_faulted_in_ahead(rid: 
     spec = build_spec(MODEL)
     owner = StoreOwner()
     try:
-        owner.create(request(rid, IpcConfig(), spec=spec))
+        owner.create(request(rid, IpcConfig(), owner.node_machine(), spec=spec))
         assert owner.model is spec and owner.store.spec.staging_mode == "resident"
         segs = owner.store.segments
         assert seen == [

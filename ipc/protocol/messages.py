@@ -264,7 +264,7 @@ class StoreRequest:
     executors: int = 1  # actors.num_gpus, resolved
     spec: ModelSpec | None = None  # the model's spec as the driver built it; None: built here from `model`
     roster: Roster | None = None  # the run's actors, for `ipc.staging` resolved; None: the spec's whole roster
-    memory: MemoryPlan | None = None  # the driver's plan (megatrain/memory/); None: one made here, on this node
+    memory: MemoryPlan  # the run's plan (launch/config/memplan.py run_plan): its staging mode and processes' reserve
     hosts: int = 1  # actors.num_hosts, resolved: the store is host `host`'s of `hosts` (its slice of the fp32 state)
     host: int = 0
 

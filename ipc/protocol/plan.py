@@ -20,15 +20,16 @@ from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
 from megatrain.ipc.protocol.ipcconfig import STALL_FLOOR_S, IpcConfig
 from megatrain.ipc.protocol.sems import semaphores
 from megatrain.ipc.shm import MAX_PIDS
+from megatrain.layout import PLANES as PLANES  # megatrain.ipc.protocol.PLANES: the layout's, re-exported
 from megatrain.layout import StoreLayout
-from megatrain.memory.host import StoreShape, page_table_bytes, pinned_checkpoint_bytes
-from megatrain.memory.hosts import host_of, host_plane_elems, host_slice, slice_offsets, unit_pieces
+from megatrain.memory.host import STAGING_BYTES, StoreShape, page_table_bytes, pinned_checkpoint_bytes
+from megatrain.memory.hosts import host_of, host_slice, slice_offsets
 from megatrain.memory.plan import staging_by_rule
 from megatrain.model import ModelSpec
-from megatrain.roster import slot_names
+from megatrain.roster import slabs_refusal, slot_names
 
-PLANES = ("params", "exp_avg", "exp_avg_sq", "grads")  # "grads": clipping in slabs mode (see grads_in_resident)
-STAGING = {"bf16": (torch.bfloat16, 2), "fp32": (torch.float32, 4)}
+# The staging dtypes as torch has them, with their bytes (megatrain/memory/host.py STAGING_BYTES).
+STAGING = {"bf16": (torch.bfloat16, STAGING_BYTES["bf16"]), "fp32": (torch.float32, STAGING_BYTES["fp32"])}
 
 
 STALL_FLOPS = 100e12  # a rate any GPU the engine runs on exceeds on a layer's work: the estimate is an upper bound
@@ -81,11 +82,9 @@ class StoreSpec:
     def __post_init__(self) -> None:
         if not 0 <= self.host < self.hosts:
             raise ProtocolError(f"host {self.host} is not one of the run's {self.hosts} hosts")
-        if self.hosts > 1 and not self.resident:
-            raise ProtocolError(
-                f"a run over {self.hosts} hosts streams from each host's resident copy: ipc.staging "
-                f"{self.staging_mode} is not possible (no host holds the whole fp32 weights slabs are packed from)"
-            )
+        refusal = slabs_refusal(self.num_executors, self.hosts)
+        if refusal and not self.resident:
+            raise ProtocolError(f"ipc.staging {self.staging_mode}: {refusal}")
 
     @property
     def grads_in_resident(self) -> bool:
@@ -95,40 +94,30 @@ class StoreSpec:
         checks that), and Adam reads the gradient and writes the new weights in the same pass: no gradient
         plane, slabs or accumulators, 12 bytes per parameter plus the copy, clipping or not, and no slab
         for the backward to wait on while Adam is behind."""
-        return self.resident
+        return self.shape.grads_in_resident
 
+    # What fixes the segments' sizes is the store shape's (megatrain/memory/host.py), which the memory plan
+    # counts with: the spec asks it, so that the plan and the store cannot disagree.
     @property
     def planes(self) -> tuple[str, ...]:
-        """fp32 planes of this run: only clipping in slabs mode has a gradient plane (16 B/param); without
-        clipping Adam takes the gradient slabs directly; with a resident copy the gradients wait there."""
-        return PLANES if self.clip and not self.resident else PLANES[:3]
+        """fp32 planes of this run (StoreShape.planes)."""
+        return self.shape.planes
 
     @property
     def resident(self) -> bool:
-        return self.staging_mode == "resident"
-
-    @property
-    def running_packers(self) -> int:
-        """Packers that run: none in resident mode (Adam writes the copy the DMA reads)."""
-        return 0 if self.resident else self.num_packers
-
-    @property
-    def running_accumulators(self) -> int:
-        """Accumulators that run: none without clipping (Adam drains the gradient slabs itself), none with
-        gradients in the resident copy (the executor writes them there)."""
-        return self.num_accumulators if self.clip and not self.resident else 0
+        return self.shape.resident
 
     @property
     def num_grad_slabs(self) -> int:
-        return 0 if self.grads_in_resident else self.ipc.grad_slabs
+        return self.shape.num_grad_slabs
 
     @property
     def num_weight_slabs(self) -> int:
-        return 0 if self.resident else self.ipc.weight_slabs
+        return self.shape.num_weight_slabs
 
     @property
     def staging_bytes(self) -> int:
-        return STAGING[self.staging_dtype][1]
+        return self.shape.staging_bytes
 
     @property
     def layout(self) -> StoreLayout:
@@ -162,9 +151,8 @@ class StoreSpec:
     def piece_table(self) -> tuple[tuple[tuple[int, int, int], ...], ...]:
         """Per unit, its pieces as (piece index, lo, hi): consecutive slab-sized ranges of its tile, cut at the
         hosts' slices (the same table on every host)."""
-        e, table, n = self.slab_elems, [], 0
-        for u in self.layout.units:
-            spans = unit_pieces(self.layout.structure_of(u.index).numel, u.tile, e, self.hosts)
+        table, n = [], 0
+        for spans in self.shape.piece_spans:
             table.append(tuple((n + i, lo, hi) for i, (lo, hi) in enumerate(spans)))
             n += len(spans)
         return tuple(table)
@@ -195,11 +183,11 @@ class StoreSpec:
     @property
     def plane_elems(self) -> int:
         """Elements of each fp32 plane on this host."""
-        return host_plane_elems(self.layout, self.hosts)
+        return self.shape.plane_elems
 
     @property
     def num_pieces(self) -> int:
-        return self.piece_table[-1][-1][0] + 1
+        return self.shape.num_pieces
 
     def piece_range(self, unit: int) -> slice:
         """The unit's pieces as a slice of the per-piece ctl arrays."""

@@ -25,7 +25,7 @@ from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
 from megatrain.ipc.shm import HEADER_BYTES, gib
 from megatrain.launch.config import timeplan
 from megatrain.launch.config.tree import Config, gpu_budget_without_gpu, load_tree, validate_plan
-from megatrain.launch.control.placement import demands, describe_need, per_executor, resolve_executors, roster_for
+from megatrain.launch.control.placement import demands, describe_need, per_executor, resolve_executors
 from megatrain.memory import budget as gpubudget
 from megatrain.memory.autosize import PLAN_HINT, SEQ_ADVICE
 from megatrain.memory.gpu import reduction_bytes
@@ -195,21 +195,13 @@ def make_plan(cfg: Config, gpu_free: int | None, cuda: bool, machine: Machine | 
         + f", engine on {engine.device} ({engine.compute_dtype}), "
         f"staging {plan.staging_mode}, clipping {'on' if shape.clip else 'off'}"
     )
-    roster = roster_for(
-        cfg.actors,
-        cuda=cuda,
-        clip=shape.clip,
-        writer=cfg.train.saves_checkpoints,
-        staging=plan.staging_mode,
-        executors=n,
-    )
     return MemPlan(
         memory=plan,
         title=title,
         num_params=arch.layout.num_params,
         active_params=active,
         expert_params=experts,
-        need=describe_need(demands(roster)),
+        need=describe_need(demands(plan.roster)),
     )
 
 

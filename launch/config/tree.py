@@ -25,6 +25,7 @@ from megatrain.launch.control.placement import ActorsConfig, batch_split_problem
 from megatrain.launch.control.runners import LaunchConfig
 from megatrain.modelconfig import ModelConfig
 from megatrain.optimconfig import OptimConfig
+from megatrain.roster import slabs_refusal
 
 # The sections, validate_tree and check_model import no torch, numba or transformers modeling code (tests/
 # test_light_launcher.py): the checks that need the model (validate_model's others, check_gpu_budget) import
@@ -220,18 +221,9 @@ def validate_tree(cfg: Config, where: Where | None = None) -> None:
                 f"{cfg.data.batch_size} is split by rows over the executors of actors.num_hosts {hosts} hosts "
                 f"({every} at least): it must be at least that",
             )
-        if cfg.ipc.staging == "slabs":
-            raise fail(
-                "ipc.staging",
-                f"slabs are packed from the whole fp32 weights, which no host of actors.num_hosts {hosts} holds: "
-                "a run over several hosts streams from each host's resident copy (ipc.staging: resident or auto)",
-            )
-    if gpus != "auto" and gpus > 1 and cfg.ipc.staging == "slabs":
-        raise fail(
-            "ipc.staging",
-            f"slabs streams weights to one executor; actors.num_gpus {gpus} needs the resident copy "
-            "(ipc.staging: resident or auto)",
-        )
+    refusal = slabs_refusal(1 if gpus == "auto" else gpus, 1 if hosts == "auto" else hosts)
+    if refusal and cfg.ipc.staging == "slabs":
+        raise fail("ipc.staging", refusal)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:

@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
 
 from megatrain.blocks import blocks
 from megatrain.engineconfig import EngineConfig, fixed_sizes
-from megatrain.layout import TILE_ALIGN, StoreLayout, round_up
+from megatrain.layout import PLANES, STATE_PLANES, TILE_ALIGN, StoreLayout, round_up
 from megatrain.memory.hosts import host_plane_elems, unit_pieces
-from megatrain.roster import ADAM, EXECUTOR, OWNER, WRITER, Kind, kind_of, role_name
+from megatrain.roster import EXECUTOR, Kind, kind_of
 
 GIB = 2**30
-PLANES = ("params", "exp_avg", "exp_avg_sq", "grads")  # "grads": clipping in slabs mode only
 STAGING_BYTES = {"bf16": 2, "fp32": 4}  # a weight's bytes in the staging slabs and the resident copy
 PAGE_TABLE_MAPPERS = 3  # processes that map nearly all of the store: the owner, Adam, the executor or workers
 REAPER = "reaper"  # the run's reaper: a helper process of the owner, no actor (ipc/reaper.py)
@@ -52,9 +52,16 @@ class StoreShape:
         return self.staging_mode == "resident"
 
     @property
+    def grads_in_resident(self) -> bool:
+        """With a resident copy each unit's gradient waits in the unit's own tile of it (in the compute dtype):
+        no gradient plane, no gradient slabs, no accumulators (ipc/protocol/plan.py StoreSpec says why)."""
+        return self.resident
+
+    @property
     def planes(self) -> tuple[str, ...]:
-        """fp32 planes: only clipping in slabs mode has a gradient plane (see StoreSpec.grads_in_resident)."""
-        return PLANES if self.clip and not self.resident else PLANES[:3]
+        """fp32 planes: only clipping in slabs mode has a gradient plane (16 B/param); without clipping Adam
+        takes the gradient slabs directly; with a resident copy the gradients wait there."""
+        return PLANES if self.clip and not self.grads_in_resident else STATE_PLANES
 
     @property
     def num_weight_slabs(self) -> int:
@@ -62,7 +69,12 @@ class StoreShape:
 
     @property
     def num_grad_slabs(self) -> int:
-        return 0 if self.resident else self.grad_slabs
+        return 0 if self.grads_in_resident else self.grad_slabs
+
+    @property
+    def staging_bytes(self) -> int:
+        """A weight's bytes in the staging slabs and the resident copy."""
+        return STAGING_BYTES[self.staging_dtype]
 
     @property
     def slab_elems(self) -> int:
@@ -71,16 +83,28 @@ class StoreShape:
         limit = self.slab_params or max(layers, default=layout.max_unit_numel)
         return round_up(max(min(limit, layout.max_unit_numel), 1), TILE_ALIGN)
 
+    @cached_property
+    def piece_spans(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per unit, its pieces as [lo, hi) of its elements: slab-sized ranges of its tile, cut at the hosts'
+        slices (megatrain/memory/hosts.py unit_pieces; a unit has at least one)."""
+        e, layout = self.slab_elems, self.layout
+        return tuple(
+            tuple(unit_pieces(layout.structure_of(u.index).numel, u.tile, e, self.hosts)) for u in layout.units
+        )
+
     @property
     def num_pieces(self) -> int:
-        """Slab-sized pieces over every unit's tile, cut at the hosts' slices (a unit has at least one)."""
-        e, layout = self.slab_elems, self.layout
-        return sum(len(unit_pieces(layout.structure_of(u.index).numel, u.tile, e, self.hosts)) for u in layout.units)
+        return sum(len(spans) for spans in self.piece_spans)
+
+    @property
+    def plane_elems(self) -> int:
+        """Elements of each fp32 plane on each host of the run (one host: the whole plane)."""
+        return host_plane_elems(self.layout, self.hosts)
 
     def part_bytes(self) -> dict[str, int]:
         """Each segment's data bytes (without its header), on each host of the run."""
-        plane = host_plane_elems(self.layout, self.hosts) * 4
-        staging_bytes = STAGING_BYTES[self.staging_dtype]
+        plane = self.plane_elems * 4
+        staging_bytes = self.staging_bytes
         staging = self.slab_elems * (self.num_weight_slabs * staging_bytes + self.num_grad_slabs * 4)
         staging = max(staging, TILE_ALIGN)  # every run has the segment; with no slabs it is a page
         ctl = self.ctl_fixed + self.num_pieces * self.ctl_piece_bytes
@@ -131,17 +155,6 @@ def process_terms(roles: Iterable[str], cuda: bool, launcher: bool, private_ray:
         if private_ray:
             out["node: Ray's own processes (raylet, GCS, agents)"] = PROCESS_BYTES["ray"]
     return out
-
-
-def run_roles(executors: int, packers: int, accumulators: int, writer: bool) -> list[str]:
-    """The run's processes that take host memory, by role, with the packers and accumulators that run."""
-    return (
-        [role_name(Kind.EXECUTOR, r) for r in range(executors)]
-        + [OWNER, REAPER, ADAM]
-        + [role_name(Kind.PACKER, i) for i in range(packers)]
-        + [role_name(Kind.ACCUMULATOR, i) for i in range(accumulators)]
-        + ([WRITER] if writer else [])
-    )
 
 
 def host_terms(

@@ -13,15 +13,9 @@ from megatrain.arch import Arch
 from megatrain.engineconfig import EngineConfig, fixed_sizes
 from megatrain.errors import ConfigError
 from megatrain.memory.gpu import GpuPart, gpu_part
-from megatrain.memory.host import (
-    PINNED,
-    StoreShape,
-    host_terms,
-    pinned_checkpoint_bytes,
-    process_terms,
-    run_roles,
-)
+from megatrain.memory.host import PINNED, REAPER, StoreShape, host_terms, pinned_checkpoint_bytes, process_terms
 from megatrain.memory.machine import Machine
+from megatrain.roster import OWNER, Roster, build_roster, slabs_refusal
 
 # Pinned checkpoints are optional host memory (the GPU takes those the host does not): they stop this far
 # below the run's limit, so that the processes' transient allocations and the planning error (about half a
@@ -64,6 +58,7 @@ class MemoryPlan:
     machine: Machine
     shape: RunShape
     staging_mode: str  # resolved: slabs or resident
+    roster: Roster  # the run's actors in that mode (megatrain/roster.py): the processes the host part counts
     store_parts: dict[str, int]  # each segment's data bytes (StoreShape.part_bytes)
     host: dict[str, int]  # host terms (shm:, executor:, process:, node:)
     pinned_room: int | None  # host RAM the executors' pinned checkpoints may take in all; None: not bounded
@@ -114,17 +109,12 @@ def staging_by_rule(staging: str, cuda: bool, clip: bool, executors: int = 1, ho
     """ipc.staging resolved where the memory does not decide it; None where it does: 'auto' on CUDA without
     clipping, one executor (resident if it fits, else slabs). With clipping resident: its copy also holds the
     gradients, so it is the smallest store there is (slabs would need a gradient plane). On the CPU device
-    slabs: no DMA to feed. Several executors read the weights from the resident copy (every one streams every
-    unit; slabs are filled for one reader), so they take it whatever the device. So does a run over several
-    hosts: each host's executors stream from its own whole copy (the forward never waits on the network), and
-    no host holds the whole fp32 weights a packer would fill slabs from (megatrain/memory/hosts.py)."""
-    if executors > 1 or hosts > 1:
+    slabs: no DMA to feed. Several executors, or several hosts, take the resident copy whatever the device
+    (megatrain/roster.py slabs_refusal says why)."""
+    refusal = slabs_refusal(executors, hosts)
+    if refusal:
         if staging == "slabs":
-            who = f"actors.num_gpus {executors}" if executors > 1 else f"actors.num_hosts {hosts}"
-            raise ConfigError(
-                f"ipc.staging: slabs streams weights to one executor from the whole fp32 weights; {who} needs the "
-                "resident copy (ipc.staging: resident or auto)"
-            )
+            raise ConfigError(f"ipc.staging: {refusal}")
         return "resident"
     if staging != "auto":
         return staging
@@ -198,25 +188,35 @@ def _plan(
         ctl_piece_bytes=shape.ctl_piece_bytes,
         hosts=shape.hosts,
     )
-    resident = mode == "resident"
-    roles = run_roles(
-        shape.executors,
-        0 if resident else shape.num_packers,
-        shape.num_accumulators if shape.clip and not resident else 0,
-        shape.saves_checkpoints,
+    roster = build_roster(
+        executors=shape.executors,
+        packers=shape.num_packers,
+        accumulators=shape.num_accumulators,
+        cuda=shape.cuda,
+        clip=shape.clip,
+        writer=shape.saves_checkpoints,
+        staging=mode,
     )
     parts = store.part_bytes()
-    processes = process_terms(roles, shape.cuda, shape.launcher, shape.launcher and shape.private_ray)
+    processes = process_terms(_processes(roster), shape.cuda, shape.launcher, shape.launcher and shape.private_ray)
     return MemoryPlan(
         machine=machine,
         shape=shape,
         staging_mode=mode,
+        roster=roster,
         store_parts=parts,
         host=host_terms(parts, shape.header_bytes, pinned, processes),
         pinned_room=None,
         gpu=gpu or GpuPart(sizes=None, why=""),
         engine=engine,
     )
+
+
+def _processes(roster: Roster) -> list[str]:
+    """The run's processes that take host memory: the roles started with the run, and beside the store owner
+    its reaper (a helper process, no actor: ipc/reaper.py)."""
+    names = [r.name for r in roster.at_launch]
+    return [p for name in names for p in ((name, REAPER) if name == OWNER else (name,))]
 
 
 def _pinned(arch: Arch, engine: EngineConfig, shape: RunShape) -> int:
