@@ -23,12 +23,12 @@ from megatrain.errors import NonFiniteGradient, ProtocolError
 from megatrain.ipc.protocol import Store
 from megatrain.ipc.protocol.executor import grads_landed
 from megatrain.ipc.protocol.messages import AdamRequest
+from megatrain.layout import STATE_PLANES as PLANES
 from tests.shm_fixtures import make_spec, release
 
 LR = 1e-2
 ADDRESS = "127.0.0.1"
 JOIN_S = 60  # the longest a test waits for every host's call: past it a host hung
-PLANES = ("params", "exp_avg", "exp_avg_sq")
 
 
 def _spec(rid: str, model_spec, hosts: int, host: int, clip: bool):
