@@ -20,7 +20,7 @@ from megatrain import steptime
 from megatrain.actors.base import Role, guarded
 from megatrain.actors.executor_reduce import HostScatter, StreamedReducingSink, SyncReducingSink
 from megatrain.actors.executor_streams import Marks, StreamedSink, StreamedSource, SyncSink, SyncSource, copy_intervals
-from megatrain.collective import HOST, Group, World, connect_rendezvous, join_world, open_rendezvous
+from megatrain.collective import Group, World, connect_rendezvous, join_world, open_rendezvous
 from megatrain.cudahost import use_expandable_segments
 from megatrain.daemons import DaemonExecutor
 from megatrain.engine import EngineConfig, StepEngine, resolve_device, resolve_dtype
@@ -43,8 +43,8 @@ class GpuExecutor(Role):
         super().__init__(role_name(Kind.EXECUTOR, rank))
         self.cfg, self.rank = cfg, rank
         self.group: Group | None = None  # the engine's: the step's statistics over every executor of the run
-        self.world: World | None = None  # a run over several hosts: every group this executor is in
-        self.rendezvous = None  # executor 0's, while the group forms
+        self.world: World | None = None  # a run of several executors: every group this executor is in
+        self.rendezvous = None  # host 0's executor 0's, while the groups form
         if cfg.device != "cpu" and torch.cuda.is_available():  # before anything initializes CUDA
             print(f"[{self.name}] {use_expandable_segments()}", flush=True)
         self.device = resolve_device(cfg, rank if gpu is None else gpu)
@@ -132,21 +132,10 @@ class GpuExecutor(Role):
             self.sink = SyncSink(self.store, self._fetched)
         self.mark("attached")
 
-    def open_group(self, size: int) -> int:
-        """Executor 0: the rendezvous of the executors' group; returns its port (on this node)."""
-        self.rendezvous = open_rendezvous(size, self.store.spec.ipc.wait_timeout_s)
-        return int(self.rendezvous.port)
-
-    def join_group(self, port: int, size: int) -> str:
-        """Join the executors' group (every executor at once: it returns when all have joined); from now
-        on each gradient is summed over the executors and only executor 0's reaches the store."""
-        where = self.rendezvous if self.rank == 0 else (HOST, port)
-        group = Group(where, self.rank, size, self.device, self.store.spec.ipc.wait_timeout_s, self.store.check_abort)
-        return self._reduce_through(group, group, None)
-
     def open_world(self, size: int, address: str) -> int:
         """The run's first executor (host 0's executor 0): the rendezvous of every executor of every host
-        (`size` of them), reachable at `address` (this node's, as the other hosts reach it); returns its port."""
+        (`size` of them), reachable at `address` (loopback on one host; over several, this node's address as the
+        other hosts reach it); returns its port."""
         spec = self.store.spec
         if spec.host != 0 or self.rank != 0:
             raise MegatrainError(
@@ -160,20 +149,19 @@ class GpuExecutor(Role):
         return int(self.rendezvous.port)
 
     def join_world(self, address: str, port: int, bind: str | None = None) -> str:
-        """Join the run's groups (every executor of every host at once; megatrain/collective.py join_world):
-        the step's statistics over all of them; each gradient summed over this host's executors into its
-        executor 0, which reduce-scatters it among the hosts and lands only its own slice. Global rank: host x
-        executors per host + this executor's. One host: join_group's group, at `address`. `bind`: this node's
+        """Join the run's groups, one host or several (every executor of every host at once; megatrain/
+        collective.py join_world): the step's statistics over all of them; each gradient summed over this host's
+        executors into its executor 0, which over several hosts reduce-scatters it among the hosts and lands
+        only its own slice. Global rank: host x executors per host + this executor's. `bind`: this node's
         address as the other hosts reach it (for gloo's connections, megatrain/collective.py gloo_options)."""
         spec = self.store.spec
-        timeout_s, check = spec.ipc.wait_timeout_s, self.store.check_abort
-        first = spec.host == 0 and self.rank == 0
-        if spec.hosts == 1:
-            where = self.rendezvous if first else (address, port)
-            group = Group(where, self.rank, spec.num_executors, self.device, timeout_s, check)
-            return self._reduce_through(group, group, None)
-        size = spec.hosts * spec.num_executors
-        rendezvous = self.rendezvous if first else connect_rendezvous(address, port, size, timeout_s)
+        timeout_s, size = spec.ipc.wait_timeout_s, spec.hosts * spec.num_executors
+        if spec.host == 0 and self.rank == 0:
+            if self.rendezvous is None:
+                raise MegatrainError(f"{self.name} joins the run's groups through its own rendezvous: open_world first")
+            rendezvous = self.rendezvous
+        else:
+            rendezvous = connect_rendezvous(address, port, size, timeout_s)
         self.world = join_world(
             rendezvous,
             host=spec.host,
@@ -182,7 +170,7 @@ class GpuExecutor(Role):
             per_host=spec.num_executors,
             device=self.device,
             timeout_s=timeout_s,
-            check=check,
+            check=self.store.check_abort,
             bind=bind,
         )
         scatter = HostScatter(spec, self.world.hosts) if self.world.hosts is not None else None

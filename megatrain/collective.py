@@ -8,9 +8,10 @@ executor's reducer thread; `stats` the small reductions the engine makes on the 
 collective group must see the same calls in the same order on every rank, and two threads of one rank
 issuing on one group would interleave differently on each.
 
-A run over several hosts (join_world) forms three kinds of group over one rendezvous: the statistics over every
-executor of every host, each host's own executors' gradient sum, and the hosts' reduce-scatter among each host's
-executor 0.
+A run's executors, on one host or several, form their groups one way (join_world), over one rendezvous: the
+statistics over every executor of every host, each host's own executors' gradient sum (with more than one), and
+over several hosts the hosts' reduce-scatter among each host's executor 0. One host is the case of one host: its
+executors' statistics and gradient sum, no reduce-scatter. A run of one executor forms no group (nothing to sum).
 """
 
 from __future__ import annotations
@@ -148,10 +149,11 @@ class Group:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class World:
-    """One executor's groups in a run over several hosts. `stats`: every executor of every host (the step's
-    token count and router statistics); `local`: this host's executors, whose gradients are summed into its
-    executor 0 (None with one executor per host); `hosts`: executor 0 of every host, which reduce-scatter the
-    hosts' sums so that each holds its own slice of the whole sum (None on the other executors)."""
+    """One executor's groups in a run of several executors, over one host or several. `stats`: every executor of
+    every host (the step's token count and router statistics); `local`: this host's executors, whose gradients
+    are summed into its executor 0 (None with one executor per host); `hosts`: executor 0 of every host, which
+    reduce-scatter the hosts' sums so that each holds its own slice of the whole sum (None with one host, and on
+    the other executors)."""
 
     stats: Group
     local: Group | None
@@ -173,7 +175,8 @@ def join_world(
     """Executor `rank` of `per_host` on host `host` of `hosts` joins the run's groups over one rendezvous (every
     executor of every host at once). Each group forms only when all its members are there, so every member
     forms them in one order, the run's group first, then its host's, then the hosts': a member never waits for
-    one still forming another."""
+    one still forming another. A group of one member is not made: it would sum nothing (one host has no hosts'
+    group, one executor per host no host's group)."""
     if not 0 <= host < hosts or not 0 <= rank < per_host:
         raise MegatrainError(f"executor {rank} of host {host} is not one of {hosts} hosts x {per_host} executors")
     at = {"device": device, "timeout_s": timeout_s, "check": check, "bind": bind}
@@ -182,7 +185,7 @@ def join_world(
     mine = dist.PrefixStore(f"host{host}/", rendezvous)
     local = Group(mine, rank, per_host, parts=("grads",), **at) if per_host > 1 else None
     firsts = dist.PrefixStore("hosts/", rendezvous)
-    across = Group(firsts, host, hosts, parts=("grads",), **at) if rank == 0 else None
+    across = Group(firsts, host, hosts, parts=("grads",), **at) if rank == 0 and hosts > 1 else None
     return World(stats=stats, local=local, hosts=across)
 
 

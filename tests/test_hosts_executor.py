@@ -105,10 +105,23 @@ def _check_host(store: Store, want: list[torch.Tensor], state: dict) -> int:
     return pieces
 
 
+def _check_groups(executors: list[GpuExecutor], hosts: int, per_host: int) -> None:
+    """Each executor's groups: the statistics over every executor; its host's gradient sum only with several
+    executors per host; the hosts' reduce-scatter only on each host's executor 0, and only over several hosts
+    (a group of one member sums nothing: none is made)."""
+    for ex in executors:
+        world = ex.world
+        assert world is not None and ex.engine.group is world.stats and world.stats.size == len(executors)
+        assert (world.local is not None) == (per_host > 1)
+        assert (world.hosts is not None) == (hosts > 1 and ex.rank == 0)
+        assert world.hosts is None or world.hosts.size == hosts
+        assert (ex.sink.hosts is not None) == (world.hosts is not None)
+
+
 @pytest.mark.parametrize("hosts,per_host", [(2, 1), (2, 2), (3, 1), (1, 2)], ids=lambda v: str(v))
 def test_hosts_executors_land_the_whole_batch_gradient_in_their_own_slices(rid: str, hosts: int, per_host: int) -> None:
     """Three hosts: host 2 owns none of the embedding (its tile is two hosts' slices), so it lands nothing of
-    it. One host of two executors: join_world is join_group's group."""
+    it. One host of two executors is the same set-up's one-host case: no hosts' group, no reduce-scatter."""
     model = tiny_hf(FAMILY, tied=False)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     base = make_spec(rid, spec_for(model, FAMILY), staging="fp32", staging_mode="resident", slab_params=1024)
@@ -129,6 +142,7 @@ def test_hosts_executors_land_the_whole_batch_gradient_in_their_own_slices(rid: 
         port = executors[0].open_world(len(executors), HOST)
         backends = on_threads([functools.partial(ex.join_world, HOST, port) for ex in executors])
         assert backends == ["gloo"] * len(executors)
+        _check_groups(executors, hosts, per_host)
         reports = _steps(executors, ids, labels)
         pieces = sum(_check_host(st, want, state) for st in stores)
     assert pieces == base.num_pieces if hosts == 1 else pieces == specs[0].num_pieces

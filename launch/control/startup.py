@@ -19,6 +19,7 @@ from megatrain.actors.grad_accumulator import GradAccumulator
 from megatrain.actors.packer import Packer
 from megatrain.actors.store_owner import StoreOwner
 from megatrain.arch import arch_of_spec
+from megatrain.collective import HOST
 from megatrain.engine import EngineConfig, resolve_engine
 from megatrain.errors import ConfigError, ProtocolError, ResourceError
 from megatrain.ipc.protocol import StoreSpec
@@ -223,40 +224,46 @@ def budget_note(engine: EngineConfig, found: dict[str, tuple[int, int | None]]) 
             log(f"{name}: {gpubudget.KEY} {engine.gpu_memory_gib} GiB, {room_said}{less}")
 
 
-def form_group(crew: Crew, size: int, timeout: float) -> None:
-    """The executors' process group (megatrain/collective.py): executor 0 opens the rendezvous, all join
-    at once (a group forms only when every member is there)."""
-    executors = crew.of(Kind.EXECUTOR)
-    port = crew.call_one(executors[0], GpuExecutor.open_group, size)
-    backends = crew.gather(
-        {n: crew.call(n, GpuExecutor.join_group, port=port, size=size) for n in executors},
-        timeout,
-        "forming the executors' group",
-    )
-    log(f"{size} executors: gradients summed through torch.distributed ({backends[executors[0]]}) into executor 0")
-
-
-def form_host_groups(crew: Crew, timeout: float) -> None:
-    """A run over several hosts: every executor of every host joins one rendezvous on host 0 (the statistics
-    of the step over all of them, each host's gradient sum, the reduce-scatter among the hosts), and the hosts'
-    Adam updaters one of their own (the global norm, the gather of the updated slices)."""
-    executors, nodes = crew.of(Kind.EXECUTOR), [crew.runner.host_address(h) for h in range(crew.hosts)]
-    address = nodes[0]
+def form_groups(crew: Crew, timeout: float, phases: Phases) -> None:
+    """The run's process groups (megatrain/collective.py), one way for every host count: every executor of every
+    host joins one rendezvous that host 0's executor 0 opens (the step's statistics over all of them, each host's
+    gradient sum into its executor 0, and over several hosts the reduce-scatter among those); over several hosts
+    the hosts' Adam updaters then join one of their own (the global norm, the gather of the updated slices). A
+    run of one executor forms none: there is nothing to sum."""
+    executors, hosts = crew.of(Kind.EXECUTOR), crew.hosts
+    if len(executors) == 1:
+        return
+    address, binds = _meeting_points(crew)
     port = crew.call_one(executors[0], GpuExecutor.open_world, len(executors), address)
     backends = crew.gather(
-        {n: crew.call(n, GpuExecutor.join_world, address, port, nodes[split_host(n)[1]]) for n in executors},
+        {n: crew.call(n, GpuExecutor.join_world, address, port, binds[split_host(n)[1]]) for n in executors},
         timeout,
-        "forming the executors' group over the hosts",
+        "forming the executors' group" + (" over the hosts" if hosts > 1 else ""),
     )
-    adams = [on_host(ADAM, h) for h in range(crew.hosts)]
+    how = f"through torch.distributed ({backends[executors[0]]})"
+    if hosts == 1:
+        log(f"{len(executors)} executors: gradients summed {how} into executor 0")
+        phases.close(f"the {len(executors)} executors' group formed")
+        return
+    adams = [on_host(ADAM, h) for h in range(hosts)]
     port = crew.call_one(adams[0], AdamUpdater.open_hosts, address)
-    joining = {n: crew.call(n, AdamUpdater.join_hosts, address, port, nodes[h]) for h, n in enumerate(adams)}
+    joining = {n: crew.call(n, AdamUpdater.join_hosts, address, port, binds[h]) for h, n in enumerate(adams)}
     crew.gather(joining, timeout, "joining the hosts")
     log(
-        f"{crew.hosts} hosts of {len(executors) // crew.hosts} executor(s): gradients summed over all "
-        f"{len(executors)} and split among the hosts through torch.distributed ({backends[executors[0]]}), "
-        "the updated slices gathered into every host's copy"
+        f"{hosts} hosts of {len(executors) // hosts} executor(s): gradients summed over all {len(executors)} and "
+        f"split among the hosts {how}, the updated slices gathered into every host's copy"
     )
+    phases.close(f"the {hosts} hosts' groups formed")
+
+
+def _meeting_points(crew: Crew) -> tuple[str, list[str | None]]:
+    """(where the rendezvous is, each host's address for gloo's connections). One host's executors are all on the
+    store's node: they meet on loopback, gloo on its default device. Several hosts meet on host 0's node, each
+    host's gloo on its node's address as Ray knows it (megatrain/collective.py gloo_options)."""
+    if crew.hosts == 1:
+        return HOST, [None]
+    nodes: list[str | None] = [crew.runner.host_address(h) for h in range(crew.hosts)]
+    return str(nodes[0]), nodes
 
 
 def settle_store(

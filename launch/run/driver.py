@@ -262,7 +262,7 @@ class Trainer:
         """The workers (spawned beside the inputs' reading) finish their start while the store owner makes and
         fills the store; they attach to it once it exists. The engine's sizes wait for the executor's free GPU
         memory; the store does not wait for them (the owner settles them after)."""
-        cfg, crew, phases, n = self.cfg, self.crew, self.phases, self.executors
+        cfg, crew, phases = self.cfg, self.crew, self.phases
         creating = self._create_store()
         self.engine_cfg = startup.choose_sizes(crew, cfg, self.model, self.engine_cfg, self.host_room)
         if self.engine_cfg.device == "cuda":
@@ -273,12 +273,7 @@ class Trainer:
         self._write_config()  # now with ipc.staging as the store owner resolved it
         startup.attach_workers(crew, cfg, self.specs, self.roster, self.engine_cfg, self.start)
         phases.close("actors attached (pinning, CUDA IPC events)")
-        if self.hosts > 1:
-            startup.form_host_groups(crew, cfg.train.setup_timeout_s)
-            phases.close(f"the {self.hosts} hosts' groups formed")
-        elif n > 1:
-            startup.form_group(crew, n, cfg.train.setup_timeout_s)
-            phases.close(f"the {n} executors' group formed")
+        startup.form_groups(crew, cfg.train.setup_timeout_s, phases)
         startup.describe(crew, self.spec, self.engine_cfg, cfg.launch.runner == "inprocess", phases)
 
     def _create_store(self) -> dict[str, Pending[StoreSpec]]:
