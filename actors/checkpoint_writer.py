@@ -14,9 +14,9 @@ So the writer never sees a piece half-updated or one update too far, and Adam fo
 step N+1's forward and backward run meanwhile, and only its updates wait, each for one piece.
   4. the files written and fsync'ed, the driver waits until step N's metrics row is on disk too, then
      calls publish(N): manifest, rename, `latest`. So a checkpoint never runs ahead of metrics.jsonl.
-Over several hosts each host's writer writes its slices, the part of the checkpoint that is its host's
-(megatrain/checkpoint.py); publish(N) on every host's writer makes each part whole, and then publish_hosts(N)
-on any one of them makes the step's directory the checkpoint.
+Each host's writer writes its slices, the part of the checkpoint that is its host's (megatrain/checkpoint.py;
+one host: every unit whole, in one part); publish(N) on every host's writer makes each part whole, and then
+publish_hosts(N) on any one of them makes the step's directory the checkpoint.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class CheckpointWriter(Role):
         super().__init__(WRITER)
         self.threads = max(threads, 1)
         self.staged: dict[int, tuple[Path, Path, dict]] = {}  # step -> (temporary dir, final dir, manifest)
-        self.roots: dict[int, Path] = {}  # step -> its root, over several hosts until publish_hosts
+        self.roots: dict[int, Path] = {}  # step -> its root, until publish_hosts
 
     def attach(self, spec: StoreSpec) -> None:
         self.apply_threads(spec)
@@ -57,15 +57,15 @@ class CheckpointWriter(Role):
     @guarded
     def write(self, request: WriteRequest) -> Written:
         """Write the state after the request's step into a temporary directory under its root, every file
-        fsync'ed; it is not a checkpoint until publish(step). Its bytes and seconds, and how long it waited
-        for Adam's update of the step."""
+        fsync'ed; it is not a checkpoint until publish(step) and publish_hosts(step). Its bytes and seconds,
+        and how long it waited for Adam's update of the step."""
         step, root, meta = request.step, request.root, request.meta
         t0 = time.perf_counter()
         base = Path(root)
         base.mkdir(parents=True, exist_ok=True)
         tmp, final = self._where_to(base, step)
         spec = self.store.spec
-        nbytes = (spec.layout.total if spec.hosts == 1 else spec.plane_elems) * 4
+        nbytes = spec.plane_elems * 4
         need, what = self._need(base, step, nbytes * len(ckpt.PLANES))
         try:
             if free_bytes(base) < need:  # refused before a byte is written
@@ -84,13 +84,14 @@ class CheckpointWriter(Role):
             "family": spec.model.family,
             "total_elems": spec.layout.total,
             "files": {f"{p}.bin": {"bytes": nbytes, "segments": sorted(segments[p])} for p in ckpt.PLANES},
-            "units": ckpt.unit_table(spec.layout),
+            "units": self._slices(),
+            "hosts": spec.hosts,
+            "host": spec.host,
+            "plane_elems": spec.plane_elems,
             "written_at": time.time(),
             **meta,
         }
-        if spec.hosts > 1:
-            manifest.update(hosts=spec.hosts, host=spec.host, plane_elems=spec.plane_elems, units=self._slices())
-            self.roots[step] = base
+        self.roots[step] = base
         self.staged[step] = (tmp, final, manifest)
         return Written(
             path=str(ckpt.step_dir(base, step)),
@@ -101,16 +102,16 @@ class CheckpointWriter(Role):
         )
 
     def _need(self, base: Path, step: int, part: int) -> tuple[int, str]:
-        """The bytes this write needs free in `base` (`part`: this host's), and the refusal's words for them. Over
-        several hosts every host's part of the step lands in this one directory, on a filesystem every node sees
-        (docs/hosts.md), at once: each writer counts them all, less what the other hosts' parts already hold on
-        the disk. Were each to count its own alone, every one would find room for it and the parts together would
-        fill the disk part-way through."""
+        """The bytes this write needs free in `base` (`part`: this host's), and the refusal's words for them. Every
+        host's part of the step lands in this one directory, on a filesystem every node sees (docs/hosts.md), at
+        once: each writer counts them all, less what the other hosts' parts already hold on the disk. Were each
+        to count its own alone, every one would find room for it and the parts together would fill the disk
+        part-way through."""
         hosts = self.store.spec.hosts
-        if hosts == 1:
-            return part, f"the checkpoint of step {step} needs {human_bytes(part)};"
         written = _held(ckpt.hosts_tmp(base, step), skip=ckpt.part_name(self.store.spec.host))
         need = hosts * part - written
+        if hosts == 1:  # the words only: one part is the whole checkpoint
+            return need, f"the checkpoint of step {step} needs {human_bytes(need)};"
         held = f", {human_bytes(written)} of the others' already on the disk" if written else ""
         return need, (
             f"the checkpoint of step {step} needs {human_bytes(need)} (its {hosts} hosts' parts of "
@@ -118,13 +119,10 @@ class CheckpointWriter(Role):
         )
 
     def _where_to(self, base: Path, step: int) -> tuple[Path, Path]:
-        """The temporary and the final directory of this writer's files of `step`, what an interrupted save
-        left removed. One host: the step's own. Several: the host's part, inside the directory every host's
-        writer writes its part into at once (only this host's leftovers in it are this writer's to remove)."""
+        """The temporary and the final directory of this writer's files of `step` (the host's part, inside the
+        directory every host's writer writes its part into at once), what an interrupted save left removed:
+        only this host's leftovers inside that directory are this writer's to remove."""
         spec = self.store.spec
-        if spec.hosts == 1:
-            ckpt.remove_torn(base)
-            return base / f"step-{step:07d}.tmp-{os.getpid()}", ckpt.step_dir(base, step)
         shared = ckpt.hosts_tmp(base, step)
         ckpt.remove_torn(base, keep=shared)  # one checkpoint is written at a time: any other is torn
         shared.mkdir(exist_ok=True)
@@ -176,14 +174,11 @@ class CheckpointWriter(Role):
     def publish(self, step: int) -> str:
         """Make the written state of `step` a checkpoint: its manifest, the rename, then `latest`. The
         driver calls it once the metrics of every step up to `step` are on disk, so that a run resumed
-        from it never lacks a step's metrics. Over several hosts, this host's part of it (its manifest, the
-        rename): the checkpoint is made by publish_hosts once every host's part is."""
+        from it never lacks a step's metrics. This host's part of it (its manifest, the rename): the
+        checkpoint is made by publish_hosts once every host's part is."""
         tmp, final, manifest = self.staged.pop(step)
         try:
-            if self.store.spec.hosts == 1:
-                ckpt.publish(tmp, final, manifest)
-            else:
-                ckpt.seal(tmp, final, manifest)
+            ckpt.seal(tmp, final, manifest)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)  # gone once renamed: then only `latest` was not rewritten
             if is_disk_full(exc):
@@ -193,8 +188,8 @@ class CheckpointWriter(Role):
 
     @guarded
     def publish_hosts(self, step: int) -> str:
-        """A run over several hosts: make the checkpoint of `step` from every host's part, once each host's
-        writer has published its own (publish). Called on one writer; any host's will do."""
+        """Make the checkpoint of `step` from every host's part, once each host's writer has published its own
+        (publish). Called on one writer; any host's will do."""
         base = self.roots.pop(step)
         try:
             final = ckpt.publish_hosts(base, step, self.store.spec.hosts)
@@ -236,16 +231,17 @@ class CheckpointWriter(Role):
         return out
 
     def _bytes(self, item: Item) -> tuple[int, int]:
-        """Where the piece lies in the files, in bytes: one host's extends the unit's last piece over its
-        tile's padding; over several, a piece is at its place in the host's slice, and bytes no piece covers
-        (the slices' padding) are the files' zeros."""
+        """Where the piece lies in the files, in bytes: at its place in the host's slice, the slice's last piece
+        extended over the padding up to the next unit's slice (one host: the unit's tile's padding), so that
+        the chunks cover the whole file and end aligned (direct I/O stays on)."""
         spec = self.store.spec
-        if spec.hosts > 1:
-            start = spec.slice_offsets[item.unit] - spec.owned(item.unit)[0]
-            return 4 * (start + item.lo), 4 * (start + item.hi)
-        unit = spec.layout.units[item.unit]
-        hi = unit.tile if item.hi >= spec.layout.structure_of(item.unit).numel else item.hi
-        return 4 * (unit.offset + item.lo), 4 * (unit.offset + hi)
+        unit, offsets = item.unit, spec.slice_offsets
+        lo, hi = spec.owned(unit)
+        start = offsets[unit] - lo
+        end = start + item.hi
+        if item.hi >= hi:
+            end = offsets[unit + 1] if unit + 1 < len(offsets) else spec.plane_elems
+        return 4 * (start + item.lo), 4 * end
 
     def _retire(self, entry: tuple[Item, list[tuple[str, Future]]], step: int, segments: dict[str, list]) -> None:
         item, futures = entry

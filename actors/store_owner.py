@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import signal
 import threading
@@ -21,11 +20,10 @@ import numpy as np
 import torch
 
 from megatrain import checkpoint as ckpt
-from megatrain.actors.base import Role, guarded
+from megatrain.actors.base import Role
 from megatrain.actors.lifeline import Lifeline, raylet
 from megatrain.engine import EngineConfig, fixed_sizes
 from megatrain.errors import AbortError, ConfigError, Origin, ProtocolError
-from megatrain.export import export
 from megatrain.hostmem import fault_in
 from megatrain.ipc.procs import live, maps_path, running, spawn_detached, start_ticks
 from megatrain.ipc.protocol import Store, StoreSpec, checkpoint_host_bytes, plan_store
@@ -373,8 +371,8 @@ class StoreOwner(Role):
             store.refresh_resident(unit)
 
     def params_slice(self, unit: int) -> torch.Tensor:
-        """A copy of this host's slice of the unit's fp32 master weights (a run over several hosts exports its
-        weights unit by unit, gathered from every host's slice)."""
+        """A copy of this host's slice of the unit's fp32 master weights (one host: the unit whole): the final
+        save exports the weights unit by unit, gathered from every host's slice (launch/run/checkpoints.py)."""
         return torch.from_numpy(self.store.tile("params", unit).copy())
 
     def _check_going(self) -> None:
@@ -404,15 +402,6 @@ class StoreOwner(Role):
             if running(pid) and maps_path(pid, segment):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
-
-    @guarded
-    def save(self, directory: str, run: dict, record: dict) -> str:
-        """Write the fp32 master weights as an HF save_pretrained directory, streamed unit by unit from
-        shared memory (sharded, with the special ids and tokenizer of the run whose resolved config is `run`,
-        and `record`: the step saved)."""
-        with torch.no_grad():
-            tile = functools.partial(self.store.torch_tile, "params")
-            return str(export(self.store.spec.model, tile, directory, run=run, record=record))
 
     def host_memory(self) -> HostMemory:
         """Host memory of the run's processes on this node, as PSS: the owner, its reaper and every worker

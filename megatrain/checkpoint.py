@@ -12,13 +12,16 @@ save removes; a directory without a valid manifest is never taken for a checkpoi
 checkpoint whole against its checksums (a resume does, before anything starts); one found corrupt is renamed
 corrupt-step-NNNNNNN, which nothing here takes for a checkpoint either.
 
-A run over several hosts (actors.num_hosts) writes one part per host into the step directory: host-h/ holds
-host h's planes (its slice of every unit, at the offsets every host shares) and a manifest of its own that
-records the hosts, the host, and per unit its slice [lo, hi) and where the slice starts in the file. Each
-host's writer writes its part into step-NNNNNNN.tmp-hosts/host-h.tmp-PID and renames it to host-h
-(seal); once every host's part is there, publish_hosts writes the step's manifest, which lists every
-part's files with their checksums (so verify() and manifest_of() read it as they read one host's) and every
-host's slices, and renames the directory into place. One host's checkpoint has no parts: the layout above.
+Every checkpoint has one part per host (actors.num_hosts; one host is the case of one part): host-h/ holds
+host h's planes (its slice of every unit, at the offsets every host shares: on one host each unit whole at
+its tile's offset) and a manifest of its own that records the hosts, the host, and per unit its slice
+[lo, hi) and where the slice starts in the file. Each host's writer writes its part into
+step-NNNNNNN.tmp-hosts/host-h.tmp-PID and renames it to host-h (seal); once every host's part is there,
+publish_hosts writes the step's manifest, which lists every part's files with their checksums (so verify()
+and manifest_of() read every checkpoint alike) and every host's slices, and renames the directory into place.
+One host writes a host-0/ part too, so that writing, resuming and exporting are one path for every host
+count. A checkpoint of the earlier one-host format (its planes at the top of the step directory, no `hosts`
+in its manifest) is read as the one part it is (part_files): it resumes and exports as before.
 """
 
 from __future__ import annotations
@@ -58,13 +61,25 @@ def hosts_tmp(root: Path, step: int) -> Path:
 
 
 def part_name(host: int) -> str:
-    """The directory of host `host`'s part of a checkpoint over several hosts."""
+    """The directory of host `host`'s part of a checkpoint."""
     return f"host-{host}"
 
 
-def file_name(hosts: int, host: int, plane: str) -> str:
-    """A plane's file in a checkpoint's manifest: the step directory's own on one host, its part's over several."""
-    return f"{plane}.bin" if hosts == 1 else f"{part_name(host)}/{plane}.bin"
+def part_files(manifest: dict) -> list[tuple[dict[str, str], list[tuple[int, int, int]]]]:
+    """Per host of a checkpoint (its manifest given): its planes' files, as the manifest names them, and per unit
+    the slice [lo, hi) its files hold and the element where that slice starts in them. A checkpoint of the
+    earlier one-host format (no `hosts`: its planes at the top of the step directory, each unit whole at its
+    tile's offset) is its one part."""
+    if "hosts" not in manifest:
+        whole = [(0, int(u["numel"]), int(u["offset"])) for u in manifest["units"]]
+        return [({plane: f"{plane}.bin" for plane in PLANES}, whole)]
+    return [
+        (
+            {plane: f"{part_name(h)}/{plane}.bin" for plane in PLANES},
+            [(int(lo), int(hi), int(at)) for lo, hi, at in manifest["slices"][h]],
+        )
+        for h in range(int(manifest["hosts"]))
+    ]
 
 
 class PlaneFile:
@@ -298,9 +313,9 @@ def publish(tmp: Path, final: Path, manifest: dict) -> None:
 
 
 def publish_hosts(root: Path, step: int, hosts: int) -> Path:
-    """Make the hosts' parts of the checkpoint of `step` (each published by its host's writer into
-    hosts_tmp(root, step)) the checkpoint: the step's manifest from theirs, then as publish(). A part missing,
-    or one of another step, host count or model, is refused: the checkpoint would not be the run's state."""
+    """Make the hosts' parts of the checkpoint of `step` (one host: its one part; each published by its host's
+    writer into hosts_tmp(root, step)) the checkpoint: the step's manifest from theirs, then as publish(). A
+    part missing, or one of another step, host count or model, is refused: it would not be the run's state."""
     tmp = hosts_tmp(root, step)
     parts = [manifest_of(tmp / part_name(h)) for h in range(hosts)]
     for h, m in enumerate(parts):
@@ -316,7 +331,7 @@ def publish_hosts(root: Path, step: int, hosts: int) -> Path:
 
 
 def hosts_manifest(parts: list[dict]) -> dict:
-    """The manifest of a checkpoint over several hosts, from its parts' (host order): every part's files under
+    """The manifest of a checkpoint, from its hosts' parts' (host order): every part's files under
     the part's directory, each with its host; the units as one host's manifest lists them; per host, per unit,
     its slice [lo, hi) and the element where it starts in that host's files."""
     first = {k: v for k, v in parts[0].items() if k not in ("host", "plane_elems", "files", "units")}
@@ -413,11 +428,12 @@ def unit_at(layout: Any, byte_offset: int) -> str:
 
 
 def part_where(manifest: dict, host: int) -> Callable[[int], str]:
-    """unit_at for host `host`'s files of a checkpoint over several hosts, from its manifest alone."""
+    """unit_at for host `host`'s files of a checkpoint, from its manifest alone."""
+    slices = part_files(manifest)[host][1]
 
     def where(byte_offset: int) -> str:
         elem = byte_offset // 4
-        for unit, (lo, hi, start) in zip(manifest["units"], manifest["slices"][host], strict=True):
+        for unit, (lo, hi, start) in zip(manifest["units"], slices, strict=True):
             if start <= elem < start + hi - lo:
                 inside = [(o, n) for n, (_, o) in unit["tensors"].items() if o <= elem - start + lo]
                 return f"unit {unit['unit']}, from tensor '{max(inside)[1] if inside else '?'}'"

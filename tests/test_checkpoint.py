@@ -40,7 +40,7 @@ def run(out: Path, family: str, *extra: str, steps: int = 10) -> dict:
 
 
 def planes(step_dir: Path) -> dict[str, bytes]:
-    return {p: (step_dir / f"{p}.bin").read_bytes() for p in ckpt.PLANES}
+    return {p: (step_dir / "host-0" / f"{p}.bin").read_bytes() for p in ckpt.PLANES}
 
 
 def losses(out: Path) -> dict[int, float]:
@@ -96,6 +96,44 @@ def test_resume_on_shuffled_jsonl_is_bit_identical(tmp_path: Path, family: str) 
     )
 
 
+def as_earlier_one_host_layout(directory: Path) -> None:
+    """Rewrite a one-host checkpoint as the earlier format wrote it: the planes at the top of the step directory
+    (no host-0/ part), a manifest without `hosts` or `slices` whose files are named at the top."""
+    manifest = json.loads((directory / "manifest.json").read_text())
+    for plane in ckpt.PLANES:
+        (directory / "host-0" / f"{plane}.bin").rename(directory / f"{plane}.bin")
+    shutil.rmtree(directory / "host-0")
+    files = {
+        name.removeprefix("host-0/"): {k: v for k, v in e.items() if k != "host"}
+        for name, e in manifest["files"].items()
+    }
+    earlier = {k: v for k, v in manifest.items() if k not in ("hosts", "slices")}
+    (directory / "manifest.json").write_text(json.dumps({**earlier, "files": files}, indent=1))
+
+
+def test_a_checkpoint_of_the_earlier_one_host_layout_resumes_and_exports_exactly(tmp_path: Path) -> None:
+    """One host writes a host-0/ part; a checkpoint written before it did (its planes at the top) is read as
+    that one part: the run resumed from it is the run resumed from the same state in today's layout, bit for
+    bit, and its export is the same model."""
+    from megatrain.launch.cli import export_cmd
+
+    run(tmp_path / "a", "llama")
+    new = ckpt.step_dir(tmp_path / "a" / "checkpoints", 5)
+    old = tmp_path / "old" / new.name
+    shutil.copytree(new, old)
+    as_earlier_one_host_layout(old)
+    assert ckpt.verify(old) == "" and not (old / "host-0").exists() and "hosts" not in ckpt.manifest_of(old)
+    run(tmp_path / "b", "llama", f"train.resume={old}")
+    want = planes(ckpt.step_dir(tmp_path / "a" / "checkpoints", 10))
+    assert planes(ckpt.step_dir(tmp_path / "b" / "checkpoints", 10)) == want
+    la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(lb) == [6, 7, 8, 9, 10] and all(la[s] == lb[s] for s in lb)
+    exported = [export_cmd.run(str(src), str(tmp_path / name))[0] for src, name in ((new, "hf-new"), (old, "hf-old"))]
+    assert [(d / "model.safetensors").read_bytes() for d in exported] == [
+        (exported[0] / "model.safetensors").read_bytes()
+    ] * 2
+
+
 def test_auto_resume_in_place_appends_metrics_and_ignores_torn_saves(tmp_path: Path) -> None:
     out = tmp_path / "run"
     run(out, "llama", steps=10)
@@ -137,9 +175,9 @@ def test_resume_refuses_another_model_and_a_corrupt_file(tmp_path: Path) -> None
     hf = json.dumps({**TINY, "num_hidden_layers": 3, "hidden_size": 64})
     with pytest.raises(ConfigError, match=r"holds another model: tensor 'model.embed_tokens.weight'"):
         run(tmp_path / "b", "llama", f"model.hf={hf}", f"train.resume={step5}")
-    data = bytearray((step5 / "exp_avg.bin").read_bytes())
+    data = bytearray((step5 / "host-0" / "exp_avg.bin").read_bytes())
     data[100] ^= 0xFF
-    (step5 / "exp_avg.bin").write_bytes(bytes(data))
+    (step5 / "host-0" / "exp_avg.bin").write_bytes(bytes(data))
     with pytest.raises(Exception, match=r"exp_avg.bin is corrupt"):
         run(tmp_path / "c", "llama", f"train.resume={step5}")
 

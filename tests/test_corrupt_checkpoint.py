@@ -74,13 +74,13 @@ def test_an_explicit_corrupt_checkpoint_is_refused_naming_the_intact_one(
 ) -> None:
     out = copy_of(finished, tmp_path / "run")
     bad, good = ckpt.step_dir(out / "checkpoints", 10), ckpt.step_dir(out / "checkpoints", 5)
-    flip(bad / "exp_avg.bin", 100)
+    flip(bad / "host-0" / "exp_avg.bin", 100)
     (out / "metrics.jsonl").write_text("\n".join((out / "metrics.jsonl").read_text().splitlines()[:7]) + "\n")
     before = tree(out)
     capsys.readouterr()
     assert cli.main(args(out, f"train.resume={bad}", "train.steps=20")) == 2
     err = capsys.readouterr().err
-    assert f"train.resume: {bad / 'exp_avg.bin'} is corrupt: bytes 0-" in err, err
+    assert f"train.resume: {bad / 'host-0' / 'exp_avg.bin'} is corrupt: bytes 0-" in err, err
     assert "(unit 0, from tensor 'model.embed_tokens.weight')" in err, err
     assert f"resume from it with train.resume={good}" in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err and "Error:" not in err, err
@@ -94,13 +94,13 @@ def test_auto_falls_back_to_the_newest_intact_checkpoint_loudly_and_exactly(
     stopped after it: resuming it redoes the steps from the intact one, ending where the run ended."""
     out = copy_of(finished, tmp_path / "run")
     root = out / "checkpoints"
-    want = {p: (ckpt.step_dir(root, 10) / f"{p}.bin").read_bytes() for p in ckpt.PLANES}
+    want = {p: (ckpt.step_dir(root, 10) / "host-0" / f"{p}.bin").read_bytes() for p in ckpt.PLANES}
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    flip(ckpt.step_dir(root, 10) / "params.bin", 5000)
+    flip(ckpt.step_dir(root, 10) / "host-0" / "params.bin", 5000)
     capsys.readouterr()
     assert cli.main(args(out)) == 0
     printed = capsys.readouterr().out
-    assert f"WARNING: {ckpt.step_dir(root, 10) / 'params.bin'} is corrupt" in printed, printed
+    assert f"WARNING: {ckpt.step_dir(root, 10) / 'host-0' / 'params.bin'} is corrupt" in printed, printed
     assert f"moved to {root / 'corrupt-step-0000010'}" in printed, printed
     assert f"resuming from the newest intact checkpoint, {ckpt.step_dir(root, 5)} (step 5)" in printed, printed
     assert (root / "corrupt-step-0000010").is_dir()  # kept for a look, never taken for a checkpoint
@@ -109,13 +109,13 @@ def test_auto_falls_back_to_the_newest_intact_checkpoint_loudly_and_exactly(
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in rows] == losses  # steps 6..10 trained again, to the same losses
     # The redone step 10 is the uncorrupted one, bit for bit.
-    assert {p: (ckpt.step_dir(root, 10) / f"{p}.bin").read_bytes() for p in ckpt.PLANES} == want
+    assert {p: (ckpt.step_dir(root, 10) / "host-0" / f"{p}.bin").read_bytes() for p in ckpt.PLANES} == want
 
 
 def test_auto_with_no_intact_checkpoint_is_refused(finished: Path, tmp_path: Path, capsys, nothing_starts) -> None:
     out = copy_of(finished, tmp_path / "run")
     for step in (5, 10):
-        flip(ckpt.step_dir(out / "checkpoints", step) / "exp_avg_sq.bin", 7)
+        flip(ckpt.step_dir(out / "checkpoints", step) / "host-0" / "exp_avg_sq.bin", 7)
     before = tree(out)
     capsys.readouterr()
     assert cli.main(args(out, "train.steps=20")) == 2
@@ -127,12 +127,12 @@ def test_auto_with_no_intact_checkpoint_is_refused(finished: Path, tmp_path: Pat
 
 def test_a_truncated_file_is_refused_by_its_size(finished: Path, tmp_path: Path, capsys, nothing_starts) -> None:
     out = copy_of(finished, tmp_path / "run")
-    bad = ckpt.step_dir(out / "checkpoints", 5) / "params.bin"
+    bad = ckpt.step_dir(out / "checkpoints", 5) / "host-0" / "params.bin"
     size = bad.stat().st_size
     with open(bad, "r+b") as f:
         f.truncate(size - 4096)
     capsys.readouterr()
-    assert cli.main(args(out, f"train.resume={bad.parent}", f"train.output_dir={tmp_path / 'new'}")) == 2
+    assert cli.main(args(out, f"train.resume={bad.parent.parent}", f"train.output_dir={tmp_path / 'new'}")) == 2
     err = capsys.readouterr().err
     assert f"{bad} has {size - 4096} bytes; its manifest says {size}" in err, err
     assert f"train.resume={ckpt.step_dir(out / 'checkpoints', 10)}" in err, err  # the intact one beside it

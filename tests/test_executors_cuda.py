@@ -46,7 +46,7 @@ def follows(tmp_path: Path, family: str, base: list[str], other: str, tol: float
 def test_two_gpus_follow_one_on_the_whole_batch(tmp_path: Path, family: str, dtype: str, tol: float) -> None:
     base = ["engine.device=cuda", f"engine.compute_dtype={dtype}", "data.batch_size=4"]
     follows(tmp_path, family, base, "actors.num_gpus=2", tol)
-    a = (ckpt.step_dir(tmp_path / "one" / "checkpoints", 10) / "params.bin").read_bytes()
-    b = (ckpt.step_dir(tmp_path / "two" / "checkpoints", 10) / "params.bin").read_bytes()
+    a = (ckpt.step_dir(tmp_path / "one" / "checkpoints", 10) / "host-0" / "params.bin").read_bytes()
+    b = (ckpt.step_dir(tmp_path / "two" / "checkpoints", 10) / "host-0" / "params.bin").read_bytes()
     wa, wb = (torch.frombuffer(bytearray(x), dtype=torch.float32) for x in (a, b))
     assert (wa - wb).abs().max() <= tol * 10 * wa.abs().max(), "final weights"

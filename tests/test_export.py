@@ -25,7 +25,7 @@ from tests.test_checkpoint import run
 
 def checkpoint_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
     m = ckpt.manifest_of(step_dir)
-    params = np.fromfile(step_dir / "params.bin", dtype=np.float32)
+    params = np.fromfile(step_dir / "host-0" / "params.bin", dtype=np.float32)
     out = {}
     for u in m["units"]:
         for name, (shape, off) in u["tensors"].items():
@@ -116,7 +116,7 @@ def test_export_refuses_in_one_line_what_it_cannot_do(tmp_path: Path, capsys) ->
         assert f"export: error: OUT '{out}' {words}" in err, err
         assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert (tmp_path / "file").read_text() == "x" and [p.name for p in (tmp_path / "full").iterdir()] == ["config.json"]
-    params = ckpt.step_dir(tmp_path / "run" / "checkpoints", 5) / "params.bin"
+    params = ckpt.step_dir(tmp_path / "run" / "checkpoints", 5) / "host-0" / "params.bin"
     data = bytearray(params.read_bytes())
     data[-5000] ^= 0x01
     params.write_bytes(bytes(data))

@@ -240,10 +240,11 @@ def freeze_mid_write(cli: Cli, writer: int) -> Path:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and cli.proc.poll() is None:
         names = os.listdir(root) if root.is_dir() else []
-        torn = [root / n for n in names if n.endswith(f".tmp-{writer}")]
+        # The step's directory of every host's part, with this writer's part still being written in it.
+        torn = [root / n for n in names if n.endswith(".tmp-hosts") and (root / n / f"host-0.tmp-{writer}").is_dir()]
         if torn and "latest" in names:
             os.kill(writer, signal.SIGSTOP)
-            if all(t.exists() for t in torn):  # not renamed between the look and the stop
+            if all((t / f"host-0.tmp-{writer}").exists() for t in torn):  # not renamed between the look and the stop
                 return torn[0]
             os.kill(writer, signal.SIGCONT)
     raise AssertionError(f"never saw a checkpoint being written:\n{cli.text()}")
@@ -359,8 +360,8 @@ def test_one_run_stopped_and_killed_mid_checkpoint_resumes_bit_identical(tmp_pat
     root, want = last.out / "checkpoints", ref / "checkpoints"
     assert not list(root.glob("*.tmp-*"))  # the start removed what a killed launcher's write left
     for part in ckpt.PLANES:
-        a = (ckpt.step_dir(root, STEPS) / f"{part}.bin").read_bytes()
-        assert a == (ckpt.step_dir(want, STEPS) / f"{part}.bin").read_bytes(), part
+        a = (ckpt.step_dir(root, STEPS) / "host-0" / f"{part}.bin").read_bytes()
+        assert a == (ckpt.step_dir(want, STEPS) / "host-0" / f"{part}.bin").read_bytes(), part
     rows = [json.loads(line) for line in (last.out / "metrics.jsonl").read_text().splitlines()]
     assert [(r["step"], r["loss"]) for r in rows] == [
         (r["step"], r["loss"]) for r in map(json.loads, (ref / "metrics.jsonl").read_text().splitlines())

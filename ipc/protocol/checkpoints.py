@@ -86,26 +86,20 @@ class Part:
 
 def parts_of(directory: Path, manifest: dict, layout: StoreLayout) -> list[Part]:
     """The parts of the checkpoint in `directory` (its manifest given), host by host; a ConfigError naming
-    train.resume where they do not hold every element of every unit exactly once."""
-    hosts = int(manifest.get("hosts", 1))
-    if hosts == 1:
-        slices = [[(0, layout.structure_of(u.index).numel, u.offset) for u in layout.units]]
-        wheres = [lambda off: ckpt.unit_at(layout, off)]
-    else:
-        slices = manifest["slices"]
-        wheres = [ckpt.part_where(manifest, h) for h in range(hosts)]
-    parts = []
-    for h in range(hosts):
-        names = {plane: ckpt.file_name(hosts, h, plane) for plane in ckpt.PLANES}
-        parts.append(
-            Part(
-                host=h,
-                files={plane: directory / name for plane, name in names.items()},
-                expect={plane: manifest["files"][name] for plane, name in names.items()},
-                slices=tuple((int(lo), int(hi), int(at)) for lo, hi, at in slices[h]),
-                where=wheres[h],
-            )
+    train.resume where they do not hold every element of every unit exactly once. A checkpoint of the earlier
+    one-host format is its one part (megatrain/checkpoint.py part_files)."""
+    found = ckpt.part_files(manifest)
+    hosts = len(found)
+    parts = [
+        Part(
+            host=h,
+            files={plane: directory / name for plane, name in names.items()},
+            expect={plane: manifest["files"][name] for plane, name in names.items()},
+            slices=tuple(slices),
+            where=ckpt.part_where(manifest, h),
         )
+        for h, (names, slices) in enumerate(found)
+    ]
     for part in parts:
         for plane, path in part.files.items():
             ckpt.check_size(path, part.expect[plane])

@@ -1,6 +1,6 @@
 """`megatrain-launch export CHECKPOINT_DIR|RUN_DIR OUT_DIR [--dtype bf16|fp32]`: a checkpoint's weights as
-an HF save_pretrained directory, streamed unit by unit from the memory-mapped checkpoint file (over several
-hosts, each unit put together from every host's part of it)."""
+an HF save_pretrained directory, streamed unit by unit from the memory-mapped checkpoint files (each unit
+put together from every host's part of it: one host's checkpoint has one part)."""
 
 from __future__ import annotations
 
@@ -48,19 +48,15 @@ def run(source: str, out: str, dtype: str = "fp32", shard_gb: float = 5.0) -> tu
     spec = build_spec(ModelConfig(family=manifest["family"], hf=hf), run_cfg.get("optim", {}).get("no_decay_1d", True))
     if spec.layout.digest().hex() != manifest["layout_hash"]:
         raise ConfigError(f"{src} does not match the model its manifest describes (layout hash)")
-    # Over several hosts each host's part holds its slice of every unit (its files, `slices`: lo, hi, offset).
-    hosts = int(manifest.get("hosts", 1))
-    if hosts == 1:
-        slices = [[(0, u["numel"], u["offset"]) for u in manifest["units"]]]
-    else:
-        slices = [[tuple(map(int, s)) for s in manifest["slices"][h]] for h in range(hosts)]
+    # Each host's part holds its slice of every unit (its files, `slices`: lo, hi, offset; one host: every unit).
+    parts = ckpt.part_files(manifest)
+    slices = [part_slices for _, part_slices in parts]
     files = []
-    for h in range(hosts):
-        name = ckpt.file_name(hosts, h, "params")
-        problem = ckpt.verify_file(src, name, lambda off: ckpt.unit_at(spec.layout, off), manifest)
+    for names, _ in parts:
+        problem = ckpt.verify_file(src, names["params"], lambda off: ckpt.unit_at(spec.layout, off), manifest)
         if problem:  # the weights are what is exported: every byte of them is checked first
             raise ConfigError(f"{problem}; export another checkpoint of the run (a step-N directory)")
-        files.append(np.memmap(src / name, dtype=np.float32, mode="r"))  # pages are read as units are written
+        files.append(np.memmap(src / names["params"], dtype=np.float32, mode="r"))  # read as units are written
 
     def tile(u: int) -> torch.Tensor:
         whole = np.empty(spec.layout.structure_of(u).numel, np.float32)

@@ -12,21 +12,26 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from megatrain import checkpoint as ckpt
 from megatrain import log
 from megatrain.actors.checkpoint_writer import CheckpointWriter
+from megatrain.actors.store_owner import StoreOwner
+from megatrain.export import export
 from megatrain.ipc.protocol import StoreSpec
 from megatrain.ipc.protocol.messages import WriteRequest, Written
 from megatrain.launch.config.train import TrainConfig
 from megatrain.launch.control.crew import Crew
 from megatrain.launch.control.placement import Demand
 from megatrain.launch.control.runners import Pending
+from megatrain.model import ModelSpec
 from megatrain.roster import WRITER, on_host
 
 
 def clear_torn(root: Path, whose: str) -> list[str]:
-    """Remove what unfinished checkpoint writes left in `root`, saying so: a *.tmp-* entry (one host's
-    step-N.tmp-PID, or step-N.tmp-hosts holding every host's part over several), which nothing reads but which
+    """Remove what unfinished checkpoint writes left in `root`, saying so: a *.tmp-* entry (step-N.tmp-hosts
+    holding every host's part, or an earlier version's one-host step-N.tmp-PID), which nothing reads but which
     takes a checkpoint's size on the disk. The run's start removes what a killed run left (the output
     directory's lock says no other run writes there), its end what its own aborted write left. `whose`: whose
     write it was, as the line says."""
@@ -80,8 +85,8 @@ class Checkpointer:
 
 
 class Saves:
-    """`recorded()`: the last step whose metrics row is written; `sync()`: puts metrics.jsonl on disk. Over
-    several hosts every host's writer writes its part of each checkpoint, and one of them makes it whole."""
+    """`recorded()`: the last step whose metrics row is written; `sync()`: puts metrics.jsonl on disk. Every
+    host's writer writes its part of each checkpoint (one host: the one part), and host 0's makes it whole."""
 
     def __init__(
         self,
@@ -149,9 +154,8 @@ class Saves:
         res, self.staged = self.staged, None
         for name in self.writers:  # each host's part
             self.crew.call_one(name, CheckpointWriter.publish, step)
-        if len(self.writers) > 1:  # the step's directory made the checkpoint from every part
-            path = self.crew.call_one(self.writers[0], CheckpointWriter.publish_hosts, step)
-            res = dataclasses.replace(res, path=path)
+        path = self.crew.call_one(self.writers[0], CheckpointWriter.publish_hosts, step)  # the step's directory
+        res = dataclasses.replace(res, path=path)
         self.checkpointer.finished(dataclasses.asdict(res))
 
     def wait(self) -> None:
@@ -162,10 +166,36 @@ class Saves:
             self.taken(self.crew.gather(self.writing(), self.timeout_s, f"the checkpoint after step {step}"))
 
 
+def save_final(crew: Crew, model: ModelSpec, directory: Path, run: dict, record: dict, timeout_s: float) -> str:
+    """The run's final fp32 weights as an HF directory at `directory`, written here one unit at a time, each
+    unit gathered from every host's slice of it (one host: the unit whole from its one store), the next unit
+    fetched while this one is written: no process ever holds the whole model in fp32."""
+    units = Units(crew, len(model.layout.units), timeout_s)
+    return str(export(model, units.take, directory, run=run, record=record))
+
+
+class Units:
+    """Each unit's fp32 master weights whole, from every host's store owner, in the order asked (export asks
+    in unit order): asking for unit u takes it and already asks the owners for unit u + 1."""
+
+    def __init__(self, crew: Crew, count: int, timeout_s: float):
+        self.crew, self.count, self.timeout_s = crew, count, timeout_s
+        self.ahead: tuple[int, dict[str, Pending[torch.Tensor]]] | None = None
+
+    def _ask(self, unit: int) -> dict[str, Pending[torch.Tensor]]:
+        return {o: self.crew.call(o, StoreOwner.params_slice, unit) for o in self.crew.owners}
+
+    def take(self, unit: int) -> torch.Tensor:
+        calls = self.ahead[1] if self.ahead is not None and self.ahead[0] == unit else self._ask(unit)
+        self.ahead = None
+        slices = self.crew.gather(calls, self.timeout_s, f"unit {unit}'s slices of the weights")
+        if unit + 1 < self.count:
+            self.ahead = (unit + 1, self._ask(unit + 1))
+        return torch.cat([slices[o] for o in self.crew.owners])
+
+
 def _whole(parts: list[Written]) -> Written:
     """Every host's part of a checkpoint as one: the bytes of all, the slowest part's time."""
-    if len(parts) == 1:
-        return parts[0]
     return dataclasses.replace(
         parts[0],
         bytes=sum(p.bytes for p in parts),

@@ -15,15 +15,12 @@ import os
 import secrets
 from pathlib import Path
 
-import torch
-
 from megatrain import log
 from megatrain.actors.base import Role
 from megatrain.actors.store_owner import StoreOwner
 from megatrain.checkpoint import step_dir as ckpt_step_dir
 from megatrain.configbase import Where, differences, dump_yaml, to_dict
 from megatrain.data import Data
-from megatrain.export import export
 from megatrain.flops import active_params
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes, resolve_stall
 from megatrain.ipc.protocol.messages import FillReport, HostMemory, StoreRequest
@@ -37,7 +34,7 @@ from megatrain.launch.control.placement import check_hosts_run_id, per_executor,
 from megatrain.launch.control.runners import Pending, make_runner
 from megatrain.launch.report.describe import describe_memory, short
 from megatrain.launch.report.tensorboard import summary_writer
-from megatrain.launch.run.checkpoints import Checkpointer, clear_torn
+from megatrain.launch.run.checkpoints import Checkpointer, clear_torn, save_final
 from megatrain.launch.run.evaluation import Evaluator
 from megatrain.launch.run.inputs import check_first, read_inputs
 from megatrain.launch.run.outdir import OutputLock, prepare_output, resolve_output
@@ -46,7 +43,7 @@ from megatrain.launch.run.steploop import PreparedRun, StepLoop
 from megatrain.launch.run.stopping import Background, StopRequest, sigint_deferred
 from megatrain.memory.plan import MemoryPlan
 from megatrain.model import ModelSpec
-from megatrain.roster import OWNER, Roster
+from megatrain.roster import Roster
 
 
 class Trainer:
@@ -180,19 +177,8 @@ class Trainer:
         if self.cfg.train.save_final:
             record = {"step": self.steps, "checkpoint": None, "run_id": self.run_id}
             final, run = str(self.out / "final"), to_dict(self.cfg)
-            if self.hosts == 1:
-                path = self.crew.call_one(OWNER, StoreOwner.save, directory=final, run=run, record=record)
-            else:
-                path = str(export(self.spec.model, self._gathered_unit, final, run=run, record=record))
+            path = save_final(self.crew, self.spec.model, final, run, record, self.cfg.train.setup_timeout_s)
             log(f"saved final fp32 weights (step {self.steps}) to {path}")
-
-    def _gathered_unit(self, unit: int) -> torch.Tensor:
-        """Unit `unit`'s fp32 master weights whole, from every host's slice of them: the export over several
-        hosts holds one unit at a time here, and no host ever holds the whole model in fp32."""
-        owners = self.crew.owners
-        calls = {o: self.crew.call(o, StoreOwner.params_slice, unit) for o in owners}
-        parts = self.crew.gather(calls, self.cfg.train.setup_timeout_s, f"unit {unit}'s slices of the weights")
-        return torch.cat([parts[o] for o in owners])
 
     # ---- setup ------------------------------------------------------------------------------
     def setup(self) -> None:
