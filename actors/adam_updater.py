@@ -2,8 +2,9 @@
 
 With clipping (optim.max_grad_norm > 0) it waits for every unit's gradient (in the fp32 grads plane or,
 with a resident copy, in the unit's resident tile, in the compute dtype), computes the global norm,
-then updates units in forward order, bumping each piece's version counter right after its update,
-so the next step's forward starts while later units are still updated.
+then updates units in forward order, publishing each piece's version right after its update (over
+several hosts, each unit's once its slices are gathered), so the next step's forward starts while later
+units are still updated.
 Without clipping there is no grads plane: it drains the gradient slabs itself, in the order the
 backward produces them, and updates each unit while the GPU is still running the backward of the
 units below it (12 bytes per parameter: params, m, v).
@@ -12,7 +13,9 @@ forward streams it with no packing step in between.
 The waits, the order of the pieces and the versions are the protocol's (ipc/protocol/adam.py); this
 actor supplies the arithmetic of one piece (_update) and takes its steps in order.
 Over several hosts each host's updater updates its own slice of every unit; the updaters form a group of
-their own (open_hosts, join_hosts) for the global norm and the gather of each unit's updated slices.
+their own (open_hosts, join_hosts) for the global norm and the gather of each unit's updated slices: the
+protocol's link to the other hosts, which on one host is OneHost (nothing to sum or gather). The update is
+the same either way.
 """
 
 from __future__ import annotations
@@ -32,14 +35,7 @@ from megatrain.collective import Group, open_rendezvous
 from megatrain.errors import ProtocolError, WaitTimeout
 from megatrain.hostops import warm_up
 from megatrain.ipc.protocol import Store, StoreSpec
-from megatrain.ipc.protocol.adam import (
-    HostsLink,
-    PieceUpdate,
-    update_clipped,
-    update_clipped_hosts,
-    update_unclipped,
-    update_unclipped_hosts,
-)
+from megatrain.ipc.protocol.adam import HostsLink, Link, OneHost, update_clipped, update_unclipped
 from megatrain.ipc.protocol.messages import AdamRequest, Applied
 from megatrain.ipc.protocol.plan import Item
 from megatrain.roster import ADAM
@@ -52,7 +48,7 @@ class AdamUpdater(Role):
         self.turn = threading.Condition()
         self.next_step = 0
         self.rendezvous = None  # host 0's, while the hosts' group forms
-        self.hosts: HostsLink | None = None  # over several hosts, once joined
+        self.link: Link | None = None  # to the other hosts: OneHost on one, HostsLink over several once joined
         warm_up()  # compiled (or loaded from Numba's cache) while the store is being made, not in a step
         a = np.zeros(4, np.float32)
         adamw_update(a, a.copy(), a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0)
@@ -69,6 +65,7 @@ class AdamUpdater(Role):
         self.apply_threads(spec)  # Numba's for the update, torch's for the resident cast
         parts = spec.planes + (("resident",) if spec.resident else ()) + (() if spec.clip else ("staging",))
         self.store = Store.attach(spec, parts, role=self.name)
+        self.link = OneHost() if spec.hosts == 1 else None
         self.mark("attached")
 
     def open_hosts(self, address: str) -> int:
@@ -98,7 +95,7 @@ class AdamUpdater(Role):
             parts=("stats",),
             bind=bind,
         )
-        self.hosts = HostsLink.make(spec, group)
+        self.link = HostsLink.make(spec, group)
 
     def _several_hosts(self) -> StoreSpec:
         if self.store is None:
@@ -121,30 +118,26 @@ class AdamUpdater(Role):
         self._wait_turn(step)
         try:
             t0 = time.perf_counter()
-            store, update = self.store, functools.partial(self._piece, step + 1, lr)
-            if store.spec.hosts > 1:
-                out = self._step_hosts(step, saving, update)
-            elif store.spec.clip:
-                out = update_clipped(store, step, saving, self.cfg.max_grad_norm, update)
+            store, link, update = self.store, self._link(step), functools.partial(self._piece, step + 1, lr)
+            if store.spec.clip:
+                out = update_clipped(store, link, step, saving, self.cfg.max_grad_norm, update)
             else:
-                out = update_unclipped(store, self.events, step, saving, update)
+                out = update_unclipped(store, link, self.events, step, saving, update)
             return dataclasses.replace(out, adam_s=time.perf_counter() - t0)
         finally:
             with self.turn:
                 self.next_step = step + 1
                 self.turn.notify_all()
 
-    def _step_hosts(self, step: int, saving: bool, update: PieceUpdate) -> Applied:
-        """A step over several hosts: this host's slice, with the other hosts' updaters through their group."""
-        spec = self.store.spec
-        if self.hosts is None:
+    def _link(self, step: int) -> Link:
+        """The link to the other hosts' updaters: over several hosts, their group, joined before any step."""
+        if self.link is None:
+            spec = self.store.spec
             raise ProtocolError(
                 f"Adam's step {step} over {spec.hosts} hosts needs the hosts' group: host {spec.host}'s updater "
                 "has not joined it (AdamUpdater.join_hosts)"
             )
-        if spec.clip:
-            return update_clipped_hosts(self.store, self.hosts, step, saving, self.cfg.max_grad_norm, update)
-        return update_unclipped_hosts(self.store, self.hosts, step, saving, update)
+        return self.link
 
     def _wait_turn(self, step: int) -> None:
         ipc = self.store.spec.ipc

@@ -1,8 +1,9 @@
-"""The Adam updater over several hosts (ipc/protocol/adam.py update_clipped_hosts, update_unclipped_hosts):
-each host's updater, on a store of its own, updates its slice of every unit and the hosts gather the updated
-slices into every host's resident copy. Measured against one updater on a one-host store fed the same whole
-gradients: every host's slices and whole copy are the one host's, and an inf on one host skips or stops the
-step on every host alike."""
+"""The Adam updater over several hosts (ipc/protocol/adam.py update_clipped, update_unclipped through a
+HostsLink): each host's updater, on a store of its own, updates its slice of every unit and the hosts gather
+the updated slices into every host's resident copy. Measured against one updater on a one-host store (the
+same functions through OneHost) fed the same whole gradients: every host's slices and whole copy are the one
+host's, an inf on one host skips or stops the step on every host alike, and the one host publishes each piece
+as it is updated where the hosts publish each unit whole."""
 
 from __future__ import annotations
 
@@ -234,3 +235,45 @@ def test_a_step_over_several_hosts_needs_the_hosts_group(model_spec) -> None:
         finally:
             for adam in adams:
                 adam.store.close()
+
+
+def _watched(adam: AdamUpdater) -> list[tuple[int, list[int]]]:
+    """Every piece the updater updates, with its store's versions as they stood right before the update: what
+    the next forward could read at that moment."""
+    seen: list[tuple[int, list[int]]] = []
+    real = adam._piece
+
+    def piece(t: int, lr: float, item, grad: np.ndarray, scale: float) -> None:
+        seen.append((item.piece, list(adam.store.versions)))
+        real(t, lr, item, grad, scale)
+
+    adam._piece = piece  # the step binds its PieceUpdate from the instance
+    return seen
+
+
+@pytest.mark.parametrize("clip", [True, False])
+def test_one_host_publishes_each_piece_and_the_hosts_each_unit_whole(model_spec, clip: bool) -> None:
+    """One host: each piece is published right after its update (the next forward may begin on a unit's first
+    pieces while its last are updated). Two hosts: a unit is published only whole, after its gather, so no
+    update ever sees a unit half published."""
+    cfg = OptimConfig(lr=LR, max_grad_norm=1.0 if clip else 0.0)
+    with _stores(model_spec, 2, clip) as (ref, stores), _updaters(cfg, ref, stores) as (one, adams):
+        _init(np.random.default_rng(3), ref, stores)
+        grads = _gradients(np.random.default_rng(4), ref.spec)
+        for st in [ref, *stores]:
+            _land(st, grads)
+        seen_one, seen_hosts = _watched(one), [_watched(a) for a in adams]
+        one.step(AdamRequest(step=0, lr=LR))
+        assert all(not isinstance(g, Exception) for g in _step(adams, 0))
+        order = [it.piece for it in ref.spec.update_items]
+        units = [ref.spec.piece_range(u) for u in range(ref.spec.num_units)]
+        assert any(len(range(r.start, r.stop)) > 1 for r in units)  # else per piece and per unit look alike
+        assert [p for p, _ in seen_one] == order
+        for k, (_, versions) in enumerate(seen_one):
+            assert [versions[p] for p in order] == [1] * k + [0] * (len(order) - k), k
+        for st, seen in zip(stores, seen_hosts, strict=True):
+            assert [p for p, _ in seen] == [it.piece for it in st.spec.update_items]
+            for piece, versions in seen:
+                for r in units:
+                    assert len(set(versions[r])) == 1, (st.spec.host, piece, r, versions[r])
+        _assert_published([ref, *stores], 1)

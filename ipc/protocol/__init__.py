@@ -5,7 +5,8 @@ gradient orders as data; the engine takes its checkpoint blocks from it), store.
 waits, posts, versions, abort, the role table), ctl.py (the control segment's layout), executor.py (the
 executor's walk and each piece's hand-off; its CUDA stream pipelines run beside it, actors/executor_streams.py),
 workers.py (pack, drain, take/free a gradient, wait for a step's gradients), adam.py (the Adam
-updater's step: its waits, piece order and versions, around the AdamW arithmetic the actor supplies),
+updater's step: its waits, piece order and versions, around the AdamW arithmetic the actor supplies, one
+update for any number of hosts, through a link that is trivial on one),
 checkpoints.py (the writer's claim and release of each piece, Adam's wait for it, the versions of a
 restored store), monitor.py (stall detection), fence.py (memory ordering of the version counters),
 messages.py (what the actors' calls send and answer across processes).
@@ -14,7 +15,7 @@ The actors call these and touch no version, semaphore or slab themselves (tests/
 Segments of a run (all /megatrain-<run_id>-<part>):
   ctl         abort flag + reason, worker pids, the role table (per worker: heartbeat, last progress,
               calls and waits in flight, what it waits on), per-piece version counters (Adam updates
-              applied) and per-piece squared gradient norms
+              applied and readable: see below) and per-piece squared gradient norms
   params, exp_avg, exp_avg_sq, grads   fp32 planes, one 4 KiB-aligned tile per unit (grads: the
               fp32 gradient of the step, held until the global norm is known)
   staging     S weight slabs (compute dtype; slabs mode only) then G gradient slabs (fp32), each of
@@ -24,8 +25,11 @@ Segments of a run (all /megatrain-<run_id>-<part>):
 
 A slab holds ipc.slab_params elements (default: the largest decoder layer), so a larger unit (the
 embedding, the LM head, or any unit with smaller slabs) travels as several *pieces*: consecutive element
-ranges of its tile, one slab each. Version counters and squared gradient norms are kept per piece, so
-the next step may pack and copy a unit's first piece while Adam still updates its last.
+ranges of its tile, one slab each. Version counters and squared gradient norms are kept per piece. On one
+host each version is published right after its piece's update, so the next step may pack and copy a unit's
+first piece while Adam still updates its last. Over several hosts each host updates its own pieces (its
+slice of every unit), and a unit's versions are published together, per unit, once every host's updated
+slice of it is gathered into every host's resident copy: the next forward on any host reads the unit whole.
 
 Weights, per step, follow the plan's fetch_order, piece by piece. Resident mode: the executor waits for
 version[piece] >= step and copies the piece of the unit's resident tile. Slabs mode: item j uses weight

@@ -3,20 +3,26 @@ when it may write a piece (after the checkpoint writer has taken it), and when t
 (its version, published after the update). actors/adam_updater.py supplies the AdamW arithmetic of one piece
 (`PieceUpdate`) and calls these; nothing in it touches a version, a semaphore or a slab.
 
+One clipped and one unclipped update serve every run; what differs with the number of hosts is the link
+(`Link`): each host updates its own pieces in batches the link cuts, the link sums the numbers every host
+decides by, and it hands each updated batch on.
+- One host (`OneHost`): a batch is one piece, its totals are its inputs, there is nothing to gather, and each
+  piece's version is published right after its update, so the next forward may begin on a unit's first
+  pieces while its last are still updated.
+- Several hosts (`HostsLink`): a batch is this host's slice of a unit (possibly empty: a host owning no piece
+  of a unit still joins its collectives); the totals are all-reduced over the hosts; the unit's updated
+  compute-dtype slices are gathered into every host's resident copy while the next unit is updated, and only
+  then is every piece of the unit published: the next forward on any host reads the whole unit. Every host
+  makes the same collective calls in the same order, and a decision to skip or stop rests on numbers summed
+  over the hosts, so every host takes it alike instead of one waiting on a collective the others never enter.
+
 With clipping every piece's gradient is in (the fp32 grads plane, or the resident copy) before the global
-norm is known; the pieces are then updated in forward order, each version published right after its update,
-so the next step's forward follows right behind. A non-finite norm skips the step whole: no piece is touched
-(a resident copy holding the gradient gets the unchanged weights back), every version is still published.
-Without clipping each piece is updated as its gradient arrives, in the backward's order: from its gradient
+norm is known; the pieces are then updated in forward order, so the next step's forward follows right
+behind. A non-finite norm skips the step whole: no piece is touched (a resident copy holding the gradient
+gets the unchanged weights back), every version is still published.
+Without clipping each batch is updated as its gradients arrive, in the backward's order: from the gradient
 slab (its squared norm computed here, the slab freed after the update) or, with grads_in_resident, from the
 resident copy, where the executor wrote it and its squared norm.
-
-Over several hosts (update_clipped_hosts, update_unclipped_hosts) each host updates its own pieces (its slice
-of every unit), then, unit by unit, the hosts gather the unit's updated compute-dtype slices into every host's
-resident copy (while the next unit is updated), and only then is every piece of the unit published: the next
-forward on any host reads the whole unit. Every host makes the same collective calls in the same order (a host
-owning no piece of a unit still joins its gather), and a decision to skip or stop rests on numbers all-reduced
-over the hosts, so that every host takes it alike instead of one waiting on a collective the others never enter.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -43,58 +49,63 @@ from megatrain.ipc.protocol.workers import free_grad, take_grad, wait_all_grads
 
 # The AdamW update of one piece: (item, its gradient, elements [item.lo, item.hi) of the unit, the clip scale).
 PieceUpdate = Callable[[Item, np.ndarray, float], None]
+Batches = list[tuple[int, list[Item]]]  # (unit, this host's items of it to update together)
 
 
-def update_clipped(store: Store, step: int, saving: bool, max_grad_norm: float, update: PieceUpdate) -> Applied:
-    """Step `step` with global-norm clipping. `saving`: the checkpoint of the state after `step` steps is being
-    written; each piece waits until the writer has it."""
-    wait_all_grads(store, step)
-    norm = math.sqrt(float(store.sqnorms.sum()))
-    finite, scale, spans = math.isfinite(norm), clip_scale(norm, max_grad_norm), []
-    for item in store.spec.update_items:  # forward order: the next step's packer follows right behind
-        start = time.time()
-        _clipped_piece(store, item, step, saving, finite, scale, update)
-        store.publish_version(item.piece, step + 1)
-        spans.append((item.unit, start, time.time()))
-    return Applied(grad_norm=norm, clip_scale=scale, skipped=not finite, unit_spans=tuple(spans))
+@dataclass(frozen=True)
+class Gathering:
+    """A unit's gather under way: the exchange's works, finished before the unit is published."""
+
+    unit: int
+    works: tuple[Any, ...] = ()
 
 
-def _clipped_piece(
-    store: Store, item: Item, step: int, saving: bool, finite: bool, scale: float, update: PieceUpdate
-) -> None:
-    """One piece of a step with clipping, once the global norm is known (its version is the caller's)."""
-    grads = store.grad_tile(item.unit)
-    if saving:
-        wait_taken(store, item, step)
-    if finite:  # else the step is skipped whole: no piece has been touched
-        update(item, grads[item.lo : item.hi], scale)
-    elif store.spec.grads_in_resident:  # the tile holds the gradient: the weights back, unchanged
-        store.refresh_resident(item.unit, item.lo, item.hi)
+class Link(Protocol):
+    """What the update asks of the other hosts (one host: nothing)."""
+
+    def batches(self, items: Sequence[Item], order: Sequence[int]) -> Batches:
+        """This host's items, cut into the batches the update hands on together, in `order`'s units."""
+
+    def totals(self, *values: float) -> tuple[float, ...]:
+        """`values` each summed over the hosts (the same answer on every host)."""
+
+    def hand_off(self, store: Store, unit: int, items: list[Item], version: int, changed: bool) -> Gathering | None:
+        """A batch updated (`changed`: its weights were written): published now, or its gather started and
+        returned, to be settled."""
+
+    def settle_done(self, store: Store, pending: Gathering | None, version: int) -> Gathering | None:
+        """Settle `pending` if its gather has finished; returns what is still pending."""
+
+    def settle(self, store: Store, pending: Gathering | None, version: int) -> None:
+        """Finish `pending`'s gather (None: nothing pending), then publish its unit at `version`."""
+
+    def grad_norm(self, store: Store, summed: float) -> float:
+        """The step's gradient norm without clipping, every piece updated; `summed`: the batches' totals."""
 
 
-def update_unclipped(store: Store, events: list[Any] | None, step: int, saving: bool, update: PieceUpdate) -> Applied:
-    """Step `step` without clipping: each piece as its gradient arrives. A step cannot be skipped whole: an inf
-    or NaN piece stops the run (the pieces before it are already updated; no version is published for it, so
-    nothing reads the half-applied step)."""
-    spans = []
-    direct = store.spec.grads_in_resident  # the executor wrote the piece and its squared norm
-    for item in store.spec.update_items:
-        grad = _arrived(store, item, step) if direct else take_grad(store, events, item, step)
-        start = time.time()
-        if saving:
-            wait_taken(store, item, step)
-        if not direct:
-            store.sqnorms[item.piece] = sqnorm(grad)
-        if not math.isfinite(store.sqnorms[item.piece]):
-            raise NonFiniteGradient(_non_finite(store, step, item.unit))
-        update(item, grad, 1.0)
-        store.publish_version(item.piece, step + 1)
-        if not direct:
-            free_grad(store, item)
-        spans.append((item.unit, start, time.time()))
-    return Applied(
-        grad_norm=math.sqrt(float(store.sqnorms.sum())), clip_scale=1.0, skipped=False, unit_spans=tuple(spans)
-    )
+@dataclass(frozen=True)
+class OneHost:
+    """The link of a run on one host: a batch is one piece, its totals are its inputs, and each piece is
+    published right after its update (nothing to gather, nothing pending)."""
+
+    def batches(self, items: Sequence[Item], order: Sequence[int]) -> Batches:
+        return [(item.unit, [item]) for item in items]  # `items` are every piece, already in `order`
+
+    def totals(self, *values: float) -> tuple[float, ...]:
+        return values
+
+    def hand_off(self, store: Store, unit: int, items: list[Item], version: int, changed: bool) -> None:
+        for item in items:
+            store.publish_version(item.piece, version)
+
+    def settle_done(self, store: Store, pending: Gathering | None, version: int) -> None:
+        return None
+
+    def settle(self, store: Store, pending: Gathering | None, version: int) -> None:
+        return None
+
+    def grad_norm(self, store: Store, summed: float) -> float:
+        return math.sqrt(float(store.sqnorms.sum()))  # every piece's, summed as the clipped step sums them
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,104 +129,120 @@ class HostsLink:
         )
         return cls(group=group, exchange=exchange)
 
+    def batches(self, items: Sequence[Item], order: Sequence[int]) -> Batches:
+        """Per unit of `order`, this host's items of it; every unit listed (one this host owns no piece of too:
+        it still joins the unit's collectives)."""
+        mine: dict[int, list[Item]] = {}
+        for item in items:
+            mine.setdefault(item.unit, []).append(item)
+        return [(unit, mine.get(unit, [])) for unit in order]
+
     def totals(self, *values: float) -> tuple[float, ...]:
-        """`values` each summed over the hosts, in float64 (the same answer on every host)."""
+        """In float64: the same answer on every host."""
         t = torch.tensor(values, dtype=torch.float64)
         self.group.all_reduce_(t)
         return tuple(t.tolist())
 
-    def start_gather(self, store: Store, unit: int) -> Gathering:
+    def hand_off(self, store: Store, unit: int, items: list[Item], version: int, changed: bool) -> Gathering:
         """Every host's updated slice of the unit's resident copy (its compute dtype) into every host's copy, on
-        gloo's threads while the caller goes on; `settle` finishes it and publishes the unit."""
+        gloo's threads while the caller goes on. Unchanged (a skipped step): the other hosts' slices of the
+        copy never left the unchanged weights, so there is nothing to gather, only the unit to publish."""
+        if not changed:
+            return Gathering(unit=unit)
         spec = store.spec
         ranges = [spec.slice_of(unit, h) for h in range(spec.hosts)]
         return Gathering(unit=unit, works=tuple(self.exchange.start(store.resident_tile(unit), ranges)))
 
-    def settle_done(self, store: Store, gathering: Gathering | None, version: int) -> Gathering | None:
-        """Settle the gather if it has finished (the unit published now, not after the next unit's update);
-        returns what is still pending."""
-        if gathering is None or not all(w.is_completed() for w in gathering.works):
-            return gathering
-        self.settle(store, gathering, version)
+    def settle_done(self, store: Store, pending: Gathering | None, version: int) -> Gathering | None:
+        """The unit published now if its gather has finished, not after the next unit's update."""
+        if pending is None or not all(w.is_completed() for w in pending.works):
+            return pending
+        self.settle(store, pending, version)
         return None
 
-    def settle(self, store: Store, gathering: Gathering | None, version: int) -> None:
-        """The unit's gather finished, then every piece of it published at `version` (None: nothing pending)."""
-        if gathering is not None:
-            self.exchange.finish(gathering.works)
-            _publish_unit(store, gathering.unit, version)
+    def settle(self, store: Store, pending: Gathering | None, version: int) -> None:
+        if pending is not None:
+            self.exchange.finish(pending.works)
+            _publish_unit(store, pending.unit, version)
+
+    def grad_norm(self, store: Store, summed: float) -> float:
+        return math.sqrt(summed)  # the units' totals, each all-reduced before the unit was touched
 
 
-@dataclass(frozen=True)
-class Gathering:
-    """A unit's gather under way: the exchange's works, finished before the unit is published."""
-
-    unit: int
-    works: tuple[Any, ...] = ()
-
-
-def update_clipped_hosts(
-    store: Store, hosts: HostsLink, step: int, saving: bool, max_grad_norm: float, update: PieceUpdate
+def update_clipped(
+    store: Store, link: Link, step: int, saving: bool, max_grad_norm: float, update: PieceUpdate
 ) -> Applied:
-    """Step `step` with clipping over several hosts: this host's pieces, with the norm of every host's; unit by
-    unit in forward order the update, then the gather of the unit's slices, going on while the next unit is
-    updated, then every piece of the unit published. A non-finite norm (the same on every host) skips the step
-    whole on every host: no gather is needed, the other hosts' slices of the copy never left the unchanged
-    weights."""
-    spec = store.spec
+    """Step `step` with global-norm clipping: this host's pieces, with the norm of every host's, batch by batch
+    in forward order; each batch handed on (published, or its gather started) right after its update.
+    `saving`: the checkpoint of the state after `step` steps is being written; each piece waits until the
+    writer has it. A non-finite norm (the same on every host) skips the step whole on every host."""
+    spec, version = store.spec, step + 1
     wait_all_grads(store, step)
     own = spec.update_items
-    (total,) = hosts.totals(float(store.sqnorms[[it.piece for it in own]].sum()))
+    (total,) = link.totals(float(store.sqnorms[[it.piece for it in own]].sum()))
     norm = math.sqrt(total)
     finite, scale, spans, pending = math.isfinite(norm), clip_scale(norm, max_grad_norm), [], None
-    for unit, items in _by_unit(own, spec.forward_order):
-        pending = hosts.settle_done(store, pending, step + 1)
+    for unit, items in link.batches(own, spec.forward_order):  # the next step's forward follows right behind
+        pending = link.settle_done(store, pending, version)
         for item in items:
             start = time.time()
             _clipped_piece(store, item, step, saving, finite, scale, update)
             spans.append((item.unit, start, time.time()))
-        now = hosts.start_gather(store, unit) if finite else Gathering(unit=unit)
-        hosts.settle(store, pending, step + 1)
+        now = link.hand_off(store, unit, items, version, changed=finite)
+        link.settle(store, pending, version)
         pending = now
-    hosts.settle(store, pending, step + 1)
+    link.settle(store, pending, version)
     return Applied(grad_norm=norm, clip_scale=scale, skipped=not finite, unit_spans=tuple(spans))
 
 
-def update_unclipped_hosts(store: Store, hosts: HostsLink, step: int, saving: bool, update: PieceUpdate) -> Applied:
-    """Step `step` without clipping over several hosts: unit by unit in the gradient's order, this host's
-    pieces as they arrive (in the resident copy); before the unit is touched the hosts add up how many of its
-    pieces are non-finite, so an inf or NaN on any host stops every host at the same unit (the unit before it
-    gathered and published first, as on every host)."""
-    spec, total, spans, pending = store.spec, 0.0, [], None
-    for unit, items in _by_unit(spec.update_items, spec.grad_order):
-        grads = [_arrived(store, item, step) for item in items]
+def _clipped_piece(
+    store: Store, item: Item, step: int, saving: bool, finite: bool, scale: float, update: PieceUpdate
+) -> None:
+    """One piece of a step with clipping, once the global norm is known (its version is the caller's)."""
+    grads = store.grad_tile(item.unit)
+    if saving:
+        wait_taken(store, item, step)
+    if finite:  # else the step is skipped whole: no piece has been touched
+        update(item, grads[item.lo : item.hi], scale)
+    elif store.spec.grads_in_resident:  # the tile holds the gradient: the weights back, unchanged
+        store.refresh_resident(item.unit, item.lo, item.hi)
+
+
+def update_unclipped(
+    store: Store, link: Link, events: list[Any] | None, step: int, saving: bool, update: PieceUpdate
+) -> Applied:
+    """Step `step` without clipping: batch by batch in the gradient's order, as the batch's gradients arrive.
+    Before a batch is touched the hosts add up how many of its pieces are non-finite: an inf or NaN on any
+    host stops every host at the same unit (the batches before it updated and handed on; none is published
+    for it, so nothing reads the half-applied step). A step cannot be skipped whole."""
+    spec, version, summed, spans, pending = store.spec, step + 1, 0.0, [], None
+    direct = spec.grads_in_resident  # the executor wrote the piece and its squared norm
+    for unit, items in link.batches(spec.update_items, spec.grad_order):
+        grads = [_arrived(store, item, step) if direct else take_grad(store, events, item, step) for item in items]
+        start = time.time()
         for item in items if saving else ():
             wait_taken(store, item, step)
+        if not direct:
+            for item, grad in zip(items, grads, strict=True):
+                store.sqnorms[item.piece] = sqnorm(grad)
         sq = [float(store.sqnorms[item.piece]) for item in items]
-        bad, part = hosts.totals(sum(not math.isfinite(x) for x in sq), math.fsum(x for x in sq if math.isfinite(x)))
+        finite = [x for x in sq if math.isfinite(x)]
+        bad, part = link.totals(len(sq) - len(finite), math.fsum(finite))
         if bad:
-            hosts.settle(store, pending, step + 1)
+            link.settle(store, pending, version)
             raise NonFiniteGradient(_non_finite(store, step, unit))
-        total += part
-        pending = hosts.settle_done(store, pending, step + 1)
+        summed += part
+        pending = link.settle_done(store, pending, version)
         for item, grad in zip(items, grads, strict=True):
-            start = time.time()
             update(item, grad, 1.0)
-            spans.append((item.unit, start, time.time()))
-        now = hosts.start_gather(store, unit)
-        hosts.settle(store, pending, step + 1)
+            spans.append((item.unit, start, start := time.time()))
+        now = link.hand_off(store, unit, items, version, changed=True)
+        for item in () if direct else items:
+            free_grad(store, item)
+        link.settle(store, pending, version)
         pending = now
-    hosts.settle(store, pending, step + 1)
-    return Applied(grad_norm=math.sqrt(total), clip_scale=1.0, skipped=False, unit_spans=tuple(spans))
-
-
-def _by_unit(items: Sequence[Item], order: Sequence[int]) -> list[tuple[int, list[Item]]]:
-    """This host's items per unit of `order`, every unit listed (one this host owns no piece of too: it still
-    joins the unit's collectives)."""
-    mine: dict[int, list[Item]] = {}
-    for item in items:
-        mine.setdefault(item.unit, []).append(item)
-    return [(unit, mine.get(unit, [])) for unit in order]
+    link.settle(store, pending, version)
+    return Applied(grad_norm=link.grad_norm(store, summed), clip_scale=1.0, skipped=False, unit_spans=tuple(spans))
 
 
 def _publish_unit(store: Store, unit: int, version: int) -> None:
