@@ -169,7 +169,7 @@ def resume_difference(args: argparse.Namespace, base: Path) -> dict:
     def diff(x: Path, y: Path) -> dict:
         out = {}
         for part in ckpt.PLANES:
-            fx, fy = (np.fromfile(ckpt.step_dir(run / "checkpoints", 10) / f"{part}.bin", np.float32) for run in (x, y))
+            fx, fy = (np.fromfile(ckpt.step_dir(run / "checkpoints", 10) / "host-0" / f"{part}.bin", np.float32) for run in (x, y))
             d = np.abs(fx - fy)
             out[part] = {
                 "max_abs": float(d.max()),
