@@ -1,4 +1,5 @@
-"""Shared fixtures: one Ray instance for the in-process tests that use Ray, and leak checks."""
+"""Shared fixtures: one Ray instance for the in-process tests that use Ray, a simulated cluster of several nodes,
+and leak checks. Helpers the tests share are in tests/harness.py."""
 
 from __future__ import annotations
 
@@ -174,10 +175,6 @@ def ray_cluster():
         ray.shutdown()
 
 
-def run_leftovers(run_id: str) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if f"megatrain-{run_id}-" in n]
-
-
 @pytest.fixture
 def rid():
     """A fresh run id; fails the test if anything of that run is left in /dev/shm."""
@@ -194,6 +191,31 @@ def rid():
 
 @pytest.fixture(scope="module")
 def model_spec():
-    from tests.helpers import spec_for, tiny_hf
+    from tests.model_fixtures import spec_for, tiny_hf
 
     return spec_for(tiny_hf("llama", tied=False, layers=3), "llama")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A cluster of several Ray nodes simulated on this machine (raylets of their own, ray.cluster_utils), started
+    by this process, which never connects to them (the session's own Ray connection, where a fixture made one,
+    stays as it is): every run joins them from a launcher process of its own."""
+    from ray.cluster_utils import Cluster
+
+    from tests.harness import NO_AUTH, NODE_CPUS, NODES
+
+    before = os.environ.get("RAY_AUTH_MODE")
+    os.environ.update(NO_AUTH)  # for its nodes (the launchers get NO_AUTH in their environment)
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": NODE_CPUS, "include_dashboard": False})
+    try:
+        for _ in range(NODES - 1):
+            nodes.add_node(num_cpus=NODE_CPUS)
+        nodes.wait_for_nodes()
+        yield nodes
+    finally:
+        nodes.shutdown()  # its own raylets and head, by pid
+        if before is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = before

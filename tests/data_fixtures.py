@@ -6,7 +6,9 @@ import json
 import random
 from pathlib import Path
 
+from megatrain.data import DataConfig
 from megatrain.data.bpe import train_bpe
+from tests.harness import TINY
 
 WORDS = (
     "the",
@@ -104,3 +106,43 @@ def chat_records(n: int, seed: int = 2) -> list[dict]:
 def prompt_completion_records(n: int, seed: int = 3) -> list[dict]:
     rng = random.Random(seed)
     return [{"prompt": sentence(rng) + " ?", "completion": " " + sentence(rng)} for _ in range(n)]
+
+
+def data_config(tmp_path: Path, tok_dir: Path, **kw) -> DataConfig:
+    """The data path's config over the tokenizer in tok_dir: short windows, no shuffle, one worker."""
+    base = dict(
+        tokenizer=str(tok_dir),
+        cache_dir=str(tmp_path / "cache"),
+        seq_len=16,
+        batch_size=2,
+        shuffle=False,
+        num_workers=1,
+    )
+    return DataConfig(**{**base, **kw})
+
+
+def data_overrides(
+    family: str, tmp_path: Path, tok_dir: Path, data: list[str], runner: str = "inprocess", steps: int = 10
+) -> list[str]:
+    """A tiny model of the family trained on the user's data (`data`: the data.* overrides)."""
+    hf = {**TINY, "vocab_size": MODEL_VOCAB, "tie_word_embeddings": family == "qwen2"}
+    if family == "mistral":
+        hf["sliding_window"] = None
+    return [
+        f"model.family={family}",
+        f"model.hf={json.dumps(hf)}",
+        "data.seq_len=32",
+        "data.batch_size=4",
+        f"data.tokenizer={tok_dir}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.num_workers=1",
+        "optim.lr=2e-3",
+        "optim.weight_decay=0.1",
+        "optim.warmup_steps=2",
+        "engine.checkpoint_interval=2",
+        "engine.loss_chunk_tokens=40",
+        f"train.steps={steps}",
+        f"train.output_dir={tmp_path}/out",
+        f"launch.runner={runner}",
+        *data,
+    ]

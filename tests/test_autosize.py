@@ -13,18 +13,9 @@ from megatrain.ipc.protocol import checkpoint_host_bytes
 from megatrain.launch.config.tree import load_config
 from megatrain.memory import autosize
 from megatrain.model import ModelConfig, build_spec
+from tests.harness import QWEN7B
 
 GIB = 2**30
-QWEN7B = {
-    "hidden_size": 3584,
-    "intermediate_size": 18944,
-    "num_attention_heads": 28,
-    "num_key_value_heads": 4,
-    "vocab_size": 152064,
-    "max_position_embeddings": 32768,
-    "tie_word_embeddings": False,
-    "use_sliding_window": False,
-}
 
 
 @pytest.fixture(scope="module")

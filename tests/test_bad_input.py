@@ -16,8 +16,8 @@ import torch
 
 from megatrain.launch.cli import main as cli
 from megatrain.launch.config.tree import load_config
-from tests.conftest import ROOT, run_leftovers
-from tests.helpers import TINY, started_since, tiny_hf
+from tests.harness import ROOT, TINY, run_leftovers, started_since
+from tests.model_fixtures import tiny_hf
 
 DEFAULT = str(ROOT / "examples/default.yaml")
 

@@ -11,40 +11,9 @@ import pytest
 
 from megatrain import checkpoint as ckpt
 from megatrain.errors import ConfigError
-from megatrain.launch.config.tree import load_config
-from megatrain.launch.run.driver import Trainer
 from tests.data_fixtures import MODEL_VOCAB, chat_records, make_tokenizer, write_jsonl
-from tests.helpers import TINY, tiny_config_dict
-
-
-def run(out: Path, family: str, *extra: str, steps: int = 10) -> dict:
-    hf = tiny_config_dict(family, tied=family == "qwen2")
-    cfg = load_config(
-        None,
-        [
-            f"model.family={family}",
-            f"model.hf={json.dumps(hf)}",
-            "data.seq_len=32",
-            "data.batch_size=4",
-            "optim.lr=2e-3",
-            "optim.weight_decay=0.1",
-            "optim.warmup_steps=2",
-            f"train.steps={steps}",
-            "train.save_every=5",
-            f"train.output_dir={out}",
-            "launch.runner=inprocess",
-            *extra,
-        ],
-    )
-    return Trainer(cfg).run()
-
-
-def planes(step_dir: Path) -> dict[str, bytes]:
-    return {p: (step_dir / "host-0" / f"{p}.bin").read_bytes() for p in ckpt.PLANES}
-
-
-def losses(out: Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+from tests.harness import TINY, losses, planes
+from tests.harness import train_tiny as run
 
 
 @pytest.mark.parametrize(

@@ -21,8 +21,7 @@ from megatrain import checkpoint as ckpt
 from megatrain.launch.report import console
 from megatrain.launch.report.console import GuardedStream
 from megatrain.launch.run.stopping import StopRequest, interrupted
-from tests.conftest import ROOT
-from tests.test_lifecycle import Cli
+from tests.harness import ROOT, Cli
 
 
 def rows(metrics: Path) -> list[dict]:

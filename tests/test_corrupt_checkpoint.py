@@ -13,7 +13,7 @@ import pytest
 from megatrain import checkpoint as ckpt
 from megatrain.launch.cli import main as cli
 from megatrain.launch.control.runners import InProcessRunner, RayRunner
-from tests.helpers import TINY_DEFAULT
+from tests.harness import TINY_DEFAULT
 
 STEPS = 10
 

@@ -12,7 +12,7 @@ import weakref
 
 from megatrain.daemons import DaemonExecutor
 from megatrain.launch.control.runners import stuck_threads
-from tests.conftest import ROOT
+from tests.harness import ROOT
 
 STUCK = """
 import threading

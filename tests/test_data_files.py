@@ -24,7 +24,8 @@ from tests.data_fixtures import (
     text_records,
     write_jsonl,
 )
-from tests.helpers import started_since
+from tests.data_fixtures import data_config as cfg
+from tests.harness import started_since
 
 HF = SimpleNamespace(vocab_size=MODEL_VOCAB, pad_token_id=None)
 
@@ -39,18 +40,6 @@ def tokenizer(tok_dir):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
-
-
-def cfg(tmp_path: Path, tok_dir: Path, **kw) -> DataConfig:
-    base = dict(
-        tokenizer=str(tok_dir),
-        cache_dir=str(tmp_path / "cache"),
-        seq_len=16,
-        batch_size=2,
-        shuffle=False,
-        num_workers=1,
-    )
-    return DataConfig(**{**base, **kw})
 
 
 def small_ranges(monkeypatch, size: int) -> None:

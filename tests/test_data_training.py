@@ -13,7 +13,6 @@ import torch
 from megatrain.launch.cli import main as cli
 from megatrain.launch.cli.fidelity import compare
 from megatrain.launch.config.tree import load_config
-from tests.conftest import run_leftovers
 from tests.data_fixtures import (
     MODEL_VOCAB,
     chat_records,
@@ -22,39 +21,13 @@ from tests.data_fixtures import (
     text_records,
     write_jsonl,
 )
-from tests.helpers import TINY, started_since
-from tests.test_equivalence import NOISE_ONLY
+from tests.data_fixtures import data_overrides as overrides
+from tests.harness import check_match, started_since
 
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory) -> Path:
     return make_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
-def overrides(
-    family: str, tmp_path: Path, tok_dir: Path, data: list[str], runner: str = "inprocess", steps: int = 10
-) -> list[str]:
-    hf = {**TINY, "vocab_size": MODEL_VOCAB, "tie_word_embeddings": family == "qwen2"}
-    if family == "mistral":
-        hf["sliding_window"] = None
-    return [
-        f"model.family={family}",
-        f"model.hf={json.dumps(hf)}",
-        "data.seq_len=32",
-        "data.batch_size=4",
-        f"data.tokenizer={tok_dir}",
-        f"data.cache_dir={tmp_path / 'cache'}",
-        "data.num_workers=1",
-        "optim.lr=2e-3",
-        "optim.weight_decay=0.1",
-        "optim.warmup_steps=2",
-        "engine.checkpoint_interval=2",
-        "engine.loss_chunk_tokens=40",
-        f"train.steps={steps}",
-        f"train.output_dir={tmp_path}/out",
-        f"launch.runner={runner}",
-        *data,
-    ]
 
 
 def hand_windows(tok_dir: Path, records: list[dict], L: int, B: int):
@@ -71,17 +44,6 @@ def hand_windows(tok_dir: Path, records: list[dict], L: int, B: int):
         return ids, ids.clone()
 
     return batch
-
-
-def check_match(rep: dict, eval_expected: bool = True) -> None:
-    for step, (ours, ref) in enumerate(zip(rep["losses"], rep["ref_losses"], strict=True)):
-        assert abs(ours - ref) <= 1e-5 * abs(ref), f"step {step + 1}: {ours} vs {ref}"
-    bad = {n: d / r for n, (d, r) in rep["weights"].items() if not n.endswith(NOISE_ONLY) and d > 1e-5 * r}
-    assert not bad, f"final weights differ (relative): {bad}"
-    if eval_expected:
-        assert rep["eval_loss"] is not None and rep["ref_eval_loss"] is not None
-        assert abs(rep["eval_loss"] - rep["ref_eval_loss"]) <= 1e-5 * rep["ref_eval_loss"]
-    assert run_leftovers(rep["summary"]["run_id"]) == []
 
 
 def test_text_run_sees_the_documented_windows_and_matches_plain_pytorch(tmp_path, tok_dir) -> None:
@@ -237,7 +199,7 @@ def test_the_readme_own_data_example_runs(tmp_path) -> None:
     import subprocess
     import sys
 
-    from tests.conftest import ROOT
+    from tests.harness import ROOT
 
     subprocess.run(
         [sys.executable, str(ROOT / "examples" / "make_own_data.py"), str(tmp_path), "--conversations", "300"],

@@ -27,8 +27,7 @@ from megatrain.launch.report.metrics import MetricsFile
 from megatrain.launch.run.outdir import prepare_output
 from megatrain.memory.hosts import host_plane_elems
 from megatrain.model import build_spec
-from tests.conftest import ROOT
-from tests.helpers import TINY_DEFAULT
+from tests.harness import ROOT, TINY_DEFAULT
 
 SMALL = [
     *TINY_DEFAULT,

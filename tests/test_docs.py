@@ -28,8 +28,7 @@ from megatrain.launch.cli.main import main as launch
 from megatrain.launch.config.tree import Config, load_config
 from megatrain.launch.report.metrics import METRICS, metrics_table
 from megatrain.launch.run.driver import Trainer
-from tests.conftest import ROOT
-from tests.helpers import TINY
+from tests.harness import ROOT, TINY
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 ALL = [*DOCS, ROOT / "BENCHMARKS.md"]

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megatrain.data import IGNORE, DataConfig, open_data
 from megatrain.data.cache import TokenFile
@@ -24,10 +23,10 @@ from megatrain.launch.cli.fidelity import compare
 from megatrain.launch.config.tree import load_config
 from megatrain.weights import flat_unit
 from tests.data_fixtures import MODEL_VOCAB, chat_records, make_tokenizer, text_records, write_jsonl
-from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
-from tests.test_data_files import cfg as data_cfg
-from tests.test_data_training import check_match, overrides
-from tests.test_sliding_window import _windowed_hf
+from tests.data_fixtures import data_config as data_cfg
+from tests.data_fixtures import data_overrides as overrides
+from tests.harness import check_match
+from tests.model_fixtures import DictSink, DictSource, hf_one_by_one, packed_batch, spec_for, tiny_hf, windowed_hf
 
 I = IGNORE  # noqa: E741 - short, for the tables below
 
@@ -108,34 +107,6 @@ def test_jsonl_documents_are_the_records(tmp_path, tok_dir, kind: str) -> None:
         assert np.array_equal(labels, np.where(s & (np.arange(32) > 0), I, plain_labels)), w
 
 
-# ---- the engine against the HF model, one document at a time --------------------------------------
-DOCS = [[5, 11, 1, 7], [13, 2, 9]]  # two rows of 24 tokens; 11 and 13 and 9 are longer than the window of 6
-
-
-def _packed_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    ids = torch.randint(3, 256, (2, 24), generator=g)
-    pos = torch.tensor([[p for n in row for p in range(n)] for row in DOCS])
-    labels = ids.clone()
-    labels[:, 1:][pos[:, 1:] == 0] = IGNORE  # what the data path does at every document start
-    return ids, labels, pos
-
-
-def _hf_one_by_one(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, dict]:
-    """The token losses of every document run on its own through the HF model, summed, over the packed
-    batch's labelled tokens (position j predicts labels[j + 1]; a document's last token predicts nothing)."""
-    total = torch.zeros(())
-    for r, row in enumerate(DOCS):
-        s = 0
-        for n in row:
-            logits = model(input_ids=ids[r : r + 1, s : s + n]).logits[0].float()
-            total = total + F.cross_entropy(logits[:-1], labels[r, s + 1 : s + n], ignore_index=IGNORE, reduction="sum")
-            s += n
-    loss = total / (labels[:, 1:] != IGNORE).sum()
-    loss.backward()
-    return loss.detach(), {k: p.grad for k, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("tile, chunk, lean", [(0, 0, 0), (7, 1, 0), (0, 1, 1)])
 def test_packed_documents_are_the_documents_run_one_by_one(family: str, tile: int, chunk: int, lean: int) -> None:
@@ -143,10 +114,10 @@ def test_packed_documents_are_the_documents_run_one_by_one(family: str, tile: in
     full attention in layer 0, a window of 6 above, shorter than some documents); with token tiles
     that do not divide the tokens, two sequence chunks, and a lean layer. The same batch without
     positions is another computation: the test can fail."""
-    model = tiny_hf("llama", tied=False) if family == "llama" else _windowed_hf("qwen2", 6, max_window_layers=1)
+    model = tiny_hf("llama", tied=False) if family == "llama" else windowed_hf("qwen2", 6, max_window_layers=1)
     spec = spec_for(model, family)
-    ids, labels, pos = _packed_batch()
-    ref, ref_grads = _hf_one_by_one(model, ids, labels)
+    ids, labels, pos = packed_batch()
+    ref, ref_grads = hf_one_by_one(model, ids, labels)
 
     state = {k: v.detach() for k, v in model.state_dict().items()}
     cfg = EngineConfig(
@@ -178,7 +149,7 @@ def test_packed_documents_are_the_documents_run_one_by_one(family: str, tile: in
 
 
 def test_positions_must_fit_the_ids() -> None:
-    ids, _, pos = _packed_batch()
+    ids, _, pos = packed_batch()
     with pytest.raises(ValueError, match="positions must be int64 of the ids' shape"):
         documents_of(ids, pos[:, :10])
 

@@ -21,9 +21,11 @@ from megatrain.launch.config.train import TrainConfig
 from megatrain.launch.control.runners import RayRunner
 from megatrain.launch.report import console, rerun
 from megatrain.launch.run.stopping import StopRequest
-from tests.conftest import ROOT
 from tests.data_fixtures import make_tokenizer, text_records, write_jsonl
-from tests.test_rerun import ARGS, STEPS, losses, sigterm_after
+from tests.harness import RERUN_ARGS as ARGS
+from tests.harness import RERUN_STEPS as STEPS
+from tests.harness import ROOT, sigterm_after
+from tests.harness import loss_rows as losses
 
 VENV_BIN = Path(sys.executable).parent
 DEFAULT = str(ROOT / "examples/default.yaml")

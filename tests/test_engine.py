@@ -11,7 +11,7 @@ from megatrain.data import DataConfig, batch
 from megatrain.engine import EngineConfig, StepEngine
 from megatrain.ipc.protocol import blocks, checkpoint_host_bytes, fetch_order, forward_order, grad_order
 from megatrain.weights import flat_unit
-from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
+from tests.model_fixtures import DictSink, DictSource, spec_for, tiny_hf
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "mistral", "qwen3"])
@@ -62,12 +62,13 @@ def test_evaluate_and_predict_match_the_hf_forward(family: str, tied: bool, chun
     n = spec.layout.num_layers
     src = DictSource(spec, state, forward_order(n))
     total, tokens = engine.evaluate(ids, labels, src)
-    assert src.seen == forward_order(n) == [0, *range(1, n + 1), n + 1]
+    assert src.seen == forward_order(n) == [u.index for u in spec.layout.units]  # every unit once, in order
     with torch.no_grad():
         out = model(input_ids=ids, labels=labels)
-    want_tokens = int((labels[:, 1:] != -100).sum())
-    assert int(tokens) == want_tokens
-    assert abs(float(total) / want_tokens - float(out.loss)) <= 1e-6 * float(out.loss)
+        summed = model(input_ids=ids, labels=labels, num_items_in_batch=torch.tensor(1)).loss  # HF's sum
+    # the labelled tokens: what HF divides its summed loss by
+    assert int(tokens) == round(float(summed) / float(out.loss))
+    assert abs(float(total) - float(summed)) <= 1e-6 * float(summed)
     pos = torch.tensor([3, 23, 10])
     got = engine.predict(ids, pos, DictSource(spec, state, forward_order(n)))
     assert got.tolist() == out.logits[torch.arange(3), pos].argmax(-1).tolist()

@@ -12,8 +12,8 @@ from megatrain.data import DataConfig, batch
 from megatrain.engine import EngineConfig, StepEngine, fixed_sizes
 from megatrain.ipc.protocol import blocks
 from megatrain.weights import flat_unit
-from tests.helpers import MOE_FAMILIES, NEEDS_CUDA, DictSink, DictSource, spec_for, tiny_hf
-from tests.test_moe import ENGINE_CASES
+from tests.harness import MOE_FAMILIES, NEEDS_CUDA
+from tests.model_fixtures import ENGINE_CASES, DictSink, DictSource, spec_for, tiny_hf
 
 pytestmark = NEEDS_CUDA
 
@@ -109,9 +109,10 @@ def test_cuda_our_experts_match_hf_grouped_mm_in_bf16(family: str) -> None:
     import copy
 
     from megatrain import experts
-    from tests.test_experts import H, _blocks
+    from tests.model_fixtures import EXPERT_HIDDEN as H
+    from tests.model_fixtures import expert_blocks
 
-    ref, ours = _blocks(family)
+    ref, ours = expert_blocks(family)
     exact = copy.deepcopy(ref).cuda()
     ref.experts.config._experts_implementation = "grouped_mm"
     ref, ours = ref.cuda().bfloat16(), ours.cuda().bfloat16()

@@ -21,8 +21,7 @@ from megatrain.launch.cli.fidelity import compare
 from megatrain.launch.config.tree import load_config
 from megatrain.launch.control.placement import ActorsConfig, demands, resolve_executors, roster_for
 from megatrain.launch.run.driver import Trainer
-from tests.test_equivalence import check, tiny_config
-from tests.test_lifecycle import Cli
+from tests.harness import Cli, check, final_weights, tiny_config
 
 CASES = [
     # family, tied, K, executors, extra
@@ -64,15 +63,6 @@ def test_executors_match_one_moe_model_with_the_whole_batch_s_routing(
     assert all(sum(row) == 4 * 32 * 2 for row in load)  # the whole batch's top-2 assignments per layer
 
 
-def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted((run_dir / "final").glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
 def test_a_checkpoint_resumes_on_another_executor_count(tmp_path, capsys) -> None:
     """The store, the data order and the step do not depend on the count: 6 steps on 2 executors, or 3 and
     then 3 more on 1 executor from the step-3 checkpoint, end with the same weights (the summed gradients
@@ -90,10 +80,10 @@ def test_a_checkpoint_resumes_on_another_executor_count(tmp_path, capsys) -> Non
         Trainer(cfg).run()
         return tmp_path / out
 
-    whole = _weights(run("whole", 2))
+    whole = final_weights(run("whole", 2))
     part = run("part", 2, "train.save_every=3", "train.steps=3")
     assert "2 executors: gradients summed through torch.distributed (gloo) into executor 0" in capsys.readouterr().out
-    resumed = _weights(run("part", 1, "train.resume=auto", "train.overwrite=true"))
+    resumed = final_weights(run("part", 1, "train.resume=auto", "train.overwrite=true"))
     out = capsys.readouterr().out
     assert "resuming a run of actors.num_gpus 2 with 1" in out
     assert "gradients summed" not in out  # one executor forms no process group: nothing to sum

@@ -6,39 +6,18 @@ executors on the whole batch equal 1 executor to rounding; in bf16 they follow i
 
 from __future__ import annotations
 
-import multiprocessing
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatrain import checkpoint as ckpt
-from tests.helpers import NEEDS_CUDA
-from tests.test_checkpoint import losses, run
+from tests.harness import NEEDS_CUDA, follows
 
 pytestmark = [
     *NEEDS_CUDA,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
 ]
-
-
-def _in_a_process(out: Path, family: str, *extra: str) -> None:
-    proc = multiprocessing.get_context("spawn").Process(target=run, args=(out, family, *extra))
-    proc.start()
-    proc.join(300)
-    if proc.exitcode != 0:
-        proc.kill()
-        raise AssertionError(f"the run in {out} ended with exit code {proc.exitcode}")
-
-
-def follows(tmp_path: Path, family: str, base: list[str], other: str, tol: float) -> None:
-    """A run of `base` in tmp_path/one, and with `other` set in tmp_path/two: ten steps, each loss within tol."""
-    _in_a_process(tmp_path / "one", family, *base)
-    _in_a_process(tmp_path / "two", family, *base, other)
-    one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
-    assert sorted(two) == list(range(1, 11))
-    for s in one:
-        assert abs(one[s] - two[s]) <= tol * abs(one[s]), f"step {s}: {one[s]} vs {two[s]}"
 
 
 @pytest.mark.parametrize("dtype,tol", [("fp32", 1e-5), ("bf16", 2e-2)])

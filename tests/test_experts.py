@@ -3,8 +3,6 @@ inputs, CPU fp32: the output and the gradient of every parameter and of the inpu
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.utils._pytree as pytree
@@ -22,39 +20,9 @@ from megatrain.memory.layer import (
 )
 from megatrain.model import ATTENTION, family_classes, resolve_hf_config, with_experts
 from megatrain.modelconfig import ModelConfig
-from tests.helpers import MOE_FAMILIES, spec_for, tiny_hf
-
-H = 64
-
-
-def _config(family: str, width: int, k: int, num_experts: int = 8, **extra):
-    fields = {
-        "mixtral": dict(intermediate_size=width, num_local_experts=num_experts),
-        "qwen2_moe": dict(moe_intermediate_size=width, shared_expert_intermediate_size=48, num_experts=num_experts),
-        "qwen3_moe": dict(moe_intermediate_size=width, num_experts=num_experts),
-        "olmoe": dict(intermediate_size=width, num_experts=num_experts),
-        "gpt_oss": dict(intermediate_size=width, num_local_experts=num_experts),
-    }[family]
-    conf = family_classes(family)[0](
-        hidden_size=H, num_experts_per_tok=k, num_hidden_layers=1, num_attention_heads=4, **fields, **extra
-    )
-    conf._experts_implementation = "eager"
-    return conf
-
-
-def _blocks(family: str, width: int = 32, k: int = 2, std: float = 0.1, bias_std: float = 0.5, **extra):
-    """(HF's eager block, the same block on our path), same weights."""
-    conf = _config(family, width, k, **extra)
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        layer = family_classes(family)[1](conf).model.layers[0]
-    ref = layer.mlp.to_empty(device="cpu")
-    for name, p in ref.named_parameters():
-        torch.nn.init.normal_(p, std=bias_std if "bias" in name else std)
-    ours = copy.deepcopy(ref)
-    ours.experts.config = copy.deepcopy(conf)
-    ours.experts.config._experts_implementation = EXPERTS
-    return ref, ours
+from tests.harness import MOE_FAMILIES
+from tests.model_fixtures import EXPERT_HIDDEN as H
+from tests.model_fixtures import expert_blocks, spec_for, tiny_hf
 
 
 def _run(block: torch.nn.Module, x: torch.Tensor, g: torch.Tensor):
@@ -106,19 +74,19 @@ FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss"]
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("k", [1, 2])
 def test_matches_hf_eager(family: str, k: int) -> None:
-    _compare(*_blocks(family, k=k))
+    _compare(*expert_blocks(family, k=k))
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "olmoe"])
 @pytest.mark.parametrize("norm", [False, True])
 def test_norm_topk_prob(family: str, norm: bool) -> None:
-    _compare(*_blocks(family, norm_topk_prob=norm))
+    _compare(*expert_blocks(family, norm_topk_prob=norm))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_experts_with_no_rows(family: str) -> None:
     """Four tokens top-1 over eight experts: at least four get no rows (zero gradients, no rows computed)."""
-    ref, ours = _blocks(family, k=1)
+    ref, ours = expert_blocks(family, k=1)
     x, _, grads = _compare(ref, ours, tokens=4)
     used = _used(ours, x.detach())
     assert (used == 0).sum() >= 4
@@ -129,7 +97,7 @@ def test_experts_with_no_rows(family: str) -> None:
 
 def test_gpt_oss_clamps_active() -> None:
     """Weights large enough that the gate's upper clamp and both of up's clamps cut: their gradients included."""
-    ref, ours = _blocks("gpt_oss", std=0.6, bias_std=2.0)
+    ref, ours = expert_blocks("gpt_oss", std=0.6, bias_std=2.0)
     x, _, _ = _compare(ref, ours)
     e = ours.experts
     with torch.no_grad():
@@ -141,14 +109,14 @@ def test_gpt_oss_clamps_active() -> None:
 @pytest.mark.parametrize("family", ["olmoe", "gpt_oss"])
 def test_layouts_grouped_mm_refuses(family: str) -> None:
     """A width whose rows are not a multiple of 16 bytes (30 fp32) runs the per-expert loop: same results."""
-    ref, ours = _blocks(family, width=30)
+    ref, ours = expert_blocks(family, width=30)
     assert not experts._grouped(torch.zeros(4, 30), torch.zeros(2, 30, 8))
     _compare(ref, ours)
 
 
 def test_loop_matches_grouped(monkeypatch) -> None:
     """The per-expert loop and grouped_mm agree (a layout grouped_mm takes, forced through the loop)."""
-    _, ours = _blocks("qwen3_moe")
+    _, ours = expert_blocks("qwen3_moe")
     torch.manual_seed(1)
     x, g = torch.randn(2, 24, H), torch.randn(2, 24, H)
     out, grads = _run(ours, x, g)
@@ -161,7 +129,7 @@ def test_loop_matches_grouped(monkeypatch) -> None:
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
 def test_deterministic(family: str) -> None:
-    _, ours = _blocks(family)
+    _, ours = expert_blocks(family)
     torch.manual_seed(1)
     x, g = torch.randn(2, 24, H), torch.randn(2, 24, H)
     a, ga = _run(ours, x, g)
@@ -427,7 +395,7 @@ def test_experts_our_path_does_not_run_is_refused_before_anything_starts(family:
 
     from megatrain.errors import ConfigError
     from megatrain.launch.config.tree import load_config
-    from tests.helpers import tiny_config_dict
+    from tests.harness import tiny_config_dict
 
     hf = json.dumps({**tiny_config_dict(family, False), "hidden_act": "gelu"})
     model = [f"model.family={family}", f"model.hf={hf}", "data.seq_len=32", "data.batch_size=2"]

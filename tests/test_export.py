@@ -19,8 +19,8 @@ from megatrain.data.arithmetic import END_ID
 from megatrain.engine import EngineConfig, StepEngine
 from megatrain.export import RECORD
 from megatrain.launch.cli import main as cli
-from tests.helpers import DictSource, spec_for
-from tests.test_checkpoint import run
+from tests.harness import train_tiny as run
+from tests.model_fixtures import DictSource, spec_for
 
 
 def checkpoint_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
@@ -129,7 +129,7 @@ def test_export_refuses_in_one_line_what_it_cannot_do(tmp_path: Path, capsys) ->
 def test_import_of_sharded_bf16_weights_and_a_truncated_shard(tmp_path: Path, capsys) -> None:
     """model.pretrained: a sharded bf16 save_pretrained directory is read unit by unit into the fp32 store
     (exactly the bf16 values), and a truncated shard is a usage error naming the file."""
-    from tests.helpers import tiny_hf
+    from tests.model_fixtures import tiny_hf
 
     src = tmp_path / "src"
     model = tiny_hf("llama", tied=False, layers=3).to(torch.bfloat16)
@@ -178,8 +178,9 @@ def test_export_takes_the_special_ids_from_the_tokenizer_and_generates_with_the_
     from transformers import AutoTokenizer, GenerationConfig
 
     from megatrain.export import export
+    from megatrain.weights import flat_unit
     from tests.data_fixtures import MODEL_VOCAB, make_tokenizer
-    from tests.helpers import flat_unit, tiny_hf
+    from tests.model_fixtures import tiny_hf
 
     tok_dir = make_tokenizer(tmp_path / "tok")
     tok = AutoTokenizer.from_pretrained(tok_dir)

@@ -14,30 +14,8 @@ import torch
 
 from megatrain.errors import MegatrainError
 from megatrain.ipc.shm import host_run_id
-from megatrain.launch.config.tree import load_config
-from megatrain.launch.run.driver import Trainer
-from tests.conftest import run_leftovers
-from tests.helpers import TINY
-
-HF = json.dumps({**TINY, "num_hidden_layers": 2, "tie_word_embeddings": False})
-
-
-def run(tmp_path, rid: str, *extra: str, steps: int = 4) -> dict:
-    cfg = load_config(
-        None,
-        [
-            f"model.hf={HF}",
-            "data.seq_len=32",
-            "data.batch_size=2",
-            f"train.steps={steps}",
-            f"train.run_id={rid}",
-            f"train.output_dir={tmp_path / 'out'}",
-            "launch.runner=inprocess",
-            "ipc.poll_s=0.02",
-            *extra,
-        ],
-    )
-    return Trainer(cfg).run()
+from tests.harness import run_leftovers
+from tests.harness import train_small as run
 
 
 def test_an_actor_that_raises_is_named_with_its_error(tmp_path, rid: str, monkeypatch) -> None:

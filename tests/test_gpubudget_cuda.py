@@ -17,7 +17,7 @@ from megatrain.launch.run.driver import Trainer
 from megatrain.memory import autosize
 from megatrain.memory import budget as gpubudget
 from megatrain.model import build_spec
-from tests.helpers import NEEDS_CUDA
+from tests.harness import NEEDS_CUDA
 
 pytestmark = NEEDS_CUDA
 GIB = 2**30

@@ -22,8 +22,8 @@ from megatrain.memory.autosize import layer_activation_bytes
 from megatrain.memory.layer import lean_layer_bytes
 from megatrain.model import FAMILIES, ModelSpec, build_spec, hf_config_fields
 from megatrain.weights import flat_unit
-from tests.helpers import TINY, tiny_config_dict, tiny_hf
-from tests.test_moe import _check_grads, _engine_step
+from tests.harness import TINY, tiny_config_dict
+from tests.model_fixtures import check_grads, engine_step, tiny_hf
 
 WIDE = 16  # TINY's heads are hidden_size / heads = 8 wide: twice that
 PLAIN = TINY["hidden_size"] // TINY["num_attention_heads"]
@@ -109,10 +109,10 @@ def test_head_dim_trains_as_hf_does(family: str, case: str) -> None:
     out.loss.backward()
     aux = getattr(out, "aux_loss", None)  # HF adds coef * aux to a mixture of experts' loss; the engine does not
     ref = float(out.loss.detach()) - (0.0 if aux is None else model.config.router_aux_loss_coef * float(aux.detach()))
-    spec, res, sink = _engine_step(model, family, case, ids, labels)
+    spec, res, sink = engine_step(model, family, case, ids, labels)
     assert spec.hf_config.head_dim == WIDE
     assert abs(float(res.loss) - ref) <= 1e-6 * abs(ref)
-    _check_grads(spec, sink, {k: p.grad for k, p in model.named_parameters()})
+    check_grads(spec, sink, {k: p.grad for k, p in model.named_parameters()})
 
 
 @pytest.mark.parametrize("family", WIDE_FAMILIES)

@@ -5,7 +5,6 @@ with fewer nodes than hosts asked is one line before anything starts."""
 
 from __future__ import annotations
 
-import os
 import secrets
 
 import pytest
@@ -14,40 +13,9 @@ import torch
 from megatrain.ipc.shm import host_run_id
 from megatrain.launch.config.tree import load_config
 from megatrain.launch.run.driver import Trainer
-from tests.conftest import ROOT, run_leftovers
-from tests.test_checkpoint import losses
-from tests.test_executors import _weights
-from tests.test_lifecycle import SMALL, Cli
+from tests.harness import NO_AUTH, NODES, ROOT, SMALL, Cli, final_weights, losses, run_leftovers
 
 pytestmark = pytest.mark.slow
-
-NODES = 2
-NODE_CPUS = 3  # a CPU-device host's actors ask for 2 (its executor and Adam updater)
-
-
-NO_AUTH = {"RAY_AUTH_MODE": "disabled"}  # the simulated cluster runs without Ray's token authentication
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    """The nodes, started by this process, which never connects to them (the session's own Ray connection, where
-    a fixture made one, stays as it is): every run joins them from a launcher process of its own."""
-    from ray.cluster_utils import Cluster
-
-    before = os.environ.get("RAY_AUTH_MODE")
-    os.environ.update(NO_AUTH)  # for its nodes (the launchers get NO_AUTH in their environment)
-    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": NODE_CPUS, "include_dashboard": False})
-    try:
-        for _ in range(NODES - 1):
-            nodes.add_node(num_cpus=NODE_CPUS)
-        nodes.wait_for_nodes()
-        yield nodes
-    finally:
-        nodes.shutdown()  # its own raylets and head, by pid
-        if before is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = before
 
 
 def test_two_hosts_of_a_ray_cluster_follow_one_host(cluster, tmp_path, monkeypatch) -> None:
@@ -69,7 +37,7 @@ def test_two_hosts_of_a_ray_cluster_follow_one_host(cluster, tmp_path, monkeypat
     assert sorted(two_losses) == list(range(1, 7))
     for s in one_losses:
         assert abs(two_losses[s] - one_losses[s]) <= 1e-5 * abs(one_losses[s]), s
-    two_w, one_w = _weights(cli.out), _weights(tmp_path / "one")
+    two_w, one_w = final_weights(cli.out), final_weights(tmp_path / "one")
     for name, w in one_w.items():
         assert torch.allclose(two_w[name], w, rtol=1e-5, atol=1e-7), name
 

@@ -12,10 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT
-from tests.helpers import TINY_DEFAULT
-from tests.test_hosts_cluster import NO_AUTH, NODE_CPUS, NODES, cluster  # noqa: F401  (the fixture)
-from tests.test_lifecycle import Cli
+from tests.harness import NO_AUTH, NODE_CPUS, NODES, ROOT, TINY_DEFAULT, Cli
 
 pytestmark = pytest.mark.slow
 

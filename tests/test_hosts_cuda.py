@@ -13,8 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.helpers import NEEDS_CUDA
-from tests.test_executors_cuda import follows
+from tests.harness import NEEDS_CUDA, follows
 
 pytestmark = [*NEEDS_CUDA, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 

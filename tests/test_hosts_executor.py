@@ -20,7 +20,8 @@ from megatrain.errors import MegatrainError
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.messages import StepReport, StepRequest
 from megatrain.weights import flat_unit
-from tests.helpers import on_threads, spec_for, tiny_hf
+from tests.harness import on_threads
+from tests.model_fixtures import spec_for, tiny_hf
 from tests.shm_fixtures import make_spec, remove_all
 
 FAMILY, BATCH, SEQ = "llama", 4, 16

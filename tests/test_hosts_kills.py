@@ -14,9 +14,7 @@ import socket
 import pytest
 
 from megatrain.ipc.shm import host_run_id
-from tests.conftest import run_leftovers
-from tests.test_hosts_cluster import NO_AUTH, cluster  # noqa: F401  # the simulated cluster (a fixture)
-from tests.test_lifecycle import Cli
+from tests.harness import NO_AUTH, Cli, run_leftovers
 
 pytestmark = pytest.mark.slow
 

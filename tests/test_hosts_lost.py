@@ -14,9 +14,7 @@ import psutil
 import pytest
 
 from megatrain.ipc.shm import host_run_id
-from tests.conftest import run_leftovers
-from tests.test_hosts_cluster import NO_AUTH, NODE_CPUS, cluster  # noqa: F401  (the fixture)
-from tests.test_lifecycle import Cli
+from tests.harness import NO_AUTH, NODE_CPUS, Cli, run_leftovers
 
 pytestmark = pytest.mark.slow
 

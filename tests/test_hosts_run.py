@@ -19,9 +19,7 @@ from megatrain.ipc.shm import host_run_id
 from megatrain.launch.cli.fidelity import compare
 from megatrain.launch.config.tree import load_config
 from megatrain.launch.run.driver import Trainer
-from tests.conftest import ROOT, run_leftovers
-from tests.test_equivalence import check, tiny_config
-from tests.test_executors import _weights
+from tests.harness import ROOT, check, final_weights, run_leftovers, tiny_config
 
 CASES = [
     # family, tied, K, hosts, executors per host, extra
@@ -80,13 +78,13 @@ def test_a_two_host_checkpoint_resumes_on_another_host_count(tmp_path, capsys, t
         Trainer(tiny_config("llama", False, 2, tmp_path, steps=6, extra=over)).run()
         return tmp_path / out
 
-    whole = _weights(run("whole", 2))
+    whole = final_weights(run("whole", 2))
     part = run("part", 2, "train.save_every=3", "train.steps=3")
     assert sorted(p.name for p in (ckpt.step_dir(part / "checkpoints", 3)).iterdir() if p.is_dir()) == [
         "host-0",
         "host-1",
     ]
-    resumed = _weights(run("part", then, "train.resume=auto", "train.overwrite=true"))
+    resumed = final_weights(run("part", then, "train.resume=auto", "train.overwrite=true"))
     rows = [json.loads(x) for x in (part / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     for name, w in whole.items():
@@ -102,8 +100,8 @@ def test_a_two_host_checkpoint_exports_whole_and_a_corrupt_part_is_refused(tmp_p
     run_dir = Path(Trainer(tiny_config("llama", False, 2, tmp_path, steps=3, extra=over)).run()["output_dir"])
     step = ckpt.step_dir(run_dir / "checkpoints", 3)
     assert main(["export", str(step), str(tmp_path / "hf" / "final")]) == 0
-    final = _weights(run_dir)
-    exported = _weights(tmp_path / "hf")
+    final = final_weights(run_dir)
+    exported = final_weights(tmp_path / "hf")
     assert exported.keys() == final.keys()
     for name, w in final.items():
         assert torch.equal(exported[name], w), name

@@ -31,7 +31,8 @@ from megatrain.launch.config.tree import Config
 from megatrain.memory.machine import Machine
 from megatrain.memory.plan import MemoryPlan
 from megatrain.model import ModelConfig, build_spec
-from tests.helpers import tiny_config_dict, tiny_hf
+from tests.harness import tiny_config_dict
+from tests.model_fixtures import tiny_hf
 from tests.shm_fixtures import leftovers, remove_all
 
 # The embedding's tile is 4 blocks of the store's alignment: on 3 hosts, host 2 holds none of it.

@@ -17,7 +17,7 @@ from megatrain.collective import Group, SliceExchange, gloo_options, open_rendez
 from megatrain.errors import AbortError, MegatrainError, ProtocolError
 from megatrain.ipc.protocol import Store
 from megatrain.memory.hosts import host_plane_elems
-from tests.helpers import on_threads
+from tests.harness import on_threads
 from tests.shm_fixtures import make_spec, release
 
 

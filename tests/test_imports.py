@@ -6,7 +6,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.harness import ROOT
 
 LAYERS = {"launch": 3, "actors": 2, "ipc": 1, "megatrain": 0}  # folder -> rank; a module imports rank <= its own
 PACKAGE_OF = {"megatrain.launch": "launch", "megatrain.actors": "actors", "megatrain.ipc": "ipc"}

@@ -18,7 +18,7 @@ from megatrain.actors.store_owner import StoreOwner
 from megatrain.ipc.protocol import Store
 from megatrain.ipc.protocol.cpus import Threads
 from megatrain.model import _unit_modules, meta_model, unit_seed
-from tests.helpers import spec_for, tiny_hf
+from tests.model_fixtures import spec_for, tiny_hf
 from tests.shm_fixtures import make_spec, owned
 
 

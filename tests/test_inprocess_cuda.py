@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from megatrain import checkpoint as ckpt
-from tests.helpers import NEEDS_CUDA
-from tests.test_checkpoint import losses, planes, run
+from tests.harness import NEEDS_CUDA, losses, planes
+from tests.harness import train_tiny as run
 
 pytestmark = NEEDS_CUDA
 

@@ -19,7 +19,7 @@ import torch
 
 from megatrain.cudahost import register_host, unregister_host
 from megatrain.ipc.cuda_events import make_ipc_events, open_ipc_events
-from tests.helpers import NEEDS_CUDA
+from tests.harness import NEEDS_CUDA
 
 pytestmark = NEEDS_CUDA
 

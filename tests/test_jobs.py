@@ -28,8 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, run_leftovers
-from tests.helpers import guard_tree, stop_guard
+from tests.harness import ROOT, guard_tree, run_leftovers, stop_guard
 
 pytest.importorskip("ray.dashboard.modules.job", reason="needs megatrain[cluster] (ray[default])")
 pytestmark = pytest.mark.slow

@@ -13,7 +13,8 @@ from megatrain.ipc.protocol import blocks
 from megatrain.lean import _GROUPED, SAVED_OPS, lean_call
 from megatrain.memory.layer import experts_rerun, lean_layer_bytes
 from megatrain.model import ATTENTION
-from tests.helpers import MOE_FAMILIES, DictSink, DictSource, spec_for, tiny_hf
+from tests.harness import MOE_FAMILIES
+from tests.model_fixtures import DictSink, DictSource, spec_for, tiny_hf
 
 
 def _step(family: str, tied: bool, last: int, lean: int, chunk: int, experts: str = "hf"):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import secrets
 import signal
 import socket
@@ -20,109 +19,7 @@ import psutil
 import pytest
 
 from megatrain import checkpoint as ckpt
-from tests.conftest import ROOT, run_leftovers
-from tests.helpers import guard_tree, stop_guard
-
-SMALL = [
-    "model.hf.hidden_size=32",
-    "model.hf.intermediate_size=64",
-    "model.hf.num_hidden_layers=2",
-    "data.seq_len=32",
-    "data.batch_size=2",
-]
-
-
-class Cli:
-    """megatrain-launch in its own session (so a Ctrl-C can hit its whole process group)."""
-
-    def __init__(self, tmp_path: Path, *args: str, steps: int = 4, env: dict | None = None, wrap: tuple[str, ...] = ()):
-        """`wrap`: a command that runs the launcher's (its arguments follow), e.g. a shell's pipeline."""
-        self.run_id = "t" + secrets.token_hex(4)
-        self.out = tmp_path / "out"
-        cmd = [
-            *wrap,
-            sys.executable,
-            "-m",
-            "megatrain.launch.cli.main",
-            str(ROOT / "examples/default.yaml"),
-            *SMALL,
-            f"train.steps={steps}",
-            f"train.run_id={self.run_id}",
-            f"train.output_dir={self.out}",
-            *args,
-        ]
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
-        self.stdout: list[str] = []
-        self.stderr: list[str] = []
-        self.tree: set[int] = set()
-        for stream, sink in ((self.proc.stdout, self.stdout), (self.proc.stderr, self.stderr)):
-            threading.Thread(target=self._pump, args=(stream, sink), daemon=True).start()
-
-    def _pump(self, stream, sink: list[str]) -> None:
-        for line in stream:
-            sink.append(line)
-
-    def wait_for(self, pattern: str, timeout: float = 120) -> re.Match:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in list(self.stdout):
-                m = re.search(pattern, line)
-                if m:
-                    return m
-            if self.proc.poll() is not None and not any(re.search(pattern, ln) for ln in self.stdout):
-                raise AssertionError(f"exited {self.proc.returncode} before '{pattern}':\n{self.text()}")
-            time.sleep(0.05)
-        raise AssertionError(f"no '{pattern}' within {timeout}s:\n{self.text()}")
-
-    def actor_pids(self) -> dict[str, int]:
-        line = self.wait_for(r"actors: (.*)").group(1)
-        pids = {name: int(pid) for name, pid in re.findall(r"([\w-]+) pid (\d+)", line)}
-        self.tree |= set(pids.values())
-        self.snapshot()
-        return pids
-
-    def snapshot(self) -> None:
-        """Every process the launcher has started so far (Ray, actors, the reaper)."""
-        try:
-            self.tree |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
-        except psutil.NoSuchProcess:
-            pass
-        self.tree |= {
-            p.pid for p in psutil.process_iter(["cmdline"]) if self.run_id in " ".join(p.info["cmdline"] or [])
-        }
-
-    def finish(self, timeout: float = 120) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            raise AssertionError(f"launcher hung:\n{self.text()}") from None
-
-    def text(self) -> str:
-        return "".join(self.stdout[-40:]) + "\n--- stderr ---\n" + "".join(self.stderr[-40:])
-
-    def assert_clean(self, timeout: float = 60) -> None:
-        """Nothing of the run left: waited for (Ray ends its workers, the guard and the reaper poll), with a bound
-        that only ends a wait for what never happens."""
-        deadline = time.monotonic() + timeout
-        alive = set(self.tree)
-        while time.monotonic() < deadline:
-            alive = {p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"}
-            if not alive and not run_leftovers(self.run_id):
-                break
-            time.sleep(0.2)
-        names = {p: " ".join(psutil.Process(p).cmdline()[:3]) for p in alive if psutil.pid_exists(p)}
-        left = run_leftovers(self.run_id)
-        assert left == [], f"shared memory left: {left}; processes of the run alive: {names}\n{self.text()}"
-        assert not names, f"processes left running: {names}"
+from tests.harness import NO_AUTH, ROOT, SMALL, Cli, guard_tree, sleeps_seen, stop_guard, wait_until
 
 
 def test_bad_config_key_is_one_clear_line(tmp_path: Path) -> None:
@@ -157,7 +54,6 @@ def test_bad_override_names_the_command_line(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "checkpoint_interval" in proc.stderr and "Traceback" not in proc.stderr
 
 
-NO_AUTH = {"RAY_AUTH_MODE": "disabled"}  # a throwaway cluster on localhost: no token to hand around
 # No idle worker per CPU for the first driver (as the launcher's own local instance): on 2 cores their
 # imports would slow every link's actors.
 NO_PRESTART = {"RAY_prestart_worker_first_driver": "0"}
@@ -380,7 +276,7 @@ def test_the_cleanup_command_removes_a_dead_runs_segments_and_keeps_a_live_ones(
     """`megatrain-launch --cleanup` as a command of its own (tests/test_segments.py holds every kind through
     cli.main): a dead owner's segments and semaphore go and are named, a live owner's (this process) stay."""
     from megatrain.ipc.procs import start_ticks
-    from tests.test_segments import dead_pid, header, put
+    from tests.shm_fixtures import dead_pid, header, put
 
     dead, alive, me = "dead" + secrets.token_hex(3), "live" + secrets.token_hex(3), os.getpid()
     gone = [f"megatrain-{dead}-ctl", f"megatrain-{dead}-params", f"sem.megatrain-{dead}-sem-wfree0"]
@@ -403,10 +299,11 @@ def test_the_cleanup_command_removes_a_dead_runs_segments_and_keeps_a_live_ones(
     assert sorted(line.strip() for line in said[1:4]) == sorted(gone) and len(said) == 4, proc.stdout
 
 
-def test_the_guard_leaves_a_detached_watchdog_alone() -> None:
+def test_the_guard_leaves_a_detached_watchdog_alone(monkeypatch) -> None:
     """A process of the instance starts a watchdog in a session of its own (as spawn_detached does for the
     store owner's reaper), here kept as its child, so that every look of the guard finds it in the instance's
     tree: the guard tracks the process, never the watchdog, and ends what it tracks once the driver is gone."""
+    from megatrain.launch.control import guard as watch
     from megatrain.launch.control.guard import Guard
 
     code = (
@@ -417,16 +314,26 @@ def test_the_guard_leaves_a_detached_watchdog_alone() -> None:
     driver = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     root = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
     watchdog = 0
+    looks: list[bool] = []  # each of the guard's looks at the watchdog: whether it found it detached
+    detached = watch._detached
+
+    def seen(pid: int) -> bool:  # the guard's own check, its answers on the watchdog recorded
+        found = detached(pid)
+        if pid == watchdog:
+            looks.append(found)
+        return found
+
+    monkeypatch.setattr(watch, "_detached", seen)
     try:
         guard = Guard(driver.pid, _ticks(driver.pid), [root.pid])
         following = threading.Thread(target=guard.follow)
         following.start()
         watchdog = int(root.stdout.readline())
-        time.sleep(1.5)  # a few of the guard's looks, with the watchdog started
+        assert wait_until(lambda: len(looks) >= 2), "the guard never looked at the watchdog"  # two of its looks
         driver.kill()
         driver.wait()
         following.join(10)
-        assert root.pid in guard.tracked and watchdog not in guard.tracked, (watchdog, guard.tracked)
+        assert all(looks) and root.pid in guard.tracked and watchdog not in guard.tracked, (watchdog, guard.tracked)
         assert root.pid in guard.end_all()
         assert psutil.pid_exists(watchdog) and psutil.Process(watchdog).status() != "zombie"
     finally:
@@ -477,20 +384,20 @@ def test_the_launcher_returns_after_a_read_in_flight_has_ended() -> None:
 
 
 def test_a_tree_a_test_started_dies_with_the_test_process() -> None:
-    """The head_node fixture's watchdog (tests/helpers.py guard_tree): a process that started a tree in a session
+    """The head_node fixture's watchdog (tests/harness.py guard_tree): a process that started a tree in a session
     of its own (as `ray start --head --block`) and is then SIGKILLed before any cleanup takes the tree with it."""
     code = (
         "import subprocess, sys, time\n"
-        "from tests.helpers import guard_tree\n"
+        "from tests.harness import guard_tree\n"
         "tree = subprocess.Popen(['sleep', '300'], start_new_session=True)\n"
-        "guard_tree(tree.pid)\n"
-        "print(tree.pid, flush=True)\n"
+        "print(tree.pid, guard_tree(tree.pid), flush=True)\n"
         "time.sleep(300)\n"
     )
     owner = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    tree = int(owner.stdout.readline())
+    tree, watchdog = map(int, owner.stdout.readline().split())
     try:
-        time.sleep(1.0)  # the watchdog's first looks
+        # the watchdog's first two looks, the owner alive: the tree stays
+        assert sleeps_seen(watchdog, 2), "the watchdog exited with the process that started it alive"
         assert Path(f"/proc/{tree}").exists()
         owner.kill()
         owner.wait(10)

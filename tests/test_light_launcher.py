@@ -7,28 +7,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import yaml
 
-from tests.conftest import ROOT
-
-HEAVY = (
-    "sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numba') or m.startswith('transformers.models.'))"
-)
-
-
-def heavy_after(code: str, *args: str, env: dict[str, str] | None = None) -> list[str]:
-    """The heavy modules a fresh interpreter holds after `code` (run with sys.argv[1:] = args)."""
-    wrapped = f"import json, sys\n{code}\nprint(json.dumps({HEAVY}))"
-    done = subprocess.run(
-        [sys.executable, "-c", wrapped, *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env
-    )
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.splitlines()[-1])
-
+from tests.harness import ROOT, heavy_after
 
 CLI = (
     "from megatrain.launch.cli.main import main\n"

@@ -13,8 +13,8 @@ from megatrain.engine import EngineConfig, StepEngine
 from megatrain.ipc.protocol import blocks
 from megatrain.model import family_classes
 from megatrain.weights import flat_unit
-from tests.helpers import NEEDS_CUDA, DictSink, DictSource, spec_for, tiny_hf
-from tests.test_documents import _hf_one_by_one, _packed_batch
+from tests.harness import NEEDS_CUDA
+from tests.model_fixtures import DictSink, DictSource, hf_one_by_one, packed_batch, spec_for, tiny_hf
 
 pytestmark = NEEDS_CUDA
 
@@ -106,8 +106,8 @@ def test_packed_documents_on_the_gpu_are_the_documents_one_by_one(tile: int) -> 
     kernels) against the fp32 HF model run on each document alone, untiled and in token tiles."""
     model = tiny_hf("llama", tied=False)
     spec = spec_for(model, "llama")
-    ids, labels, pos = _packed_batch()
-    ref, ref_grads = _hf_one_by_one(model, ids, labels)
+    ids, labels, pos = packed_batch()
+    ref, ref_grads = hf_one_by_one(model, ids, labels)
     state = {k: v.detach() for k, v in model.state_dict().items()}
     cfg = EngineConfig(checkpoint_interval=2, last_block_layers=1, loss_chunk_tokens=10, token_tile=tile)
     sink = DictSink()

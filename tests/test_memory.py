@@ -23,7 +23,8 @@ from megatrain.layout import TILE_ALIGN
 from megatrain.memory.machine import Machine
 from megatrain.memory.plan import CHECKPOINT_HEADROOM_FRACTION, MemoryPlan, RunShape, plan_memory, staging_mode
 from megatrain.model import ModelConfig, build_spec
-from tests.helpers import tiny_config_dict, tiny_hf
+from tests.harness import tiny_config_dict
+from tests.model_fixtures import tiny_hf
 from tests.shm_fixtures import leftovers
 
 GIB = 2**30

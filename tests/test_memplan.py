@@ -18,7 +18,8 @@ from megatrain.launch.config.tree import load_config
 from megatrain.memory import autosize
 from megatrain.model import build_spec
 from megatrain.moe import is_expert_slot
-from tests.helpers import MOE_FAMILIES, TINY, tiny_config_dict, tiny_hf
+from tests.harness import MOE_FAMILIES, TINY, tiny_config_dict
+from tests.model_fixtures import tiny_hf
 
 GIB = 2**30
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,9 +15,8 @@ import torch
 from megatrain.errors import ProtocolError
 from megatrain.ipc.protocol import messages
 from megatrain.ipc.protocol.messages import Applied, StepReport, StepRequest
-from tests.test_light_launcher import heavy_after
+from tests.harness import heavy_after
 
-# What the step's value of each field is, given its executors' values: the specification merge must meet.
 SUMMED = ("loss", "tokens", "h2d_bytes", "d2h_bytes")
 SLOWEST = ("compute_s", "weight_wait_s", "grad_wait_s", "forward_s", "head_s", "backward_s", "gpu_peak_bytes")
 EXECUTOR_0 = ("aux_loss", "expert_load", "timeline", "profile")

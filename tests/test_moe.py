@@ -3,7 +3,6 @@ gradient equal HF autograd over the whole model, with the aux loss's cross-layer
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import pytest
@@ -11,17 +10,19 @@ import torch
 import torch.nn.functional as F
 
 from megatrain.data import IGNORE, DataConfig, batch
-from megatrain.engine import EngineConfig, StepEngine, fixed_sizes
 from megatrain.errors import ConfigError
-from megatrain.experts import Experts
-from megatrain.ipc.protocol import blocks, fetch_order, grad_order
 from megatrain.launch.cli.fidelity import compare
 from megatrain.launch.config.tree import load_config
 from megatrain.model import resolve_hf_config
 from megatrain.moe import num_experts
-from megatrain.weights import flat_unit
-from tests.helpers import MOE_FAMILIES, DictSink, DictSource, spec_for, tiny_config_dict, tiny_hf
-from tests.test_equivalence import check, tiny_config
+from tests.harness import MOE_FAMILIES, check, tiny_config, tiny_config_dict
+from tests.model_fixtures import (
+    ENGINE_CASES,
+    check_grads,
+    engine_step,
+    our_experts_run,
+    tiny_hf,
+)
 
 
 def _reference(model: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor):
@@ -47,52 +48,6 @@ def _hf_routing(model: torch.nn.Module, ids: torch.Tensor) -> tuple[list[list[in
     return load, float(out.aux_loss)
 
 
-def _engine_step(
-    model: torch.nn.Module, family: str, case: str, ids: torch.Tensor, labels: torch.Tensor, experts: str = "hf"
-):
-    """One engine step over the model's weights, the fetch and gradient order checked: (spec, result, sink)."""
-    spec = spec_for(model, family)
-    state = {k_: v.detach() for k_, v in model.state_dict().items()}
-    cfg = fixed_sizes(EngineConfig(loss_chunk_tokens=10, moe_experts=experts, **ENGINE_CASES[case]))
-    k, last = cfg.checkpoint_interval, cfg.last_block_layers
-    n = spec.layout.num_layers
-    engine = StepEngine(spec, cfg, torch.device("cpu"), torch.float32)
-    src, sink = DictSource(spec, state, blocks=blocks(n, k, last)), DictSink()
-    with _our_experts_run(experts):
-        res = engine.step(ids, labels, src, sink)
-    assert src.seen == fetch_order(blocks(n, k, last))
-    assert sink.order == grad_order(n)
-    return spec, res, sink
-
-
-@contextlib.contextmanager
-def _our_experts_run(experts: str):
-    """Checks that the step ran its experts on the path engine.moe_experts names (megatrain/experts.py or not)."""
-    calls: list[int] = []
-    apply = Experts.apply
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Experts, "apply", lambda *a: calls.append(1) or apply(*a))
-        yield
-    assert bool(calls) == (experts == "megatrain")
-
-
-def _check_grads(spec, sink: DictSink, ref_grads: dict) -> None:
-    for unit in range(spec.layout.num_layers + 2):
-        want = flat_unit(spec, unit, ref_grads)
-        got = sink.grads[unit][: want.numel()]
-        assert torch.linalg.norm(got - want) <= 1e-5 * torch.linalg.norm(want), unit
-
-
-ENGINE_CASES = {
-    "k1": dict(checkpoint_interval=1),
-    "k2-last1-chunks2": dict(checkpoint_interval=2, last_block_layers=1, chunk_sequences=2),
-    "one-block-chunks1": dict(checkpoint_interval=3, chunk_sequences=1),
-    "one-block": dict(checkpoint_interval=3),
-    "tiles": dict(checkpoint_interval=2, token_tile=10),  # routing per tile, again in the tiles' backward
-    "lean": dict(checkpoint_interval=1, last_block_layers=3, lean_layers=2),  # routing again in the recompute
-}
-
-
 @pytest.mark.parametrize("experts", ["hf", "megatrain"])  # engine.moe_experts; HF's reference stays HF's
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 @pytest.mark.parametrize("case", list(ENGINE_CASES))
@@ -102,13 +57,13 @@ def test_moe_engine_matches_hf_autograd(family: str, case: str, experts: str) ->
     model = tiny_hf(family, tied=False)
     ids, labels = batch(DataConfig(seq_len=24, batch_size=3), 0)
     ref_lm, ref_aux, ref_grads = _reference(model, ids, labels)
-    spec, res, sink = _engine_step(model, family, case, ids, labels, experts)
+    spec, res, sink = engine_step(model, family, case, ids, labels, experts)
 
     assert abs(float(res.loss) - ref_lm) <= 1e-6 * abs(ref_lm)
     assert abs(float(res.routers.aux_loss()) - ref_aux) <= 1e-6 * abs(ref_aux)
     load = res.routers.load()
     assert all(sum(row) == ids.numel() * 2 for row in load)  # every token routed to top-2
-    _check_grads(spec, sink, ref_grads)
+    check_grads(spec, sink, ref_grads)
 
 
 # Configurations real checkpoints have beyond MOE_TINY's: (family, HF config fields over MOE_TINY's, batch
@@ -166,13 +121,13 @@ def test_moe_config_variants_match_hf_autograd(variant: str, case: str, experts:
     ref_lm, ref_aux, ref_grads = _reference(model, ids, labels)
     ref_load, hf_aux = _hf_routing(model, ids)
     assert (ref_aux is None) == (not model.config.output_router_logits)
-    spec, res, sink = _engine_step(model, family, case, ids, labels, experts)
+    spec, res, sink = engine_step(model, family, case, ids, labels, experts)
 
     assert abs(float(res.loss) - ref_lm) <= 1e-6 * abs(ref_lm)
     assert abs(float(res.routers.aux_loss()) - hf_aux) <= 1e-6 * abs(hf_aux)
     assert res.routers.load() == ref_load
     assert all(sum(row) == ids.numel() * model.config.num_experts_per_tok for row in ref_load)
-    _check_grads(spec, sink, ref_grads)
+    check_grads(spec, sink, ref_grads)
 
 
 def test_moe_config_values_are_read_or_refused_by_name() -> None:
@@ -207,7 +162,7 @@ def test_moe_through_the_actor_system_matches_plain_pytorch(
     """10 steps through every actor (in-process runner) against the HF model + torch.optim.AdamW: the
     language-model loss and the load-balancing loss per step, and the final weights (exported per expert
     as HF writes them, read back), to 1e-5; the metrics carry each layer's expert load."""
-    with _our_experts_run(experts):
+    with our_experts_run(experts):
         rep = compare(tiny_config(family, tied, k, tmp_path, extra=[*extra, f"engine.moe_experts={experts}"]), tmp_path)
     check(rep, tied)
     assert len(rep["aux_losses"]) == 10

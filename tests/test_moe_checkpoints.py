@@ -21,10 +21,10 @@ from megatrain.errors import ConfigError
 from megatrain.launch.cli import main as cli
 from megatrain.model import ModelConfig, build_spec
 from megatrain.weights import check_checkpoint, checkpoint_index, read_unit
-from tests.helpers import MOE_FAMILIES, import_args, tiny_hf
-from tests.test_checkpoint import run
+from tests.harness import MOE_FAMILIES, import_args
+from tests.harness import train_tiny as run
+from tests.model_fixtures import tiny_hf
 
-# Tensors of the model that are easy to lose between layouts: they must come through too.
 SPECIAL = {
     "qwen2_moe": (
         "mlp.shared_expert.gate_proj.weight",

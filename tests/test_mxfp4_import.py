@@ -20,8 +20,8 @@ from megatrain.errors import ConfigError
 from megatrain.launch.cli import main as cli
 from megatrain.model import ModelConfig, build_spec, family_classes
 from megatrain.weights import checkpoint_index, read_unit
-from tests.helpers import import_args, tiny_config_dict
-from tests.test_checkpoint import run
+from tests.harness import import_args, tiny_config_dict
+from tests.harness import train_tiny as run
 
 hf_mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
 

@@ -8,7 +8,7 @@ import os
 import signal
 from pathlib import Path
 
-from tests.test_lifecycle import Cli
+from tests.harness import Cli
 
 FAST = ["launch.runner=inprocess", "train.final_eval=false", "train.eval_every=0", "train.log_every=1"]
 

@@ -22,7 +22,7 @@ from megatrain.launch.plot.plots import (
 )
 from megatrain.launch.plot.plots_moe import experts_figure, routing
 from megatrain.launch.run.driver import Trainer
-from tests.helpers import TINY
+from tests.harness import TINY
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -276,7 +276,7 @@ def test_matplotlib_is_installed_with_megatrain() -> None:
     """The default set-up installs the project's dependencies: `plot` works without an extra."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
-    from tests.conftest import ROOT
+    from tests.harness import ROOT
 
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     assert any(d.startswith("matplotlib") for d in deps)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatrain.profiling import LOOP, StepProfile, blocking_calls
-from tests.helpers import requires_cuda
+from tests.harness import requires_cuda
 
 
 def _x(name: str, cat: str, tid: int, ts: float, dur: float = 1.0) -> dict:
@@ -72,7 +72,7 @@ def _profiled_run(tmp_path: Path, rid: str, actor: str, capsys, *extra: str) -> 
 
     from megatrain.launch.config.tree import load_config
     from megatrain.launch.run.driver import Trainer
-    from tests.helpers import TINY
+    from tests.harness import TINY
 
     hf = json.dumps({**TINY, "num_hidden_layers": 2})
     out = tmp_path / "out"
@@ -270,7 +270,7 @@ def test_nvtx_ranges_follow_the_engines_phase_marks(monkeypatch) -> None:
     from megatrain.engine import EngineConfig, StepEngine
     from megatrain.ipc.protocol import blocks
     from megatrain.profiling import NvtxPhases
-    from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
+    from tests.model_fixtures import DictSink, DictSource, spec_for, tiny_hf
 
     calls: list[str] = []
     monkeypatch.setattr(torch.cuda.nvtx, "range_push", lambda name: calls.append(f"+{name}"))

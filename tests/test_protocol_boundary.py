@@ -8,9 +8,8 @@ import ast
 import re
 from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.harness import ROOT
 
-# Store members that are the protocol's alone: version and saved counters, squared norms, semaphores, slabs.
 LOW_LEVEL = {
     "versions",
     "saved",

@@ -13,7 +13,7 @@ from megatrain.launch.config.tree import load_config
 from megatrain.launch.report.progress import WINDOW, Eta, Progress, auto_every, clock
 from megatrain.launch.run.driver import Trainer
 from megatrain.launch.run.outdir import prepare_output
-from tests.helpers import TINY
+from tests.harness import TINY
 
 
 def row(step: int, seconds: float = 0.5) -> dict:

@@ -5,13 +5,10 @@ refused by name, and train.overwrite=true starts it over."""
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
 import sys
-import threading
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -22,22 +19,10 @@ from megatrain.launch.cli import main as cli
 from megatrain.launch.config.train import TrainConfig
 from megatrain.launch.report.rerun import resume_command
 from megatrain.launch.run.outdir import prepare_output
-from tests.conftest import ROOT
-from tests.helpers import TINY
-
-STEPS = 10
-ARGS = [
-    str(ROOT / "examples/default.yaml"),
-    f"model.hf={json.dumps({**TINY, 'num_hidden_layers': 2})}",
-    "data.seq_len=32",
-    "data.batch_size=4",
-    "optim.warmup_steps=2",
-    f"train.steps={STEPS}",
-    "train.eval_every=0",
-    "train.final_eval=false",
-    "train.log_every=1",
-    "launch.runner=inprocess",
-]
+from tests.harness import RERUN_ARGS as ARGS
+from tests.harness import RERUN_STEPS as STEPS
+from tests.harness import loss_rows as losses
+from tests.harness import sigterm_after
 
 
 @pytest.fixture(autouse=True)
@@ -46,24 +31,6 @@ def launcher_on_path(monkeypatch) -> None:
     (tests/test_ended_early.py shows the other cases); no wrapper script started the launch."""
     monkeypatch.setenv("PATH", f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     monkeypatch.delenv("MEGATRAIN_RERUN", raising=False)
-
-
-def losses(out: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
-
-
-def sigterm_after(metrics: Callable[[], Path | None], rows: int) -> None:
-    """SIGTERM to this process (main() is running here) once the run's metrics.jsonl has `rows` rows."""
-
-    def watch() -> None:
-        while True:
-            path = metrics()
-            if path is not None and path.is_file() and len(path.read_text().splitlines()) >= rows:
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            threading.Event().wait(0.01)
-
-    threading.Thread(target=watch, daemon=True).start()
 
 
 def last_line(capsys) -> str:

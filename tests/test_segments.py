@@ -8,9 +8,6 @@ from __future__ import annotations
 import mmap
 import os
 import secrets
-import struct
-import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -20,30 +17,10 @@ import pytest
 
 from megatrain.errors import ConfigError
 from megatrain.ipc import procs, segments
-from megatrain.ipc.shm import HEADER_BYTES, LAYOUT_VERSION, Header, seg_name
+from megatrain.ipc.shm import HEADER_BYTES, LAYOUT_VERSION, seg_name
 from megatrain.launch.cli import main as cli
-from tests.conftest import ROOT
-from tests.shm_fixtures import HASH
-
-
-def dead_pid() -> int:
-    """The pid of a process that has exited and been reaped."""
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
-
-
-def header(rid: str, version: int = LAYOUT_VERSION, pid: int = 0, ticks: int = 0) -> bytes:
-    raw = bytearray(Header(HASH, rid, pid, ticks, 4096).pack())
-    raw[8:12] = struct.pack("<I", version)  # after the magic: the layout version
-    return bytes(raw)
-
-
-def put(shm_dir: Path, name: str, raw: bytes) -> Path:
-    path = shm_dir / name
-    path.write_bytes(raw + bytes(HEADER_BYTES + 4096 - len(raw)))
-    os.chmod(path, 0o600)
-    return path
+from tests.harness import ROOT
+from tests.shm_fixtures import dead_pid, header, put
 
 
 @contextmanager

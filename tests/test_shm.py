@@ -12,7 +12,6 @@ import re
 import stat
 import subprocess
 import sys
-import textwrap
 import threading
 import time
 
@@ -24,18 +23,12 @@ from megatrain import hostmem
 from megatrain.errors import LayoutMismatch, ResourceError
 from megatrain.ipc import mapping, procs, segments, shm
 from megatrain.ipc.shm import HEADER_BYTES, Header, Segment, seg_name, sem_name
-from tests.shm_fixtures import HASH, SHM, leftovers, owned, remove_all
+from tests.harness import sleeps_seen
+from tests.shm_fixtures import DEAD_OWNER, HASH, SHM, child_env, leftovers, owned, remove_all
 
 # Runs without a live owner (segments without a control segment, dead and reused owner pids): another run's
 # sweep must not see them (tests/conftest.py).
 pytestmark = pytest.mark.shm_alone
-
-
-def child_env() -> dict:
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 # ---- segments ------------------------------------------------------------------------------------
@@ -225,17 +218,6 @@ def test_in_a_ray_worker_the_store_must_fit_under_the_memory_monitors_threshold(
 
 # ---- the sweeper -------------------------------------------------------------------------------------
 
-DEAD_OWNER = textwrap.dedent("""
-    import os, struct, sys
-    import posix_ipc
-    from megatrain.ipc.shm import CTL_PIDS_OFFSET, HEADER_BYTES, Header, Segment, seg_name, sem_name
-    rid = sys.argv[1]
-    ctl = Segment.create(seg_name(rid, "ctl"), 4096, Header(bytes(range(16)), rid))
-    ctl.mm[HEADER_BYTES + CTL_PIDS_OFFSET: HEADER_BYTES + CTL_PIDS_OFFSET + 8] = struct.pack("<q", os.getpid())
-    Segment.create(seg_name(rid, "params"), 8192, Header(bytes(range(16)), rid))
-    posix_ipc.Semaphore(sem_name(rid, "wfree0"), posix_ipc.O_CREX, mode=0o600, initial_value=1)
-    print(os.getpid(), flush=True)
-""")
 
 LIVE_OWNER = DEAD_OWNER + "import time\nprint('ready', flush=True)\ntime.sleep(120)\n"
 
@@ -365,8 +347,8 @@ def test_reaper_unlinks_after_the_owner_is_sigkilled(rid: str, reaped: bool) -> 
         assert owner.stdout.readline().strip() == "ready"
         assert len(leftovers(rid)) == 3
         reaper = start_reaper(rid, pid, procs.start_ticks(pid))
-        time.sleep(0.8)  # several polls with the owner alive: nothing may go
-        assert reaper.poll() is None
+        # three of its looks with the owner alive (it sleeps between them): nothing may go
+        assert sleeps_seen(reaper.pid, 3), f"the reaper exited with its owner alive: {reaper.communicate()}"
         assert len(leftovers(rid)) == 3
         owner.kill()
         if reaped:
@@ -392,8 +374,7 @@ def test_reaper_exits_untouched_when_the_ctl_segment_is_unlinked(rid: str) -> No
     reaper = None
     try:
         reaper = start_reaper(rid, os.getpid(), procs.start_ticks(os.getpid()))
-        time.sleep(0.8)
-        assert reaper.poll() is None  # watching
+        assert sleeps_seen(reaper.pid, 2), reaper.communicate()  # watching: looked, found the owner, asleep again
         ctl.unlink()  # the owner's normal shutdown unlinks ctl last; here the rest stays, to be checked
         out, err = reaper.communicate(timeout=10)
         assert reaper.returncode == 0 and out == "" and err == ""

@@ -12,21 +12,11 @@ from megatrain.attention import windowed_attention
 from megatrain.data import DataConfig, batch
 from megatrain.engine import EngineConfig, StepEngine
 from megatrain.ipc.protocol import blocks
+from megatrain.launch.cli.fidelity import compare
 from megatrain.model import family_classes
 from megatrain.weights import flat_unit
-from tests.helpers import TINY, DictSink, DictSource, spec_for
-from tests.test_equivalence import check, compare, tiny_config
-
-
-def _windowed_hf(family: str, window: int, layers: int = 3, max_window_layers: int = 0) -> torch.nn.Module:
-    conf_cls, model_cls = family_classes(family)
-    extra = {"sliding_window": window}
-    if family == "qwen2":
-        extra.update(use_sliding_window=True, max_window_layers=max_window_layers)
-    conf = conf_cls(**{**TINY, "num_hidden_layers": layers, "tie_word_embeddings": False, **extra})
-    conf._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return model_cls(conf).float()
+from tests.harness import TINY, check, tiny_config
+from tests.model_fixtures import DictSink, DictSource, spec_for, windowed_hf
 
 
 @pytest.mark.parametrize("groups", [1, 3])
@@ -49,14 +39,14 @@ def test_windowed_attention_is_masked_attention(seq: int, window: int, groups: i
 def test_the_engine_attends_within_the_window(family: str, max_window_layers: int, tile: int) -> None:
     """A window of 5 under 24-token sequences: loss and every unit's gradient are the HF model's (its own
     masks); Qwen2 with max_window_layers 2 has full attention in layers 0-1 and windows above."""
-    model = _windowed_hf(family, 5, max_window_layers=max_window_layers)
+    model = windowed_hf(family, 5, max_window_layers=max_window_layers)
     spec = spec_for(model, family)
     ids, labels = batch(DataConfig(seq_len=24, batch_size=3), 0)
     ref = model(input_ids=ids, labels=labels).loss
     ref.backward()
     ref_grads = {k: p.grad for k, p in model.named_parameters()}
     # The same model with the window widened to the sequence is another model: the test can fail.
-    wide = _windowed_hf(family, 24, max_window_layers=max_window_layers)
+    wide = windowed_hf(family, 24, max_window_layers=max_window_layers)
     wide.load_state_dict(model.state_dict())
     assert abs(float(wide(input_ids=ids, labels=labels).loss.detach()) - float(ref.detach())) > 1e-4
 

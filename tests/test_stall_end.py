@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.test_lifecycle import NO_AUTH, Cli
+from tests.harness import NO_AUTH, Cli
 
 VERDICT = r"stalled: actor 'adam-updater' \(pid \d+\) stopped running"
 

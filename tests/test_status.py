@@ -13,8 +13,7 @@ from megatrain.ipc.protocol import Store
 from megatrain.ipc.protocol.status import read_run
 from megatrain.ipc.shm import host_run_id
 from megatrain.launch.cli.main import main
-from tests.shm_fixtures import ALL_PARTS, SHM, make_spec, owned, release, remove_all
-from tests.test_shm import DEAD_OWNER, child_env
+from tests.shm_fixtures import ALL_PARTS, DEAD_OWNER, SHM, child_env, make_spec, owned, release, remove_all
 
 
 def test_status_reads_what_each_actor_does(rid: str, model_spec, capsys) -> None:

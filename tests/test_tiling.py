@@ -10,9 +10,10 @@ from megatrain.data import DataConfig, batch
 from megatrain.engine import EngineConfig, StepEngine
 from megatrain.errors import ConfigError
 from megatrain.ipc.protocol import blocks
+from megatrain.launch.cli.fidelity import compare
 from megatrain.tiling import tiled_layer
-from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
-from tests.test_equivalence import check, compare, tiny_config
+from tests.harness import check, tiny_config
+from tests.model_fixtures import DictSink, DictSource, spec_for, tiny_hf
 
 
 def _layer_run(family: str, tile: int, lean: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -14,7 +14,7 @@ from megatrain.launch.cli.main import main
 from megatrain.launch.config.tree import load_config
 from megatrain.launch.run.driver import Trainer
 from tests.data_fixtures import chat_records, text_records, write_jsonl
-from tests.helpers import TINY
+from tests.harness import TINY
 
 
 def test_a_tokenizer_from_own_files_loads_round_trips_and_trains(tmp_path: Path, rid: str, capsys) -> None:

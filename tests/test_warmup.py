@@ -10,7 +10,7 @@ from megatrain.data import DataConfig, batch
 from megatrain.engine import EngineConfig, StepEngine
 from megatrain.ipc.protocol import blocks
 from megatrain.warmup import warm_up
-from tests.helpers import DictSink, DictSource, spec_for, tiny_hf
+from tests.model_fixtures import DictSink, DictSource, spec_for, tiny_hf
 
 
 @pytest.mark.parametrize("tied, tile, lean", [(True, 0, 0), (False, 7, 1)])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.harness import ROOT
 
 pytestmark = pytest.mark.slow
 # what a working copy holds beside the source: environments, runs, caches, earlier builds
