@@ -370,10 +370,12 @@ class StoreOwner(Role):
         elif store.spec.resident:
             store.refresh_resident(unit)
 
-    def params_slice(self, unit: int) -> torch.Tensor:
-        """A copy of this host's slice of the unit's fp32 master weights (one host: the unit whole): the final
-        save exports the weights unit by unit, gathered from every host's slice (launch/run/checkpoints.py)."""
-        return torch.from_numpy(self.store.tile("params", unit).copy())
+    def params_slice(self, unit: int, start: int = 0, count: int | None = None) -> torch.Tensor:
+        """A copy of elements [start, start + count) of this host's slice of the unit's fp32 master weights
+        (one host: the unit whole), cut at the slice's end: the final save exports the weights unit by unit,
+        gathered chunk by chunk from every host's slice (launch/run/checkpoints.py)."""
+        tile = self.store.tile("params", unit)
+        return torch.from_numpy(tile[start : None if count is None else start + count].copy())
 
     def _check_going(self) -> None:
         """A fill stops at the next unit (a resume: plane) once the run is shut down (it runs beside the

@@ -91,6 +91,25 @@ def test_a_two_host_checkpoint_resumes_on_another_host_count(tmp_path, capsys, t
         assert torch.allclose(resumed[name], w, rtol=1e-5, atol=1e-7), name
 
 
+@pytest.mark.parametrize("hosts", [1, 2])
+def test_the_final_save_gathers_each_unit_in_chunks(tmp_path, capsys, monkeypatch, hosts: int) -> None:
+    """The final save moves each host's slice of a unit in chunks (through Ray, each an object of its store):
+    chunks of a few hundred values, one ending exactly at a slice's end or not, give the same weights."""
+    from megatrain.launch.run import checkpoints
+
+    def run(out: str) -> dict:
+        over = [f"actors.num_hosts={hosts}", f"train.output_dir={tmp_path}/{out}", "train.save_final=true"]
+        Trainer(tiny_config("llama", False, 2, tmp_path, steps=2, extra=over)).run()
+        return final_weights(tmp_path / out)
+
+    whole = run("whole")
+    monkeypatch.setattr(checkpoints, "CHUNK_ELEMS", 777)
+    chunked = run("chunked")
+    assert whole.keys() == chunked.keys()
+    for name, w in whole.items():
+        assert torch.equal(chunked[name], w), name
+
+
 def test_a_two_host_checkpoint_exports_whole_and_a_corrupt_part_is_refused(tmp_path, capsys) -> None:
     """`megatrain-launch export` puts each unit together from every host's part: the weights equal the run's own
     final export; a byte changed in host 1's file is refused by name before anything is written."""

@@ -42,7 +42,9 @@ class LaunchConfig:
     runner: str = opt("ray", "'ray' (one OS process per actor) or 'inprocess' (threads; for tests and debugging).")
     address: str | None = opt(None, "Ray cluster to join (else RAY_ADDRESS, else start a local instance).")
     num_cpus: int = opt(0, "Logical CPUs of a locally started Ray instance; 0 = enough for the actors.")
-    object_store_mb: int = opt(128, "Object store of a locally started Ray (tensors never go through it).")
+    object_store_mb: int = opt(
+        128, "Object store of a locally started Ray (only the final save's chunks of weights pass through it)."
+    )
     placement_timeout_s: float = opt(60.0, "How long to wait for the placement group before failing.")
     nsight: str | dict = opt(
         "",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -166,32 +167,46 @@ class Saves:
             self.taken(self.crew.gather(self.writing(), self.timeout_s, f"the checkpoint after step {step}"))
 
 
+# The final save moves the weights from the stores to the launcher in chunks of this many fp32 values, at most
+# CHUNKS_IN_FLIGHT asked at once: through Ray, every chunk is an object of its store, which must never hold more
+# than a fraction of its launch.object_store_mb (a unit of a large model is GBs, beyond any object store).
+CHUNK_ELEMS = 8 << 20  # 32 MiB
+CHUNKS_IN_FLIGHT = 2
+
+
 def save_final(crew: Crew, model: ModelSpec, directory: Path, run: dict, record: dict, timeout_s: float) -> str:
     """The run's final fp32 weights as an HF directory at `directory`, written here one unit at a time, each
-    unit gathered from every host's slice of it (one host: the unit whole from its one store), the next unit
-    fetched while this one is written: no process ever holds the whole model in fp32."""
-    units = Units(crew, len(model.layout.units), timeout_s)
+    unit gathered from every host's slice of it (one host: the unit whole from its one store), in chunks: no
+    process ever holds more than one unit of the model in fp32."""
+    units = Units(crew, timeout_s)
     return str(export(model, units.take, directory, run=run, record=record))
 
 
 class Units:
-    """Each unit's fp32 master weights whole, from every host's store owner, in the order asked (export asks
-    in unit order): asking for unit u takes it and already asks the owners for unit u + 1."""
+    """Each unit's fp32 master weights whole, from every host's store owner in host order, each owner's slice
+    fetched chunk by chunk with CHUNKS_IN_FLIGHT asked ahead."""
 
-    def __init__(self, crew: Crew, count: int, timeout_s: float):
-        self.crew, self.count, self.timeout_s = crew, count, timeout_s
-        self.ahead: tuple[int, dict[str, Pending[torch.Tensor]]] | None = None
-
-    def _ask(self, unit: int) -> dict[str, Pending[torch.Tensor]]:
-        return {o: self.crew.call(o, StoreOwner.params_slice, unit) for o in self.crew.owners}
+    def __init__(self, crew: Crew, timeout_s: float):
+        self.crew, self.timeout_s, self.chunk = crew, timeout_s, CHUNK_ELEMS
 
     def take(self, unit: int) -> torch.Tensor:
-        calls = self.ahead[1] if self.ahead is not None and self.ahead[0] == unit else self._ask(unit)
-        self.ahead = None
-        slices = self.crew.gather(calls, self.timeout_s, f"unit {unit}'s slices of the weights")
-        if unit + 1 < self.count:
-            self.ahead = (unit + 1, self._ask(unit + 1))
-        return torch.cat([slices[o] for o in self.crew.owners])
+        return torch.cat([piece for owner in self.crew.owners for piece in self._slice(owner, unit)])
+
+    def _slice(self, owner: str, unit: int) -> list[torch.Tensor]:
+        """The owner's slice of the unit as chunks; a chunk shorter than asked is its end (the chunks asked
+        past it come back empty)."""
+        pieces: list[torch.Tensor] = []
+        asked: deque[Pending[torch.Tensor]] = deque()
+        start, ended = 0, False
+        while not ended or asked:
+            while not ended and len(asked) < CHUNKS_IN_FLIGHT:
+                asked.append(self.crew.call(owner, StoreOwner.params_slice, unit, start, self.chunk))
+                start += self.chunk
+            got = self.crew.gather({owner: asked.popleft()}, self.timeout_s, f"unit {unit}'s weights from {owner}")
+            piece = got[owner]
+            pieces.append(piece)
+            ended = ended or piece.numel() < self.chunk
+        return pieces
 
 
 def _whole(parts: list[Written]) -> Written:
