@@ -14,6 +14,7 @@ resumed run ends from an uninterrupted one (and from a second uninterrupted one:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import statistics
@@ -97,8 +98,8 @@ def train_with_checkpoints(args: argparse.Namespace, run_dir: Path) -> dict:
     finally:
         stop.set()
     wall = time.perf_counter() - t0
-    times = [r["step_time_s"] for r in summary["metrics"]]
-    saved = [c["step"] for c in summary["checkpoints"]]
+    times = [r["step_time_s"] for r in summary.metrics]
+    saved = [c["step"] for c in summary.checkpoints]
     touched = {s + 1 for s in saved} | {s + 2 for s in saved}  # a write overlaps the next step or two
     steady = [t for i, t in enumerate(times, 1) if i > args.warmup and i not in touched]
     med = statistics.median(steady)
@@ -111,9 +112,9 @@ def train_with_checkpoints(args: argparse.Namespace, run_dir: Path) -> dict:
         "steady_max_s": max(steady),
         "steady_steps": len(steady),
         "first_step_s": times[0],
-        "checkpoints": summary["checkpoints"],
+        "checkpoints": summary.checkpoints,
         "step_cost_s": cost,
-        "num_params": summary["num_params"],
+        "num_params": summary.num_params,
         "checkpoint_dir": str(run_dir / "checkpoints" / f"step-{args.steps:07d}"),
     }
 
@@ -136,9 +137,9 @@ def export_and_import(args: argparse.Namespace, src: Path, dst: Path) -> dict:
         "export_s": export_s,
         "export_bytes": nbytes,
         "export_GBps": nbytes / export_s / 1e9,
-        "import": summary["store_fill"],
+        "import": dataclasses.asdict(summary.fills[0]),
         "import_run_wall_s": time.perf_counter() - t0,
-        "import_GBps": summary["store_fill"]["bytes"] / max(summary["store_fill"]["seconds"], 1e-9) / 1e9,
+        "import_GBps": summary.fills[0].bytes / max(summary.fills[0].seconds, 1e-9) / 1e9,
     }
 
 

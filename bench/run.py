@@ -88,29 +88,31 @@ def megatrain_variant(
             summary = trainer.run()
     except Exception as exc:  # the run has released its processes and shared memory
         raise Failed.of(exc, f"MegaTrain ({name})", getattr(trainer, "log_dir", None)) from exc
-    rows = summary["metrics"][args.warmup :]
+    rows = summary.metrics[args.warmup :]
     med = statistics.median(r["step_time_s"] for r in rows)
     pick = lambda k: statistics.median(r[k] for r in rows)  # noqa: E731
     h2d_busy = pick("h2d_bytes")
     res = {
-        "name": f"MegaTrain ({name}, {summary['staging']})",
+        "name": f"MegaTrain ({name}, {summary.staging})",
         "status": "ok",
         "gpus": gpus,
         "batch": args.batch * gpus,
         "step_time_s": med,
-        "step_times_s": [r["step_time_s"] for r in summary["metrics"]],
-        "time_to_first_step_s": summary["time_to_first_step_s"],
-        "cpu_plan": summary["cpu_plan"],
-        "store_fill_s": summary["store_fill"].get("seconds"),
-        "num_params": summary["num_params"],
-        "active_params": summary["active_params"],
-        "host_bytes_per_param": (summary["store_bytes"] + summary["executor_host_bytes"]) / summary["num_params"],
-        "process_pss_bytes_per_param": summary["process_pss_bytes"] / summary["num_params"],
+        "step_times_s": [r["step_time_s"] for r in summary.metrics],
+        "time_to_first_step_s": summary.time_to_first_step_s,
+        "cpu_plan": summary.cpu_plan,
+        "store_fill_s": summary.fills[0].seconds,
+        "num_params": summary.num_params,
+        "active_params": summary.active_params,
+        "host_bytes_per_param": (summary.store_bytes + summary.executor_host_bytes) / summary.num_params,
+        "process_pss_bytes_per_param": summary.memory[0].pss_bytes / summary.num_params,
         # over several hosts, each host's store and processes (host 0's is the column's)
-        "host_pss_bytes_per_param": [b / summary["num_params"] for b in summary.get("host_pss_bytes", [])],
-        "hosts": summary.get("hosts", 1),
-        "pss_own_by_role": summary["pss_own_by_role"],
-        "store_bytes": summary["store_bytes"],
+        "host_pss_bytes_per_param": [m.pss_bytes / summary.num_params for m in summary.memory]
+        if summary.hosts > 1
+        else [],
+        "hosts": summary.hosts,
+        "pss_own_by_role": summary.memory[0].pss_own_by_role,
+        "store_bytes": summary.store_bytes,
         "gpu_peak_bytes": max(r.get("gpu_peak_bytes", 0) for r in rows),
         **{
             k: pick(k)
@@ -118,10 +120,10 @@ def megatrain_variant(
         },
         "h2d_GBps_avg": h2d_busy / med / 1e9,
         "d2h_GBps_avg": pick("d2h_bytes") / med / 1e9,
-        "losses": [r["loss"] for r in summary["metrics"]],
+        "losses": [r["loss"] for r in summary.metrics],
     }
-    if "expert_load" in summary["metrics"][-1]:  # a mixture of experts: the last step's routing, the steady load
-        res.update(expert_load=summary["metrics"][-1]["expert_load"], aux_losses=[r["aux_loss"] for r in rows])
+    if "expert_load" in summary.metrics[-1]:  # a mixture of experts: the last step's routing, the steady load
+        res.update(expert_load=summary.metrics[-1]["expert_load"], aux_losses=[r["aux_loss"] for r in rows])
         res.update(load_stats(rows) or {})
     timeline = out / "timeline.json"
     if timeline.is_file():
@@ -130,7 +132,7 @@ def megatrain_variant(
             Path(args.out) / f"timeline-{name}.png",
             f"MegaTrain, {args.layers} layers, {args.batch}x{args.seq} tokens: one step",
         )
-        res.update(copy_rates(json.loads(timeline.read_text()), summary["metrics"][-1]))
+        res.update(copy_rates(json.loads(timeline.read_text()), summary.metrics[-1]))
     return res
 
 

@@ -68,7 +68,7 @@ def test_text_run_sees_the_documented_windows_and_matches_plain_pytorch(tmp_path
     )
     rep = compare(cfg, tmp_path, batches=hand_windows(tok_dir, recs, 32, 4))
     check_match(rep)
-    rows = rep["summary"]["metrics"]
+    rows = rep["summary"].metrics
     assert [("eval_loss" in r) for r in rows] == [s in (5, 10) for s in range(1, 11)]
     assert rows[-1]["eval_ppl"] == pytest.approx(np.exp(rows[-1]["eval_loss"]))
     per_epoch = 129 // 4  # 143 windows, the last 14 held out, 4 per batch
@@ -100,7 +100,7 @@ def test_chat_run_matches_plain_pytorch(tmp_path, tok_dir, family: str, staging:
     )
     rep = compare(cfg, tmp_path)
     check_match(rep)
-    assert rep["summary"]["metrics"][-1]["eval_tokens"] > 0
+    assert rep["summary"].metrics[-1]["eval_tokens"] > 0
 
 
 @pytest.mark.slow

@@ -169,7 +169,7 @@ def test_a_packed_token_file_run_matches_plain_pytorch(tmp_path, tok_dir) -> Non
     cfg = load_config(None, overrides("llama", tmp_path, tok_dir, data, steps=8))
     rep = compare(cfg, tmp_path)
     check_match(rep)
-    rows = rep["summary"]["metrics"]
+    rows = rep["summary"].metrics
     assert all(r["tokens"] < 4 * 31 for r in rows)
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.2, [r["loss"] for r in rows]  # it learns
     assert rows[-1]["eval_loss"] < rows[3]["eval_loss"]

@@ -14,6 +14,7 @@ import pytest
 from megatrain.ipc.procs import running
 from megatrain.ipc.protocol.cpus import node_cores
 from megatrain.launch.cli.fidelity import compare
+from megatrain.launch.report.reporting import RunSummary
 from tests.harness import LAYERS, check, tiny_config
 
 CASES = list(itertools.product(["llama", "qwen2", "mistral"], [True, False], [1, 2, LAYERS]))
@@ -67,9 +68,9 @@ def test_staging_and_worker_variants_match_plain_pytorch(
 ) -> None:
     rep = compare(tiny_config(family, tied, k, tmp_path, extra=VARIANTS[variant]), tmp_path)
     check(rep, tied)
-    assert rep["summary"]["staging"] == ("resident" if "resident" in variant else "slabs")
+    assert rep["summary"].staging == ("resident" if "resident" in variant else "slabs")
     if variant == "resident":  # clipping: the gradients wait in the resident copy, drained by no accumulator
-        assert not any(name.startswith("grad-accumulator") for name in rep["summary"]["pids"])
+        assert not any(name.startswith("grad-accumulator") for name in rep["summary"].pids)
 
 
 @pytest.mark.parametrize("family,tied,k", CASES, ids=[f"{f}-{'tied' if t else 'untied'}-k{k}" for f, t, k in CASES])
@@ -106,9 +107,9 @@ def test_through_ray_one_process_per_actor(
 
     real_run, alive_at_return = Trainer.run, []
 
-    def run(self) -> dict:  # noqa: ANN001
+    def run(self) -> RunSummary:  # noqa: ANN001
         summary = real_run(self)
-        alive_at_return.extend(name for name, pid in summary["pids"].items() if running(pid))
+        alive_at_return.extend(name for name, pid in summary.pids.items() if running(pid))
         return summary
 
     monkeypatch.setattr(Trainer, "run", run)
@@ -117,13 +118,14 @@ def test_through_ray_one_process_per_actor(
     assert alive_at_return == []
     # Every process of the run reported, and their PSS holds at least the fp32 params, m and v.
     s = rep["summary"]
-    assert s["processes"] >= 4 and s["process_pss_bytes"] >= 12 * s["num_params"]
-    own = s["pss_own_by_role"]
+    mem = s.memory[0]
+    assert len(s.memory) == 1 and mem.processes >= 4 and mem.pss_bytes >= 12 * s.num_params
+    own = mem.pss_own_by_role
     assert {"store-owner", "reaper", "gpu-executor", "adam-updater"} <= set(own)
-    assert 0 < sum(own.values()) < s["process_pss_bytes"] - 12 * s["num_params"]
+    assert 0 < sum(own.values()) < mem.pss_bytes - 12 * s.num_params
     # Every actor's work ran with the node's CPU plan, as seen from inside its process (Ray leaves torch
     # at one thread: OMP_NUM_THREADS follows an actor's CPU request).
     cores = node_cores()
-    assert s["threads_observed"] == s["cpu_plan"] and set(s["cpu_plan"]) == set(s["pids"])
-    assert s["cpu_plan"]["adam-updater"] == {"torch": cores, "numba": min(cores, numba.config.NUMBA_NUM_THREADS)}
-    assert s["cpu_plan"]["store-owner"]["torch"] == cores
+    assert s.threads_observed == s.cpu_plan and set(s.cpu_plan) == set(s.pids)
+    assert s.cpu_plan["adam-updater"] == {"torch": cores, "numba": min(cores, numba.config.NUMBA_NUM_THREADS)}
+    assert s.cpu_plan["store-owner"]["torch"] == cores

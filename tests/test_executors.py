@@ -42,10 +42,10 @@ def test_executors_match_one_model_on_the_whole_batch(
     rep = compare(tiny_config(family, tied, k, tmp_path, extra=[f"actors.num_gpus={n}", *extra]), tmp_path)
     check(rep, tied)
     s = rep["summary"]
-    assert s["staging"] == "resident" and s["executors"] == n
-    assert {f"gpu-executor-{r}" for r in range(1, n)} <= set(s["pids"])
-    assert not any(name.startswith(("packer", "grad-accumulator")) for name in s["pids"])
-    row = s["metrics"][-1]
+    assert s.staging == "resident" and s.executors == n
+    assert {f"gpu-executor-{r}" for r in range(1, n)} <= set(s.pids)
+    assert not any(name.startswith(("packer", "grad-accumulator")) for name in s.pids)
+    row = s.metrics[-1]
     assert len(row["executor_compute_s"]) == n and row["tokens"] == 4 * 31  # every row's labels, once
 
 
@@ -59,7 +59,7 @@ def test_executors_match_one_moe_model_with_the_whole_batch_s_routing(
     check(rep, tied)
     for step, (ours, ref) in enumerate(zip(rep["aux_losses"], rep["ref_aux_losses"])):
         assert abs(ours - ref) <= 1e-5 * abs(ref), f"step {step + 1}: aux {ours} vs {ref}"
-    load = rep["summary"]["metrics"][-1]["expert_load"]
+    load = rep["summary"].metrics[-1]["expert_load"]
     assert all(sum(row) == 4 * 32 * 2 for row in load)  # the whole batch's top-2 assignments per layer
 
 

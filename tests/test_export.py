@@ -87,7 +87,7 @@ def test_save_final_is_the_same_export(tmp_path: Path) -> None:
     final = tmp_path / "run" / "final"
     assert json.loads((final / "config.json").read_text())["use_cache"] is True
     record = json.loads((final / RECORD).read_text())
-    assert record == {"step": 5, "checkpoint": None, "run_id": summary["run_id"], "dtype": "fp32"}
+    assert record == {"step": 5, "checkpoint": None, "run_id": summary.run_id, "dtype": "fp32"}
     assert stat.S_IMODE((final / "model.safetensors").stat().st_mode) == 0o644
     model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
     want = checkpoint_tensors(ckpt.step_dir(tmp_path / "run" / "checkpoints", 5))
@@ -226,7 +226,7 @@ def test_export_of_byte_data_carries_the_ids_the_data_uses_and_its_step(tmp_path
         said = capsys.readouterr().out
         assert f"wrote {out}: step {step}, from {ckpt.step_dir(tmp_path / 'run' / 'checkpoints', step)}" in said
         record = json.loads((out / RECORD).read_text())
-        assert (record["step"], record["run_id"], record["dtype"]) == (step, summary["run_id"], "fp32")
+        assert (record["step"], record["run_id"], record["dtype"]) == (step, summary.run_id, "fp32")
         config = json.loads((out / "config.json").read_text())
         ids = (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"])
         assert ids == (None, END_ID, None), ids

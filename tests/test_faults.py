@@ -109,7 +109,7 @@ def _poison(monkeypatch, at_step: int) -> None:
 
 def test_non_finite_gradient_with_clipping_skips_the_step_whole(tmp_path, rid: str, monkeypatch) -> None:
     _poison(monkeypatch, at_step=2)
-    rows = run(tmp_path, rid, "optim.max_grad_norm=1.0", "train.save_final=true")["metrics"]
+    rows = run(tmp_path, rid, "optim.max_grad_norm=1.0", "train.save_final=true").metrics
     assert [r["skipped"] for r in rows] == [False, True, False, False]
     assert not math.isfinite(rows[1]["grad_norm"]) and all(math.isfinite(r["loss"]) for r in rows)
 

@@ -83,9 +83,9 @@ def test_a_run_under_a_budget_stays_within_it(tmp_path: Path, uncapped) -> None:
         pytest.skip(f"this GPU's free memory ({free / GIB:.1f} GiB) leaves the run no larger than the budget")
     torch.cuda.reset_peak_memory_stats(DEVICE)
     summary = Trainer(load_config(None, [*overrides, f"engine.gpu_memory_gib={budget}"])).run()
-    assert len(summary["metrics"]) == 3 and all(math.isfinite(r["loss"]) for r in summary["metrics"])
+    assert len(summary.metrics) == 3 and all(math.isfinite(r["loss"]) for r in summary.metrics)
     reserved = torch.cuda.max_memory_reserved(DEVICE)
     assert context + reserved <= budget * GIB, (
         f"context {context / GIB:.2f} + reserved {reserved / GIB:.2f} GiB over the {budget} GiB budget"
     )
-    assert max(r["gpu_peak_bytes"] for r in summary["metrics"]) <= budget * GIB - context
+    assert max(r["gpu_peak_bytes"] for r in summary.metrics) <= budget * GIB - context

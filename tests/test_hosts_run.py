@@ -36,13 +36,16 @@ def _run(tmp_path, family: str, tied: bool, k: int, hosts: int, gpus: int, extra
     rep = compare(cfg, tmp_path)
     check(rep, tied)
     s = rep["summary"]
-    assert s["hosts"] == hosts and s["staging"] == "resident"
-    assert {f"store-owner@host{h}" for h in range(1, hosts)} <= set(s["pids"])
-    assert {f"adam-updater@host{h}" for h in range(1, hosts)} <= set(s["pids"])
-    row = s["metrics"][-1]
+    assert s.hosts == hosts and s.staging == "resident"
+    assert {f"store-owner@host{h}" for h in range(1, hosts)} <= set(s.pids)
+    assert {f"adam-updater@host{h}" for h in range(1, hosts)} <= set(s.pids)
+    # every host's store fill and memory, host 0's first (each holds its store's processes)
+    assert len(s.fills) == hosts and len({f.source for f in s.fills}) == 1
+    assert len(s.memory) == hosts and all(m.processes >= 2 for m in s.memory)
+    row = s.metrics[-1]
     assert len(row["executor_compute_s"]) == hosts * gpus and row["tokens"] == 4 * 31
     for h in range(1, hosts):
-        assert run_leftovers(host_run_id(s["run_id"], h)) == []
+        assert run_leftovers(host_run_id(s.run_id, h)) == []
     return rep
 
 
@@ -116,7 +119,7 @@ def test_a_two_host_checkpoint_exports_whole_and_a_corrupt_part_is_refused(tmp_p
     from megatrain.launch.cli.main import main
 
     over = ["actors.num_hosts=2", "train.save_every=3", "train.save_final=true"]
-    run_dir = Path(Trainer(tiny_config("llama", False, 2, tmp_path, steps=3, extra=over)).run()["output_dir"])
+    run_dir = Path(Trainer(tiny_config("llama", False, 2, tmp_path, steps=3, extra=over)).run().output_dir)
     step = ckpt.step_dir(run_dir / "checkpoints", 3)
     assert main(["export", str(step), str(tmp_path / "hf" / "final")]) == 0
     final = final_weights(run_dir)

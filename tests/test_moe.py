@@ -168,6 +168,6 @@ def test_moe_through_the_actor_system_matches_plain_pytorch(
     assert len(rep["aux_losses"]) == 10
     for step, (ours, ref) in enumerate(zip(rep["aux_losses"], rep["ref_aux_losses"])):
         assert abs(ours - ref) <= 1e-5 * abs(ref), f"step {step + 1}: aux {ours} vs {ref}"
-    load = rep["summary"]["metrics"][-1]["expert_load"]
+    load = rep["summary"].metrics[-1]["expert_load"]
     moe_layers = 2 if family == "qwen2_moe" else 3  # its layer 1 is dense (mlp_only_layers)
     assert len(load) == moe_layers and all(sum(row) == 4 * 32 * 2 and len(row) == 4 for row in load)

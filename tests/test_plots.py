@@ -54,7 +54,7 @@ def test_plot_writes_the_runs_pictures(tmp_path, rid: str, capsys) -> None:
     assert not (out / "experts.png").exists()  # a dense run: no expert_load, no routing picture
     tokens = 2 * 32  # TFLOPS from the run's config.yaml: (6ND + 12LHSD) per step
     flops = run_flops(out)
-    assert flops == 6 * summary["num_params"] * tokens + 12 * 2 * TINY["hidden_size"] * 32 * tokens
+    assert flops == 6 * summary.num_params * tokens + 12 * 2 * TINY["hidden_size"] * 32 * tokens
 
     # What the pictures hold, on the figures written: every title names the run and its steps; the loss
     # with the arithmetic data's exact-match accuracy on an axis of its own, at the steps that evaluated;

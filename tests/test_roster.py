@@ -155,6 +155,12 @@ class FakeCrew:
             nodes=lambda: 1,
         )
 
+    def span(self, hosts: int) -> None:
+        assert not self.spawned, "told its hosts after a spawn"
+
+    def staff(self, roster) -> None:
+        self.roster = roster
+
     def spawn(self, name, cls, args, demand) -> None:
         self.spawned.append(name)
 

@@ -179,4 +179,4 @@ def test_a_launch_goes_ahead_over_a_leftover_of_its_run_id_and_removes_it(tmp_pa
         ],
     )
     summary = Trainer(cfg).run()
-    assert summary["run_id"] == rid and len(summary["metrics"]) == 2
+    assert summary.run_id == rid and len(summary.metrics) == 2

@@ -75,7 +75,7 @@ def test_a_tokenizer_from_own_files_loads_round_trips_and_trains(tmp_path: Path,
         ],
     )
     summary = Trainer(cfg).run()
-    losses = [r["loss"] for r in summary["metrics"]]
+    losses = [r["loss"] for r in summary.metrics]
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
     assert losses[0] == pytest.approx(math.log(len(tok)), rel=0.1)  # a fresh model: about uniform over the vocab
 

@@ -73,13 +73,13 @@ def compare(cfg: Config, workdir: Path, batches: Batches | None = None) -> dict:
         train=dataclasses.replace(cfg.train, save_final=True, output_dir=str(workdir / "run")),
     )
     summary = Trainer(cfg).run()
-    disk = load_file(Path(summary["output_dir"]) / "final" / "model.safetensors")
+    disk = load_file(Path(summary.output_dir) / "final" / "model.safetensors")
     family, _ = resolve_hf_config(cfg.model)
     model = family_classes(family)[1].from_pretrained(init, torch_dtype=torch.float32)
     model.config._attn_implementation = "sdpa" if model._supports_sdpa else "eager"
-    cuda = summary["metrics"] and "gpu_peak_bytes" in summary["metrics"][0]
+    cuda = summary.metrics and "gpu_peak_bytes" in summary.metrics[0]
     data = open_data(cfg.data, model.config, cfg.model.pretrained)
-    steps = len(summary["metrics"])
+    steps = len(summary.metrics)
     bf16 = bool(cuda) and cfg.engine.compute_dtype != "fp32"
     ref = train_reference(
         model,
@@ -91,20 +91,20 @@ def compare(cfg: Config, workdir: Path, batches: Batches | None = None) -> dict:
         eval_batches=data.eval_batches(cfg.train.eval_batches) if data.has_eval else None,
     )
     ours = _as_parameters(family, disk, ref.state)
-    losses = [m["loss"] for m in summary["metrics"]]
+    losses = [m["loss"] for m in summary.metrics]
     rel = [abs(a - b) / abs(b) for a, b in zip(losses, ref.losses)]
     return {
         "losses": losses,
         "ref_losses": ref.losses,
         "loss_rel": rel,
         "max_loss_rel": max(rel, default=0.0),
-        "aux_losses": [m["aux_loss"] for m in summary["metrics"] if "aux_loss" in m],
+        "aux_losses": [m["aux_loss"] for m in summary.metrics if "aux_loss" in m],
         "ref_aux_losses": ref.aux_losses,
-        "grad_norms": [m["grad_norm"] for m in summary["metrics"]],
+        "grad_norms": [m["grad_norm"] for m in summary.metrics],
         "ref_grad_norms": ref.grad_norms,
         "weights": weight_diffs(ours, ref.state),
         "summary": summary,
-        "eval_loss": next((m["eval_loss"] for m in reversed(summary["metrics"]) if "eval_loss" in m), None),
+        "eval_loss": next((m["eval_loss"] for m in reversed(summary.metrics) if "eval_loss" in m), None),
         "ref_eval_loss": ref.eval_loss,
     }
 

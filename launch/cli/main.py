@@ -190,22 +190,24 @@ def _run(args: argparse.Namespace, stop: Any, program: bool = False) -> int:
         launched = _launched_at(started_at(os.getpid())) if program else None
         trainer = Trainer(cfg, stop, launched=launched, where=where)
         summary = trainer.run()
-        if summary.get("complete"):
+        if summary.complete:
             print(
-                f"megatrain-launch: nothing to do: the run is complete, its checkpoint {summary['checkpoint']} "
-                f"is after step {summary['last_step']} of {trainer.steps} (raise train.steps to train on; "
+                f"megatrain-launch: nothing to do: the run is complete, its checkpoint {summary.checkpoint} "
+                f"is after step {summary.last_step} of {summary.steps} (raise train.steps to train on; "
                 "train.resume=none with train.overwrite=true starts it again)"
             )
             return 0
-        if summary.get("stopped_by"):
+        if summary.stopped_by:
             _last_line(
-                f"megatrain-launch: stopped by {summary['stopped_by']} after step {summary['last_step']}; "
+                f"megatrain-launch: stopped by {summary.stopped_by} after step {summary.last_step}; "
                 + (_continue(trainer, argv) or "no checkpoint written"),
                 trainer,
                 argv,
             )
             return 128 + stop.signum
-        print(f"megatrain-launch: done, {len(summary['metrics'])} steps; metrics in {trainer.out / 'metrics.jsonl'}")
+        print(
+            f"megatrain-launch: done, {len(summary.metrics)} steps; metrics in {summary.output_dir / 'metrics.jsonl'}"
+        )
         return 0
     except KeyboardInterrupt:
         after = _continue(trainer, argv)
@@ -246,7 +248,8 @@ def _interrupted(stop: Any, trainer: Any) -> str:
 
     loop = getattr(trainer, "loop", None)
     last = loop.metrics[-1]["step"] if loop is not None and loop.metrics else None
-    return interrupted(stop.name, getattr(trainer, "log_dir", None), getattr(trainer, "start", 0), last)
+    start = loop.run.start if loop is not None else 0  # no step was recorded before the loop
+    return interrupted(stop.name, getattr(trainer, "log_dir", None), start, last)
 
 
 def _continue(trainer: Any, argv: list[str], checkpoint_only: bool = False) -> str:

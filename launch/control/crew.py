@@ -13,7 +13,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from megatrain.actors.base import Role
 from megatrain.actors.store_owner import StoreOwner
-from megatrain.errors import AbortError, ActorFailure, MegatrainError, is_stall_verdict
+from megatrain.errors import AbortError, ActorFailure, MegatrainError, ProtocolError, is_stall_verdict
 from megatrain.ipc.procs import live, start_ticks
 from megatrain.ipc.protocol.messages import ActorInfo
 from megatrain.launch.control.failures import ABORTED, Heard, root_cause
@@ -60,6 +60,17 @@ class Crew:
         self._closed = False
 
     # ---- lifecycle --------------------------------------------------------------------------
+    def span(self, hosts: int) -> None:
+        """The run spans `hosts` hosts (actors.num_hosts, resolved once Ray counts its nodes): each has its own
+        actors and store."""
+        if self.actors:
+            raise ProtocolError(f"the crew was told its hosts ({hosts}) after actors were spawned")
+        self.hosts = hosts
+
+    def staff(self, roster: Roster) -> None:
+        """The run's actors (megatrain/roster.py), for the staging mode resolved before any worker is spawned."""
+        self.roster = roster
+
     def spawn(self, name: str, cls: type, args: tuple, demand: Demand) -> None:
         self.actors[name] = self.runner.spawn(name, cls, args, demand)
 
@@ -87,10 +98,12 @@ class Crew:
             self._owner_info[owner] = self.call(owner, Role.info)  # waited for at the end even before attach
 
     def note_processes(self, infos: dict[str, ActorInfo]) -> None:
-        """Record the attached actors' pids, and those on this node (not this process: the in-process runner's)
-        to wait for at the end."""
+        """Record the attached actors' pids (the runner names them in failures), nodes and start-up marks, and
+        those on this node (not this process: the in-process runner's) to wait for at the end."""
         self.pids = {n: i.pid for n, i in infos.items()}
+        self.runner.pids = self.pids
         self.nodes = {n: i.host for n, i in infos.items()}
+        self.marks = {n: i.marks for n, i in infos.items()}
         for name, info in infos.items():
             self._note_local(name, info)
 

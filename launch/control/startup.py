@@ -9,6 +9,7 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from megatrain import log
 from megatrain.actors.adam_updater import AdamUpdater
@@ -23,7 +24,8 @@ from megatrain.collective import HOST
 from megatrain.engine import EngineConfig, resolve_engine
 from megatrain.errors import ConfigError, ProtocolError, ResourceError
 from megatrain.ipc.protocol import StoreSpec
-from megatrain.ipc.protocol.messages import FillReport
+from megatrain.ipc.protocol.messages import FillReport, StoreRequest
+from megatrain.ipc.shm import host_run_id
 from megatrain.launch.config import memplan
 from megatrain.launch.config.tree import Config, gpu_budget_without_gpu
 from megatrain.launch.control.crew import Crew
@@ -39,6 +41,7 @@ from megatrain.launch.control.placement import (
     resolve_executors,
     resolve_hosts,
     roster_for,
+    thread_request,
 )
 from megatrain.launch.control.runners import Pending
 from megatrain.launch.report.describe import describe_run
@@ -46,7 +49,7 @@ from megatrain.launch.run.stopping import Background
 from megatrain.memory import autosize
 from megatrain.memory import budget as gpubudget
 from megatrain.memory.gpu import reduction_bytes
-from megatrain.memory.plan import staging_by_rule, staging_mode
+from megatrain.memory.plan import MemoryPlan, staging_by_rule, staging_mode
 from megatrain.model import ModelSpec, pretrained_config
 from megatrain.roster import ADAM, EXECUTOR, OWNER, Attach, Kind, RoleSpec, Roster, on_host, split_host
 
@@ -119,7 +122,8 @@ def spawn_actors(crew: Crew, cfg: Config, reading: Background, phases: Phases) -
     if problem:  # a budget for a GPU the run does not have (a joined cluster's nodes decide): as plan refuses it
         raise ConfigError(problem)
     n = resolve_executors(cfg.actors, cuda, crew.runner.gpus() if cuda else 0)
-    crew.hosts = hosts = resolve_hosts(cfg.actors, crew.runner.nodes())
+    hosts = resolve_hosts(cfg.actors, crew.runner.nodes())
+    crew.span(hosts)
     if cfg.train.run_id:  # a random one always has room for every host's store name
         check_hosts_run_id(cfg.train.run_id, cfg.actors, hosts)
     split = batch_split_problem(cfg.data.batch_size, n * hosts)  # auto: known only now
@@ -137,7 +141,7 @@ def spawn_actors(crew: Crew, cfg: Config, reading: Background, phases: Phases) -
         _spawn(crew, roster[OWNER], (OWNER, family if ahead else ""), host)
     if staging is None:
         roster = _roster(cfg, cuda, n, staging_by_memory(crew, cfg, engine, reading, n))
-    crew.roster = roster
+    crew.staff(roster)
     for host in range(hosts):
         for role in roster.workers:
             _spawn(crew, role, actor_args(role, cfg, family, engine, host * n), host)
@@ -266,11 +270,55 @@ def _meeting_points(crew: Crew) -> tuple[str, list[str | None]]:
     return str(nodes[0]), nodes
 
 
+def create_stores(
+    crew: Crew,
+    cfg: Config,
+    run_id: str,
+    spawned: Spawned,
+    model: ModelSpec,
+    memory: MemoryPlan,
+    resume: Path | None,
+    about: dict,
+) -> dict[str, Pending[StoreSpec]]:
+    """Each host's owner's create call, not waited for: it plans with the engine's sizes still `auto`. `resume`:
+    the checkpoint the stores are filled from (None: model.pretrained or a fresh init); `about`: what `status`
+    says of the run (its output directory, its steps, the first)."""
+    crew.serve_owner()
+    n, hosts = spawned.executors, spawned.hosts
+    return {
+        owner: crew.call(
+            owner,
+            StoreOwner.create,
+            StoreRequest(
+                run_id=host_run_id(run_id, host),
+                model=cfg.model,
+                no_decay_1d=cfg.optim.no_decay_1d,
+                clip=cfg.optim.clips,
+                engine=spawned.engine,
+                num_packers=cfg.actors.num_packers,
+                num_accumulators=cfg.actors.num_accumulators,
+                ipc=cfg.ipc,
+                batch_shape=(n * per_executor(cfg.data.batch_size, n * hosts), cfg.data.seq_len),
+                resume=str(resume) if resume else None,
+                threads=thread_request(cfg.actors),
+                about=about,
+                executors=n,
+                spec=model,
+                roster=spawned.roster,
+                memory=memory,
+                hosts=hosts,
+                host=host,
+            ),
+        )
+        for host, owner in enumerate(crew.owners)
+    }
+
+
 def settle_store(
     crew: Crew, creating: dict[str, Pending[StoreSpec]], engine: EngineConfig, timeout: float
-) -> tuple[list[StoreSpec], FillReport]:
-    """Wait for the owners' create calls, settle each store with the chosen sizes; (each host's spec, how host
-    0's store was filled)."""
+) -> tuple[list[StoreSpec], list[FillReport]]:
+    """Wait for the owners' create calls, settle each store with the chosen sizes; (each host's spec, how each
+    host's store was filled), host 0's first."""
     crew.gather(creating, timeout, f"{OWNER}.create")
     specs = [crew.call_one(owner, StoreOwner.settle, engine) for owner in crew.owners]
     spec = specs[0]
@@ -286,7 +334,8 @@ def settle_store(
             else "straight to Adam (no clipping)"
         )
     )
-    fill = crew.call_one(OWNER, StoreOwner.fill_report)
+    fills = [crew.call_one(owner, StoreOwner.fill_report) for owner in crew.owners]
+    fill = fills[0]
     log(
         f"store filled from {fill.source} in {fill.seconds:.1f} s"
         + (
@@ -296,7 +345,7 @@ def settle_store(
         )
         + (f" (host 0 of {len(specs)})" if len(specs) > 1 else "")
     )
-    return specs, fill
+    return specs, fills
 
 
 def attach_workers(
@@ -319,8 +368,6 @@ def attach_workers(
     crew.gather(attaching, timeout, "starting the actors")
     infos = crew.gather({n: crew.call(n, Role.info) for n in crew.actors}, timeout, "starting the actors")
     crew.note_processes(infos)
-    crew.marks = {n: i.marks for n, i in infos.items()}
-    crew.runner.pids = crew.pids
     for owner in crew.owners:  # now, not beside the fill or the pinning (it slows both)
         crew.call_one(owner, StoreOwner.page_in)
     for h in range(len(specs)):

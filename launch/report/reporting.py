@@ -1,16 +1,18 @@
 """Where a finished step goes: metrics.jsonl (one row per step, kept on disk before a checkpoint that
 includes the step is published), the console (launch/report/progress.py), TensorBoard (train.tensorboard),
-timeline.json (train.timeline_step) and the profiled step's verdict (train.profile)."""
+timeline.json (train.timeline_step) and the profiled step's verdict (train.profile); and what a run
+returns once it ends (RunSummary)."""
 
 from __future__ import annotations
 
 import json
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatrain import log
-from megatrain.ipc.protocol.messages import Applied
+from megatrain.ipc.protocol.messages import Applied, FillReport, HostMemory
 from megatrain.launch.config.train import TrainConfig
 from megatrain.launch.report.describe import log_profile
 from megatrain.launch.report.metrics import MetricsFile
@@ -70,3 +72,34 @@ class Reporter:
         if self.tb is not None:
             self.tb.close()
         self.file.close()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    """What Trainer.run returns: how the run ended, the rows of the steps it trained, and what it ran with and
+    on. Each host's store fill and memory, host 0's first. A run that was complete already (nothing was started)
+    has its outcome only: the rest keeps its empty defaults."""
+
+    run_id: str
+    output_dir: Path
+    steps: int  # the run's steps (data.epochs may set them)
+    last_step: int  # the last step trained (a graceful stop's); a complete run's: its checkpoint's
+    complete: bool = False  # the run had ended already: nothing was started
+    stopped_by: str = ""  # the signal that stopped it gracefully; "" where it ran to its end
+    checkpoint: Path | None = None  # the newest checkpoint written (a complete run's: the one it ended at)
+    checkpoints: list[dict] = field(default_factory=list)  # each write's report, in order
+    metrics: list[dict] = field(default_factory=list)  # the rows of metrics.jsonl this process wrote
+    time_to_first_step_s: float | None = None  # launch to the first step's end
+    startup_s: dict[str, float] = field(default_factory=dict)  # each start-up phase, in order
+    fills: list[FillReport] = field(default_factory=list)  # each host's store: from what, how fast
+    memory: list[HostMemory] = field(default_factory=list)  # each host's processes after the last step, as PSS
+    cpu_plan: dict[str, dict] = field(default_factory=dict)  # host 0's actors' planned threads
+    threads_observed: dict[str, dict] = field(default_factory=dict)  # what each actor runs with
+    pids: dict[str, int] = field(default_factory=dict)  # every actor's
+    num_params: int = 0
+    active_params: int = 0  # those a token passes through (a mixture of experts: fewer than num_params)
+    store_bytes: int = 0  # host 0's store
+    executor_host_bytes: int = 0  # the pinned host RAM an executor takes for offloaded activation checkpoints
+    staging: str = ""  # ipc.staging, resolved
+    executors: int = 1  # each host's
+    hosts: int = 1

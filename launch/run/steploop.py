@@ -3,6 +3,7 @@ checkpoints between steps, a graceful stop on a signal; each step's row to launc
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,19 +14,21 @@ from megatrain import log
 from megatrain.actors.adam_updater import AdamUpdater
 from megatrain.actors.gpu_executor import GpuExecutor
 from megatrain.adamw import lr_at
+from megatrain.checkpoint import step_dir
 from megatrain.collective import split_rows
 from megatrain.data import Data
 from megatrain.data.loader import Prefetcher
+from megatrain.engine import EngineConfig
 from megatrain.errors import ProtocolError
-from megatrain.flops import model_step_flops
-from megatrain.ipc.protocol import StoreSpec
-from megatrain.ipc.protocol.messages import AdamRequest, Applied, StepReport, StepRequest
+from megatrain.flops import active_params, model_step_flops
+from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes
+from megatrain.ipc.protocol.messages import AdamRequest, Applied, FillReport, HostMemory, StepReport, StepRequest
 from megatrain.launch.config.tree import Config
 from megatrain.launch.control.crew import Crew
 from megatrain.launch.control.runners import Pending
 from megatrain.launch.report.actor_profile import ActorProfile
 from megatrain.launch.report.metrics import executor_row
-from megatrain.launch.report.reporting import Reporter
+from megatrain.launch.report.reporting import Reporter, RunSummary
 from megatrain.launch.run.checkpoints import Checkpointer, Saves
 from megatrain.launch.run.evaluation import Evaluator
 from megatrain.launch.run.stopping import StopRequest
@@ -34,14 +37,18 @@ from megatrain.roster import EXECUTOR, Kind, Verb
 
 @dataclass(frozen=True, kw_only=True)
 class PreparedRun:
-    """What the start-up settled and the loop runs with."""
+    """What the start-up settled and the loop runs with (Trainer.setup's answer)."""
 
-    cfg: Config
+    run_id: str
+    cfg: Config  # resolved: ipc.staging as the actors were spawned for, the stall monitor's timeout
+    engine: EngineConfig  # resolved: the device, the `auto` sizes chosen
     crew: Crew
     data: Data
     spec: StoreSpec
     specs: list[StoreSpec]  # every host's store (host 0's is `spec`)
-    cuda: bool  # the executor's device
+    fills: list[FillReport]  # how each host's store was filled
+    executors: int  # actors.num_gpus, resolved: each host's
+    hosts: int  # actors.num_hosts, resolved
     out: Path
     start: int  # the first step to run (a resumed run's checkpoint step)
     steps: int
@@ -50,6 +57,11 @@ class PreparedRun:
     config_yaml: str  # the resolved config, into each checkpoint's manifest
     stop: StopRequest | None
     launched: float  # time.monotonic() at launch
+
+    @property
+    def cuda(self) -> bool:
+        """The executor's device."""
+        return self.engine.device == "cuda"
 
 
 class StepLoop:
@@ -136,6 +148,38 @@ class StepLoop:
             self.reporter.close()
             self.reporter = None
             self.loader.close()
+
+    def summary(self, memory: list[HostMemory], observed: dict[str, dict], startup_s: dict[str, float]) -> RunSummary:
+        """The run's summary once the loop ended: `memory`, each host's after it; `observed`, each actor's threads;
+        `startup_s`, the start-up's phases."""
+        run, spec, written = self.run, self.run.spec, self.run.checkpointer.written
+        stopped = self.stopped_after is not None
+        return RunSummary(
+            run_id=run.run_id,
+            output_dir=run.out,
+            steps=run.steps,
+            last_step=self.stopped_after if self.stopped_after is not None else run.steps,
+            stopped_by=run.stop.name if stopped and run.stop is not None else "",
+            checkpoint=step_dir(run.checkpointer.root, written) if written else None,
+            checkpoints=run.checkpointer.history,
+            metrics=self.metrics,
+            time_to_first_step_s=self.first_step_s,
+            startup_s=startup_s,
+            fills=run.fills,
+            memory=memory,
+            cpu_plan={n: dataclasses.asdict(t) for n, t in spec.threads.items() if n in self.crew.actors},
+            threads_observed=observed,
+            pids=dict(self.crew.pids),
+            num_params=spec.layout.num_params,
+            active_params=active_params(spec.model),
+            store_bytes=sum(spec.part_bytes().values()),
+            executor_host_bytes=checkpoint_host_bytes(
+                spec.model, run.engine, self.cfg.data.batch_size, self.cfg.data.seq_len
+            ),
+            staging=spec.staging_mode,
+            executors=run.executors,
+            hosts=run.hosts,
+        )
 
     def _stop_gracefully(self, step: int) -> None:
         """A signal asked to stop: `step` steps are done and applied; checkpoint them unless that is off,
