@@ -12,6 +12,7 @@ import torch
 from megatrain.engine import EngineConfig, resolve_engine
 from megatrain.errors import ResourceError
 from megatrain.flops import active_params, expert_params
+from megatrain.launch.cli import plan_view
 from megatrain.launch.cli.main import main
 from megatrain.launch.config import memplan
 from megatrain.launch.config.tree import load_config
@@ -107,10 +108,10 @@ def test_a_plan_that_does_not_fit_says_so_and_what_needs_less(capsys, tmp_path) 
     assert not plan.host_fits() and plan.gpu_fits() and not plan.fits()
     assert sum(plan.gpu.values()) / GIB == pytest.approx(125.09, abs=0.005)
 
-    tips = memplan.suggestions(plan, cfg)
+    tips = plan_view.suggestions(plan, cfg)
     offered = [tip.split(": ", 1)[0] for tip in tips if not tip.startswith("none")]
     # no clipping alone saves nothing with the gradients in the copy, and slabs alone need a gradient plane
-    assert offered == [f"optim.max_grad_norm=0 ipc.staging=slabs ipc.slab_params={memplan._quarter_layer(cfg)}"]
+    assert offered == [f"optim.max_grad_norm=0 ipc.staging=slabs ipc.slab_params={plan_view._quarter_layer(cfg)}"]
     lever = load_config(None, [*overrides, "data.seq_len=4096", "data.batch_size=16", *offered[0].split()])
     saved = sum(plan.host.values()) - sum(memplan.make_plan(lever, gpu, cuda=True, machine=host).host.values())
     assert saved / GIB == pytest.approx(3.53, abs=0.005) and f"(-{saved / GIB:.2f} GiB of host RAM)" in tips[0]

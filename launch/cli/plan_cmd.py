@@ -1,4 +1,4 @@
-"""`megatrain-launch plan CONFIG [overrides]`: its arguments. The plan itself (launch/config/memplan.py) is imported
+"""`megatrain-launch plan CONFIG [overrides]`: its arguments. The plan itself (launch/cli/plan_view.py) is imported
 once they are read, so `plan --help` and a mistyped flag answer at once."""
 
 from __future__ import annotations
@@ -43,6 +43,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> int:
     args = parser().parse_intermixed_args(argv)  # overrides may come after the flags too
-    from megatrain.launch.config.memplan import report
+    from megatrain.launch.cli.plan_view import report
 
     return report(args)
