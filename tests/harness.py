@@ -18,11 +18,14 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import pytest
 import torch
+
+if TYPE_CHECKING:
+    from megatrain.launch.report.reporting import RunSummary
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,7 +155,7 @@ def check(rep: dict, tied: bool) -> None:
     assert not bad, f"final weights differ (relative): {bad}"
     noise = {n: d / r for n, (d, r) in weights.items() if n.endswith(NOISE_ONLY) and d > 1e-4 * r}
     assert not noise, f"noise-driven tensors drifted apart: {noise}"
-    assert run_leftovers(rep["summary"]["run_id"]) == []
+    assert run_leftovers(rep["summary"].run_id) == []
 
 
 def check_match(rep: dict, eval_expected: bool = True) -> None:
@@ -164,10 +167,10 @@ def check_match(rep: dict, eval_expected: bool = True) -> None:
     if eval_expected:
         assert rep["eval_loss"] is not None and rep["ref_eval_loss"] is not None
         assert abs(rep["eval_loss"] - rep["ref_eval_loss"]) <= 1e-5 * rep["ref_eval_loss"]
-    assert run_leftovers(rep["summary"]["run_id"]) == []
+    assert run_leftovers(rep["summary"].run_id) == []
 
 
-def train_tiny(out: Path, family: str, *extra: str, steps: int = 10) -> dict:
+def train_tiny(out: Path, family: str, *extra: str, steps: int = 10) -> RunSummary:
     """A tiny model of the family trained in-process, a checkpoint every 5 steps (the checkpoint tests')."""
     from megatrain.launch.config.tree import load_config
     from megatrain.launch.run.driver import Trainer
@@ -193,7 +196,7 @@ def train_tiny(out: Path, family: str, *extra: str, steps: int = 10) -> dict:
     return Trainer(cfg).run()
 
 
-def train_small(tmp_path: Path, rid: str, *extra: str, steps: int = 4) -> dict:
+def train_small(tmp_path: Path, rid: str, *extra: str, steps: int = 4) -> RunSummary:
     """A two-layer model trained in-process as run `rid`, polling fast (the fault tests')."""
     from megatrain.launch.config.tree import load_config
     from megatrain.launch.run.driver import Trainer
