@@ -30,13 +30,13 @@ import torch
 
 from megatrain import steptime
 from megatrain.actors.base import Role, guarded
-from megatrain.adamw import OptimConfig, adamw_update
 from megatrain.collective import Group, open_rendezvous
 from megatrain.errors import ProtocolError, WaitTimeout
-from megatrain.hostops import warm_up
+from megatrain.host.adamw import OptimConfig, adamw_update
+from megatrain.host.hostops import warm_up
+from megatrain.ipc.messages import AdamRequest, Applied
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.adam import HostsLink, Link, OneHost, update_clipped, update_unclipped
-from megatrain.ipc.protocol.messages import AdamRequest, Applied
 from megatrain.ipc.protocol.plan import Item
 from megatrain.roster import ADAM
 

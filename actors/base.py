@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from megatrain.errors import RAISED_AT, AbortError, Origin
+from megatrain.ipc.messages import ActorInfo
 from megatrain.ipc.procs import started_at
 from megatrain.ipc.protocol import StoreSpec
-from megatrain.ipc.protocol.messages import ActorInfo
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,7 +65,7 @@ class Role:
         self.observed: dict[str, int] = {}  # the thread counts the last data-plane call ran with
 
     def apply_threads(self, spec: StoreSpec) -> None:
-        """Take this role's thread counts from the CPU plan in the spec (ipc/protocol/cpus.py). torch's
+        """Take this role's thread counts from the CPU plan in the spec (ipc/cpus.py). torch's
         count is process-wide: set here, unless every role shares this process (then it stays torch's
         default, all cores); Numba's is per thread: set on each call's thread by use_threads()."""
         mine = spec.threads.get(self.name)

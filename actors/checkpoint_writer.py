@@ -14,7 +14,7 @@ So the writer never sees a piece half-updated or one update too far, and Adam fo
 step N+1's forward and backward run meanwhile, and only its updates wait, each for one piece.
   4. the files written and fsync'ed, the driver waits until step N's metrics row is on disk too, then
      calls publish(N): manifest, rename, `latest`. So a checkpoint never runs ahead of metrics.jsonl.
-Each host's writer writes its slices, the part of the checkpoint that is its host's (megatrain/checkpoint.py;
+Each host's writer writes its slices, the part of the checkpoint that is its host's (megatrain/formats/checkpoint.py;
 one host: every unit whole, in one part); publish(N) on every host's writer makes each part whole, and then
 publish_hosts(N) on any one of them makes the step's directory the checkpoint.
 """
@@ -31,12 +31,12 @@ from pathlib import Path
 
 import numpy as np
 
-from megatrain import checkpoint as ckpt
 from megatrain.actors.base import Role, guarded
 from megatrain.errors import DiskFull, disk_full, free_bytes, human_bytes, is_disk_full
+from megatrain.formats import checkpoint as ckpt
+from megatrain.ipc.messages import WriteRequest, Written
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.checkpoints import claim, written
-from megatrain.ipc.protocol.messages import WriteRequest, Written
 from megatrain.ipc.protocol.plan import Item
 from megatrain.roster import WRITER
 

@@ -8,9 +8,9 @@ It records each piece's squared norm for global-norm clipping, then frees the sl
 from __future__ import annotations
 
 from megatrain.actors.base import Role, guarded
-from megatrain.hostops import warm_up
+from megatrain.host.hostops import warm_up
+from megatrain.ipc.messages import Drained
 from megatrain.ipc.protocol import Store, StoreSpec
-from megatrain.ipc.protocol.messages import Drained
 from megatrain.ipc.protocol.workers import drain
 from megatrain.roster import Kind, role_name
 

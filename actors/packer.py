@@ -8,8 +8,8 @@ while Adam still works on later pieces.
 from __future__ import annotations
 
 from megatrain.actors.base import Role, guarded
+from megatrain.ipc.messages import Packed
 from megatrain.ipc.protocol import Store, StoreSpec
-from megatrain.ipc.protocol.messages import Packed
 from megatrain.ipc.protocol.workers import pack
 from megatrain.roster import Kind, role_name
 

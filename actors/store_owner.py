@@ -19,20 +19,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatrain import checkpoint as ckpt
 from megatrain.actors.base import Role
 from megatrain.actors.lifeline import Lifeline, raylet
-from megatrain.engine import EngineConfig, fixed_sizes
 from megatrain.errors import AbortError, ConfigError, Origin, ProtocolError
-from megatrain.hostmem import fault_in
+from megatrain.formats import checkpoint as ckpt
+from megatrain.host.hostmem import fault_in
+from megatrain.ipc.cpus import ThreadRequest, cpu_plan, node_cores
+from megatrain.ipc.messages import FillReport, HostMemory, StoreRequest
+from megatrain.ipc.monitor import Monitor
 from megatrain.ipc.procs import live, maps_path, running, spawn_detached, start_ticks
 from megatrain.ipc.protocol import Store, StoreSpec, checkpoint_host_bytes, plan_store
 from megatrain.ipc.protocol.checkpoints import restore
-from megatrain.ipc.protocol.cpus import ThreadRequest, cpu_plan, node_cores
-from megatrain.ipc.protocol.messages import FillReport, HostMemory, StoreRequest
-from megatrain.ipc.protocol.monitor import Monitor
-from megatrain.ipc.segments import sweep
-from megatrain.ipc.shm import (
+from megatrain.ipc.shared.segments import sweep
+from megatrain.ipc.shared.shm import (
     check_space,
     mem_total_bytes,
     pss_split,
@@ -44,9 +43,10 @@ from megatrain.ipc.shm import (
 from megatrain.memory.host import REAPER
 from megatrain.memory.machine import Machine
 from megatrain.memory.plan import MemoryPlan
-from megatrain.model import ModelConfig, build_spec, family_classes, init_unit, meta_model, unit_seed
+from megatrain.model.spec import ModelConfig, build_spec, family_classes, init_unit, meta_model, unit_seed
+from megatrain.model.weights import checkpoint_index, copy_slots, fill_tile, read_unit, slot_views
 from megatrain.roster import OWNER, Roster, build_roster
-from megatrain.weights import checkpoint_index, copy_slots, fill_tile, read_unit, slot_views
+from megatrain.step.engine import EngineConfig, fixed_sizes
 
 STRAGGLER_S = 1.0  # how long workers get to exit after the driver's kill before they are ended by pid
 LOADERS = 2  # units read from a pretrained checkpoint at once: one is read while the other is converted
@@ -62,7 +62,7 @@ class StoreOwner(Role):
         # On a thread: create() makes the segments meanwhile, and the fault-ahead pages them in.
         self.importing = threading.Thread(target=self._import, args=(family,), name="model-code", daemon=True)
         self.importing.start()
-        self.reaper = 0  # pid of the reaper (not a child of this process: see megatrain.ipc.reaper)
+        self.reaper = 0  # pid of the reaper (not a child of this process: see megatrain.ipc.shared.reaper)
         self.done = threading.Event()
         self.monitor: Monitor | None = None
         self.filled: FillReport | None = None
@@ -265,7 +265,7 @@ class StoreOwner(Role):
 
     def node_space(self, shm_dir: str) -> tuple[int, int]:
         """Free shared memory and MemAvailable on this node now: what the driver decides the staging mode
-        against, where the memory decides it, before the workers are spawned (launch/control/startup.py)."""
+        against, where the memory decides it, before the workers are spawned (launch/run/startup.py)."""
         return space_now(shm_dir)
 
     def _node_lost(self, why: str) -> None:
@@ -287,7 +287,7 @@ class StoreOwner(Role):
 
     def _start_reaper(self, run_id: str) -> None:
         pid = os.getpid()
-        self.reaper = spawn_detached("megatrain.ipc.reaper", run_id, str(pid), str(start_ticks(pid)))
+        self.reaper = spawn_detached("megatrain.ipc.shared.reaper", run_id, str(pid), str(start_ticks(pid)))
 
     def fill_report(self) -> FillReport:
         if self.filled is None:

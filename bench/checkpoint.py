@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 import numpy as np  # noqa: E402
 
 from bench.run import overrides  # noqa: E402
-from megatrain import checkpoint as ckpt  # noqa: E402
+from megatrain.formats import checkpoint as ckpt  # noqa: E402
 from megatrain.launch.config.tree import load_config  # noqa: E402
 from megatrain.launch.run.driver import Trainer  # noqa: E402
 
@@ -170,7 +170,10 @@ def resume_difference(args: argparse.Namespace, base: Path) -> dict:
     def diff(x: Path, y: Path) -> dict:
         out = {}
         for part in ckpt.PLANES:
-            fx, fy = (np.fromfile(ckpt.step_dir(run / "checkpoints", 10) / "host-0" / f"{part}.bin", np.float32) for run in (x, y))
+            fx, fy = (
+                np.fromfile(ckpt.step_dir(run / "checkpoints", 10) / "host-0" / f"{part}.bin", np.float32)
+                for run in (x, y)
+            )
             d = np.abs(fx - fy)
             out[part] = {
                 "max_abs": float(d.max()),

@@ -92,7 +92,7 @@ def hf_layer(model: str, batch: int, seq: int, iters: int) -> dict:
     import transformers
 
     from bench.run import bench_model
-    from megatrain.model import ATTENTION, family_classes
+    from megatrain.model.spec import ATTENTION, family_classes
 
     family = MODELS[model][0]
     hf_dict, _ = bench_model(model, 1, [])

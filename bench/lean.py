@@ -1,4 +1,4 @@
-"""One decoder layer of the Qwen2.5-7B shape on the GPU, plain and lean (megatrain/lean.py): the bytes it
+"""One decoder layer of the Qwen2.5-7B shape on the GPU, plain and lean (megatrain/step/lean.py): the bytes it
 keeps from its forward to its backward, the backward's peak above that, and the time of forward + backward,
 against the memory model's numbers (megatrain/memory/autosize.py).
 
@@ -19,9 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.run import QWEN7B  # noqa: E402
-from megatrain.lean import lean_call  # noqa: E402
 from megatrain.memory import autosize  # noqa: E402
-from megatrain.model import ModelConfig, build_spec, family_classes  # noqa: E402
+from megatrain.model.spec import ModelConfig, build_spec, family_classes  # noqa: E402
+from megatrain.step.lean import lean_call  # noqa: E402
 
 
 def measure(layer, pe, pos_ids, x: torch.Tensor, lean: bool, reps: int) -> dict:

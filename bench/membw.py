@@ -3,7 +3,7 @@
   python bench/membw.py [--gib 2] [--threads 16]
 
 Streams over fp32 arrays much larger than the caches with Numba prange loops, the Adam updater's way:
-a STREAM triad (a = b + s*c) and the product's own fused AdamW kernel (megatrain/adamw.py) in the form it
+a STREAM triad (a = b + s*c) and the product's own fused AdamW kernel (megatrain/host/adamw.py) in the form it
 runs with clipping and a resident copy (reads p, m, v and the bf16 gradient from the copy, writes p, m, v
 and the new bf16 weights over the gradient: 28 bytes per parameter). Prints the triad's GB/s, counted
 STREAM's way (12 bytes per element) and as moved (16: the write's read for ownership), and AdamW's
@@ -21,7 +21,7 @@ import numba
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megatrain.adamw import OptimConfig, adamw_update  # noqa: E402
+from megatrain.host.adamw import OptimConfig, adamw_update  # noqa: E402
 
 ADAM_BYTES = 28  # per parameter: p, m, v read and written (24), a bf16 gradient read and its bf16 weight written
 

@@ -32,7 +32,7 @@ from bench.official.checkout import commit_of, official_src
 from bench.tokens import batches
 from megatrain.data import DataConfig
 from megatrain.memory import budget as gpubudget
-from megatrain.model import family_classes
+from megatrain.model.spec import family_classes
 
 
 def _timed_steps(step: Callable[[int], None], steps: int) -> list[float]:

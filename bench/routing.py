@@ -22,8 +22,8 @@ import torch.nn.functional as F
 
 from bench.tokens import batches
 from megatrain.data import DataConfig
-from megatrain.model import family_classes
-from megatrain.moe import moe_info
+from megatrain.layers.moe import moe_info
+from megatrain.model.spec import family_classes
 
 ROUTINGS = ("random", "uniform")
 CALIBRATION_TOKENS = 65536  # tokens of the run's batches the routers are balanced on, at most

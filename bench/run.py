@@ -63,13 +63,13 @@ from bench.routing import ROUTINGS  # noqa: E402
 from bench.table import copy_rates, load_stats, routing, table  # noqa: E402
 from bench.tokens import TOKENS, default_tokens, random_tokens  # noqa: E402
 from bench.workload import KNOBS, Failed, bench_model, overrides  # noqa: E402
-from megatrain.dataconfig import DataConfig  # noqa: E402
+from megatrain.config.data import DataConfig  # noqa: E402
 from megatrain.errors import MegatrainError  # noqa: E402
 from megatrain.ipc.procs import started_at  # noqa: E402
 from megatrain.launch.config.tree import load_config  # noqa: E402
 from megatrain.launch.plot.plots import plot_timeline  # noqa: E402
 from megatrain.launch.run.driver import Trainer  # noqa: E402
-from megatrain.model import resolve_hf_config  # noqa: E402
+from megatrain.model.spec import resolve_hf_config  # noqa: E402
 
 
 def megatrain_variant(

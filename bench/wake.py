@@ -38,10 +38,11 @@ sys.path.insert(0, str(ROOT))
 
 import numpy as np  # noqa: E402
 
+from megatrain.config.ipc import IpcConfig  # noqa: E402
 from megatrain.errors import AbortError  # noqa: E402
-from megatrain.ipc.protocol import IpcConfig, Store, StoreSpec, plan_store  # noqa: E402
+from megatrain.ipc.protocol import Store, StoreSpec, plan_store  # noqa: E402
 from megatrain.ipc.protocol import store as store_mod  # noqa: E402
-from megatrain.model import ModelConfig, build_spec  # noqa: E402
+from megatrain.model.spec import ModelConfig, build_spec  # noqa: E402
 
 KINDS = ("counter", "semaphore")
 # The smallest model the planner takes: the store is a few hundred KiB, and only its ctl segment and

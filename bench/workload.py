@@ -11,7 +11,7 @@ from pathlib import Path
 from bench.official.checkout import MissingCheckout
 from bench.presets import MODELS
 from bench.tokens import overrides as token_overrides
-from megatrain.configbase import merge_overrides, parse_override
+from megatrain.config.base import merge_overrides, parse_override
 from megatrain.errors import ConfigError, DataError, MegatrainError
 from megatrain.launch.control.failures import error_log
 

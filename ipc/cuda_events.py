@@ -1,4 +1,4 @@
-"""CUDA pieces of the data plane: events shared across processes (pinning: megatrain.cudahost).
+"""CUDA pieces of the data plane: events shared across processes (pinning: megatrain.host.cudahost).
 
 The executor registers the staging segment with cudaHostRegister so its DMA reads and writes the
 very pages that packers and accumulators in other processes use (pageable memory would be staged
@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-from megatrain.cudahost import pin_while_alive
+from megatrain.host.cudahost import pin_while_alive
 
 __all__ = ["make_ipc_events", "open_ipc_events", "pin_while_alive"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 # alone (ActorFailure), not behind their class name.
 SELF_EXPLAINED = ("ConfigError", "DataError", "ResourceError", "DiskFull")
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full filesystem, or the user's quota on it
-STALLED = "stalled: "  # how the stall monitor's verdicts begin (ipc/protocol/monitor.py)
+STALLED = "stalled: "  # how the stall monitor's verdicts begin (ipc/monitor.py)
 
 
 class MegatrainError(RuntimeError):

@@ -1,16 +1,16 @@
 """Useful work per step, by the paper's formula: what TFLOPS means everywhere in MegaTrain.
 
-Free of torch: a model is given as its Arch (megatrain/arch.py), or as the ModelSpec a run holds, described
+Free of torch: a model is given as its Arch (megatrain/model/arch.py), or as the ModelSpec a run holds, described
 as one on the way in."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megatrain.arch import Arch, arch_of_spec, is_expert_slot
+from megatrain.model.arch import Arch, arch_of_spec, is_expert_slot
 
 if TYPE_CHECKING:
-    from megatrain.model import ModelSpec
+    from megatrain.model.spec import ModelSpec
 
 
 def _arch(model: Arch | ModelSpec) -> Arch:
@@ -25,7 +25,7 @@ def step_flops(num_params: int, layers: int, hidden: int, seq: int, tokens: int)
 
 def active_params(model: Arch | ModelSpec) -> int:
     """Parameters a token computes with: all of a dense model; of a mixture of experts, every routed
-    expert tensor counts top-k / experts of its size (megatrain/moe.py)."""
+    expert tensor counts top-k / experts of its size (megatrain/layers/moe.py)."""
     arch = _arch(model)
     share = arch.active_fraction
     total = 0.0

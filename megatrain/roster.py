@@ -13,7 +13,7 @@ them and parse_role() reads them back; no other module spells one.
 Adding a role: a Kind, its Row in ROWS (Ray CPUs, thread rule, attach, per-step verb), its count in
 build_roster (and its GPU share in _gpus if it needs the GPU), its thread rule in cpus.py if it is a new
 one; then an actor file (a Role subclass in actors/) and its class and constructor arguments in
-launch/control/startup.py (ACTORS). Its pid slot, placement, spawn, attach and per-step call follow from
+launch/run/startup.py (ACTORS). Its pid slot, placement, spawn, attach and per-step call follow from
 the row. Torch-free: the config tree and `megatrain-launch plan` import it.
 """
 

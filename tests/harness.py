@@ -220,7 +220,7 @@ def train_small(tmp_path: Path, rid: str, *extra: str, steps: int = 4) -> RunSum
 
 
 def planes(step_dir: Path) -> dict[str, bytes]:
-    from megatrain import checkpoint as ckpt
+    from megatrain.formats import checkpoint as ckpt
 
     parts = ckpt.part_files(ckpt.manifest_of(step_dir))  # every host's part, host 0's first (one host: one)
     return {p: b"".join((step_dir / names[p]).read_bytes() for names, _ in parts) for p in ckpt.PLANES}

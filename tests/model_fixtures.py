@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from megatrain.data import IGNORE
-from megatrain.engine import EngineConfig, StepEngine, fixed_sizes
-from megatrain.experts import EXPERTS, Experts
 from megatrain.ipc.protocol import blocks, fetch_order, grad_order
-from megatrain.model import ModelConfig, ModelSpec, build_spec, family_classes
-from megatrain.weights import flat_unit
+from megatrain.layers.experts import EXPERTS, Experts
+from megatrain.model.spec import ModelConfig, ModelSpec, build_spec, family_classes
+from megatrain.model.weights import flat_unit
+from megatrain.step.engine import EngineConfig, StepEngine, fixed_sizes
 from tests.harness import TINY, tiny_config_dict
 
 
@@ -106,7 +106,8 @@ def engine_step(
 
 @contextlib.contextmanager
 def our_experts_run(experts: str):
-    """Checks that the step ran its experts on the path engine.moe_experts names (megatrain/experts.py or not)."""
+    """Checks that the step ran its experts on the path engine.moe_experts names (megatrain/layers/experts.py or
+    not)."""
     calls: list[int] = []
     apply = Experts.apply
     with pytest.MonkeyPatch.context() as mp:

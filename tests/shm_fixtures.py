@@ -12,9 +12,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from megatrain.ipc import shm
-from megatrain.ipc.protocol import PLANES, IpcConfig, StoreSpec
-from megatrain.ipc.shm import HEADER_BYTES, LAYOUT_VERSION, Header
+from megatrain.config.ipc import IpcConfig
+from megatrain.ipc.protocol import PLANES, StoreSpec
+from megatrain.ipc.shared import shm
+from megatrain.ipc.shared.shm import HEADER_BYTES, LAYOUT_VERSION, Header
 
 SHM = "/dev/shm"
 HASH = bytes(range(16))
@@ -75,7 +76,7 @@ def child_env() -> dict:
 DEAD_OWNER = textwrap.dedent("""
     import os, struct, sys
     import posix_ipc
-    from megatrain.ipc.shm import CTL_PIDS_OFFSET, HEADER_BYTES, Header, Segment, seg_name, sem_name
+    from megatrain.ipc.shared.shm import CTL_PIDS_OFFSET, HEADER_BYTES, Header, Segment, seg_name, sem_name
     rid = sys.argv[1]
     ctl = Segment.create(seg_name(rid, "ctl"), 4096, Header(bytes(range(16)), rid))
     ctl.mm[HEADER_BYTES + CTL_PIDS_OFFSET: HEADER_BYTES + CTL_PIDS_OFFSET + 8] = struct.pack("<q", os.getpid())

@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 
 from megatrain.actors.adam_updater import AdamUpdater
-from megatrain.adamw import OptimConfig, adamw_update
+from megatrain.host.adamw import OptimConfig, adamw_update
+from megatrain.ipc.messages import AdamRequest
 from megatrain.ipc.protocol import Store
-from megatrain.ipc.protocol.messages import AdamRequest
 from tests.shm_fixtures import make_spec
 
 

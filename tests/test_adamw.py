@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain.adamw import OptimConfig, adamw_update, clip_scale, lr_at
+from megatrain.host.adamw import OptimConfig, adamw_update, clip_scale, lr_at
 
 N = 4099  # a few thousand elements, deliberately not a round number
 STEPS = 20

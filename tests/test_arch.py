@@ -1,4 +1,4 @@
-"""megatrain/arch.py describes each family without torch: its store layout must be the one build_spec reads off
+"""megatrain/model/arch.py describes each family without torch: its store layout must be the one build_spec reads off
 HF's meta model, its defaults and derived fields HF's resolved config's, and its accepted fields the ones
 computed from this transformers version, for every family and the variants each allows (tied or not, head_dim
 apart from hidden / heads, biases, MoE layers left dense), so that an upgrade that changes any of them fails
@@ -12,10 +12,11 @@ import json
 import pytest
 import transformers
 
-from megatrain import archfields as arch
-from megatrain.arch import Arch, accepted_fields, arch_from_config, arch_of_spec
 from megatrain.errors import ConfigError
-from megatrain.model import (
+from megatrain.layers.moe import num_experts
+from megatrain.model import archfields as arch
+from megatrain.model.arch import Arch, accepted_fields, arch_from_config, arch_of_spec
+from megatrain.model.spec import (
     FAMILIES,
     ModelConfig,
     build_spec,
@@ -26,7 +27,6 @@ from megatrain.model import (
     meta_model,
     resolve_hf_config,
 )
-from megatrain.moe import num_experts
 
 SMALL = {
     "hidden_size": 64,

@@ -1,4 +1,4 @@
-"""Attention sinks (GPT-OSS's `s_aux`, megatrain/attention.py): the registered attention function against
+"""Attention sinks (GPT-OSS's `s_aux`, megatrain/layers/attention.py): the registered attention function against
 HF's eager_attention_forward for GPT-OSS with an explicit causal / sliding-window mask, in fp32, outputs and
 gradients for q, k, v and the sinks; full causal, windowed, grouped-query heads, packed documents, HF's
 mask, no sinks; then a tiny GPT-OSS decoder layer and model, ours against HF's eager attention."""
@@ -14,8 +14,8 @@ from transformers.models.gpt_oss.modeling_gpt_oss import (
     eager_attention_forward,
 )
 
-from megatrain.attention import attention
-from megatrain.model import ATTENTION, family_classes
+from megatrain.layers.attention import attention
+from megatrain.model.spec import ATTENTION, family_classes
 
 family_classes("gpt_oss")  # registers our attention function under ATTENTION, as every model build does
 

@@ -7,12 +7,12 @@ import dataclasses
 
 import pytest
 
-from megatrain.blocks import blocks
-from megatrain.engine import FIXED_SIZES, EngineConfig, resolve_engine
 from megatrain.ipc.protocol import checkpoint_host_bytes
 from megatrain.launch.config.tree import load_config
 from megatrain.memory import autosize
-from megatrain.model import ModelConfig, build_spec
+from megatrain.model.spec import ModelConfig, build_spec
+from megatrain.step.blocks import blocks
+from megatrain.step.engine import FIXED_SIZES, EngineConfig, resolve_engine
 from tests.harness import QWEN7B
 
 GIB = 2**30

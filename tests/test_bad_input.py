@@ -34,7 +34,7 @@ def launch(capsys, *argv: str) -> tuple[int, str]:
 
 def usage_error(capsys, *argv: str, ray: bool = False) -> str:
     """The run refused with exit 2 and one line. A refusal of the model's checks or of the data comes after the
-    actors were spawned beside them (launch/run/inputs.py): with the in-process runner here (the test's own
+    actors were spawned beside them (launch/prepare/inputs.py): with the in-process runner here (the test's own
     overrides come after it, so a bad launch.runner is still the one checked), with Ray where `ray`."""
     if not ray:
         argv = (argv[0], "launch.runner=inprocess", *argv[1:])
@@ -95,7 +95,7 @@ def test_a_missing_file_names_the_line_that_set_its_key(capsys, tmp_path: Path) 
 
 
 def test_a_message_about_a_key_left_at_its_default_is_not_given_a_place(tmp_path: Path) -> None:
-    from megatrain.configbase import Where, locate
+    from megatrain.config.base import Where, locate
     from megatrain.launch.config.tree import Config
 
     where = Where(str(tmp_path / "c.yaml"), "data:\n  path: x.bin\n", {"train.steps": "train.steps=3"})
@@ -285,7 +285,7 @@ def test_sizes_refused_while_the_store_is_made_leave_nothing(capsys, tmp_path: P
     import time
 
     from megatrain.errors import ResourceError
-    from megatrain.launch.control import startup
+    from megatrain.launch.run import startup
     from megatrain.memory import autosize
 
     made: list[bool] = []  # for each refusal: whether the store was being made then

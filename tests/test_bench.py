@@ -20,7 +20,7 @@ def test_model_hf_extras_change_the_model_of_every_row(tmp_path: Path) -> None:
     """--extra model.hf.KEY=VALUE reaches the bench's own model (so --seq past its 32768 positions is allowed),
     the ablations and the peers' hf; the other extras stay with the default variant."""
     from megatrain.launch.config.tree import load_config
-    from megatrain.model import resolve_hf_config
+    from megatrain.model.spec import resolve_hf_config
 
     args = bench_run.parse(
         [
@@ -64,7 +64,7 @@ def test_the_moe_presets_are_the_published_models(
     1 %) as the family the product trains; their rows' TFLOPS count the active parameters."""
     from megatrain.flops import active_params
     from megatrain.launch.config.tree import load_config
-    from megatrain.model import build_spec
+    from megatrain.model.spec import build_spec
 
     layers = {"olmoe": 16, "gpt_oss": 24}[family]
     args = bench_run.parse(["--out", str(tmp_path), "--model", model, "--layers", str(layers)])

@@ -11,9 +11,9 @@ import pytest
 
 from bench import run as bench_run
 from bench.table import load_cell, load_stats
-from megatrain.arch import arch_from_config
 from megatrain.flops import active_params
 from megatrain.launch.config.tree import load_config
+from megatrain.model.arch import arch_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [

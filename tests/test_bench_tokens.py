@@ -13,11 +13,11 @@ from bench import run as bench_run
 from bench.presets import MODELS
 from bench.routing import uniform_model
 from bench.tokens import batches, default_tokens, random_tokens
+from megatrain.config.model import ModelConfig
 from megatrain.data import DataConfig, open_data
 from megatrain.launch.config.tree import load_config
-from megatrain.model import family_classes, resolve_hf_config
-from megatrain.modelconfig import ModelConfig
-from megatrain.moe import moe_info
+from megatrain.layers.moe import moe_info
+from megatrain.model.spec import family_classes, resolve_hf_config
 
 SMALL = {"hidden_size": 64, "intermediate_size": 64, "moe_intermediate_size": 32, "head_dim": 16}
 SMALL |= {"num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 4096}

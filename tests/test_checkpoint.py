@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from megatrain import checkpoint as ckpt
 from megatrain.errors import ConfigError
+from megatrain.formats import checkpoint as ckpt
 from tests.data_fixtures import MODEL_VOCAB, chat_records, make_tokenizer, write_jsonl
 from tests.harness import TINY, losses, planes
 from tests.harness import train_tiny as run

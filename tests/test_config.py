@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.configbase import dump_yaml, reference
+from megatrain.config.base import dump_yaml, reference
 from megatrain.errors import ConfigError, MegatrainError
 from megatrain.launch.config.tree import Config, load_config, validate
 
@@ -372,9 +372,10 @@ def test_a_stalled_actor_is_named_within_30s_with_the_defaults(tmp_path: Path, r
 def test_the_stall_timeout_covers_a_long_layer() -> None:
     """auto: the 15 s floor at 16x4096 tokens of a 7B; at 512K tokens 4x a layer's work at 100 TFLOPS
     (several minutes); an explicit value is kept."""
+    from megatrain.config.ipc import IpcConfig
     from megatrain.flops import model_step_flops
-    from megatrain.ipc.protocol import IpcConfig, resolve_stall
-    from megatrain.model import ModelConfig, build_spec
+    from megatrain.ipc.protocol import resolve_stall
+    from megatrain.model.spec import ModelConfig, build_spec
     from tests.harness import QWEN7B
 
     spec = build_spec(ModelConfig(family="qwen2", hf={**QWEN7B, "num_hidden_layers": 28}))

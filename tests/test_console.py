@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatrain import checkpoint as ckpt
+from megatrain.formats import checkpoint as ckpt
 from megatrain.launch.report import console
 from megatrain.launch.report.console import GuardedStream
 from megatrain.launch.run.stopping import StopRequest, interrupted

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megatrain import checkpoint as ckpt
+from megatrain.formats import checkpoint as ckpt
 from megatrain.launch.cli import main as cli
 from megatrain.launch.control.runners import InProcessRunner, RayRunner
 from tests.harness import TINY_DEFAULT

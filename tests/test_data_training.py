@@ -170,7 +170,7 @@ def test_packed_chat_and_token_files(tmp_path, tok_dir) -> None:
 def test_bad_data_exits_2_with_one_line_and_leaves_nothing(
     tmp_path, tok_dir, capsys, monkeypatch, problem: str, words: str, runner: str
 ) -> None:
-    """With Ray the data is read beside its start and the actors' spawn (launch/run/inputs.py): the refusal ends
+    """With Ray the data is read beside its start and the actors' spawn (launch/prepare/inputs.py): the refusal ends
     them again, and nothing of the run is left. In-process nothing is spawned before the data is read."""
     import psutil
 

@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from megatrain import checkpoint as ckpt
 from megatrain.errors import ConfigError, human_bytes
+from megatrain.formats import checkpoint as ckpt
 from megatrain.launch.cli import main as cli
 from megatrain.launch.config.tree import load_config
+from megatrain.launch.prepare.outdir import prepare_output
 from megatrain.launch.report.metrics import MetricsFile
-from megatrain.launch.run.outdir import prepare_output
 from megatrain.memory.hosts import host_plane_elems
-from megatrain.model import build_spec
+from megatrain.model.spec import build_spec
 from tests.harness import ROOT, TINY_DEFAULT
 
 SMALL = [

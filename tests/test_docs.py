@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from megatrain.configbase import reference
+from megatrain.config.base import reference
 from megatrain.launch.cli.main import main as launch
 from megatrain.launch.config.tree import Config, load_config
 from megatrain.launch.report.metrics import METRICS, metrics_table

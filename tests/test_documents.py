@@ -15,13 +15,13 @@ import torch
 from megatrain.data import IGNORE, DataConfig, open_data
 from megatrain.data.cache import TokenFile
 from megatrain.data.datasets import Packed
-from megatrain.documents import documents_of
-from megatrain.engine import EngineConfig, StepEngine
 from megatrain.errors import ConfigError, DataError
 from megatrain.ipc.protocol import blocks
 from megatrain.launch.cli.fidelity import compare
 from megatrain.launch.config.tree import load_config
-from megatrain.weights import flat_unit
+from megatrain.layers.documents import documents_of
+from megatrain.model.weights import flat_unit
+from megatrain.step.engine import EngineConfig, StepEngine
 from tests.data_fixtures import MODEL_VOCAB, chat_records, make_tokenizer, text_records, write_jsonl
 from tests.data_fixtures import data_config as data_cfg
 from tests.data_fixtures import data_overrides as overrides

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from megatrain.data import DataConfig, batch
-from megatrain.engine import EngineConfig, StepEngine
 from megatrain.ipc.protocol import blocks, checkpoint_host_bytes, fetch_order, forward_order, grad_order
-from megatrain.weights import flat_unit
+from megatrain.model.weights import flat_unit
+from megatrain.step.engine import EngineConfig, StepEngine
 from tests.model_fixtures import DictSink, DictSource, spec_for, tiny_hf
 
 

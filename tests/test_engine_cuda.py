@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from megatrain.data import DataConfig, batch
-from megatrain.engine import EngineConfig, StepEngine, fixed_sizes
 from megatrain.ipc.protocol import blocks
-from megatrain.weights import flat_unit
+from megatrain.model.weights import flat_unit
+from megatrain.step.engine import EngineConfig, StepEngine, fixed_sizes
 from tests.harness import MOE_FAMILIES, NEEDS_CUDA
 from tests.model_fixtures import ENGINE_CASES, DictSink, DictSource, spec_for, tiny_hf
 
@@ -108,7 +108,7 @@ def test_cuda_our_experts_match_hf_grouped_mm_in_bf16(family: str) -> None:
     choices, so both are a few percent off fp32); our grouped GEMMs taken by grouped_mm, not the loop."""
     import copy
 
-    from megatrain import experts
+    from megatrain.layers import experts
     from tests.model_fixtures import EXPERT_HIDDEN as H
     from tests.model_fixtures import expert_blocks
 

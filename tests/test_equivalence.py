@@ -11,8 +11,8 @@ import itertools
 import numba
 import pytest
 
+from megatrain.ipc.cpus import node_cores
 from megatrain.ipc.procs import running
-from megatrain.ipc.protocol.cpus import node_cores
 from megatrain.launch.cli.fidelity import compare
 from megatrain.launch.report.reporting import RunSummary
 from tests.harness import LAYERS, check, tiny_config
@@ -79,9 +79,9 @@ def test_actor_system_matches_plain_pytorch(tmp_path, family: str, tied: bool, k
 
 
 def test_planes_across_many_shards_match_plain_pytorch(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every segment over 64 KiB shards (ipc/mapping.py): units, slabs and the resident copy straddle the
+    """Every segment over 64 KiB shards (ipc/shared/mapping.py): units, slabs and the resident copy straddle the
     files' boundaries, with clipping and with the fp32 gradient plane."""
-    from megatrain.ipc import mapping
+    from megatrain.ipc.shared import mapping
 
     monkeypatch.setattr(mapping, "SHARD_BYTES", 1 << 16)
     monkeypatch.setattr(mapping, "ALIGN", 1 << 12)

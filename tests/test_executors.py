@@ -16,7 +16,7 @@ import torch
 
 from megatrain.collective import split_rows
 from megatrain.errors import ConfigError, MegatrainError
-from megatrain.ipc.protocol.messages import StepReport
+from megatrain.ipc.messages import StepReport
 from megatrain.launch.cli.fidelity import compare
 from megatrain.launch.config.tree import load_config
 from megatrain.launch.control.placement import ActorsConfig, demands, resolve_executors, roster_for
@@ -54,7 +54,7 @@ def test_executors_match_one_moe_model_with_the_whole_batch_s_routing(
     tmp_path, family: str, tied: bool, k: int, n: int, extra: list[str]
 ) -> None:
     """The load-balancing loss is HF's over the whole batch: each executor's router counts are summed over
-    the executors before any aux gradient is taken (megatrain/moe.py)."""
+    the executors before any aux gradient is taken (megatrain/layers/moe.py)."""
     rep = compare(tiny_config(family, tied, k, tmp_path, extra=[f"actors.num_gpus={n}", *extra]), tmp_path)
     check(rep, tied)
     for step, (ours, ref) in enumerate(zip(rep["aux_losses"], rep["ref_aux_losses"])):

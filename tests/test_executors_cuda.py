@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain import checkpoint as ckpt
+from megatrain.formats import checkpoint as ckpt
 from tests.harness import NEEDS_CUDA, follows
 
 pytestmark = [

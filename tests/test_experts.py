@@ -1,4 +1,4 @@
-"""Our expert path (megatrain/experts.py) against transformers' eager experts on the same MoE block, weights and
+"""Our expert path (megatrain/layers/experts.py) against transformers' eager experts on the same MoE block, weights and
 inputs, CPU fp32: the output and the gradient of every parameter and of the input, per family."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.utils._pytree as pytree
 
-from megatrain import experts, lean
-from megatrain.arch import Arch, arch_from_config, arch_of_spec
-from megatrain.experts import EXPERTS
+from megatrain.config.model import ModelConfig
+from megatrain.layers import experts
+from megatrain.layers.experts import EXPERTS
 from megatrain.memory.layer import (
     OUR_EXPERTS,
     experts_kept_bytes,
@@ -18,8 +18,9 @@ from megatrain.memory.layer import (
     mlp_width,
     our_layer_bytes,
 )
-from megatrain.model import ATTENTION, family_classes, resolve_hf_config, with_experts
-from megatrain.modelconfig import ModelConfig
+from megatrain.model.arch import Arch, arch_from_config, arch_of_spec
+from megatrain.model.spec import ATTENTION, family_classes, resolve_hf_config, with_experts
+from megatrain.step import lean
 from tests.harness import MOE_FAMILIES
 from tests.model_fixtures import EXPERT_HIDDEN as H
 from tests.model_fixtures import expert_blocks, spec_for, tiny_hf
@@ -335,12 +336,12 @@ def test_the_memory_plan_counts_a_whole_layer_on_our_path(family: str, shape: in
 
 
 def _lean_kept(family: str, shape: int, experts: str, dtype: torch.dtype) -> tuple[Arch, int, int]:
-    """(its Arch, bytes, weight storages) a lean layer (megatrain/lean.py, as the engine calls it) keeps from its
+    """(its Arch, bytes, weight storages) a lean layer (megatrain/step/lean.py, as the engine calls it) keeps from its
     forward to its backward: the distinct storages of the outputs its selective checkpointing caches and of
     what autograd saves outside it, the layer's input included; any of the layer's weights among them is
     counted apart (a weight a kept tensor references stays alive)."""
     arch, model, x, run = _one_layer(family, shape, experts, dtype)
-    save_grouped = not experts_rerun(arch.layout)  # megatrain/templates.py's choice
+    save_grouped = not experts_rerun(arch.layout)  # megatrain/step/templates.py's choice
     made, contexts = [], lean._CONTEXTS[save_grouped]
     outer: list[torch.Tensor] = []
     with pytest.MonkeyPatch.context() as mp, torch.autograd.graph.saved_tensors_hooks(outer.append, lambda t: t):

@@ -13,12 +13,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatrain import checkpoint as ckpt
 from megatrain.data import DataConfig, batch
 from megatrain.data.arithmetic import END_ID
-from megatrain.engine import EngineConfig, StepEngine
-from megatrain.export import RECORD
+from megatrain.formats import checkpoint as ckpt
+from megatrain.formats.export import RECORD
 from megatrain.launch.cli import main as cli
+from megatrain.step.engine import EngineConfig, StepEngine
 from tests.harness import train_tiny as run
 from tests.model_fixtures import DictSource, spec_for
 
@@ -177,8 +177,8 @@ def test_export_takes_the_special_ids_from_the_tokenizer_and_generates_with_the_
     generate() stops at the tokenizer's end token."""
     from transformers import AutoTokenizer, GenerationConfig
 
-    from megatrain.export import export
-    from megatrain.weights import flat_unit
+    from megatrain.formats.export import export
+    from megatrain.model.weights import flat_unit
     from tests.data_fixtures import MODEL_VOCAB, make_tokenizer
     from tests.model_fixtures import tiny_hf
 
@@ -245,7 +245,7 @@ def test_special_ids_of_token_data_are_the_ones_the_run_states(tmp_path: Path) -
     from transformers import LlamaConfig
 
     from megatrain.errors import ConfigError
-    from megatrain.specialids import apply_ids, run_tokenizer, special_ids
+    from megatrain.model.specialids import apply_ids, run_tokenizer, special_ids
     from tests.data_fixtures import make_tokenizer
 
     hf = LlamaConfig()  # bos 1, eos 2: the class's defaults

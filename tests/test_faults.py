@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from megatrain.errors import MegatrainError
-from megatrain.ipc.shm import host_run_id
+from megatrain.ipc.shared.shm import host_run_id
 from tests.harness import run_leftovers
 from tests.harness import train_small as run
 
@@ -92,7 +92,7 @@ def test_a_wait_timeout_names_what_was_awaited(tmp_path, rid: str, monkeypatch) 
 
 def _poison(monkeypatch, at_step: int) -> None:
     """The executor's gradient of layer 0 (unit 1) gets a NaN in step `at_step` (1-based)."""
-    from megatrain.actors.executor_streams import SyncSink
+    from megatrain.actors.executor.streams import SyncSink
 
     real, seen = SyncSink.emit, {"n": 0}
 

@@ -14,14 +14,14 @@ import torch
 
 from bench import auto as bench_auto
 from bench import run as bench_run
-from megatrain.engine import EngineConfig, resolve_engine
 from megatrain.errors import ConfigError, ResourceError
 from megatrain.launch.cli.main import main
 from megatrain.launch.config import memplan
 from megatrain.launch.config.tree import load_config
 from megatrain.memory import autosize
 from megatrain.memory import budget as gpubudget
-from megatrain.model import ModelConfig, build_spec
+from megatrain.model.spec import ModelConfig, build_spec
+from megatrain.step.engine import EngineConfig, resolve_engine
 
 GIB = 2**30
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain.engine import resolve_engine
 from megatrain.launch.config.tree import load_config
 from megatrain.launch.run.driver import Trainer
 from megatrain.memory import autosize
 from megatrain.memory import budget as gpubudget
-from megatrain.model import build_spec
+from megatrain.model.spec import build_spec
+from megatrain.step.engine import resolve_engine
 from tests.harness import NEEDS_CUDA
 
 pytestmark = NEEDS_CUDA

@@ -11,17 +11,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from megatrain.arch import arch_of_spec
 from megatrain.data import DataConfig, batch
 from megatrain.errors import ConfigError
-from megatrain.export import export
 from megatrain.flops import active_params, model_step_flops
+from megatrain.formats.export import export
 from megatrain.launch.config import memplan
 from megatrain.launch.config.tree import load_config
 from megatrain.memory.autosize import layer_activation_bytes
 from megatrain.memory.layer import lean_layer_bytes
-from megatrain.model import FAMILIES, ModelSpec, build_spec, hf_config_fields
-from megatrain.weights import flat_unit
+from megatrain.model.arch import arch_of_spec
+from megatrain.model.spec import FAMILIES, ModelSpec, build_spec, hf_config_fields
+from megatrain.model.weights import flat_unit
 from tests.harness import TINY, tiny_config_dict
 from tests.model_fixtures import check_grads, engine_step, tiny_hf
 

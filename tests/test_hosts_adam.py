@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from megatrain.actors.adam_updater import AdamUpdater
-from megatrain.adamw import OptimConfig
 from megatrain.errors import NonFiniteGradient, ProtocolError
+from megatrain.host.adamw import OptimConfig
+from megatrain.ipc.messages import AdamRequest
 from megatrain.ipc.protocol import Store
 from megatrain.ipc.protocol.executor import grads_landed
-from megatrain.ipc.protocol.messages import AdamRequest
-from megatrain.layout import STATE_PLANES as PLANES
+from megatrain.model.layout import STATE_PLANES as PLANES
 from tests.shm_fixtures import make_spec, release
 
 LR = 1e-2

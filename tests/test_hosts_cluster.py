@@ -10,7 +10,7 @@ import secrets
 import pytest
 import torch
 
-from megatrain.ipc.shm import host_run_id
+from megatrain.ipc.shared.shm import host_run_id
 from megatrain.launch.config.tree import load_config
 from megatrain.launch.run.driver import Trainer
 from tests.harness import NO_AUTH, NODES, ROOT, SMALL, Cli, final_weights, losses, run_leftovers

@@ -13,13 +13,13 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from megatrain.actors.gpu_executor import GpuExecutor
+from megatrain.actors.executor.gpu_executor import GpuExecutor
 from megatrain.collective import HOST, split_rows
-from megatrain.engineconfig import EngineConfig, fixed_sizes, resolve_engine
+from megatrain.config.engine import EngineConfig, fixed_sizes, resolve_engine
 from megatrain.errors import MegatrainError
+from megatrain.ipc.messages import StepReport, StepRequest
 from megatrain.ipc.protocol import Store, StoreSpec
-from megatrain.ipc.protocol.messages import StepReport, StepRequest
-from megatrain.weights import flat_unit
+from megatrain.model.weights import flat_unit
 from tests.harness import on_threads
 from tests.model_fixtures import spec_for, tiny_hf
 from tests.shm_fixtures import make_spec, remove_all

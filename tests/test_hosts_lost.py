@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from megatrain.ipc.shm import host_run_id
+from megatrain.ipc.shared.shm import host_run_id
 from tests.harness import NO_AUTH, NODE_CPUS, Cli, run_leftovers
 
 pytestmark = pytest.mark.slow

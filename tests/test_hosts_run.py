@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain import checkpoint as ckpt
 from megatrain.errors import ConfigError
-from megatrain.ipc.shm import host_run_id
+from megatrain.formats import checkpoint as ckpt
+from megatrain.ipc.shared.shm import host_run_id
 from megatrain.launch.cli.fidelity import compare
 from megatrain.launch.config.tree import load_config
 from megatrain.launch.run.driver import Trainer

@@ -18,19 +18,20 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain import checkpoint as ckpt
 from megatrain.actors.checkpoint_writer import CheckpointWriter
 from megatrain.actors.store_owner import StoreOwner
-from megatrain.engine import EngineConfig
+from megatrain.config.ipc import IpcConfig
 from megatrain.errors import ConfigError, ProtocolError
-from megatrain.ipc.protocol import IpcConfig, Store
-from megatrain.ipc.protocol.messages import StoreRequest, WriteRequest
-from megatrain.ipc.shm import host_run_id
+from megatrain.formats import checkpoint as ckpt
+from megatrain.ipc.messages import StoreRequest, WriteRequest
+from megatrain.ipc.protocol import Store
+from megatrain.ipc.shared.shm import host_run_id
 from megatrain.launch.config.memplan import run_plan
 from megatrain.launch.config.tree import Config
 from megatrain.memory.machine import Machine
 from megatrain.memory.plan import MemoryPlan
-from megatrain.model import ModelConfig, build_spec
+from megatrain.model.spec import ModelConfig, build_spec
+from megatrain.step.engine import EngineConfig
 from tests.harness import tiny_config_dict
 from tests.model_fixtures import tiny_hf
 from tests.shm_fixtures import leftovers, remove_all

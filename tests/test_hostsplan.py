@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from bench.presets import GPT_OSS_120B
-from megatrain.ipc.shm import HEADER_BYTES
+from megatrain.ipc.shared.shm import HEADER_BYTES
 from megatrain.launch.cli.main import main
 from megatrain.launch.config import memplan
 from megatrain.launch.config.tree import load_config
-from megatrain.layout import TILE_ALIGN
 from megatrain.memory.hosts import MAX_HOSTS, fewest_hosts, host_plane_elems, largest_slice
+from megatrain.model.layout import TILE_ALIGN
 
 GIB = 2**30
 ROOT = Path(__file__).resolve().parents[1]

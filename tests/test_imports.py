@@ -182,7 +182,7 @@ def test_the_store_workers_start_without_transformers() -> None:
     import subprocess
     import sys
 
-    from megatrain.model import ModelConfig, build_spec
+    from megatrain.model.spec import ModelConfig, build_spec
 
     spec = build_spec(ModelConfig(family="qwen2", hf={"hidden_size": 32, "intermediate_size": 64, "vocab_size": 64}))
     code = (
@@ -204,36 +204,45 @@ def test_the_store_workers_start_without_transformers() -> None:
     assert pickle.loads(pickle.dumps(again)).hf_config.rms_norm_eps == 0.125 != spec.hf_config.rms_norm_eps
 
 
-# ---- launch/ in rooms ------------------------------------------------------------------------------------------
+# ---- the library in rooms --------------------------------------------------------------------------------------
 
-ROOM_SIZE = 8  # the modules a folder of launch/ may hold (__init__.py not counted): one job per folder
+ROOM_SIZE = 8  # the modules a folder may hold (__init__.py not counted): one job per folder
+LIBRARY = ("megatrain", "actors", "ipc", "launch")  # launch/ keeps no module at its top either
 
 
-def crowded_rooms(launch: Path) -> list[str]:
-    """What breaks launch/'s layout: a module at its top (every module lives in the folder of its job), or a
-    folder, at any depth, of more than ROOM_SIZE modules."""
-    wrong = [f"{p.name} is at the top of launch/" for p in sorted(launch.glob("*.py")) if p.name != "__init__.py"]
-    for room in sorted(p for p in launch.rglob("*") if p.is_dir() and p.name != "__pycache__"):
+def crowded_rooms(root: Path, loose_allowed: bool = True) -> list[str]:
+    """What breaks a library folder's layout: a folder, at any depth (the root included), of more than ROOM_SIZE
+    modules; and for launch/ a module at its top (every module lives in the folder of its job)."""
+    wrong = []
+    if not loose_allowed:
+        wrong = [
+            f"{p.name} is at the top of {root.name}/" for p in sorted(root.glob("*.py")) if p.name != "__init__.py"
+        ]
+    for room in [root, *sorted(p for p in root.rglob("*") if p.is_dir() and p.name != "__pycache__")]:
         modules = sorted(p.name for p in room.glob("*.py") if p.name != "__init__.py")
         if len(modules) > ROOM_SIZE:
-            wrong.append(f"{room.relative_to(launch)}/ holds {len(modules)} modules: {', '.join(modules)}")
+            wrong.append(f"{room.relative_to(root.parent)}/ holds {len(modules)} modules: {', '.join(modules)}")
     return wrong
 
 
-def test_launch_is_in_folders_of_at_most_8_modules() -> None:
-    assert (ROOT / "launch" / "cli" / "main.py").is_file(), "the scan is not looking at launch/"
-    wrong = crowded_rooms(ROOT / "launch")
-    assert not wrong, f"launch/ holds its modules in folders of at most {ROOM_SIZE}:\n" + "\n".join(wrong)
+def test_every_library_folder_holds_at_most_8_modules() -> None:
+    assert (ROOT / "launch" / "cli" / "main.py").is_file(), "the scan is not looking at the library"
+    wrong = [w for folder in LIBRARY for w in crowded_rooms(ROOT / folder, loose_allowed=folder != "launch")]
+    assert not wrong, f"library modules live in folders of at most {ROOM_SIZE}:\n" + "\n".join(wrong)
 
 
 def test_the_room_check_sees_a_module_at_the_top_and_a_crowded_folder(tmp_path: Path) -> None:
+    root = tmp_path / "lib"
     files = ["__init__.py", "loose.py", "full/__init__.py", *(f"full/m{i}.py" for i in range(ROOM_SIZE))]
     files += [f"full/deep/m{i}.py" for i in range(ROOM_SIZE + 1)]
     for name in files:
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text("")
-    wrong = crowded_rooms(tmp_path)
-    assert [w.split(" ")[0] for w in wrong] == ["loose.py", "full/deep/"]
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("")
+    assert [w.split(" ")[0] for w in crowded_rooms(root, loose_allowed=False)] == ["loose.py", "lib/full/deep/"]
+    assert [w.split(" ")[0] for w in crowded_rooms(root)] == ["lib/full/deep/"]
+    for i in range(ROOM_SIZE):  # the root itself is a room: 9 modules at its top
+        (root / f"top{i}.py").write_text("")
+    assert [w.split(" ")[0] for w in crowded_rooms(root)] == ["lib/", "lib/full/deep/"]
 
 
 def test_the_launchers_entry_points_reach_main() -> None:

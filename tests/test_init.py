@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from megatrain.actors.store_owner import StoreOwner
+from megatrain.ipc.cpus import Threads
 from megatrain.ipc.protocol import Store
-from megatrain.ipc.protocol.cpus import Threads
-from megatrain.model import _unit_modules, meta_model, unit_seed
+from megatrain.model.spec import _unit_modules, meta_model, unit_seed
 from tests.model_fixtures import spec_for, tiny_hf
 from tests.shm_fixtures import make_spec, owned
 
@@ -81,8 +81,8 @@ def test_a_run_that_may_resume_is_told_from_a_fresh_one(tmp_path) -> None:
     checkpoint is none to resume from."""
     import json
 
-    from megatrain import checkpoint as ckpt
-    from megatrain.launch.run.resume import may_resume
+    from megatrain.formats import checkpoint as ckpt
+    from megatrain.launch.prepare.resume import may_resume
 
     out = tmp_path / "out"
     assert not may_resume("auto", out) and not may_resume("none", out)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from megatrain import checkpoint as ckpt
+from megatrain.formats import checkpoint as ckpt
 from tests.harness import NEEDS_CUDA, losses, planes
 from tests.harness import train_tiny as run
 

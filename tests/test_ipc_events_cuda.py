@@ -17,7 +17,7 @@ import posix_ipc
 import pytest
 import torch
 
-from megatrain.cudahost import register_host, unregister_host
+from megatrain.host.cudahost import register_host, unregister_host
 from megatrain.ipc.cuda_events import make_ipc_events, open_ipc_events
 from tests.harness import NEEDS_CUDA
 

@@ -1,4 +1,4 @@
-"""Lean layers (megatrain/lean.py): the same gradients bit for bit, and the bytes the memory model counts."""
+"""Lean layers (megatrain/step/lean.py): the same gradients bit for bit, and the bytes the memory model counts."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatrain.arch import arch_of_spec
 from megatrain.data import DataConfig, batch
-from megatrain.engine import EngineConfig, StepEngine
 from megatrain.ipc.protocol import blocks
-from megatrain.lean import _GROUPED, SAVED_OPS, lean_call
 from megatrain.memory.layer import experts_rerun, lean_layer_bytes
-from megatrain.model import ATTENTION
+from megatrain.model.arch import arch_of_spec
+from megatrain.model.spec import ATTENTION
+from megatrain.step.engine import EngineConfig, StepEngine
+from megatrain.step.lean import _GROUPED, SAVED_OPS, lean_call
 from tests.harness import MOE_FAMILIES
 from tests.model_fixtures import DictSink, DictSource, spec_for, tiny_hf
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from megatrain import checkpoint as ckpt
+from megatrain.formats import checkpoint as ckpt
 from tests.harness import NO_AUTH, ROOT, SMALL, Cli, guard_tree, sleeps_seen, stop_guard, wait_until
 
 

@@ -44,7 +44,7 @@ def test_the_config_tree_and_its_checks_import_nothing_heavy(tmp_path) -> None:
     own checks need its HF config class, which imports torch)."""
     (tmp_path / "qwen7b.yaml").write_text(QWEN7B_YAML)
     code = (
-        "from megatrain.configbase import dump_yaml, reference_table\n"
+        "from megatrain.config.base import dump_yaml, reference_table\n"
         "from megatrain.launch.config.tree import Config, load_tree\n"
         "for path in sys.argv[1:]:\n"
         "    cfg, where = load_tree(path, ['optim.lr=3e-4'])\n"
@@ -67,7 +67,7 @@ data: {seq_len: 4096, batch_size: 16}
 PLAN_MODEL = (
     "from megatrain.launch.config import timeplan\n"
     "from megatrain.launch.config.tree import check_model, load_tree\n"
-    "from megatrain.engineconfig import resolve_engine\n"
+    "from megatrain.config.engine import resolve_engine\n"
     "cfg, where = load_tree(sys.argv[1], ['engine.device=cuda'])\n"
     "arch = check_model(cfg, where)\n"
     "asked = timeplan.Asked('H100', None, True, True)\n"
@@ -140,7 +140,7 @@ def test_the_heavy_check_sees_torch() -> None:
 
 
 def test_export_names_the_dtypes_the_export_writes() -> None:
-    from megatrain.export import DTYPES
+    from megatrain.formats.export import DTYPES
     from megatrain.launch.cli.export_cmd import DTYPE_NAMES
 
     assert sorted(DTYPE_NAMES) == sorted(DTYPES)

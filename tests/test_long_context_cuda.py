@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatrain.attention import windowed_attention
 from megatrain.data import DataConfig, batch
-from megatrain.engine import EngineConfig, StepEngine
 from megatrain.ipc.protocol import blocks
-from megatrain.model import family_classes
-from megatrain.weights import flat_unit
+from megatrain.layers.attention import windowed_attention
+from megatrain.model.spec import family_classes
+from megatrain.model.weights import flat_unit
+from megatrain.step.engine import EngineConfig, StepEngine
 from tests.harness import NEEDS_CUDA
 from tests.model_fixtures import DictSink, DictSource, hf_one_by_one, packed_batch, spec_for, tiny_hf
 

@@ -11,18 +11,18 @@ import sys
 import pytest
 
 from megatrain.actors.store_owner import StoreOwner
-from megatrain.arch import arch_of_spec
-from megatrain.engine import EngineConfig
+from megatrain.config.ipc import IpcConfig
 from megatrain.errors import ResourceError
-from megatrain.ipc import shm
-from megatrain.ipc.protocol import IpcConfig
+from megatrain.ipc.messages import StoreRequest
 from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
-from megatrain.ipc.protocol.messages import StoreRequest
-from megatrain.ipc.shm import HEADER_BYTES
-from megatrain.layout import TILE_ALIGN
+from megatrain.ipc.shared import shm
+from megatrain.ipc.shared.shm import HEADER_BYTES
 from megatrain.memory.machine import Machine
 from megatrain.memory.plan import CHECKPOINT_HEADROOM_FRACTION, MemoryPlan, RunShape, plan_memory, staging_mode
-from megatrain.model import ModelConfig, build_spec
+from megatrain.model.arch import arch_of_spec
+from megatrain.model.layout import TILE_ALIGN
+from megatrain.model.spec import ModelConfig, build_spec
+from megatrain.step.engine import EngineConfig
 from tests.harness import tiny_config_dict
 from tests.model_fixtures import tiny_hf
 from tests.shm_fixtures import leftovers

@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain.engine import EngineConfig, resolve_engine
 from megatrain.errors import ResourceError
 from megatrain.flops import active_params, expert_params
 from megatrain.launch.cli import plan_view
 from megatrain.launch.cli.main import main
 from megatrain.launch.config import memplan
 from megatrain.launch.config.tree import load_config
+from megatrain.layers.moe import is_expert_slot
 from megatrain.memory import autosize
-from megatrain.model import build_spec
-from megatrain.moe import is_expert_slot
+from megatrain.model.spec import build_spec
+from megatrain.step.engine import EngineConfig, resolve_engine
 from tests.harness import MOE_FAMILIES, TINY, tiny_config_dict
 from tests.model_fixtures import tiny_hf
 

@@ -1,4 +1,4 @@
-"""The cross-process messages (ipc/protocol/messages.py): several executors' step reports merge field by field
+"""The cross-process messages (ipc/messages.py): several executors' step reports merge field by field
 by their rules (the step's loss, tokens and bytes are the sum of the executors' parts, its times and GPU peak
 the slowest's, the whole-batch statistics executor 0's); every message is frozen and keyword-only, and one
 survives pickling as Ray sends it."""
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from megatrain.errors import ProtocolError
-from megatrain.ipc.protocol import messages
-from megatrain.ipc.protocol.messages import Applied, StepReport, StepRequest
+from megatrain.ipc import messages
+from megatrain.ipc.messages import Applied, StepReport, StepRequest
 from tests.harness import heavy_after
 
 SUMMED = ("loss", "tokens", "h2d_bytes", "d2h_bytes")
@@ -102,7 +102,7 @@ def test_every_message_is_frozen_and_keyword_only() -> None:
 
 def test_the_messages_load_without_the_training_stack() -> None:
     """The launcher's light paths name these types: importing them loads no torch, numba or modeling code."""
-    assert heavy_after("import megatrain.ipc.protocol.messages") == []
+    assert heavy_after("import megatrain.ipc.messages") == []
 
 
 def test_messages_round_trip_through_pickle() -> None:

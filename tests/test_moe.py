@@ -1,4 +1,4 @@
-"""Mixture-of-experts families (megatrain/moe.py): the engine's loss, load-balancing loss and every unit's
+"""Mixture-of-experts families (megatrain/layers/moe.py): the engine's loss, load-balancing loss and every unit's
 gradient equal HF autograd over the whole model, with the aux loss's cross-layer statistics."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from megatrain.data import IGNORE, DataConfig, batch
 from megatrain.errors import ConfigError
 from megatrain.launch.cli.fidelity import compare
 from megatrain.launch.config.tree import load_config
-from megatrain.model import resolve_hf_config
-from megatrain.moe import num_experts
+from megatrain.layers.moe import num_experts
+from megatrain.model.spec import resolve_hf_config
 from tests.harness import MOE_FAMILIES, check, tiny_config, tiny_config_dict
 from tests.model_fixtures import (
     ENGINE_CASES,
@@ -81,7 +81,7 @@ VARIANTS = {
         3,
         False,
     ),
-    # layers 0 and 2 slide: Qwen2-MoE's attention keeps its window on the module (megatrain/attention.py)
+    # layers 0 and 2 slide: Qwen2-MoE's attention keeps its window on the module (megatrain/layers/attention.py)
     "qwen2_moe-window": (
         "qwen2_moe",
         {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 3},

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 
 from megatrain.errors import ConfigError
 from megatrain.launch.cli import main as cli
-from megatrain.model import ModelConfig, build_spec
-from megatrain.weights import check_checkpoint, checkpoint_index, read_unit
+from megatrain.model.spec import ModelConfig, build_spec
+from megatrain.model.weights import check_checkpoint, checkpoint_index, read_unit
 from tests.harness import MOE_FAMILIES, import_args
 from tests.harness import train_tiny as run
 from tests.model_fixtures import tiny_hf

@@ -8,8 +8,8 @@ import os
 import subprocess
 import sys
 
+from megatrain.ipc.monitor import find_stall
 from megatrain.ipc.protocol import Store
-from megatrain.ipc.protocol.monitor import find_stall
 from megatrain.ipc.protocol.store import BEAT, CALLS, PROGRESS
 from tests.shm_fixtures import make_spec, owned
 

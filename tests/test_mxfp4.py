@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain import mxfp4
+from megatrain.formats import mxfp4
 
 hf_mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
 

@@ -15,11 +15,11 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from megatrain import mxfp4
 from megatrain.errors import ConfigError
+from megatrain.formats import mxfp4
 from megatrain.launch.cli import main as cli
-from megatrain.model import ModelConfig, build_spec, family_classes
-from megatrain.weights import checkpoint_index, read_unit
+from megatrain.model.spec import ModelConfig, build_spec, family_classes
+from megatrain.model.weights import checkpoint_index, read_unit
 from tests.harness import import_args, tiny_config_dict
 from tests.harness import train_tiny as run
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain.profiling import LOOP, StepProfile, blocking_calls
+from megatrain.step.profiling import LOOP, StepProfile, blocking_calls
 from tests.harness import requires_cuda
 
 
@@ -267,9 +267,9 @@ def test_nvtx_ranges_follow_the_engines_phase_marks(monkeypatch) -> None:
     """A real step's marks give one balanced NVTX range per phase, in mark order ('end' closes the last); a
     step that raises leaves no range open once closed."""
     from megatrain.data import DataConfig, batch
-    from megatrain.engine import EngineConfig, StepEngine
     from megatrain.ipc.protocol import blocks
-    from megatrain.profiling import NvtxPhases
+    from megatrain.step.engine import EngineConfig, StepEngine
+    from megatrain.step.profiling import NvtxPhases
     from tests.model_fixtures import DictSink, DictSource, spec_for, tiny_hf
 
     calls: list[str] = []

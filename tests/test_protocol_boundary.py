@@ -28,7 +28,7 @@ LOW_LEVEL = {
 }
 STORE_VERBS = {"wait", "post"}  # a semaphore's, when called on a store
 SEMAPHORE = re.compile(r"\b(grads_ready|[gw]_(full|free)\d*)\b")
-MODULES = {"posix_ipc", "megatrain.ipc.protocol.fence"}
+MODULES = {"posix_ipc", "megatrain.ipc.shared.fence"}
 
 
 def _on_store(node: ast.AST) -> bool:
@@ -64,7 +64,7 @@ def test_actors_call_the_protocol_and_touch_nothing_below_it() -> None:
 def test_the_scan_sees_each_kind_of_leak() -> None:
     source = """
 import posix_ipc
-from megatrain.ipc.protocol.fence import publish
+from megatrain.ipc.shared.fence import publish
 def f(self, item, store):
     have = int(self.store.versions[item.piece])
     self.store.publish_version(item.piece, 3)
@@ -77,7 +77,7 @@ def f(self, item, store):
     assert sorted(found) == sorted(
         [
             "2: imports posix_ipc",
-            "3: imports megatrain.ipc.protocol.fence",
+            "3: imports megatrain.ipc.shared.fence",
             "5: .versions",
             "6: .publish_version",
             "7: store.wait",

@@ -10,9 +10,9 @@ import pytest
 import megatrain
 from megatrain.errors import ConfigError
 from megatrain.launch.config.tree import load_config
+from megatrain.launch.prepare.outdir import prepare_output
 from megatrain.launch.report.progress import WINDOW, Eta, Progress, auto_every, clock
 from megatrain.launch.run.driver import Trainer
-from megatrain.launch.run.outdir import prepare_output
 from tests.harness import TINY
 
 

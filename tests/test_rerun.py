@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from megatrain import checkpoint as ckpt
 from megatrain.errors import ConfigError
+from megatrain.formats import checkpoint as ckpt
 from megatrain.launch.cli import main as cli
 from megatrain.launch.config.train import TrainConfig
+from megatrain.launch.prepare.outdir import prepare_output
 from megatrain.launch.report.rerun import resume_command
-from megatrain.launch.run.outdir import prepare_output
 from tests.harness import RERUN_ARGS as ARGS
 from tests.harness import RERUN_STEPS as STEPS
 from tests.harness import loss_rows as losses

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatrain.ipc.protocol.cpus import ThreadRequest, Threads, cpu_plan
+from megatrain.ipc.cpus import ThreadRequest, Threads, cpu_plan
 from megatrain.launch.config.tree import Config
-from megatrain.launch.control import startup
 from megatrain.launch.control.placement import ActorsConfig, bundle, demands, local_cpus, roster_for
+from megatrain.launch.run import startup
 from megatrain.memory.machine import Machine
 from megatrain.memory.plan import staging_by_rule
 from megatrain.roster import Kind, Verb, build_roster, parse_role, role_name, slot_names

@@ -1,4 +1,4 @@
-"""One classification of a run id's shared memory (ipc/segments.py) behind `status`, `--cleanup` and a launch
+"""One classification of a run id's shared memory (ipc/shared/segments.py) behind `status`, `--cleanup` and a launch
 that names its run id: for every kind of segment the three agree, in the same words. Real files in a
 temporary shm dir (POSIX shared memory is a file in /dev/shm, read and removed the same way), held by real
 mappings and descriptors of this process; one launch through /dev/shm itself."""
@@ -16,8 +16,9 @@ import posix_ipc
 import pytest
 
 from megatrain.errors import ConfigError
-from megatrain.ipc import procs, segments
-from megatrain.ipc.shm import HEADER_BYTES, LAYOUT_VERSION, seg_name
+from megatrain.ipc import procs
+from megatrain.ipc.shared import segments
+from megatrain.ipc.shared.shm import HEADER_BYTES, LAYOUT_VERSION, seg_name
 from megatrain.launch.cli import main as cli
 from tests.harness import ROOT
 from tests.shm_fixtures import dead_pid, header, put
@@ -135,7 +136,7 @@ def test_a_live_runs_id_is_refused_at_once_before_anything_starts(
 ) -> None:
     """A launch that names a run id whose shared memory is in use exits 2 before Ray or an actor starts,
     with status's words; and its Store.create says the same where it gets that far."""
-    from megatrain.launch.control import startup
+    from megatrain.launch.run import startup
 
     def spawned(*_a, **_k):
         raise AssertionError("the launch spawned actors before refusing the run id")

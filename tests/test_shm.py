@@ -19,10 +19,11 @@ import numpy as np
 import posix_ipc
 import pytest
 
-from megatrain import hostmem
 from megatrain.errors import LayoutMismatch, ResourceError
-from megatrain.ipc import mapping, procs, segments, shm
-from megatrain.ipc.shm import HEADER_BYTES, Header, Segment, seg_name, sem_name
+from megatrain.host import hostmem
+from megatrain.ipc import procs
+from megatrain.ipc.shared import mapping, segments, shm
+from megatrain.ipc.shared.shm import HEADER_BYTES, Header, Segment, seg_name, sem_name
 from tests.harness import sleeps_seen
 from tests.shm_fixtures import DEAD_OWNER, HASH, SHM, child_env, leftovers, owned, remove_all
 
@@ -317,7 +318,7 @@ def test_sweep_spares_a_ctl_without_header_while_its_creator_holds_it_and_no_lon
 
 def start_reaper(rid: str, pid: int, ticks: int) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "megatrain.ipc.reaper", rid, str(pid), str(ticks)],
+        [sys.executable, "-m", "megatrain.ipc.shared.reaper", rid, str(pid), str(ticks)],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

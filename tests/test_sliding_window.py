@@ -1,4 +1,4 @@
-"""Sliding-window attention (megatrain/attention.py): the engine against the HF model, which builds its own
+"""Sliding-window attention (megatrain/layers/attention.py): the engine against the HF model, which builds its own
 sliding-window masks, for Mistral and Qwen2 (including Qwen2's full-attention layers below
 max_window_layers), tiled and untiled, and the whole pipeline against the plain-PyTorch reference."""
 
@@ -8,13 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatrain.attention import windowed_attention
 from megatrain.data import DataConfig, batch
-from megatrain.engine import EngineConfig, StepEngine
 from megatrain.ipc.protocol import blocks
 from megatrain.launch.cli.fidelity import compare
-from megatrain.model import family_classes
-from megatrain.weights import flat_unit
+from megatrain.layers.attention import windowed_attention
+from megatrain.model.spec import family_classes
+from megatrain.model.weights import flat_unit
+from megatrain.step.engine import EngineConfig, StepEngine
 from tests.harness import TINY, check, tiny_config
 from tests.model_fixtures import DictSink, DictSource, spec_for, windowed_hf
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from megatrain.ipc.protocol import Store
-from megatrain.ipc.protocol.status import read_run
-from megatrain.ipc.shm import host_run_id
+from megatrain.ipc.shared.shm import host_run_id
+from megatrain.ipc.status import read_run
 from megatrain.launch.cli.main import main
 from tests.shm_fixtures import ALL_PARTS, DEAD_OWNER, SHM, child_env, make_spec, owned, release, remove_all
 

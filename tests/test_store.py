@@ -17,13 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain.actors.executor_streams import SyncSink
+from megatrain.actors.executor.streams import SyncSink
 from megatrain.errors import AbortError, LayoutMismatch, ProtocolError, ResourceError, WaitTimeout
-from megatrain.ipc import shm
 from megatrain.ipc.protocol import PLANES, Store
-from megatrain.ipc.shm import HEADER_BYTES
+from megatrain.ipc.shared import shm
+from megatrain.ipc.shared.shm import HEADER_BYTES
 from megatrain.launch.control.placement import ActorsConfig, roster_for
-from megatrain.layout import TILE_ALIGN
+from megatrain.model.layout import TILE_ALIGN
 from megatrain.roster import Kind, running_workers
 from tests.model_fixtures import spec_for, tiny_hf
 from tests.shm_fixtures import ALL_PARTS, SHM, leftovers, make_spec, owned, remove_all

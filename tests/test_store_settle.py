@@ -13,19 +13,20 @@ import numpy as np
 import pytest
 import torch
 
-from megatrain import hostmem
 from megatrain.actors.store_owner import StoreOwner
-from megatrain.engine import EngineConfig, fixed_sizes
+from megatrain.config.ipc import IpcConfig
 from megatrain.errors import ResourceError
-from megatrain.ipc import shm
-from megatrain.ipc.protocol import IpcConfig, Store, checkpoint_host_bytes, plan_store
-from megatrain.ipc.protocol.messages import StoreRequest
-from megatrain.ipc.shm import HEADER_BYTES
+from megatrain.host import hostmem
+from megatrain.ipc.messages import StoreRequest
+from megatrain.ipc.protocol import Store, checkpoint_host_bytes, plan_store
+from megatrain.ipc.shared import shm
+from megatrain.ipc.shared.shm import HEADER_BYTES
 from megatrain.launch.config.memplan import run_plan
 from megatrain.launch.config.tree import Config
 from megatrain.memory.machine import Machine
 from megatrain.memory.plan import MemoryPlan
-from megatrain.model import ModelConfig, ModelSpec, build_spec
+from megatrain.model.spec import ModelConfig, ModelSpec, build_spec
+from megatrain.step.engine import EngineConfig, fixed_sizes
 from tests.harness import TINY
 from tests.shm_fixtures import leftovers
 

@@ -1,4 +1,4 @@
-"""Token-tiled layers (megatrain/tiling.py): the HF layer's output and gradients, and the whole pipeline
+"""Token-tiled layers (megatrain/step/tiling.py): the HF layer's output and gradients, and the whole pipeline
 against the plain-PyTorch reference, with tiles that do not divide the tokens."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from megatrain.data import DataConfig, batch
-from megatrain.engine import EngineConfig, StepEngine
 from megatrain.errors import ConfigError
 from megatrain.ipc.protocol import blocks
 from megatrain.launch.cli.fidelity import compare
-from megatrain.tiling import tiled_layer
+from megatrain.step.engine import EngineConfig, StepEngine
+from megatrain.step.tiling import tiled_layer
 from tests.harness import check, tiny_config
 from tests.model_fixtures import DictSink, DictSource, spec_for, tiny_hf
 
@@ -29,7 +29,7 @@ def _layer_run(family: str, tile: int, lean: bool) -> tuple[torch.Tensor, list[t
     }
     params = dict(layer.named_parameters())
     if tile:
-        from megatrain.lean import lean_call
+        from megatrain.step.lean import lean_call
 
         out = tiled_layer(layer, params, x, tile, kwargs, lean_call if lean else None)
     else:

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from megatrain import steptime
-from megatrain.arch import arch_from_config
 from megatrain.errors import ConfigError
 from megatrain.launch.cli.main import main
 from megatrain.launch.config import timeplan
 from megatrain.launch.config.tree import load_config, load_tree, validate_model
 from megatrain.memory.hosts import network_bytes
+from megatrain.model.arch import arch_from_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {

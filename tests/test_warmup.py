@@ -1,4 +1,4 @@
-"""The executor's warm-up (megatrain/warmup.py): at the run's shapes and settings it runs the kernels a step
+"""The executor's warm-up (megatrain/step/warmup.py): at the run's shapes and settings it runs the kernels a step
 runs, on throwaway weights, and leaves nothing behind in the engine."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from megatrain.data import DataConfig, batch
-from megatrain.engine import EngineConfig, StepEngine
 from megatrain.ipc.protocol import blocks
-from megatrain.warmup import warm_up
+from megatrain.step.engine import EngineConfig, StepEngine
+from megatrain.step.warmup import warm_up
 from tests.model_fixtures import DictSink, DictSource, spec_for, tiny_hf
 
 

@@ -3,7 +3,7 @@
 One package, every verb: plan.py (the StoreSpec: segments, slabs, pieces, and the fetch, forward and
 gradient orders as data; the engine takes its checkpoint blocks from it), store.py (a process's view:
 waits, posts, versions, abort, the role table), ctl.py (the control segment's layout), executor.py (the
-executor's walk and each piece's hand-off; its CUDA stream pipelines run beside it, actors/executor_streams.py),
+executor's walk and each piece's hand-off; its CUDA stream pipelines run beside it, actors/executor/streams.py),
 workers.py (pack, drain, take/free a gradient, wait for a step's gradients), adam.py (the Adam
 updater's step: its waits, piece order and versions, around the AdamW arithmetic the actor supplies, one
 update for any number of hosts, through a link that is trivial on one),
@@ -62,7 +62,7 @@ from typing import Any
 
 # Loaded on first use: plan.py and store.py import torch and numba, which `megatrain-launch status` (it
 # reads protocol/status.py and protocol/ctl.py alone) and the config tree must not wait for.
-_FROM = {"Store": "store", "IpcConfig": "ipcconfig"} | {
+_FROM = {"Store": "store"} | {
     name: "plan"
     for name in (
         "PLANES",

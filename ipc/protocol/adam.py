@@ -36,12 +36,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from megatrain.adamw import clip_scale
 from megatrain.collective import Group, SliceExchange
 from megatrain.errors import NonFiniteGradient, ProtocolError
-from megatrain.hostops import sqnorm
+from megatrain.host.adamw import clip_scale
+from megatrain.host.hostops import sqnorm
+from megatrain.ipc.messages import Applied
 from megatrain.ipc.protocol.checkpoints import wait_taken
-from megatrain.ipc.protocol.messages import Applied
 from megatrain.ipc.protocol.plan import Item, StoreSpec
 from megatrain.ipc.protocol.sems import GRADS_READY
 from megatrain.ipc.protocol.store import Store

@@ -26,11 +26,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatrain import checkpoint as ckpt
 from megatrain.errors import ConfigError, ProtocolError
+from megatrain.formats import checkpoint as ckpt
 from megatrain.ipc.protocol.plan import Item
 from megatrain.ipc.protocol.store import Store
-from megatrain.layout import StoreLayout
+from megatrain.model.layout import StoreLayout
 
 
 def claim(store: Store, item: Item, step: int) -> float:
@@ -87,7 +87,7 @@ class Part:
 def parts_of(directory: Path, manifest: dict, layout: StoreLayout) -> list[Part]:
     """The parts of the checkpoint in `directory` (its manifest given), host by host; a ConfigError naming
     train.resume where they do not hold every element of every unit exactly once. A checkpoint of the earlier
-    one-host format is its one part (megatrain/checkpoint.py part_files)."""
+    one-host format is its one part (megatrain/formats/checkpoint.py part_files)."""
     found = ckpt.part_files(manifest)
     hosts = len(found)
     parts = [
@@ -116,7 +116,7 @@ def parts_of(directory: Path, manifest: dict, layout: StoreLayout) -> list[Part]
 
 def read_elems(parts: list[Part], plane: str, unit: int, lo: int, hi: int, out: np.ndarray) -> int:
     """Elements [lo, hi) of the unit in `plane` into `out` (fp32, hi - lo) from whichever of `parts` hold
-    them, every segment read checked (megatrain/checkpoint.py read_range); the bytes read."""
+    them, every segment read checked (megatrain/formats/checkpoint.py read_range); the bytes read."""
     nbytes = 0
     for part in parts:
         first, last, at = part.slices[unit]

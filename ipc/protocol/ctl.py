@@ -1,10 +1,10 @@
 """The control segment's layout, the one both its writers (ipc/protocol/store.py) and its reader without a
-StoreSpec (`megatrain-launch status`, ipc/protocol/status.py) go through. Byte offsets are into the data area
+StoreSpec (`megatrain-launch status`, ipc/status.py) go through. Byte offsets are into the data area
 (after the segment header):
 
   flags         8 int64 words: the abort flag (ABORTED), what raised it (ABORT_ORIGIN, errors.Origin) and
                 when (ABORT_AT, ns since the epoch)
-  pids          MAX_PIDS int64 worker pids, at CTL_PIDS_OFFSET (fixed in ipc/shm.py: the reaper reads them)
+  pids          MAX_PIDS int64 worker pids, at CTL_PIDS_OFFSET (fixed in ipc/shared/shm.py: the reaper reads them)
   reason        the abort reason, NUL-padded UTF-8
   role table    one ROLE_BYTES row per worker slot: heartbeat, progress, calls and waits in flight, when the
                 wait began (float64/int64 words), then what it waits on (NUL-padded UTF-8)
@@ -20,7 +20,7 @@ import json
 
 import numpy as np
 
-from megatrain.ipc.shm import CTL_PIDS_OFFSET, MAX_PIDS
+from megatrain.ipc.shared.shm import CTL_PIDS_OFFSET, MAX_PIDS
 
 FLAG_WORDS = 8
 ABORTED, ABORT_ORIGIN, ABORT_AT = 0, 1, 2  # flag words: the abort, its origin, its time

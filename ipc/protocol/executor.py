@@ -1,6 +1,6 @@
 """The executor's verbs on the data plane: the walk it must follow, and each hand-off of a piece with the host
 workers (a weight slab or a resident tile to read, a gradient slab to fill, a gradient in the resident copy
-to announce). The executor's sources and sinks (actors/executor_streams.py) run these from their threads;
+to announce). The executor's sources and sinks (actors/executor/streams.py) run these from their threads;
 the semaphores, slabs, versions and squared norms are touched here alone.
 """
 

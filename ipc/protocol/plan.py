@@ -11,22 +11,22 @@ from typing import NamedTuple
 
 import torch
 
-from megatrain.blocks import blocks
-from megatrain.engine import EngineConfig
+from megatrain.config.ipc import STALL_FLOOR_S, IpcConfig
 from megatrain.errors import ProtocolError
 from megatrain.flops import model_step_flops
-from megatrain.ipc.protocol.cpus import Threads
+from megatrain.ipc.cpus import Threads
 from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
-from megatrain.ipc.protocol.ipcconfig import STALL_FLOOR_S, IpcConfig
 from megatrain.ipc.protocol.sems import semaphores
-from megatrain.ipc.shm import MAX_PIDS
-from megatrain.layout import PLANES as PLANES  # megatrain.ipc.protocol.PLANES: the layout's, re-exported
-from megatrain.layout import StoreLayout
+from megatrain.ipc.shared.shm import MAX_PIDS
 from megatrain.memory.host import STAGING_BYTES, StoreShape, page_table_bytes, pinned_checkpoint_bytes
 from megatrain.memory.hosts import host_of, host_slice, slice_offsets
 from megatrain.memory.plan import staging_by_rule
-from megatrain.model import ModelSpec
+from megatrain.model.layout import PLANES as PLANES  # megatrain.ipc.protocol.PLANES: the layout's, re-exported
+from megatrain.model.layout import StoreLayout
+from megatrain.model.spec import ModelSpec
 from megatrain.roster import slabs_refusal, slot_names
+from megatrain.step.blocks import blocks
+from megatrain.step.engine import EngineConfig
 
 # The staging dtypes as torch has them, with their bytes (megatrain/memory/host.py STAGING_BYTES).
 STAGING = {"bf16": (torch.bfloat16, STAGING_BYTES["bf16"]), "fp32": (torch.float32, STAGING_BYTES["fp32"])}

@@ -1,5 +1,5 @@
 """The run's semaphores, named here alone: the key each verb waits on or posts, and the POSIX name and initial
-value each is created with (under ipc/shm.py's sem_name, so a leftover run's are found and removed with its
+value each is created with (under ipc/shared/shm.py's sem_name, so a leftover run's are found and removed with its
 segments).
 
   w_free<s>, w_full<s>   weight slab s is free to fill (starts at 1) / holds its piece (starts at 0)
@@ -9,7 +9,7 @@ segments).
 
 from __future__ import annotations
 
-from megatrain.ipc.shm import sem_name
+from megatrain.ipc.shared.shm import sem_name
 
 GRADS_READY = "grads_ready"
 

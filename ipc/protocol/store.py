@@ -30,10 +30,10 @@ from megatrain.ipc.protocol.ctl import (
     CtlView,
     write_text,
 )
-from megatrain.ipc.protocol.fence import load, publish, publish_all, reached
 from megatrain.ipc.protocol.plan import STAGING, StoreSpec
-from megatrain.ipc.segments import classify
-from megatrain.ipc.shm import (
+from megatrain.ipc.shared.fence import load, publish, publish_all, reached
+from megatrain.ipc.shared.segments import classify
+from megatrain.ipc.shared.shm import (
     HEADER_BYTES,
     Header,
     Segment,
@@ -89,7 +89,7 @@ class Store:
                 sem.unlink()
             for seg in segments.values():
                 seg.unlink()
-            if isinstance(exc, posix_ipc.ExistentialError):  # said as `status` says it (ipc/segments.py)
+            if isinstance(exc, posix_ipc.ExistentialError):  # said as `status` says it (ipc/shared/segments.py)
                 rid, shm_dir = spec.run_id, spec.ipc.shm_dir
                 raise ResourceError(classify(rid, run_entries(shm_dir).get(rid, []), shm_dir).refusal()) from None
             raise

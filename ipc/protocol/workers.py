@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from megatrain.hostops import copy_sqnorm
+from megatrain.host.hostops import copy_sqnorm
 from megatrain.ipc.protocol.plan import Item
 from megatrain.ipc.protocol.sems import GRADS_READY, g_free, g_full, w_free, w_full
 from megatrain.ipc.protocol.store import Store

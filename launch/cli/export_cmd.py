@@ -10,8 +10,8 @@ from pathlib import Path
 
 from megatrain.errors import ConfigError, DataError, MegatrainError, disk_full, is_disk_full
 
-# megatrain/export.py's DTYPES (tests/test_light_launcher.py holds them equal): named here, so that `export --help`
-# and a mistyped flag need no torch; the export's own imports come in run().
+# megatrain/formats/export.py's DTYPES (tests/test_light_launcher.py holds them equal): named here, so that
+# `export --help` and a mistyped flag need no torch; the export's own imports come in run().
 DTYPE_NAMES = ("bf16", "fp32")
 _NOT_FIELDS = ("architectures", "model_type", "transformers_version", "torch_dtype", "dtype", "_name_or_path")
 
@@ -33,10 +33,10 @@ def run(source: str, out: str, dtype: str = "fp32", shard_gb: float = 5.0) -> tu
     import torch
     import yaml
 
-    from megatrain import checkpoint as ckpt
-    from megatrain.export import export
-    from megatrain.launch.run.resume import find_checkpoint
-    from megatrain.model import ModelConfig, build_spec
+    from megatrain.formats import checkpoint as ckpt
+    from megatrain.formats.export import export
+    from megatrain.launch.prepare.resume import find_checkpoint
+    from megatrain.model.spec import ModelConfig, build_spec
 
     _check_target(Path(out))
     src = _no_checkpoint_run(Path(source)) or find_checkpoint(source, Path(source), key="SOURCE")
@@ -88,7 +88,7 @@ def _no_checkpoint_run(source: Path) -> None:
 
 
 def _holds_checkpoint(run_dir: Path) -> bool:
-    from megatrain import checkpoint as ckpt
+    from megatrain.formats import checkpoint as ckpt
 
     return ckpt.latest(run_dir / "checkpoints") is not None
 

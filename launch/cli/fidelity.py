@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
-from megatrain import hfformat
 from megatrain.data import Batch, open_data
 from megatrain.errors import ConfigError, DataError, MegatrainError
+from megatrain.formats import hfformat
 from megatrain.launch.config.tree import Config, load_config
-from megatrain.model import family_classes, resolve_hf_config
-from megatrain.reference import Batches, train_reference
+from megatrain.model.reference import Batches, train_reference
+from megatrain.model.spec import family_classes, resolve_hf_config
 
 
 def save_initial(cfg: Config, directory: Path) -> Path:
@@ -45,7 +45,7 @@ def _as_parameters(
     family: str, disk: dict[str, torch.Tensor], params: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
     """The exported tensors under the model's parameter names (experts stored per expert on disk are
-    stacked again: megatrain/hfformat.py); a parameter the export does not hold (a tied lm_head) is left out."""
+    stacked again: megatrain/formats/hfformat.py); a parameter the export does not hold (a tied lm_head) is left out."""
     out = {}
     for name, ref in params.items():
         got = hfformat.read(family, name, tuple(ref.shape), disk, disk.__getitem__)

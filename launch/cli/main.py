@@ -42,9 +42,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cleanup(shm_dir: str = "/dev/shm") -> int:
-    """Remove what `status` calls left over (ipc/segments.py: one classification for both, and for a launch);
+    """Remove what `status` calls left over (ipc/shared/segments.py: one classification for both, and for a launch);
     say what stays that is not a live run, in status's words."""
-    from megatrain.ipc.segments import LIVE, found, sweep
+    from megatrain.ipc.shared.segments import LIVE, found, sweep
     from megatrain.launch.cli.status_cmd import shm_dir_arg
 
     removed = sweep(shm_dir=shm_dir_arg(shm_dir))
@@ -75,7 +75,7 @@ prints the resolved config; a run saves it as `OUTPUT_DIR/config.yaml`.
 
 
 def reference() -> int:
-    from megatrain.configbase import reference_table
+    from megatrain.config.base import reference_table
     from megatrain.launch.config.tree import Config
 
     print(REFERENCE_HEAD + reference_table(Config), end="")
@@ -88,7 +88,7 @@ def _resolved_here(cfg: Any, dump: Callable[[Any], str]) -> str:
 
     import torch
 
-    from megatrain.engineconfig import resolve_engine
+    from megatrain.config.engine import resolve_engine
 
     engine = resolve_engine(cfg.engine, cfg.engine.device == "cuda" or torch.cuda.is_available())
     head = (
@@ -175,7 +175,7 @@ def _run(args: argparse.Namespace, stop: Any, program: bool = False) -> int:
     trainer, where = None, None
     argv = [args.config, *args.overrides, *(["--address", args.address] if args.address else [])]
     try:
-        from megatrain.configbase import dump_yaml
+        from megatrain.config.base import dump_yaml
         from megatrain.launch.config.tree import load_tree, validate_model
 
         overrides = list(args.overrides) + ([f"launch.address={args.address}"] if args.address else [])
@@ -219,7 +219,7 @@ def _run(args: argparse.Namespace, stop: Any, program: bool = False) -> int:
         )
         return 128 + (stop.signum or signal.SIGINT)
     except (ConfigError, DataError) as exc:  # the user's input: nothing was started
-        from megatrain.configbase import locate
+        from megatrain.config.base import locate
         from megatrain.launch.config.tree import Config
 
         return _report(exc, locate(str(exc), where, Config), trainer, USAGE_ERROR)

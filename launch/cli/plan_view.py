@@ -9,10 +9,9 @@ import dataclasses
 import math
 import os
 
-from megatrain.arch import holds_weights
-from megatrain.engineconfig import resolve_engine
+from megatrain.config.engine import resolve_engine
 from megatrain.errors import ConfigError, human_bytes
-from megatrain.ipc.shm import gib
+from megatrain.ipc.shared.shm import gib
 from megatrain.launch.config import timeplan
 from megatrain.launch.config.memplan import (
     MemPlan,
@@ -34,6 +33,7 @@ from megatrain.memory.machine import (
     RAY_THRESHOLD_ENV,
     local_gpus,
 )
+from megatrain.model.arch import holds_weights
 
 # Settings that take host memory away, each re-planned to show what it saves on this model and machine.
 HOST_LEVERS = [
@@ -237,7 +237,7 @@ def _disk(cfg: Config, hosts: int) -> list[str]:
     checkpoint directory (a filesystem every node sees), so a checkpoint counts every part; the final fp32
     weights counted whole."""
     from megatrain.launch.config.diskplan import disk_lines, disk_need
-    from megatrain.launch.run.outdir import resolve_output
+    from megatrain.launch.prepare.outdir import resolve_output
 
     layout = arch_of(cfg).layout
     out = resolve_output(cfg.train.output_dir, cfg.train.run_id or "{run_id}")

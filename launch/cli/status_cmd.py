@@ -3,7 +3,7 @@
 For each: run id, owner, model, steps applied of the total, output directory, the shared memory held,
 and every actor with its pid, role, what it is doing or waiting on, and its own memory (PSS outside
 the store). The pids are the ones to attach a profiler to (py-spy, nsys; see the README). Then every
-other run id's shared memory, classified (ipc/segments.py): what it is, and whether `--cleanup` removes it.
+other run id's shared memory, classified (ipc/shared/segments.py): what it is, and whether `--cleanup` removes it.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import os
 import time
 
 from megatrain.errors import ConfigError
-from megatrain.ipc.protocol.status import Actor, RunStatus, live_runs
-from megatrain.ipc.shm import gib
+from megatrain.ipc.shared.shm import gib
+from megatrain.ipc.status import Actor, RunStatus, live_runs
 from megatrain.launch.report.progress import clock
 from megatrain.roster import on_host
 

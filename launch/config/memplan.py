@@ -5,7 +5,7 @@ The plan is the one a run makes (megatrain/memory/plan.py plan_memory): the host
 (RAM available, /dev/shm free, Ray's memory monitor) or the host `--host-gib` names, the GPU part against the
 GPU's free memory or `--gpu-gib`, with a verdict and the settings that need less. The run itself refuses a
 plan that does not fit before it allocates anything: the store owner re-checks the host part on its node
-(ipc/shm.py check_space), the auto sizes the GPU part. With `--hosts H` the plan is that of one host of a run
+(ipc/shared/shm.py check_space), the auto sizes the GPU part. With `--hosts H` the plan is that of one host of a run
 over H hosts alike (megatrain/memory/hosts.py), actors.num_hosts's by default.
 """
 
@@ -15,12 +15,11 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatrain.arch import Arch, arch_from_config, arch_of_spec
-from megatrain.engineconfig import resolve_engine
+from megatrain.config.engine import resolve_engine
 from megatrain.errors import ConfigError
 from megatrain.flops import active_params, expert_params
 from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
-from megatrain.ipc.shm import HEADER_BYTES
+from megatrain.ipc.shared.shm import HEADER_BYTES
 from megatrain.launch.config.tree import Config
 from megatrain.launch.control.placement import demands, describe_need, per_executor, resolve_executors
 from megatrain.memory.machine import (
@@ -32,9 +31,10 @@ from megatrain.memory.machine import (
     this_machine,
 )
 from megatrain.memory.plan import CHECKPOINT_HEADROOM_FRACTION, MemoryPlan, RunShape, plan_memory
+from megatrain.model.arch import Arch, arch_from_config, arch_of_spec
 
 if TYPE_CHECKING:
-    from megatrain.model import ModelSpec
+    from megatrain.model.spec import ModelSpec
 
 Host = Machine  # the machine a plan is made for
 __all__ = ["CHECKPOINT_HEADROOM_FRACTION", "GIB", "Host", "MemPlan", "make_plan", "this_host"]

@@ -8,19 +8,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megatrain import steptime
-from megatrain.arch import Arch, arch_from_config, arch_of_spec
-from megatrain.engineconfig import EngineConfig
+from megatrain.config.engine import EngineConfig
 from megatrain.errors import ConfigError
 from megatrain.flops import active_params, model_step_flops
-from megatrain.ipc.protocol.cpus import node_cores
+from megatrain.ipc.cpus import node_cores
 from megatrain.launch.config.tree import Config
 from megatrain.launch.control.placement import per_executor
 from megatrain.memory.hosts import network_bytes
 from megatrain.memory.machine import local_gpus
+from megatrain.model.arch import Arch, arch_from_config, arch_of_spec
 
 if TYPE_CHECKING:  # the crew imports the actors, which a plan does not need; the spec, torch
     from megatrain.launch.control.crew import Crew
-    from megatrain.model import ModelSpec
+    from megatrain.model.spec import ModelSpec
 
 DAY_S = 86400.0
 
@@ -37,7 +37,7 @@ class Basis:
 
 
 def executor_threads(cfg: Config, executors: int) -> int:
-    """The torch threads of a CPU-device executor (ipc/protocol/cpus.py's rule, or actors.executor_threads)."""
+    """The torch threads of a CPU-device executor (ipc/cpus.py's rule, or actors.executor_threads)."""
     return cfg.actors.executor_threads or max(1, node_cores() // max(executors, 1))
 
 
@@ -260,7 +260,7 @@ def warn_if_long(crew: Crew, cfg: Config, spec: ModelSpec, executors: int, steps
     (`executors` on each of `hosts`)."""
     from megatrain import log
     from megatrain.actors.adam_updater import AdamUpdater
-    from megatrain.actors.gpu_executor import GpuExecutor
+    from megatrain.actors.executor.gpu_executor import GpuExecutor
     from megatrain.roster import ADAM, EXECUTOR
 
     arch = arch_of_spec(spec)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from megatrain.configbase import opt, section
-from megatrain.ipc.shm import check_run_id
+from megatrain.config.base import opt, section
+from megatrain.ipc.shared.shm import check_run_id
 from megatrain.roster import EXECUTOR, parse_role
 
 

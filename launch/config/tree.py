@@ -6,7 +6,17 @@ import difflib
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatrain.arch import (
+from megatrain.config.base import Where, key_error, load_located, section
+from megatrain.config.data import BYTE_VOCAB_SIZE, DataConfig
+from megatrain.config.engine import EngineConfig
+from megatrain.config.ipc import IpcConfig
+from megatrain.config.model import ModelConfig
+from megatrain.config.optim import OptimConfig
+from megatrain.errors import ConfigError
+from megatrain.launch.config.train import TrainConfig
+from megatrain.launch.control.placement import ActorsConfig, batch_split_problem
+from megatrain.launch.control.runners import LaunchConfig
+from megatrain.model.arch import (
     Arch,
     accepted_fields,
     arch_from_config,
@@ -14,17 +24,7 @@ from megatrain.arch import (
     holds_weights,
     pretrained_config,
 )
-from megatrain.archfields import PLAIN_HEAD_DIM_ONLY
-from megatrain.configbase import Where, key_error, load_located, section
-from megatrain.dataconfig import BYTE_VOCAB_SIZE, DataConfig
-from megatrain.engineconfig import EngineConfig
-from megatrain.errors import ConfigError
-from megatrain.ipc.protocol.ipcconfig import IpcConfig
-from megatrain.launch.config.train import TrainConfig
-from megatrain.launch.control.placement import ActorsConfig, batch_split_problem
-from megatrain.launch.control.runners import LaunchConfig
-from megatrain.modelconfig import ModelConfig
-from megatrain.optimconfig import OptimConfig
+from megatrain.model.archfields import PLAIN_HEAD_DIM_ONLY
 from megatrain.roster import slabs_refusal
 
 # The sections, validate_tree and check_model import no torch, numba or transformers modeling code (tests/
@@ -65,10 +65,10 @@ def validate(cfg: Config, where: Where | None = None) -> None:
 def validate_model(cfg: Config, where: Where | None = None, weights: bool = True) -> None:
     """Every check of the model: HF's own of its config (transformers' import: seconds), its attention run on
     the meta device, check_model's, a pretrained checkpoint's files and the GPU budget. The launcher runs them
-    beside its Ray start (launch/run/inputs.py). `weights` False: a pretrained directory may hold config.json
+    beside its Ray start (launch/prepare/inputs.py). `weights` False: a pretrained directory may hold config.json
     alone (made before the weights are downloaded)."""
-    from megatrain.model import build_spec, check_on_meta, resolve_hf_config
-    from megatrain.weights import check_checkpoint
+    from megatrain.model.spec import build_spec, check_on_meta, resolve_hf_config
+    from megatrain.model.weights import check_checkpoint
 
     check_hf_keys(cfg.model, where)
     arch_from_config(cfg.model, where)  # the shape fields whole and > 0, which HF's own check lets through
@@ -88,8 +88,8 @@ def validate_plan(cfg: Config, where: Where | None = None) -> Arch:
     attention wait for the run (validate_model), whose start they would cost seconds here."""
     arch = check_model(cfg, where)
     if cfg.model.pretrained and holds_weights(cfg.model.pretrained):
-        from megatrain.model import build_spec
-        from megatrain.weights import check_checkpoint
+        from megatrain.model.spec import build_spec
+        from megatrain.model.weights import check_checkpoint
 
         check_checkpoint(build_spec(cfg.model, cfg.optim.no_decay_1d), cfg.model.pretrained)
     check_gpu_budget(cfg, where)
@@ -98,7 +98,7 @@ def validate_plan(cfg: Config, where: Where | None = None) -> Arch:
 
 def check_model(cfg: Config, where: Where | None = None) -> Arch:
     """The model's checks that need no torch or transformers (`megatrain-launch plan` runs these alone): its
-    fields against the family's (megatrain/arch.py) and the other sections; the model, described."""
+    fields against the family's (megatrain/model/arch.py) and the other sections; the model, described."""
     check_hf_keys(cfg.model, where)
     arch = arch_from_config(cfg.model, where, cfg.optim.no_decay_1d)
     hf = arch.fields
@@ -174,11 +174,11 @@ def check_gpu_budget(cfg: Config, where: Where | None = None) -> None:
         return  # no budget (gpubudget.budget_bytes None): nothing to check, and the model code is not imported
     import torch
 
-    from megatrain.engineconfig import resolve_engine
+    from megatrain.config.engine import resolve_engine
     from megatrain.launch.control.placement import per_executor
     from megatrain.memory import budget as gpubudget
     from megatrain.memory.gpu import reduction_bytes
-    from megatrain.model import build_spec
+    from megatrain.model.spec import build_spec
 
     gpus = torch.cuda.device_count()
     if cfg.engine.device == "auto" and not gpus:

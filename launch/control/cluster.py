@@ -181,7 +181,7 @@ def _memory_monitor_threshold() -> Iterator[None]:
     set RAY_memory_usage_threshold: the run's store is shared memory, which the monitor counts as used, and a
     store sized to the host (admitted against MemAvailable by the store owner) would otherwise get its workers
     killed. The raylet takes the setting from its environment and hands it to the workers, whose store owner
-    checks the store against it (ipc/shm.py check_space)."""
+    checks the store against it (ipc/shared/shm.py check_space)."""
     if RAY_THRESHOLD_ENV in os.environ:
         yield
         return

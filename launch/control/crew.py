@@ -14,8 +14,8 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from megatrain.actors.base import Role
 from megatrain.actors.store_owner import StoreOwner
 from megatrain.errors import AbortError, ActorFailure, MegatrainError, ProtocolError, is_stall_verdict
+from megatrain.ipc.messages import ActorInfo
 from megatrain.ipc.procs import live, start_ticks
-from megatrain.ipc.protocol.messages import ActorInfo
 from megatrain.launch.control.failures import ABORTED, Heard, root_cause
 from megatrain.launch.control.handles import Handle, Pending, Runner
 from megatrain.launch.control.placement import Demand

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatrain.configbase import opt
+from megatrain.config.base import opt
 from megatrain.errors import ConfigError
-from megatrain.ipc.protocol.cpus import ThreadRequest
-from megatrain.ipc.shm import host_run_id
+from megatrain.ipc.cpus import ThreadRequest
+from megatrain.ipc.shared.shm import host_run_id
 from megatrain.roster import Roster, build_roster
 
 
@@ -30,7 +30,7 @@ class ActorsConfig:
     )
     num_packers: int = opt(1, "Pinned-packing worker processes (fp32 master -> compute-dtype slabs).")
     num_accumulators: int = opt(1, "Gradient-accumulation worker processes (gradient slabs -> fp32 plane).")
-    # Thread counts: 0 = the node's CPU plan (ipc/protocol/cpus.py; printed at start), which splits the
+    # Thread counts: 0 = the node's CPU plan (ipc/cpus.py; printed at start), which splits the
     # cores of the store's node by which roles run at the same time.
     packer_threads: int = opt(
         0, "Torch threads per packing worker (the cast); 0 = half the node's cores, split between the packers."
@@ -143,8 +143,8 @@ def resolve_hosts(cfg: ActorsConfig, nodes: int) -> int:
 
 
 def check_hosts_run_id(run_id: str, cfg: ActorsConfig, hosts: int) -> None:
-    """Refuse a run id with no room for the name of the last host's store (ipc/shm.py host_run_id: the run id with
-    `h<h>` after it), naming train.run_id: checked as soon as the number of hosts is known (for auto, once the
+    """Refuse a run id with no room for the name of the last host's store (ipc/shared/shm.py host_run_id: the run
+    id with `h<h>` after it), naming train.run_id: checked as soon as the number of hosts is known (for auto, once the
     cluster's nodes are counted), before anything is placed or allocated."""
     if hosts < 2:
         return

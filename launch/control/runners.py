@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from megatrain import log
-from megatrain.configbase import opt
+from megatrain.config.base import opt
 from megatrain.daemons import DaemonExecutor
 from megatrain.errors import AbortError, ActorFailure, ConfigError, MegatrainError, ResourceError, raised_at
 from megatrain.launch.control import cluster

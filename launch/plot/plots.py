@@ -181,7 +181,7 @@ def run_flops(run_dir: Path) -> float | None:
     """Useful work per step of the run, from its config.yaml; None when that cannot be read."""
     from megatrain.flops import model_step_flops
     from megatrain.launch.config.tree import load_config
-    from megatrain.model import build_spec
+    from megatrain.model.spec import build_spec
 
     try:
         cfg = load_config(str(run_dir / "config.yaml"), [])

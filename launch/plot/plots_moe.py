@@ -2,7 +2,7 @@
 that routing collapse (a layer's tokens piling onto a few experts while others starve) shows.
 
 From the rows of metrics.jsonl that carry `expert_load` (per MoE layer, the top-k assignments each expert
-took in the step: RouterStats.load() in megatrain/moe.py) and `aux_loss`:
+took in the step: RouterStats.load() in megatrain/layers/moe.py) and `aux_loss`:
 
   top     heat map, MoE layer x expert: each expert's share of its layer's assignments over the last
           HEAT_STEPS logged steps. Uniform routing reads 1/E in every cell, where the diverging colour

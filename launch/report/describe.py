@@ -8,10 +8,10 @@ import json
 from typing import Any
 
 from megatrain import log
+from megatrain.ipc.cpus import describe as describe_cpu_plan
+from megatrain.ipc.messages import HostMemory
 from megatrain.ipc.protocol import StoreSpec
-from megatrain.ipc.protocol.cpus import describe as describe_cpu_plan
-from megatrain.ipc.protocol.messages import HostMemory
-from megatrain.ipc.shm import gib
+from megatrain.ipc.shared.shm import gib
 
 
 def log_profile(row: dict, cuda: bool) -> None:

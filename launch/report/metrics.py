@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from megatrain.errors import disk_full, is_disk_full
-from megatrain.ipc.protocol.messages import StepReport
+from megatrain.ipc.messages import StepReport
 
 METRICS: dict[str, str] = {
     "step": "optimizer step, from 1",

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatrain import log
-from megatrain.ipc.protocol.messages import Applied, FillReport, HostMemory
+from megatrain.ipc.messages import Applied, FillReport, HostMemory
 from megatrain.launch.config.train import TrainConfig
 from megatrain.launch.report.describe import log_profile
 from megatrain.launch.report.metrics import MetricsFile

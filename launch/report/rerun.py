@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from megatrain import checkpoint as ckpt
-from megatrain.launch.run.outdir import in_ray_job
+from megatrain.formats import checkpoint as ckpt
+from megatrain.launch.prepare.outdir import in_ray_job
 
 PROGRAM = "megatrain-launch"
 RERUN_ENV = "MEGATRAIN_RERUN"  # set by a wrapper script (run-default.sh) to itself, as the user typed it

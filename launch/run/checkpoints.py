@@ -15,18 +15,18 @@ from typing import Any
 
 import torch
 
-from megatrain import checkpoint as ckpt
 from megatrain import log
 from megatrain.actors.checkpoint_writer import CheckpointWriter
 from megatrain.actors.store_owner import StoreOwner
-from megatrain.export import export
+from megatrain.formats import checkpoint as ckpt
+from megatrain.formats.export import export
+from megatrain.ipc.messages import WriteRequest, Written
 from megatrain.ipc.protocol import StoreSpec
-from megatrain.ipc.protocol.messages import WriteRequest, Written
 from megatrain.launch.config.train import TrainConfig
 from megatrain.launch.control.crew import Crew
 from megatrain.launch.control.placement import Demand
 from megatrain.launch.control.runners import Pending
-from megatrain.model import ModelSpec
+from megatrain.model.spec import ModelSpec
 from megatrain.roster import WRITER, on_host
 
 

@@ -3,7 +3,7 @@ logs, and shuts everything down on every path.
 
 It owns no host memory of the run: the store lives in the store owner's actor on the GPU's node, so
 the driver can run anywhere (a laptop attached to a cluster, a `ray job submit` entrypoint).
-The work is split by responsibility: launch/control/crew.py (the actors, calls and failures), launch/control/startup.py
+The work is split by responsibility: launch/control/crew.py (the actors, calls and failures), launch/run/startup.py
 (the actors' start-up), launch/run/steploop.py (the step loop and the run's summary), launch/run/checkpoints.py
 (the checkpoints). This module is the order of a run.
 """
@@ -19,29 +19,29 @@ from pathlib import Path
 from megatrain import log
 from megatrain.actors.base import Role
 from megatrain.actors.store_owner import StoreOwner
-from megatrain.configbase import Where, differences, dump_yaml, to_dict
-from megatrain.engine import EngineConfig
+from megatrain.config.base import Where, differences, dump_yaml, to_dict
+from megatrain.ipc.messages import FillReport, HostMemory
 from megatrain.ipc.protocol import StoreSpec, resolve_stall
-from megatrain.ipc.protocol.messages import FillReport, HostMemory
-from megatrain.ipc.segments import check_run_id_free
-from megatrain.ipc.shm import check_run_id
+from megatrain.ipc.shared.segments import check_run_id_free
+from megatrain.ipc.shared.shm import check_run_id
 from megatrain.launch.config import memplan, timeplan
 from megatrain.launch.config.tree import Config
-from megatrain.launch.control import startup
 from megatrain.launch.control.crew import Crew
 from megatrain.launch.control.placement import check_hosts_run_id
 from megatrain.launch.control.runners import make_runner
+from megatrain.launch.prepare.inputs import Inputs, check_first, read_inputs
+from megatrain.launch.prepare.outdir import OutputLock, prepare_output, resolve_output
+from megatrain.launch.prepare.resume import may_resume
 from megatrain.launch.report.describe import describe_memory, short
 from megatrain.launch.report.reporting import RunSummary
 from megatrain.launch.report.tensorboard import summary_writer
+from megatrain.launch.run import startup
 from megatrain.launch.run.checkpoints import Checkpointer, clear_torn, save_final
 from megatrain.launch.run.evaluation import Evaluator
-from megatrain.launch.run.inputs import Inputs, check_first, read_inputs
-from megatrain.launch.run.outdir import OutputLock, prepare_output, resolve_output
-from megatrain.launch.run.resume import may_resume
 from megatrain.launch.run.steploop import PreparedRun, StepLoop
 from megatrain.launch.run.stopping import Background, StopRequest, sigint_deferred
 from megatrain.memory.plan import MemoryPlan
+from megatrain.step.engine import EngineConfig
 
 
 class Trainer:
@@ -50,7 +50,8 @@ class Trainer:
     ):
         """`launched`: when the launcher's process started (time.time()), where the start-up clock begins;
         None for now (a Trainer run inside a process that was doing other things before). `where`: the config's
-        key locations, for the model checks' messages (the launcher runs those checks here, launch/run/inputs.py)."""
+        key locations, for the model checks' messages (the launcher runs those checks here,
+        launch/prepare/inputs.py)."""
         self.cfg, self.where = cfg, where  # as given; the run's, resolved, is its PreparedRun's
         self.launched = launched
         self.stop = stop  # a graceful-stop request (signal), checked between steps
@@ -126,8 +127,8 @@ class Trainer:
         machine = memplan.this_host(cfg)  # as `megatrain-launch plan` sees it: before Ray and the actors
         resumable = may_resume(cfg.train.resume, self.out)
         check_first(cfg, self.where, self.out, fresh=not resumable)  # what takes no time: before Ray starts
-        # The inputs (launch/run/inputs.py) are read on a thread while Ray starts and the actors spawn; a refused one
-        # ends them again and leaves the directory as it was. Not beside in-process actors: there is no process
+        # The inputs (launch/prepare/inputs.py) are read on a thread while Ray starts and the actors spawn; a refused
+        # one ends them again and leaves the directory as it was. Not beside in-process actors: there is no process
         # start to hide, and their threads would import transformers side by side (its lazy module fails so).
         # Nor where a checkpoint may be resumed: a complete run or a corrupt checkpoint starts nothing.
         beside = cfg.launch.runner == "ray" and not resumable

@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 from typing import TypeVar
 
-from megatrain.actors.gpu_executor import GpuExecutor
+from megatrain.actors.executor.gpu_executor import GpuExecutor
 from megatrain.actors.packer import Packer
 from megatrain.data import Data, arithmetic
-from megatrain.ipc.protocol.messages import EvalRequest, GenerateRequest
+from megatrain.ipc.messages import EvalRequest, GenerateRequest
 from megatrain.launch.control.crew import Crew
 from megatrain.launch.control.handles import Pending
 from megatrain.roster import EXECUTOR, Kind

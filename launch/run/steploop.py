@@ -12,17 +12,16 @@ import torch
 
 from megatrain import log
 from megatrain.actors.adam_updater import AdamUpdater
-from megatrain.actors.gpu_executor import GpuExecutor
-from megatrain.adamw import lr_at
-from megatrain.checkpoint import step_dir
+from megatrain.actors.executor.gpu_executor import GpuExecutor
 from megatrain.collective import split_rows
 from megatrain.data import Data
 from megatrain.data.loader import Prefetcher
-from megatrain.engine import EngineConfig
 from megatrain.errors import ProtocolError
 from megatrain.flops import active_params, model_step_flops
+from megatrain.formats.checkpoint import step_dir
+from megatrain.host.adamw import lr_at
+from megatrain.ipc.messages import AdamRequest, Applied, FillReport, HostMemory, StepReport, StepRequest
 from megatrain.ipc.protocol import StoreSpec, checkpoint_host_bytes
-from megatrain.ipc.protocol.messages import AdamRequest, Applied, FillReport, HostMemory, StepReport, StepRequest
 from megatrain.launch.config.tree import Config
 from megatrain.launch.control.crew import Crew
 from megatrain.launch.control.runners import Pending
@@ -33,6 +32,7 @@ from megatrain.launch.run.checkpoints import Checkpointer, Saves
 from megatrain.launch.run.evaluation import Evaluator
 from megatrain.launch.run.stopping import StopRequest
 from megatrain.roster import EXECUTOR, Kind, Verb
+from megatrain.step.engine import EngineConfig
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from megatrain import checkpoint as ckpt
+from megatrain.formats import checkpoint as ckpt
 from megatrain.launch.report import console
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)

@@ -16,14 +16,14 @@ import numpy as np
 import torch
 
 from megatrain import log
+from megatrain.config.data import DataConfig, paths_of
 from megatrain.data import arithmetic
 from megatrain.data.arithmetic import ByteTokenizer, batch
 from megatrain.data.cache import Builder, TokenFile, stop_workers
 from megatrain.data.datasets import Order, Packed, Padded, Source, Subset, stack
 from megatrain.data.records import load_tokenizer
-from megatrain.dataconfig import DataConfig, paths_of
 from megatrain.errors import DataError
-from megatrain.labels import IGNORE
+from megatrain.layers.labels import IGNORE
 
 __all__ = ["IGNORE", "ByteTokenizer", "DataConfig", "Data", "Batch", "batch", "open_data"]
 

@@ -12,8 +12,8 @@ import zlib
 
 import torch
 
-from megatrain.dataconfig import BYTE_VOCAB_SIZE, DataConfig
-from megatrain.labels import IGNORE
+from megatrain.config.data import BYTE_VOCAB_SIZE, DataConfig
+from megatrain.layers.labels import IGNORE
 
 END_ID = ord("\n")  # ends every answer: greedy evaluation stops there, and an exported model's eos
 _EVAL_STREAM = 7_777_777  # separates the evaluation batches' seeds from the training steps'

@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from megatrain import log
+from megatrain.config.data import DataConfig
 from megatrain.data.records import Encoder, RecordError, jsonl_records, load_tokenizer, split_ranges
-from megatrain.dataconfig import DataConfig
 from megatrain.errors import DataError
 
 FORMAT = 1  # bump when the encoding rules change: old entries are not reused

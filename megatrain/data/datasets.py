@@ -20,7 +20,7 @@ import torch
 
 import megatrain.data.documents as documents
 from megatrain.data.cache import TokenFile
-from megatrain.labels import IGNORE
+from megatrain.layers.labels import IGNORE
 
 Item = tuple[np.ndarray, ...]  # (ids, labels), or (ids, labels, positions) with packed documents
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatrain.labels import IGNORE
+from megatrain.layers.labels import IGNORE
 
 
 def eos_starts(part: np.ndarray, eos: np.ndarray, before: int | None) -> np.ndarray:

@@ -14,7 +14,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from megatrain.dataconfig import DataConfig
+from megatrain.config.data import DataConfig
 from megatrain.errors import DataError
 
 

@@ -5,7 +5,7 @@ What costs time, what costs memory (one step, L layers, K = engine.checkpoint_in
     forward+backward again, and its weights cross PCIe again); a layer in the last block is not, but
     keeps its activations on the GPU from its forward to its backward. So the last block gets as many
     layers as the free memory holds: that is the speed lever.
-  * a lean layer (megatrain/lean.py) keeps only its GEMM and attention outputs and remakes the rest
+  * a lean layer (megatrain/step/lean.py) keeps only its GEMM and attention outputs and remakes the rest
     in its backward: about half the bytes for about a tenth of its time (bench/lean.py), against a
     whole forward and a second weight transfer for a layer left out of the last block. So the last
     block takes as many layers as fit when lean, and the fewest of them are made lean (its first
@@ -53,15 +53,15 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from megatrain.arch import Arch, arch_of_spec
-from megatrain.blocks import blocks
-from megatrain.engineconfig import FIXED_SIZES, EngineConfig
+from megatrain.config.engine import FIXED_SIZES, EngineConfig
 from megatrain.errors import ResourceError
 from megatrain.memory.host import host_checkpoints
 from megatrain.memory.layer import OUR_EXPERTS, lean_layer_bytes, mlp_width, our_layer_bytes, sparse_every_layer
+from megatrain.model.arch import Arch, arch_of_spec
+from megatrain.step.blocks import blocks
 
 if TYPE_CHECKING:
-    from megatrain.model import ModelSpec
+    from megatrain.model.spec import ModelSpec
 
 GIB = 2**30
 LOSS_BYTES = 12  # per logit element: bf16 logits, fp32 upcast, fp32 gradient of the upcast
@@ -105,7 +105,7 @@ def layer_activation_bytes(
     model: Arch | ModelSpec, tokens: int, dtype_bytes: int, tile: int = 0, experts: str = "hf"
 ) -> int:
     """One decoder layer's activations kept for its backward, for `tokens` tokens; with token tiles
-    (megatrain/tiling.py), its attention half's (q, k, v, the attention output, the log-sum-exp and three
+    (megatrain/step/tiling.py), its attention half's (q, k, v, the attention output, the log-sum-exp and three
     hidden-state copies: the input, the normed input and the MLP half's input), plus one tile's worth of an
     untiled layer: the tile in flight. Calibrated with stream_bytes on the tiled runs measured. `experts`:
     engine.moe_experts (what a mixture of experts' routed rows keep: mlp_width); on our expert path a MoE
@@ -383,7 +383,7 @@ def _saved(arch: Arch, plan: tuple) -> int:
 
 
 def lean_bytes(model: Arch | ModelSpec, tokens: int, dtype_bytes: int, experts: str = "hf") -> int:
-    """A lean layer's activations and weights (megatrain/lean.py), for `tokens` tokens; `experts`:
+    """A lean layer's activations and weights (megatrain/step/lean.py), for `tokens` tokens; `experts`:
     engine.moe_experts (what a mixture of experts' lean layer keeps depends on the path)."""
     arch = as_arch(model)
     numel = _layer_numel(arch)

@@ -15,13 +15,13 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from megatrain.arch import Arch
-from megatrain.engineconfig import EngineConfig
+from megatrain.config.engine import EngineConfig
 from megatrain.errors import ResourceError
 from megatrain.memory import autosize
+from megatrain.model.arch import Arch
 
 if TYPE_CHECKING:
-    from megatrain.model import ModelSpec
+    from megatrain.model.spec import ModelSpec
 
 GIB = 2**30
 KEY = "engine.gpu_memory_gib"

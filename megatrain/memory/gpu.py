@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from megatrain.arch import Arch
-from megatrain.engineconfig import EngineConfig
+from megatrain.config.engine import EngineConfig
 from megatrain.errors import ResourceError
-from megatrain.layout import StoreLayout
 from megatrain.memory import autosize
 from megatrain.memory import budget as gpubudget
 from megatrain.memory.hosts import largest_slice
+from megatrain.model.arch import Arch
+from megatrain.model.layout import StoreLayout
 
-REDUCE_CREDITS = 2  # fp32 gradients queued for their reduction on the GPU (actors/executor_reduce.py)
+REDUCE_CREDITS = 2  # fp32 gradients queued for their reduction on the GPU (actors/executor/reduce.py)
 REDUCTION = "fp32 gradients awaiting the executors' sum"
 
 

@@ -10,16 +10,16 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
-from megatrain.blocks import blocks
-from megatrain.engineconfig import EngineConfig, fixed_sizes
-from megatrain.layout import PLANES, STATE_PLANES, TILE_ALIGN, StoreLayout, round_up
+from megatrain.config.engine import EngineConfig, fixed_sizes
 from megatrain.memory.hosts import host_plane_elems, unit_pieces
+from megatrain.model.layout import PLANES, STATE_PLANES, TILE_ALIGN, StoreLayout, round_up
 from megatrain.roster import EXECUTOR, Kind, kind_of
+from megatrain.step.blocks import blocks
 
 GIB = 2**30
 STAGING_BYTES = {"bf16": 2, "fp32": 4}  # a weight's bytes in the staging slabs and the resident copy
 PAGE_TABLE_MAPPERS = 3  # processes that map nearly all of the store: the owner, Adam, the executor or workers
-REAPER = "reaper"  # the run's reaper: a helper process of the owner, no actor (ipc/reaper.py)
+REAPER = "reaper"  # the run's reaper: a helper process of the owner, no actor (ipc/shared/reaper.py)
 PROCESS_BYTES = {
     EXECUTOR: int(1.4 * GIB),
     "cpu-role": int(0.7 * GIB),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from megatrain.layout import TILE_ALIGN, StoreLayout
+from megatrain.model.layout import TILE_ALIGN, StoreLayout
 
 MAX_HOSTS = 64  # the most hosts the plan tries when it looks for the fewest that fit
 

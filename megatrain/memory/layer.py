@@ -1,11 +1,11 @@
 """What one decoder layer keeps for its backward, per token, from the model's shape alone (an Arch): the MLP's
-activation width (a mixture of experts' routed width), and a lean layer's bytes (megatrain/lean.py, which
+activation width (a mixture of experts' routed width), and a lean layer's bytes (megatrain/step/lean.py, which
 keeps only the GEMM and attention outputs). The memory model of megatrain/memory/autosize.py is built on these."""
 
 from __future__ import annotations
 
-from megatrain.arch import Arch
-from megatrain.layout import StoreLayout
+from megatrain.model.arch import Arch
+from megatrain.model.layout import StoreLayout
 
 # GPT-OSS's clamped GLU (swiglu_limit) keeps about twice a SwiGLU's tensors per routed row for its backward
 # (the clamps, the sigmoid gate, the biases added in place): 2.2x, from the saved tensors of its layer on the
@@ -13,7 +13,7 @@ from megatrain.layout import StoreLayout
 CLAMPED_GLU = 2.2
 
 
-# engine.moe_experts' value for our expert path (megatrain/experts.py, whose name HF knows it by is the same)
+# engine.moe_experts' value for our expert path (megatrain/layers/experts.py, whose name HF knows it by is the same)
 OUR_EXPERTS = "megatrain"
 # Per routed row, what our path keeps beside h: its place in the sorted order and back (two int64) and its
 # routing weight (fp32 at most: Mixtral's router keeps them fp32); biased experts (GPT-OSS) add the row's
@@ -23,7 +23,7 @@ _BIASED_ROUTING_BYTES = 8
 
 
 def experts_kept_bytes(arch: Arch, tokens: int, dtype_bytes: int) -> int:
-    """Bytes megatrain/experts.py keeps for its backward in one MoE layer (engine.moe_experts=megatrain), for
+    """Bytes megatrain/layers/experts.py keeps for its backward in one MoE layer (engine.moe_experts=megatrain), for
     `tokens` tokens: each routed row's gate/up output h (2 x the expert width, compute dtype) and its routing;
     per layer the groups' int32 ends. Not the gathered input rows (gathered again) nor the experts' output
     (not needed); the layer's input and the weights are kept by others. 0 for a dense model."""
@@ -63,7 +63,7 @@ def our_layer_bytes(arch: Arch, dtype_bytes: int, tokens: int) -> float:
         if shape is not None:  # the norm's fp32 input, its normalized copy, one fp32 scale per row normed
             kept += (4 + d) * width + 4 * (width // shape[0])
     kept += 2 * d * head_dim  # rope's cos and sin
-    if has_sinks(arch.layout):  # megatrain/attention.py: a virtual key, head widths padded to 8
+    if has_sinks(arch.layout):  # megatrain/layers/attention.py: a virtual key, head widths padded to 8
         padded = -(-(head_dim + 1) // 8) * 8
         full = d * padded * (2 * heads + 2 * kv_heads) + 4 * heads
         window = f.get("sliding_window") or 0
@@ -129,7 +129,7 @@ def lean_layer_bytes(arch: Arch, tokens: int, dtype_bytes: int, layer_numel: int
     weights in compute dtype, which the last block keeps until its backward (the lean call's input)."""
     q, kv = arch.attention_widths
     attention = q
-    if has_sinks(arch.layout):  # the sinks' virtual key pads the attention's head dim (megatrain/attention.py)
+    if has_sinks(arch.layout):  # the sinks' virtual key pads the attention's head dim (megatrain/layers/attention.py)
         attention = arch.num_attention_heads * -(-(arch.head_dim + 1) // 8) * 8
     if arch.is_moe and experts == OUR_EXPERTS:
         mlp = _our_lean_mlp(arch)
@@ -147,7 +147,7 @@ def lean_layer_bytes(arch: Arch, tokens: int, dtype_bytes: int, layer_numel: int
 def _our_lean_mlp(arch: Arch) -> int:
     """Per token, in compute-dtype elements, what a lean MoE layer on our expert path keeps beside q, k, v and
     attention, counted from its structure (all of them GEMM outputs the lean call caches; the rest of
-    megatrain/experts.py's forward, its sort and routing included, runs again): the layer's input and o's
+    megatrain/layers/experts.py's forward, its sort and routing included, runs again): the layer's input and o's
     output (hidden each); the router's logits (one per expert); the routed rows' grouped GEMM outputs, each
     row's gate/up (2 x the expert width) and down (hidden), top-k rows per token, except where the experts'
     grouped GEMMs run again (experts_rerun: the lean call then caches no grouped GEMM); the combine's batched

@@ -1,7 +1,7 @@
 """One memory plan of a run, made once by the driver before anything is spawned: the staging mode, the
 host terms against the node the store will live on, the room left there for pinned activation
 checkpoints, and the GPU part. The store owner is sent it and only re-checks its admission on its own
-node (ipc/shm.py check_space); `megatrain-launch plan` renders it (launch/config/memplan.py)."""
+node (ipc/shared/shm.py check_space); `megatrain-launch plan` renders it (launch/config/memplan.py)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from megatrain.arch import Arch
-from megatrain.engineconfig import EngineConfig, fixed_sizes
+from megatrain.config.engine import EngineConfig, fixed_sizes
 from megatrain.errors import ConfigError
 from megatrain.memory.gpu import GpuPart, gpu_part
 from megatrain.memory.host import PINNED, REAPER, StoreShape, host_terms, pinned_checkpoint_bytes, process_terms
 from megatrain.memory.machine import Machine
+from megatrain.model.arch import Arch
 from megatrain.roster import OWNER, Roster, build_roster, slabs_refusal
 
 # Pinned checkpoints are optional host memory (the GPU takes those the host does not): they stop this far
@@ -41,7 +41,7 @@ class RunShape:
     saves_checkpoints: bool
     launcher: bool  # the launcher is a process of its own on the node (not the in-process runner)
     private_ray: bool  # the run starts its own Ray instance on the node
-    header_bytes: int  # each segment's header (ipc/shm.py)
+    header_bytes: int  # each segment's header (ipc/shared/shm.py)
     ctl_fixed: int  # the control segment's fixed part (ipc/protocol/ctl.py)
     ctl_piece_bytes: int  # and its bytes per piece
     hosts: int = 1  # the hosts of the run: the plan is each one's (megatrain/memory/hosts.py)
@@ -214,7 +214,7 @@ def _plan(
 
 def _processes(roster: Roster) -> list[str]:
     """The run's processes that take host memory: the roles started with the run, and beside the store owner
-    its reaper (a helper process, no actor: ipc/reaper.py)."""
+    its reaper (a helper process, no actor: ipc/shared/reaper.py)."""
     names = [r.name for r in roster.at_launch]
     return [p for name in names for p in ((name, REAPER) if name == OWNER else (name,))]
 

@@ -1,0 +1,1 @@
+"""Shared memory itself: segments with checked headers, their mappings, the sweeper and reaper, and memory fences."""

@@ -1,0 +1,137 @@
+"""AdamW on the CPU: one fused Numba pass over a unit's tile, plus the LR schedule.
+
+The arithmetic mirrors torch.optim.AdamW (single-tensor path) operation by operation in fp32, so
+the two agree to rounding: decoupled decay p *= 1 - lr*wd; m = lerp(m, g, 1-b1); v = b2 v + (1-b2) g^2;
+p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps). Global-norm clipping enters as a gradient scale.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic, overload
+
+from megatrain.config.optim import OptimConfig as OptimConfig  # the optim section, re-exported
+
+
+def lr_at(cfg: OptimConfig, step: int, total_steps: int) -> float:
+    """LR for optimizer step `step` (0-based) of `total_steps`."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(total_steps - cfg.warmup_steps - 1, 1)
+    frac = min((step - cfg.warmup_steps) / span, 1.0)
+    shape = 1 - frac if cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * frac))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * shape)
+
+
+def clip_scale(total_norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor: max_norm / (norm + 1e-6), never above 1."""
+    if max_norm <= 0:
+        return 1.0
+    return min(1.0, max_norm / (total_norm + 1e-6))
+
+
+@intrinsic
+def _f32_from_bf16(typingctx, bits):  # pragma: no cover - compiled
+    """The float32 of the bfloat16 whose bit pattern is the uint16 `bits`: its bits in the upper half of a
+    float32's (exact; a shift and a register move)."""
+    if bits != types.uint16:
+        return None
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        wide = builder.shl(builder.zext(args[0], i32), ir.Constant(i32, 16))
+        return builder.bitcast(wide, context.get_value_type(types.float32))
+
+    return types.float32(types.uint16), codegen
+
+
+def _grad_at(g, i):  # pragma: no cover - replaced by the overload below in compiled code
+    raise NotImplementedError
+
+
+@overload(_grad_at, inline="always")
+def _grad_at_impl(g, i):  # pragma: no cover - compiled
+    """g[i] as float32: fp32 gradients as they are, bf16 ones (uint16 bits, a resident tile holding the
+    gradient) widened exactly, so Adam reads the compute dtype without a widened copy in memory."""
+    if g.dtype == types.uint16:
+        return lambda g, i: _f32_from_bf16(g[i])
+    return lambda g, i: g[i]
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _adamw(p, g, m, v, decay, w1, b2, w2, step, bc2_sqrt, eps, gscale):  # pragma: no cover - compiled
+    for i in numba.prange(p.size):
+        gi = _grad_at(g, i) * gscale
+        mi = m[i] + w1 * (gi - m[i])
+        vi = v[i] * b2 + w2 * gi * gi
+        m[i] = mi
+        v[i] = vi
+        p[i] = p[i] * decay - step * (mi / (np.sqrt(vi) / bc2_sqrt + eps))
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _adamw_bf16(p, pbits, out, g, m, v, decay, w1, b2, w2, step, bc2_sqrt, eps, gscale):  # pragma: no cover
+    """_adamw, and the new weight's bfloat16 bits into `out` in the same pass (the resident copy): one read
+    of p instead of two. `pbits` is p viewed as uint32. The rounding is torch's (c10::BFloat16): round to
+    nearest even, any NaN to the quiet NaN 0x7FC0. `out` may be `g` itself (bf16 gradients waiting in the
+    resident copy): element i of g is read before element i of out is written."""
+    for i in numba.prange(p.size):
+        gi = _grad_at(g, i) * gscale
+        mi = m[i] + w1 * (gi - m[i])
+        vi = v[i] * b2 + w2 * gi * gi
+        m[i] = mi
+        v[i] = vi
+        pi = p[i] * decay - step * (mi / (np.sqrt(vi) / bc2_sqrt + eps))
+        p[i] = pi
+        if pi != pi:
+            out[i] = 0x7FC0
+        else:
+            u = np.uint64(pbits[i])
+            out[i] = np.uint16((u + ((u >> np.uint64(16)) & np.uint64(1)) + np.uint64(0x7FFF)) >> np.uint64(16))
+
+
+def adamw_update(
+    p: np.ndarray,
+    g: np.ndarray,
+    m: np.ndarray,
+    v: np.ndarray,
+    *,
+    step: int,
+    lr: float,
+    cfg: OptimConfig,
+    weight_decay: float,
+    grad_scale: float = 1.0,
+    bf16_out: np.ndarray | None = None,
+) -> None:
+    """One AdamW step in place over fp32 arrays; `step` is 1-based (bias correction). `g` is fp32, or bf16 as
+    uint16 bits. `bf16_out` (uint16, p's size): also write the new weights there as bfloat16 bits, in the
+    same pass (it may be `g` itself).
+
+    Scalars are formed in double and rounded once to fp32, as torch does (1 - b2 computed in fp32
+    from an fp32 b2 would be off by 1e-5 relative for b2 = 0.999).
+    """
+    f = np.float32
+    b1, b2 = cfg.betas
+    bc1 = 1 - b1**step
+    bc2_sqrt = math.sqrt(1 - b2**step)
+    scalars = (
+        f(1 - lr * weight_decay),
+        f(1 - b1),
+        f(b2),
+        f(1 - b2),
+        f(lr / bc1),
+        f(bc2_sqrt),
+        f(cfg.eps),
+        f(grad_scale),
+    )
+    if bf16_out is None:
+        _adamw(p, g, m, v, *scalars)
+    else:
+        _adamw_bf16(p, p.view(np.uint32), bf16_out, g, m, v, *scalars)
