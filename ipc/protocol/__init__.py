@@ -8,8 +8,8 @@ workers.py (pack, drain, take/free a gradient, wait for a step's gradients), ada
 updater's step: its waits, piece order and versions, around the AdamW arithmetic the actor supplies, one
 update for any number of hosts, through a link that is trivial on one),
 checkpoints.py (the writer's claim and release of each piece, Adam's wait for it, the versions of a
-restored store), monitor.py (stall detection), fence.py (memory ordering of the version counters),
-messages.py (what the actors' calls send and answer across processes).
+restored store). Beside it: ipc/messages.py (what the actors' calls send and answer across processes),
+ipc/monitor.py (stall detection), ipc/shared/fence.py (memory ordering of the version counters).
 The actors call these and touch no version, semaphore or slab themselves (tests/test_protocol_boundary.py).
 
 Segments of a run (all /megatrain-<run_id>-<part>):
@@ -43,7 +43,8 @@ accumulator (k % G) % A:
   accumulator: wait g_full[s]; (GPU: synchronize the opened IPC event); norm^2 -> ctl; slab -> grads
                tile range; post g_free[s]; post grads_ready
   adam:        wait grads_ready once per piece; clip scale from the norms; update pieces in forward
-               order, bumping version[piece] after each, which releases the next step's packers.
+               order, bumping version[piece] after each (one host; slabs run on one host only), which
+               releases the next step's packers.
 Without clipping there is no grads plane and no accumulator: the Adam updater itself waits
 g_full[s] (and the slab's IPC event), updates the piece straight from the slab, bumps its version and
 posts g_free[s], all while the executor is still running the backward.
@@ -52,7 +53,8 @@ the store owner's monitor names a stalled peer long before that (ipc.stall_timeo
 plan's order raises ProtocolError (never an assert: `python -O` must not write into the wrong tile).
 
 Memory ordering: slabs, squared norms and the grads plane change hands through POSIX semaphores, which
-synchronize memory (XBD 4.12); version counters are published and read with explicit fences (fence.py).
+synchronize memory (XBD 4.12); version counters are published and read with explicit fences
+(ipc/shared/fence.py).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ import importlib
 from typing import Any
 
 # Loaded on first use: plan.py and store.py import torch and numba, which `megatrain-launch status` (it
-# reads protocol/status.py and protocol/ctl.py alone) and the config tree must not wait for.
+# reads ipc/status.py and protocol/ctl.py alone) and the config tree must not wait for.
 _FROM = {"Store": "store"} | {
     name: "plan"
     for name in (
