@@ -24,13 +24,19 @@ class DaemonExecutor:
             threading.Thread(target=_serve, args=(self.calls, initializer), name=f"{name}_{i}", daemon=True)
             for i in range(workers)
         ]
-        for t in self.threads:
-            t.start()
+        self.started = False  # the threads start with the first call, as a ThreadPoolExecutor's
+        self.starting = threading.Lock()  # calls may come from several threads at once
         weakref.finalize(self, _stop, self.calls, workers)
 
     def submit(self, fn: Callable, *args: Any, **kwargs: Any) -> cf.Future:
         fut: cf.Future = cf.Future()
         self.calls.put((fut, fn, args, kwargs))
+        if not self.started:
+            with self.starting:
+                if not self.started:
+                    for t in self.threads:
+                        t.start()
+                    self.started = True
         return fut
 
     def shutdown(self) -> None:

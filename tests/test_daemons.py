@@ -72,3 +72,20 @@ def test_shutdown_cancels_what_has_not_started_and_names_a_stuck_call() -> None:
     assert len(names) == 1 and names[0].startswith("actor_0 (at threading.py:") and " in wait)" in names[0], names
     never.set()
     assert running.result(10) is None and stuck_threads([pool], settle_s=10) == []
+
+
+def test_threads_start_with_the_first_call_and_never_twice() -> None:
+    """As a ThreadPoolExecutor's: an executor never called holds no thread (an actor's compute thread on a
+    device that never submits to it), and calls from several threads at once start each thread once."""
+    before = threading.active_count()
+    pool = DaemonExecutor("lazy", 2)
+    assert threading.active_count() == before and stuck_threads([pool], settle_s=0) == []
+    go = threading.Event()
+    callers = [threading.Thread(target=lambda: (go.wait(), pool.submit(int, "2").result(10))) for _ in range(8)]
+    for t in callers:
+        t.start()
+    go.set()
+    for t in callers:
+        t.join(10)
+    assert all(t.ident is not None for t in pool.threads) and not any(t.is_alive() for t in callers)
+    pool.shutdown()

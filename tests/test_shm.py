@@ -86,7 +86,7 @@ def test_a_large_segment_is_sharded_into_files_mapped_as_one(rid: str, monkeypat
         [
             sys.executable,
             "-c",
-            f"from megatrain.ipc import mapping, shm; mapping.SHARD_BYTES, mapping.ALIGN = 1 << 20, 1 << 16; "
+            f"from megatrain.ipc.shared import mapping, shm; mapping.SHARD_BYTES, mapping.ALIGN = 1 << 20, 1 << 16; "
             f"shm.Segment.create(shm.seg_name('{rid}', 'ctl'), 64, shm.Header({HASH!r}, '{rid}')); "
             f"shm.Segment.create(shm.seg_name('{rid}', 'params'), 3 << 20, shm.Header({HASH!r}, '{rid}'))",
         ],

@@ -71,7 +71,7 @@ THREADS_SETTLE_S = 5.0
 def stuck_threads(pools: list[DaemonExecutor], settle_s: float) -> list[str]:
     """The actor threads still inside a call `settle_s` after shutdown, each with the line it is at."""
     deadline = time.monotonic() + settle_s
-    threads = [t for p in pools for t in p.threads]
+    threads = [t for p in pools for t in p.threads if t.ident is not None]  # started (with a first call)
     for t in threads:
         t.join(max(deadline - time.monotonic(), 0.0))
     frames = sys._current_frames()
