@@ -363,7 +363,15 @@ class Cli:
             if self.proc.poll() is not None and not any(re.search(pattern, ln) for ln in self.stdout):
                 raise AssertionError(f"exited {self.proc.returncode} before '{pattern}':\n{self.text()}")
             time.sleep(0.05)
+        self._end()  # a test that fails here leaves no launcher holding the cluster for the next one
         raise AssertionError(f"no '{pattern}' within {timeout}s:\n{self.text()}")
+
+    def _end(self) -> None:
+        """SIGKILL the launcher's process group and reap it (Ray ends the actors of a driver gone)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(30)
 
     def actor_pids(self) -> dict[str, int]:
         line = self.wait_for(r"actors: (.*)").group(1)
@@ -386,7 +394,7 @@ class Cli:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+            self._end()
             raise AssertionError(f"launcher hung:\n{self.text()}") from None
 
     def text(self) -> str:
