@@ -316,6 +316,13 @@ NODES = 2  # the simulated cluster's nodes (tests/conftest.py `cluster`)
 NODE_CPUS = 3  # a CPU-device host's actors ask for 2 (its executor and Adam updater)
 
 
+# How long a test waits for a launcher's start (its actors line, its first step): beyond the launcher's own
+# train.setup_timeout_s (600 s), which names a start that hangs; on a loaded 2-core machine a run over a
+# simulated two-node cluster takes minutes to start (every actor process imports torch), so a tighter bound
+# would fail on the machine's speed, not on the code.
+START_S = 660
+
+
 class Cli:
     """megatrain-launch in its own session (so a Ctrl-C can hit its whole process group)."""
 
@@ -374,7 +381,7 @@ class Cli:
             self.proc.wait(30)
 
     def actor_pids(self) -> dict[str, int]:
-        line = self.wait_for(r"actors: (.*)").group(1)
+        line = self.wait_for(r"actors: (.*)", timeout=START_S).group(1)
         pids = {name: int(pid) for name, pid in re.findall(r"([\w-]+) pid (\d+)", line)}
         self.tree |= set(pids.values())
         self.snapshot()

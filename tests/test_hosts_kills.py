@@ -14,7 +14,7 @@ import socket
 import pytest
 
 from megatrain.ipc.shared.shm import host_run_id
-from tests.harness import NO_AUTH, Cli, run_leftovers
+from tests.harness import NO_AUTH, START_S, Cli, run_leftovers
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ RUN = ["actors.num_hosts=2", "engine.device=cpu", "train.save_every=100000", "tr
 
 def actors(cli: Cli) -> dict[str, int]:
     """Every actor of the run by the name the run gives it in its messages (host 0's with `@host0`), with its pid."""
-    line = cli.wait_for(r"actors: (.*)").group(1)
+    line = cli.wait_for(r"actors: (.*)", timeout=START_S).group(1)
     pids = {name: int(pid) for name, pid in re.findall(r"([\w@-]+) pid (\d+)", line)}
     cli.tree |= set(pids.values())
     return {(name if "@host" in name else f"{name}@host0"): pid for name, pid in pids.items()}
@@ -43,7 +43,7 @@ def test_a_killed_actor_is_named_with_its_host_pid_and_node_and_nothing_else_rea
     cli = Cli(tmp_path, *RUN, "--address", cluster.address, steps=100_000, env=NO_AUTH)
     pids = actors(cli)
     assert {f"{r}@host{h}" for r in ROLES for h in (0, 1)} <= set(pids), pids
-    cli.wait_for(r"first step done")
+    cli.wait_for(r"first step done", timeout=START_S)
     cli.snapshot()
     victim = f"{role}@host{host}"
     os.kill(pids[victim], signal.SIGKILL)
