@@ -19,21 +19,11 @@ from megatrain.layers.moe import is_expert_slot
 from megatrain.memory import autosize
 from megatrain.model.spec import build_spec
 from megatrain.step.engine import EngineConfig, resolve_engine
-from tests.harness import MOE_FAMILIES, TINY, tiny_config_dict
+from tests.harness import MOE_FAMILIES, QWEN7B, TINY, tiny_config_dict
 from tests.model_fixtures import tiny_hf
 
 GIB = 2**30
 ROOT = Path(__file__).resolve().parents[1]
-QWEN7B = {
-    "hidden_size": 3584,
-    "intermediate_size": 18944,
-    "num_attention_heads": 28,
-    "num_key_value_heads": 4,
-    "vocab_size": 152064,
-    "max_position_embeddings": 32768,
-    "tie_word_embeddings": False,
-    "use_sliding_window": False,
-}
 
 # Measured with the product's defaults (clipping on, the gradients in the resident copy), 2026-11-25
 # (BENCHMARKS.md): (layers, batch, seq, extra overrides) -> the last block the run chose, the PSS of all its
