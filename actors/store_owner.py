@@ -152,6 +152,7 @@ class StoreOwner(Role):
             executors=req.executors,
             hosts=req.hosts,
             host=req.host,
+            gpu_units=engine.gpu_optimizer if isinstance(engine.gpu_optimizer, int) else 0,
         )
         ram_only["page tables of its mappings"] = spec.page_table_bytes()
         return self._with_cpu_plan(spec, engine.device == "cuda", req.threads), ram_only

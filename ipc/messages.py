@@ -37,7 +37,7 @@ SUM, MAX, FIRST = "sum", "max", "first"
 
 
 def _sum(values: list[Any]) -> Any:
-    return sum(values)
+    return None if values[0] is None else sum(values)  # None: no executor counts it
 
 
 def _max(values: list[Any]) -> Any:
@@ -74,7 +74,7 @@ class StepRequest:
     """GpuExecutor.step's request: train on rows `ids` / `labels` of step `step`'s batch (the weights after
     step-1's update). `timeline` records the per-unit lanes; `profile` (a path on the executor's node) runs
     the step under torch.profiler; `positions`: the tokens' offsets in their documents, None for one causal
-    sequence per row."""
+    sequence per row; `lr`: the step's learning rate (for the units whose optimizer the device holds)."""
 
     step: int
     ids: torch.Tensor
@@ -82,6 +82,7 @@ class StepRequest:
     timeline: bool = False
     profile: str = ""
     positions: torch.Tensor | None = None
+    lr: float = 0.0  # the step's learning rate: the executor updates the units its device holds with it
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +103,8 @@ class StepReport:
     aux_loss: float | None = _merged(FIRST, None)  # mixture of experts: reduced over the executors already
     expert_load: list[list[int]] | None = _merged(FIRST, None)
     gpu_peak_bytes: int | None = _merged(MAX, None)  # CUDA only
+    gpu_units: int | None = _merged(SUM, None)  # engine.gpu_optimizer: the units updated on the devices
+    gpu_update_s: float | None = _merged(MAX, None)  # the wait for Adam's norm and that update
     timeline: dict | None = _merged(FIRST, None)  # executor 0's only (train.timeline_step)
     profile: dict | None = _merged(FIRST, None)  # executor 0's only: StepProfile.result, or why it failed
     # Several executors: each one's compute_s, executor 0 first. Made by merge, never by an executor.

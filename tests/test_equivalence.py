@@ -43,6 +43,16 @@ VARIANTS = {
         "ipc.grad_slabs=3",
     ],
     "pieces-no-clip-resident": ["ipc.slab_params=3000", "optim.max_grad_norm=0", "ipc.staging=resident"],
+    # The optimizer of the first units held by the executor (engine.gpu_optimizer): the embedding and a layer;
+    # every unit, without clipping, in pieces; with the gradient summed over chunks.
+    "resident-gpu-optimizer": ["ipc.staging=resident", "engine.gpu_optimizer=2"],
+    "resident-gpu-optimizer-all-no-clip-pieces": [
+        "ipc.staging=resident",
+        f"engine.gpu_optimizer={LAYERS + 2}",
+        "optim.max_grad_norm=0",
+        "ipc.slab_params=3000",
+    ],
+    "resident-gpu-optimizer-chunks": ["ipc.staging=resident", "engine.gpu_optimizer=3", "engine.chunk_sequences=3"],
 }
 VARIANT_CASES = [
     ("llama", True, 2, "resident"),
@@ -58,6 +68,9 @@ VARIANT_CASES = [
     ("llama", False, 3, "chunks-no-clip"),
     ("qwen2", False, 2, "pieces"),
     ("llama", True, 1, "pieces-no-clip-resident"),
+    ("qwen2", True, 2, "resident-gpu-optimizer"),
+    ("llama", False, 1, "resident-gpu-optimizer-all-no-clip-pieces"),
+    ("mistral", True, 3, "resident-gpu-optimizer-chunks"),
     ("qwen2", False, 1, "lean-no-clip"),
 ]
 

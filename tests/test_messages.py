@@ -17,8 +17,17 @@ from megatrain.ipc import messages
 from megatrain.ipc.messages import Applied, StepReport, StepRequest
 from tests.harness import heavy_after
 
-SUMMED = ("loss", "tokens", "h2d_bytes", "d2h_bytes")
-SLOWEST = ("compute_s", "weight_wait_s", "grad_wait_s", "forward_s", "head_s", "backward_s", "gpu_peak_bytes")
+SUMMED = ("loss", "tokens", "h2d_bytes", "d2h_bytes", "gpu_units")
+SLOWEST = (
+    "compute_s",
+    "weight_wait_s",
+    "grad_wait_s",
+    "forward_s",
+    "head_s",
+    "backward_s",
+    "gpu_peak_bytes",
+    "gpu_update_s",
+)
 EXECUTOR_0 = ("aux_loss", "expert_load", "timeline", "profile")
 
 
@@ -59,7 +68,9 @@ def test_one_executor_is_the_step_and_an_unmeasured_peak_stays_unmeasured() -> N
 
 
 def test_the_row_keeps_the_field_order_and_leaves_out_what_is_not_set() -> None:
-    part = dataclasses.replace(_report(0, 1), aux_loss=None, expert_load=None, gpu_peak_bytes=None)
+    part = dataclasses.replace(
+        _report(0, 1), aux_loss=None, expert_load=None, gpu_peak_bytes=None, gpu_units=None, gpu_update_s=None
+    )
     row = StepReport.merge([part, part]).row()
     assert list(row) == [
         "loss",

@@ -18,11 +18,13 @@ import torch
 
 from megatrain import steptime
 from megatrain.actors.base import Role, guarded
+from megatrain.actors.executor.gpustate import STATE, GpuState
 from megatrain.actors.executor.reduce import HostScatter, StreamedReducingSink, SyncReducingSink
 from megatrain.actors.executor.streams import Marks, StreamedSink, StreamedSource, SyncSink, SyncSource, copy_intervals
 from megatrain.collective import Group, World, connect_rendezvous, join_world, open_rendezvous
+from megatrain.config.optim import OptimConfig
 from megatrain.daemons import DaemonExecutor
-from megatrain.errors import MegatrainError, ResourceError
+from megatrain.errors import MegatrainError, ProtocolError, ResourceError
 from megatrain.host.cudahost import use_expandable_segments
 from megatrain.ipc.messages import EvalRequest, EvalSums, GenerateRequest, StepReport, StepRequest
 from megatrain.ipc.protocol import Store, StoreSpec
@@ -108,12 +110,15 @@ class GpuExecutor(Role):
             return steptime.device_gpu_rate(self.device) if dtype == torch.bfloat16 else None
         return steptime.cpu_rate(hidden, inner, tokens, dtype, torch.get_num_threads())
 
-    def attach(self, spec: StoreSpec, cfg: EngineConfig | None = None) -> None:
+    def attach(self, spec: StoreSpec, cfg: EngineConfig | None = None, optim: OptimConfig | None = None) -> None:
         """`cfg`: the engine config with its `auto` sizes resolved (the driver chose them after this
-        process started)."""
+        process started); `optim`: the optimizer's settings, for the units whose optimizer the device holds
+        (spec.gpu_units: required then)."""
         self.apply_threads(spec)
         self.cfg = cfg = cfg or self.cfg
-        self.store = Store.attach(spec, ("staging", "resident") if spec.resident else ("staging",), role=self.name)
+        parts = ("staging", "resident") if spec.resident else ("staging",)
+        held = STATE if spec.gpu_units else ()  # the planes its device's units are loaded from and written back to
+        self.store = Store.attach(spec, parts + held, role=self.name)
         dtype = resolve_dtype(cfg, self.device)
         self.engine = StepEngine(spec.model, cfg, self.device, dtype)
         self.handles: list[bytes] | None = None
@@ -130,6 +135,14 @@ class GpuExecutor(Role):
         else:
             self.source = SyncSource(self.store, self.device, dtype)
             self.sink = SyncSink(self.store, self._fetched)
+        self.gpu_state: GpuState | None = None
+        if spec.gpu_units:
+            if optim is None:
+                raise ProtocolError(
+                    f"engine.gpu_optimizer {spec.gpu_units}: the executor attaches with the optim settings"
+                )
+            self.gpu_state = GpuState(self.store, self.device, dtype, optim)
+        self.source.gpu_state = self.sink.gpu_state = self.gpu_state
         self.mark("attached")
 
     def open_world(self, size: int, address: str) -> int:
@@ -194,6 +207,15 @@ class GpuExecutor(Role):
         """Fetches the engine has taken so far in this step's weight walk (the sink's safety check)."""
         return self.source.walk.i
 
+    @guarded
+    def flush(self, step: int | None = None) -> int:
+        """Write the state of the units the device holds back into the store's planes (bytes written; 0 with
+        none held): `step`, before the checkpoint of the state after `step` steps (the writer takes those pieces
+        at that version); None, before the final weights are read from the store."""
+        if self.gpu_state is None:
+            return 0
+        return self._on_compute(self.gpu_state.flush, step)
+
     def event_handles(self) -> list[bytes] | None:
         return self.handles
 
@@ -206,7 +228,7 @@ class GpuExecutor(Role):
         is checked for host-blocking calls in the layer loop."""
         r = request
         run = functools.partial(self._profiled, r.profile) if r.profile else self._step
-        return self._on_compute(run, r.step, r.ids, r.labels, r.timeline, r.positions)
+        return self._on_compute(run, r.step, r.ids, r.labels, r.timeline, r.positions, r.lr)
 
     @guarded
     def evaluate(self, request: EvalRequest) -> EvalSums:
@@ -235,6 +257,8 @@ class GpuExecutor(Role):
                 raise ResourceError(self.cap.oom(exc, self.planned)) from None
 
     def _walks(self, step: int, count: int, fn: Callable[[], Any]) -> list:
+        if self.gpu_state is not None:
+            self.gpu_state.load(step)
         out = []
         for _ in range(count):
             self.source.begin(step, "forward")
@@ -273,10 +297,11 @@ class GpuExecutor(Role):
         labels: torch.Tensor,
         timeline: bool,
         positions: torch.Tensor | None,
+        lr: float,
     ) -> StepReport:
         # Started on the compute thread: torch.profiler records the CPU ops of the thread that starts it.
         with StepProfile(path, self.cuda) as prof:
-            out = self._step(step, ids, labels, timeline, positions, prof)
+            out = self._step(step, ids, labels, timeline, positions, lr, prof)
         try:
             found = prof.result()
         except (OSError, ValueError) as exc:  # a failed diagnostic does not stop the training run
@@ -290,8 +315,11 @@ class GpuExecutor(Role):
         labels: torch.Tensor,
         timeline: bool,
         positions: torch.Tensor | None = None,
+        lr: float = 0.0,
         prof: StepProfile | None = None,
     ) -> StepReport:
+        if self.gpu_state is not None:
+            self.gpu_state.load(step)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         if timeline and self.cuda:
@@ -309,6 +337,7 @@ class GpuExecutor(Role):
         loss, tokens = float(res.loss), int(res.tokens)  # the one host sync of the step
         self.sink.end()
         self.source.end()
+        held = self._update_held(step, lr)
         routers = res.routers  # mixture of experts (megatrain/layers/moe.py)
         return StepReport(
             loss=loss,
@@ -322,8 +351,21 @@ class GpuExecutor(Role):
             aux_loss=None if routers is None else float(routers.aux_loss()),
             expert_load=None if routers is None else routers.load(),
             gpu_peak_bytes=torch.cuda.max_memory_allocated(self.device) if self.cuda else None,
+            **held,
             timeline={"wall0": wall0, **self._timeline(marks)} if timeline else None,
         )
+
+    def _update_held(self, step: int, lr: float) -> dict:
+        """The units the device holds, updated once Adam has the step's norm (every gradient is in: the sink
+        has ended); their report fields (none without such units)."""
+        if self.gpu_state is None:
+            return {}
+        t0 = time.perf_counter()
+        norm, scale = self.store.wait_verdict(step)
+        units = self.gpu_state.update(step, lr, norm, scale)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()  # the update's time, not its launch's
+        return {"gpu_units": units, "gpu_update_s": time.perf_counter() - t0}
 
     @staticmethod
     def _phases(marks: Marks) -> dict:

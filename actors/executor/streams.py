@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from megatrain.actors.executor.gpustate import GpuState
 from megatrain.actors.executor.threads import STOP, Worker
 from megatrain.errors import ProtocolError
 from megatrain.ipc.protocol import STAGING, Store
@@ -43,6 +44,7 @@ class SyncSource:
     def __init__(self, store: Store, device: torch.device, dtype: torch.dtype):
         self.store, self.device, self.dtype = store, device, dtype
         self.blocks = store.spec.blocks
+        self.gpu_state: GpuState | None = None  # the units whose weights the device holds (gpustate.py)
         SyncSource.begin(self, 0)  # not the streamed override: no loader before a step
 
     def begin(self, step: int, walk: str = "step") -> None:
@@ -63,7 +65,16 @@ class SyncSource:
         self.bytes += n * self.dtype.itemsize
         return torch.empty(n, dtype=self.dtype, device=self.device)
 
+    def held(self, unit: int) -> torch.Tensor | None:
+        """The unit's weights where the device holds them (the walk moves on past it), else None."""
+        if self.gpu_state is None or unit not in self.gpu_state.units:
+            return None
+        self.walk.next(unit)
+        return self.gpu_state.weights(unit)
+
     def fetch(self, unit: int) -> torch.Tensor:
+        if (held := self.held(unit)) is not None:
+            return held
         out = self._buffer(unit)
         for item in self.walk.next(unit):
             t0 = time.perf_counter()
@@ -84,6 +95,7 @@ class SyncSink:
 
     def __init__(self, store: Store, fetched: Callable[[], int] | None = None):
         self.store, self.fetched = store, fetched
+        self.gpu_state: GpuState | None = None  # the units whose gradient stays on the device (gpustate.py)
         SyncSink.begin(self)  # not the streamed override: no drain thread before a step
 
     def begin(self) -> None:
@@ -101,13 +113,21 @@ class SyncSink:
         items = self.walk.next(unit)
         return grad.detach().to(STAGING[spec.staging_dtype][0]), items
 
+    def kept(self, unit: int) -> bool:
+        """Whether the unit's gradient stays on the device, for its update there."""
+        return self.gpu_state is not None and unit in self.gpu_state.units
+
     def emit(self, unit: int, grad: torch.Tensor) -> None:
         if self.store.spec.grads_in_resident:
             grad, items = self.in_resident(unit, grad)
+            if self.kept(unit):  # its norm to Adam as any unit's; the gradient stays
+                grads_landed(self.store, items, [_sqnorm(grad[it.lo : it.hi]) for it in items])
+                self.gpu_state.keep(unit, grad)
+                return
             tile = self.store.resident_tile(unit)
             for item in items:
                 piece = grad[item.lo : item.hi]
-                sqnorm = float(piece.double().square().sum())
+                sqnorm = _sqnorm(piece)
                 tile[item.lo : item.hi].copy_(piece)
                 grads_landed(self.store, [item], [sqnorm])
             self.bytes += grad.numel() * grad.element_size()
@@ -119,6 +139,11 @@ class SyncSink:
             slab.copy_(grad.detach()[item.lo : item.hi])
             grad_sent(self.store, item)
         self.bytes += grad.numel() * 4
+
+
+def _sqnorm(piece: torch.Tensor) -> float:
+    """A piece's squared norm on the CPU device, as Adam sums it."""
+    return float(piece.double().square().sum())
 
 
 class StreamedSource(SyncSource):
@@ -147,6 +172,8 @@ class StreamedSource(SyncSource):
         try:
             for items in self.walk.items:
                 unit = items[0].unit
+                if self.gpu_state is not None and unit in self.gpu_state.units:
+                    continue  # served from the device (fetch)
                 self.worker.acquire(self.credits, f"the engine to take a unit before loading unit {unit}")
                 with torch.cuda.stream(self.h2d):
                     out = self._buffer(unit)
@@ -171,6 +198,8 @@ class StreamedSource(SyncSource):
                 release()
 
     def fetch(self, unit: int) -> torch.Tensor:
+        if (held := self.held(unit)) is not None:
+            return held
         self.walk.next(unit)  # the loader thread walks the same items
         t0 = time.perf_counter()
         got, out, ready = self.worker.take(self.ready, f"weights of unit {unit}")
@@ -221,6 +250,9 @@ class StreamedSink(SyncSink):
             parts = [torch.linalg.vector_norm(grad[it.lo : it.hi], dtype=torch.float32) for it in items]
             norms = torch.stack(parts).double().square() if parts else grad.new_zeros(0, dtype=torch.float64)
             sent = sum(it.hi - it.lo for it in items) * grad.element_size()
+            if self.kept(unit):  # only its norms leave: the gradient stays for the update on the device
+                self.gpu_state.keep(unit, grad)
+                grad, sent = None, 0
         else:
             self.walk.next(unit)  # the drain thread walks the same items
             grad = grad.detach().float()
@@ -243,21 +275,24 @@ class StreamedSink(SyncSink):
                 else:
                     self._into_resident(unit, items, grad, norms)
                     norms.record_stream(self.d2h)
-            grad.record_stream(self.d2h)
+            if grad is not None:
+                grad.record_stream(self.d2h)
             del grad, norms
             self.credits.release()
 
-    def _into_resident(self, unit: int, items: list, grad: torch.Tensor, norms: torch.Tensor) -> None:
-        """The gradient into the unit's resident tile and its pieces' squared norms into ctl; Adam is told
-        (grads_landed) once the copy has landed. Only this thread waits for it, never the compute stream. A host
-        that holds none of the unit (several hosts, a unit smaller than their slices) lands nothing."""
+    def _into_resident(self, unit: int, items: list, grad: torch.Tensor | None, norms: torch.Tensor) -> None:
+        """The gradient into the unit's resident tile (None: it stays on the device) and its pieces' squared
+        norms into ctl; Adam is told (grads_landed) once the copy has landed. Only this thread waits for it,
+        never the compute stream. A host that holds none of the unit (several hosts, a unit smaller than their
+        slices) lands nothing."""
         if not items:
             return
         tile, span = self.store.resident_tile(unit), slice(items[0].piece, items[-1].piece + 1)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.d2h):
             start.record(self.d2h)
-            tile[items[0].lo : items[-1].hi].copy_(grad[items[0].lo : items[-1].hi], non_blocking=True)
+            if grad is not None:
+                tile[items[0].lo : items[-1].hi].copy_(grad[items[0].lo : items[-1].hi], non_blocking=True)
             self.norms[span].copy_(norms, non_blocking=True)
             end.record(self.d2h)
         self.timeline.append((unit, start, end))

@@ -178,11 +178,11 @@ def update_clipped(
     writer has it. A non-finite norm (the same on every host) skips the step whole on every host."""
     spec, version = store.spec, step + 1
     wait_all_grads(store, step)
-    own = spec.update_items
-    (total,) = link.totals(float(store.sqnorms[[it.piece for it in own]].sum()))
+    (total,) = link.totals(float(store.sqnorms[[it.piece for it in spec.update_items]].sum()))
     norm = math.sqrt(total)
     finite, scale, spans, pending = math.isfinite(norm), clip_scale(norm, max_grad_norm), [], None
-    for unit, items in link.batches(own, spec.forward_order):  # the next step's forward follows right behind
+    store.publish_verdict(step, norm, scale)  # the executor updates the units its device holds with it
+    for unit, items in link.batches(spec.cpu_items, spec.forward_order):  # the next forward follows right behind
         pending = link.settle_done(store, pending, version)
         for item in items:
             start = time.time()
@@ -218,6 +218,9 @@ def update_unclipped(
     spec, version, summed, spans, pending = store.spec, step + 1, 0.0, [], None
     direct = spec.grads_in_resident  # the executor wrote the piece and its squared norm
     for unit, items in link.batches(spec.update_items, spec.grad_order):
+        if unit in spec.on_gpu:  # the executor updates it once the step's norm is known: only counted here
+            summed += _counted(store, link, items, step, unit)
+            continue
         grads = [_arrived(store, item, step) if direct else take_grad(store, events, item, step) for item in items]
         start = time.time()
         for item in items if saving else ():
@@ -242,7 +245,22 @@ def update_unclipped(
         link.settle(store, pending, version)
         pending = now
     link.settle(store, pending, version)
-    return Applied(grad_norm=link.grad_norm(store, summed), clip_scale=1.0, skipped=False, unit_spans=tuple(spans))
+    norm = link.grad_norm(store, summed)
+    store.publish_verdict(step, norm, 1.0)
+    return Applied(grad_norm=norm, clip_scale=1.0, skipped=False, unit_spans=tuple(spans))
+
+
+def _counted(store: Store, link: Link, items: list[Item], step: int, unit: int) -> float:
+    """Without clipping, a unit the executor updates on its device: its pieces' squared norms, once they are
+    in ctl, summed (a non-finite one stops the run, as anywhere)."""
+    for item in items:
+        store.wait(GRADS_READY, f"the squared norm of unit {item.unit}'s gradient (step {step})")
+    sq = [float(store.sqnorms[item.piece]) for item in items]
+    finite = [x for x in sq if math.isfinite(x)]
+    bad, part = link.totals(len(sq) - len(finite), math.fsum(finite))
+    if bad:
+        raise NonFiniteGradient(_non_finite(store, step, unit))
+    return part
 
 
 def _publish_unit(store: Store, unit: int, version: int) -> None:

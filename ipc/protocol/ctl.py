@@ -3,7 +3,8 @@ StoreSpec (`megatrain-launch status`, ipc/status.py) go through. Byte offsets ar
 (after the segment header):
 
   flags         8 int64 words: the abort flag (ABORTED), what raised it (ABORT_ORIGIN, errors.Origin) and
-                when (ABORT_AT, ns since the epoch)
+                when (ABORT_AT, ns since the epoch); Adam's verdict on the last step's gradient (its norm
+                and clip scale), which the executor's update of the units the GPU holds waits for
   pids          MAX_PIDS int64 worker pids, at CTL_PIDS_OFFSET (fixed in ipc/shared/shm.py: the reaper reads them)
   reason        the abort reason, NUL-padded UTF-8
   role table    one ROLE_BYTES row per worker slot: heartbeat, progress, calls and waits in flight, when the
@@ -24,6 +25,9 @@ from megatrain.ipc.shared.shm import CTL_PIDS_OFFSET, MAX_PIDS
 
 FLAG_WORDS = 8
 ABORTED, ABORT_ORIGIN, ABORT_AT = 0, 1, 2  # flag words: the abort, its origin, its time
+# Flag words of Adam's verdict on a step's gradient (store.py publish_verdict): the steps judged (published
+# last, with a fence), then the global norm and the clip scale as float64 bits.
+VERDICT_STEPS, VERDICT_NORM, VERDICT_SCALE = 3, 4, 5
 REASON_OFFSET, REASON_BYTES = CTL_PIDS_OFFSET + 8 * MAX_PIDS, 1024
 ROLE_BYTES = 128  # per role: heartbeat, progress, calls in flight, waits in flight, what it waits on
 ROLE_TABLE_OFFSET = REASON_OFFSET + REASON_BYTES

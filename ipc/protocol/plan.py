@@ -18,6 +18,7 @@ from megatrain.ipc.cpus import Threads
 from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
 from megatrain.ipc.protocol.sems import semaphores
 from megatrain.ipc.shared.shm import MAX_PIDS
+from megatrain.memory.gpu import gpu_units_refusal
 from megatrain.memory.host import STAGING_BYTES, StoreShape, page_table_bytes, pinned_checkpoint_bytes
 from megatrain.memory.hosts import host_of, host_slice, slice_offsets
 from megatrain.memory.plan import staging_by_rule
@@ -78,10 +79,17 @@ class StoreSpec:
     # fp32 planes (megatrain/memory/hosts.py) and the whole resident copy its executors stream from.
     hosts: int = 1
     host: int = 0
+    # engine.gpu_optimizer resolved: the first units of forward_order whose fp32 weights, Adam moments and
+    # gradient the executor holds on its device and updates there (actors/executor/gpustate.py); Adam
+    # updates the rest. Their state in the planes is what the executor last wrote back (for a checkpoint).
+    gpu_units: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.host < self.hosts:
             raise ProtocolError(f"host {self.host} is not one of the run's {self.hosts} hosts")
+        refusal = gpu_units_refusal(self.gpu_units, self.num_units, self.resident, self.num_executors, self.hosts)
+        if refusal:
+            raise ProtocolError(f"engine.gpu_optimizer {self.gpu_units}: {refusal}")
         refusal = slabs_refusal(self.num_executors, self.hosts)
         if refusal and not self.resident:
             raise ProtocolError(f"ipc.staging {self.staging_mode}: {refusal}")
@@ -259,10 +267,21 @@ class StoreSpec:
         return [it for items in self.walk(walk)[1] for it in items if it.slab % self.num_packers == packer]
 
     @cached_property
+    def on_gpu(self) -> frozenset[int]:
+        """The units whose optimizer the executor holds on its device (the first gpu_units of forward_order)."""
+        return frozenset(self.forward_order[: self.gpu_units])
+
+    @cached_property
+    def cpu_items(self) -> list[Item]:
+        """update_items less the units the executor updates on its device: what Adam updates."""
+        return [it for it in self.update_items if it.unit not in self.on_gpu]
+
+    @cached_property
     def update_items(self) -> list[Item]:
         """Every piece in the order Adam updates them (with clipping: forward order, so the next forward
-        follows right behind; without: as the backward produces the gradients). A checkpoint writer takes
-        them in this same order, so the next step's update of each piece follows right behind it."""
+        follows right behind; without: as the backward produces the gradients), those the executor updates on
+        its device (on_gpu) included: Adam sums their squared norms too. A checkpoint writer takes them in this
+        same order, so the next step's update of each piece follows right behind it."""
         if self.clip:
             items = [Item(u, lo, hi, -1, p) for u, pieces in enumerate(self.piece_table) for p, lo, hi in pieces]
             return [it for it in items if self.owns(it)] if self.hosts > 1 else items
@@ -322,6 +341,7 @@ def plan_store(
     executors: int = 1,
     hosts: int = 1,
     host: int = 0,
+    gpu_units: int = 0,
 ) -> StoreSpec:
     """The store of ipc.staging as asked, or for 'auto' by staging_by_rule. Where the memory decides ('auto'
     on CUDA without clipping) the memory plan has decided it before (megatrain/memory/plan.py staging_mode):
@@ -342,6 +362,7 @@ def plan_store(
             num_executors=executors,
             hosts=hosts,
             host=host,
+            gpu_units=gpu_units,
         )
 
     mode = staging_by_rule(ipc.staging, cuda, clip, executors, hosts)

@@ -23,6 +23,9 @@ from megatrain.ipc.protocol.ctl import (
     BEAT,
     CALLS,
     PROGRESS,
+    VERDICT_NORM,
+    VERDICT_SCALE,
+    VERDICT_STEPS,
     WAIT_SINCE,
     WAITS,
     WHAT_BYTES,
@@ -345,6 +348,22 @@ class Store:
         the reads that follow see Adam's writes (acquire fence)."""
         span = self.spec.piece_range(unit) if piece is None else slice(piece, piece + 1)
         self._wait_reached(self.versions, span, version, what)
+
+    def publish_verdict(self, step: int, norm: float, scale: float) -> None:
+        """Adam has the global gradient norm of step `step` (0-based) and its clip scale: published (norm and
+        scale first, then the count of steps judged, after a fence) for the units the GPU updates."""
+        words = self._flags.view(np.float64)
+        words[VERDICT_NORM], words[VERDICT_SCALE] = norm, scale
+        publish(self._flags, VERDICT_STEPS, step + 1)
+        self.progressed()
+
+    def wait_verdict(self, step: int) -> tuple[float, float]:
+        """Wait for Adam's verdict on step `step`: (global norm, clip scale)."""
+        self._wait_reached(
+            self._flags, slice(VERDICT_STEPS, VERDICT_STEPS + 1), step + 1, f"Adam's gradient norm of step {step}"
+        )
+        words = self._flags.view(np.float64)
+        return float(words[VERDICT_NORM]), float(words[VERDICT_SCALE])
 
     def publish_saved(self, piece: int, step: int) -> None:
         """The checkpoint writer has the piece's state after `step` on disk: Adam may update it again."""

@@ -32,6 +32,10 @@ METRICS: dict[str, str] = {
     "head_s": "executor phase split: final norm, LM head and loss",
     "backward_s": "executor phase split: recompute and backward",
     "gpu_peak_bytes": "CUDA only: peak GPU memory allocated in the step",
+    "gpu_units": "engine.gpu_optimizer: the units (from the embedding) whose update the executor made on its "
+    "device (0 in a skipped step)",
+    "gpu_update_s": "engine.gpu_optimizer: the executor's wait for Adam's global norm after its backward, and "
+    "its update of those units",
     "grad_norm": "global gradient norm before clipping (inf or nan when the step was skipped)",
     "clip_scale": "factor the gradients were scaled by (1.0 when not clipped)",
     "skipped": "the step was skipped whole (a non-finite gradient, with clipping on)",

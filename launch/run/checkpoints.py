@@ -17,6 +17,7 @@ import torch
 
 from megatrain import log
 from megatrain.actors.checkpoint_writer import CheckpointWriter
+from megatrain.actors.executor.gpu_executor import GpuExecutor
 from megatrain.actors.store_owner import StoreOwner
 from megatrain.formats import checkpoint as ckpt
 from megatrain.formats.export import export
@@ -27,7 +28,7 @@ from megatrain.launch.control.crew import Crew
 from megatrain.launch.control.placement import Demand
 from megatrain.launch.control.runners import Pending
 from megatrain.model.spec import ModelSpec
-from megatrain.roster import WRITER, on_host
+from megatrain.roster import WRITER, Kind, on_host
 
 
 def clear_torn(root: Path, whose: str) -> list[str]:
@@ -128,6 +129,7 @@ class Saves:
             "rng": "none: a step draws nothing at random; batch t is a function of (data, data.seed, t)",
         }
         self.checkpointer.started(step)
+        flush_gpu_state(self.crew, step, self.timeout_s)
         request = WriteRequest(step=step, root=str(self.checkpointer.root.resolve()), meta=meta)
         self.pending = {n: self.crew.call(n, CheckpointWriter.write, request) for n in self.writers}
 
@@ -174,10 +176,18 @@ CHUNK_ELEMS = 8 << 20  # 32 MiB
 CHUNKS_IN_FLIGHT = 2
 
 
+def flush_gpu_state(crew: Crew, step: int | None, timeout_s: float) -> None:
+    """Every executor writes the state of the units its device holds (engine.gpu_optimizer) back into its
+    store: for the checkpoint of the state after `step` steps, or (None) for the final weights."""
+    executors = crew.of(Kind.EXECUTOR)
+    crew.gather({n: crew.call(n, GpuExecutor.flush, step) for n in executors}, timeout_s, "the GPU's units' state")
+
+
 def save_final(crew: Crew, model: ModelSpec, directory: Path, run: dict, record: dict, timeout_s: float) -> str:
     """The run's final fp32 weights as an HF directory at `directory`, written here one unit at a time, each
     unit gathered from every host's slice of it (one host: the unit whole from its one store), in chunks: no
     process ever holds more than one unit of the model in fp32."""
+    flush_gpu_state(crew, None, timeout_s)
     units = Units(crew, timeout_s)
     return str(export(model, units.take, directory, run=run, record=record))
 

@@ -210,7 +210,7 @@ class Trainer:
         creating = startup.create_stores(crew, cfg, self.run_id, spawned, inputs.model, memory, begin.directory, about)
         # Where the store will be on this machine: the RAM its pinned checkpoints may take, measured before it.
         host_room = memory.pinned_room if spawned.cuda and not _remote(cfg) else None
-        engine = startup.choose_sizes(crew, cfg, inputs.model, spawned.engine, host_room)
+        engine = startup.choose_sizes(crew, cfg, inputs.model, spawned.engine, host_room, spawned.roster.staging)
         if engine.device == "cuda":
             phases.close("executor started (imports, CUDA context; the store is made meanwhile)")
         specs, fills = startup.settle_store(crew, creating, engine, cfg.train.setup_timeout_s)

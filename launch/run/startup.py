@@ -20,6 +20,7 @@ from megatrain.actors.grad_accumulator import GradAccumulator
 from megatrain.actors.packer import Packer
 from megatrain.actors.store_owner import StoreOwner
 from megatrain.collective import HOST
+from megatrain.config.optim import OptimConfig
 from megatrain.errors import ConfigError, ProtocolError, ResourceError
 from megatrain.ipc.messages import FillReport, StoreRequest
 from megatrain.ipc.protocol import StoreSpec
@@ -46,7 +47,7 @@ from megatrain.launch.report.describe import describe_run
 from megatrain.launch.run.stopping import Background
 from megatrain.memory import autosize
 from megatrain.memory import budget as gpubudget
-from megatrain.memory.gpu import reduction_bytes
+from megatrain.memory.gpu import reduction_bytes, resolve_gpu_units
 from megatrain.memory.plan import MemoryPlan, staging_by_rule, staging_mode
 from megatrain.model.arch import arch_of_spec
 from megatrain.model.spec import ModelSpec, pretrained_config
@@ -185,11 +186,12 @@ def staging_by_memory(crew: Crew, cfg: Config, engine: EngineConfig, reading: Ba
 
 
 def choose_sizes(
-    crew: Crew, cfg: Config, model: ModelSpec, engine: EngineConfig, host_room: int | None
+    crew: Crew, cfg: Config, model: ModelSpec, engine: EngineConfig, host_room: int | None, staging: str
 ) -> EngineConfig:
     """Resolve the engine's `auto` sizes from the GPU memory the executor finds free (autosize.py) and the host
     RAM left beside the store for pinned activation checkpoints (None where the store's node is not this
-    machine: the owner checks the host then)."""
+    machine: the owner checks the host then), then the units whose optimizer the GPU holds beside them
+    (megatrain/memory/gpu.py; `staging`: the store's mode)."""
     executors = crew.of(Kind.EXECUTOR)
     batch = per_executor(cfg.data.batch_size, len(executors))  # every executor is sized for the largest share
     free = None
@@ -214,6 +216,10 @@ def choose_sizes(
                 f"{gpubudget.KEY} {engine.gpu_memory_gib} GiB: the plan's GPU peak {gpubudget.gib(peak)} at these "
                 f"sizes is more than the {gpubudget.gib(free)} it leaves (megatrain-launch plan CONFIG shows the plan)"
             )
+    peak = gpubudget.peak_bytes(model, engine, batch, cfg.data.seq_len, sizes) if free is not None else 0
+    held, why = resolve_gpu_units(engine, model.layout, free, peak, len(executors), crew.hosts, staging == "resident")
+    engine = dataclasses.replace(engine, gpu_optimizer=held)
+    log(f"optimizer on the GPU: {why} (engine.gpu_optimizer: {cfg.engine.gpu_optimizer})")
     for n in executors:
         crew.call_one(n, GpuExecutor.warm_up, model=model, cfg=engine, batch=batch, seq=cfg.data.seq_len)
     return engine
@@ -361,7 +367,7 @@ def attach_workers(
             )
     timeout = cfg.train.setup_timeout_s
     attaching = {
-        on_host(r.name, h): _attach(crew, on_host(r.name, h), r, spec, engine, start)
+        on_host(r.name, h): _attach(crew, on_host(r.name, h), r, spec, engine, start, cfg.optim)
         for h, spec in enumerate(specs)
         for r in roster.workers
     }
@@ -377,10 +383,12 @@ def attach_workers(
             crew.gather({n: crew.call(n, Role.open_events, handles) for n in drainers}, 120, "opening CUDA IPC events")
 
 
-def _attach(crew: Crew, name: str, role: RoleSpec, spec: StoreSpec, engine: EngineConfig, start: int) -> Pending[None]:
+def _attach(
+    crew: Crew, name: str, role: RoleSpec, spec: StoreSpec, engine: EngineConfig, start: int, optim: OptimConfig
+) -> Pending[None]:
     """Worker `name`'s attach call, with what its roster row says it attaches with besides the spec."""
-    if role.attach is Attach.ENGINE:
-        return crew.call(name, GpuExecutor.attach, spec, cfg=engine)  # with the sizes chosen since it started
+    if role.attach is Attach.ENGINE:  # with the sizes chosen since it started
+        return crew.call(name, GpuExecutor.attach, spec, cfg=engine, optim=optim)
     if role.attach is Attach.START:
         # Adam's step count (bias correction) continues
         return crew.call(name, AdamUpdater.attach, spec, start_step=start)

@@ -208,7 +208,9 @@ class StepLoop:
         calls: dict[str, Pending] = {}
         parts = split_rows(ids.shape[0], len(self.executors))
         for name, (rid, rlab, rpos) in zip(self.executors, _rows(parts, ids, labels, positions)):
-            request = StepRequest(step=t, ids=rid, labels=rlab, timeline=timeline, profile=profile, positions=rpos)
+            request = StepRequest(
+                step=t, ids=rid, labels=rlab, timeline=timeline, profile=profile, positions=rpos, lr=lr
+            )
             calls[name] = crew.call(name, GpuExecutor.step, request)
             timeline, profile = False, ""  # executor 0's only
         for name in self.adams:

@@ -90,6 +90,16 @@ class EngineConfig:
         "gate/up output and recomputes the activation from it) or hf (transformers' own grouped-GEMM path, "
         "differentiated by autograd). Dense models ignore it.",
     )
+    gpu_optimizer: int | str = opt(
+        "auto",
+        "Units, from the forward's first (the input embedding, the layers, then the final norm and LM head), "
+        "whose fp32 master weights, Adam moments and gradient live on the GPU, where the executor updates them "
+        "right after the global norm is known, bit for bit as the host's Adam would: the next forward starts "
+        "on them at once while the host updates the rest ahead of it. Their gradients come last in the "
+        "backward, so no overlap hides their host update. 0 = none. auto: as many as the GPU memory the plan "
+        "leaves beside the step's peak holds (none on the CPU device, with several executors or hosts, or with "
+        "ipc.staging slabs); megatrain-launch plan shows the choice.",
+    )
     gpu_memory_gib: float | str | None = opt(
         None,
         "CUDA: the most GPU memory, in GiB, the run may take on each of its GPUs, the CUDA context "
@@ -110,6 +120,7 @@ class EngineConfig:
             ("lean_layers", 0, ">= 0 (0 = none)"),
             ("chunk_sequences", 0, ">= 0 (0 = the whole batch in one chunk)"),
             ("token_tile", 0, ">= 0 (0 = untiled)"),
+            ("gpu_optimizer", 0, ">= 0 (0 = none)"),
         ):
             value = getattr(self, key)
             if value != "auto" and (isinstance(value, str) or value < least):

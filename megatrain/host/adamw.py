@@ -11,6 +11,7 @@ import math
 
 import numba
 import numpy as np
+import torch
 from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic, overload
@@ -97,6 +98,26 @@ def _adamw_bf16(p, pbits, out, g, m, v, decay, w1, b2, w2, step, bc2_sqrt, eps, 
             out[i] = np.uint16((u + ((u >> np.uint64(16)) & np.uint64(1)) + np.uint64(0x7FFF)) >> np.uint64(16))
 
 
+def adamw_scalars(
+    *, step: int, lr: float, cfg: OptimConfig, weight_decay: float, grad_scale: float = 1.0
+) -> tuple[np.float32, ...]:
+    """The kernel's scalars (decay, 1-b1, b2, 1-b2, lr/bc1, sqrt(bc2), eps, the clip scale), formed in double and
+    rounded once to fp32, as torch does (1 - b2 computed in fp32 from an fp32 b2 would be off by 1e-5 relative
+    for b2 = 0.999)."""
+    f = np.float32
+    b1, b2 = cfg.betas
+    return (
+        f(1 - lr * weight_decay),
+        f(1 - b1),
+        f(b2),
+        f(1 - b2),
+        f(lr / (1 - b1**step)),
+        f(math.sqrt(1 - b2**step)),
+        f(cfg.eps),
+        f(grad_scale),
+    )
+
+
 def adamw_update(
     p: np.ndarray,
     g: np.ndarray,
@@ -112,26 +133,71 @@ def adamw_update(
 ) -> None:
     """One AdamW step in place over fp32 arrays; `step` is 1-based (bias correction). `g` is fp32, or bf16 as
     uint16 bits. `bf16_out` (uint16, p's size): also write the new weights there as bfloat16 bits, in the
-    same pass (it may be `g` itself).
-
-    Scalars are formed in double and rounded once to fp32, as torch does (1 - b2 computed in fp32
-    from an fp32 b2 would be off by 1e-5 relative for b2 = 0.999).
+    same pass (it may be `g` itself). The scalars are adamw_scalars'.
     """
-    f = np.float32
-    b1, b2 = cfg.betas
-    bc1 = 1 - b1**step
-    bc2_sqrt = math.sqrt(1 - b2**step)
-    scalars = (
-        f(1 - lr * weight_decay),
-        f(1 - b1),
-        f(b2),
-        f(1 - b2),
-        f(lr / bc1),
-        f(bc2_sqrt),
-        f(cfg.eps),
-        f(grad_scale),
-    )
+    scalars = adamw_scalars(step=step, lr=lr, cfg=cfg, weight_decay=weight_decay, grad_scale=grad_scale)
     if bf16_out is None:
         _adamw(p, g, m, v, *scalars)
     else:
         _adamw_bf16(p, p.view(np.uint32), bf16_out, g, m, v, *scalars)
+
+
+# Elements of a unit updated at once on a device (adamw_tensors): its two fp32 scratch vectors, 256 MiB each.
+TENSOR_CHUNK = 64 << 20
+
+
+def adamw_tensors(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    cfg: OptimConfig,
+    weight_decay: float,
+    grad_scale: float = 1.0,
+    out: torch.Tensor | None = None,
+) -> None:
+    """adamw_update on torch tensors of any device (the units whose optimizer the GPU holds), bit for bit the
+    Numba kernel's result: the same IEEE fp32 operations in the same order, each its own elementwise kernel, so
+    no multiply-add is fused (a fused kernel, torch's own AdamW among them, rounds differently). Two of torch's
+    kernels are not IEEE's and are avoided: CUDA divides by a host scalar as a multiply by its reciprocal (the
+    divisor here is a device tensor), and the CPU's vectorized fp32 sqrt is off by an ulp at times (there it is
+    taken in fp64 and rounded once: exact for a square root). `g` in any float dtype (read exactly as fp32);
+    `out`: the new weights also cast there (to its dtype, rounding to nearest even, as the kernel's bf16 copy)."""
+    scalars = adamw_scalars(step=step, lr=lr, cfg=cfg, weight_decay=weight_decay, grad_scale=grad_scale)
+    decay, w1, b2, w2, step_size, _, eps, gscale = (float(x) for x in scalars)
+    bc2_sqrt = torch.tensor(float(scalars[5]), dtype=torch.float32, device=p.device)
+    for lo in range(0, p.numel(), TENSOR_CHUNK):
+        sl = slice(lo, min(lo + TENSOR_CHUNK, p.numel()))
+        pc, mc, vc = p[sl], m[sl], v[sl]
+        gi = g[sl].float()
+        if gscale != 1.0:  # x * 1.0 is x: skipped, not rounded differently
+            gi = gi * gscale
+        t = gi - mc  # m + w1 * (g - m)
+        t.mul_(w1)
+        mc.add_(t)
+        vc.mul_(b2)  # v * b2 + (w2 * g) * g
+        torch.mul(gi, w2, out=t)
+        t.mul_(gi)
+        vc.add_(t)
+        del gi
+        _ieee_sqrt(vc, t)  # p * decay - step_size * (m / (sqrt(v) / bc2_sqrt + eps))
+        t.div_(bc2_sqrt)
+        t.add_(eps)
+        torch.div(mc, t, out=t)
+        t.mul_(step_size)
+        if decay != 1.0:
+            pc.mul_(decay)
+        pc.sub_(t)
+        if out is not None:
+            out[sl].copy_(pc)
+
+
+def _ieee_sqrt(x: torch.Tensor, out: torch.Tensor) -> None:
+    """out = the correctly rounded fp32 square root of x."""
+    if x.device.type == "cuda":
+        torch.sqrt(x, out=out)
+    else:
+        out.copy_(torch.sqrt(x.double()))

@@ -7,13 +7,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatrain.config.engine import EngineConfig
-from megatrain.errors import ResourceError
+from megatrain.errors import ConfigError, ResourceError
 from megatrain.memory import autosize
 from megatrain.memory import budget as gpubudget
 from megatrain.memory.hosts import largest_slice
 from megatrain.model.arch import Arch
 from megatrain.model.layout import StoreLayout
 
+# The optimizer of the units the GPU holds (engine.gpu_optimizer, actors/executor/gpustate.py): per parameter
+# its fp32 weights and both moments, the weights in the compute dtype (none apart in fp32: they are the master
+# weights), and the gradient waiting there for the global norm (in the staging dtype, the compute dtype); beside
+# them the update's scratch, two fp32 vectors of a chunk (megatrain/host/adamw.py TENSOR_CHUNK), and a margin
+# the plan's peak may be off by (allocator fragmentation), kept free of them.
+GPU_STATE_SCRATCH = 2 * (64 << 20) * 4
+GPU_STATE_MARGIN_FRACTION, GPU_STATE_MARGIN_LEAST = 0.05, 2 << 30
 REDUCE_CREDITS = 2  # fp32 gradients queued for their reduction on the GPU (actors/executor/reduce.py)
 REDUCTION = "fp32 gradients awaiting the executors' sum"
 
@@ -81,3 +88,83 @@ def gpu_part(
         budget=None if budget is None else budget - gpubudget.CONTEXT_BYTES,
         budget_note=budget_note,
     )
+
+
+def gpu_state_bytes(layout: StoreLayout, units: int, dtype_bytes: int) -> int:
+    """GPU memory of the optimizer of the first `units` units of the forward (embedding, layers, head), the
+    update's scratch included (0 for none)."""
+    if units <= 0:
+        return 0
+    per_param = 12 + dtype_bytes + (0 if dtype_bytes == 4 else dtype_bytes)
+    return sum(layout.structure_of(u).numel for u in _forward(layout)[:units]) * per_param + GPU_STATE_SCRATCH
+
+
+def gpu_units_refusal(units: int, num_units: int, resident: bool, executors: int, hosts: int) -> str:
+    """Why a run cannot hold the optimizer of `units` units on its GPU ("" where it can)."""
+    if units == 0:
+        return ""
+    if units < 0 or units > num_units:
+        return f"the model has {num_units} units (embedding, layers, final norm and head): 0 to {num_units}"
+    if executors > 1 or hosts > 1:
+        return (
+            "the optimizer is held on the GPU by a run of one executor on one host "
+            "(actors.num_gpus 1, actors.num_hosts 1)"
+        )
+    if not resident:
+        return (
+            "the GPU's units take their gradient's norm where the resident copy takes the others': ipc.staging resident"
+        )
+    return ""
+
+
+def auto_gpu_units(layout: StoreLayout, room: int, dtype_bytes: int) -> int:
+    """The most units, from the forward's first, whose optimizer fits `room` bytes of GPU memory."""
+    units = 0
+    while units < len(layout.units) and gpu_state_bytes(layout, units + 1, dtype_bytes) <= room:
+        units += 1
+    return units
+
+
+def gpu_state_room(free: int, peak: int) -> int:
+    """What the GPU leaves the optimizer beside the step's planned peak, less a margin."""
+    return free - peak - max(GPU_STATE_MARGIN_LEAST, int(free * GPU_STATE_MARGIN_FRACTION))
+
+
+def resolve_gpu_units(
+    engine: EngineConfig,
+    layout: StoreLayout,
+    free: int | None,
+    peak: int,
+    executors: int,
+    hosts: int,
+    resident: bool,
+) -> tuple[int, str]:
+    """engine.gpu_optimizer resolved, and why: the GPU's `free` bytes (None: the CPU device) beside the step's
+    planned `peak`. An explicit count this run cannot hold is refused, naming the key."""
+    asked, n = engine.gpu_optimizer, len(layout.units)
+    dtype_bytes = 2 if engine.compute_dtype == "bf16" else 4
+    if asked != "auto":
+        refusal = gpu_units_refusal(int(asked), n, resident, executors, hosts)
+        if refusal:
+            raise ConfigError(f"engine.gpu_optimizer {asked}: {refusal}")
+        need = gpu_state_bytes(layout, int(asked), dtype_bytes)
+        if free is not None and need > gpu_state_room(free, peak):
+            raise ResourceError(
+                f"engine.gpu_optimizer {asked}: their optimizer takes {gpubudget.gib(need)} of GPU memory; beside "
+                f"the step's planned peak of {gpubudget.gib(peak)} the GPU's {gpubudget.gib(free)} leave "
+                f"{gpubudget.gib(max(gpu_state_room(free, peak), 0))} (less a margin): fewer units, or auto"
+            )
+        return int(asked), "as set"
+    refusal = gpu_units_refusal(1, n, resident, executors, hosts)
+    if free is None or refusal:
+        return 0, "the CPU device" if free is None else refusal
+    room = gpu_state_room(free, peak)
+    units = auto_gpu_units(layout, room, dtype_bytes)
+    return units, (
+        f"{units} of {n} units ({gpubudget.gib(gpu_state_bytes(layout, units, dtype_bytes))}) in the "
+        f"{gpubudget.gib(max(room, 0))} the GPU leaves beside the step's peak"
+    )
+
+
+def _forward(layout: StoreLayout) -> list[int]:
+    return [0, *range(1, layout.num_layers + 1), layout.num_layers + 1]
