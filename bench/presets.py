@@ -105,6 +105,7 @@ ABLATIONS = {
     "slabs": ["ipc.staging=slabs"],
     "resident": ["ipc.staging=resident"],
     "no-clip": ["optim.max_grad_norm=0"],
+    "cpu-adam": ["engine.gpu_optimizer=0"],  # every unit's update on the host, as before engine.gpu_optimizer
     "no-lean": ["engine.lean_layers=0"],
     "hf-experts": ["engine.moe_experts=hf"],
 }

@@ -118,6 +118,10 @@ def megatrain_variant(
             k: pick(k)
             for k in ("forward_s", "head_s", "backward_s", "weight_wait_s", "grad_wait_s", "adam_s", "adam_update_s")
         },
+        # engine.gpu_optimizer's choice and its update; the steps that clipped (clip scale below 1)
+        "gpu_units": rows[-1].get("gpu_units", 0),
+        "gpu_update_s": pick("gpu_update_s") if "gpu_update_s" in rows[-1] else 0.0,
+        "clipped_steps": sum(r.get("clip_scale", 1.0) < 1.0 for r in summary.metrics),
         "h2d_GBps_avg": h2d_busy / med / 1e9,
         "d2h_GBps_avg": pick("d2h_bytes") / med / 1e9,
         "losses": [r["loss"] for r in summary.metrics],

@@ -34,16 +34,16 @@ def table(results: list[dict], args: argparse.Namespace, hf) -> str:
     lines = [
         "| system | GPUs | status | first step s | warm-up steps s | steady median s (min–max) | tokens/s | TFLOPS "
         "| MegaTrain × | GPU peak GiB | host B/param (planned / PSS) | fwd / head / bwd s "
-        "| weight wait s | Adam s (updating; Gparam/s) | H2D GB/s (busy) | D2H GB/s (busy) "
-        "| load max/mean (worst; median layer) |",
-        "|" + "---|" * 17,
+        "| weight wait s | Adam s (updating; Gparam/s) | GPU optimizer units (update s); clipped steps "
+        "| H2D GB/s (busy) | D2H GB/s (busy) | load max/mean (worst; median layer) |",
+        "|" + "---|" * 18,
     ]
     n = next((r["active_params"] for r in results if "active_params" in r), None)
     total = next((r["num_params"] for r in results if "num_params" in r), None)
     ours = None
     for r in results:
         if r.get("status") != "ok":
-            lines.append(f"| {r['name']} | {r.get('gpus', args.gpus)} | {r['status']} |" + " |" * 14)
+            lines.append(f"| {r['name']} | {r.get('gpus', args.gpus)} | {r['status']} |" + " |" * 15)
             continue
         med, lo, hi = steady(r, args.warmup)
         tokens = r.get("batch", args.batch * args.gpus) * args.seq
@@ -61,7 +61,7 @@ def table(results: list[dict], args: argparse.Namespace, hf) -> str:
             f"| {r.get('host_bytes_per_param', float('nan')):.2f} / "
             f"{r.get('process_pss_bytes_per_param', float('nan')):.2f} | {split} "
             f"| {r.get('weight_wait_s', 0):.3f} "
-            f"| {adam_cell(r, total)} | {r.get('h2d_GBps_busy', float('nan')):.1f} "
+            f"| {adam_cell(r, total)} | {gpu_optimizer_cell(r)} | {r.get('h2d_GBps_busy', float('nan')):.1f} "
             f"| {r.get('d2h_GBps_busy', float('nan')):.1f} | {load_cell(r)} |"
         )
     return "\n".join(lines)
@@ -88,6 +88,14 @@ def adam_cell(r: dict, n: int | None) -> str:
         return f"{r.get('adam_s', 0):.3f}"
     upd = r["adam_update_s"]
     return f"{r['adam_s']:.3f} ({upd:.3f}; {n / upd / 1e9:.2f})"
+
+
+def gpu_optimizer_cell(r: dict) -> str:
+    """MegaTrain: the units whose optimizer the GPU held, its update's time (the wait for Adam's norm
+    included), and the steps that clipped; a peer: empty."""
+    if "gpu_units" not in r:
+        return ""
+    return f"{r['gpu_units']} ({r['gpu_update_s']:.3f}); {r['clipped_steps']} of {len(r['step_times_s'])}"
 
 
 def load_stats(rows: list[dict]) -> dict | None:
