@@ -87,6 +87,8 @@ def adam_cell(r: dict, n: int | None) -> str:
     if "adam_update_s" not in r or not n:
         return f"{r.get('adam_s', 0):.3f}"
     upd = r["adam_update_s"]
+    if not upd:  # every unit's update on the GPU (engine.gpu_optimizer)
+        return f"{r['adam_s']:.3f} (none on the host)"
     return f"{r['adam_s']:.3f} ({upd:.3f}; {n / upd / 1e9:.2f})"
 
 
