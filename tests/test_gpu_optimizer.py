@@ -4,6 +4,9 @@ may change a bit: the tensor update against the host's Numba kernel, whole runs 
 
 from __future__ import annotations
 
+import math
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -11,8 +14,9 @@ import torch
 
 from megatrain.errors import ConfigError
 from megatrain.formats import checkpoint as ckpt
+from megatrain.launch.report.reporting import clipped_fraction, clipping_line
 from megatrain.memory.gpu import auto_gpu_units, gpu_state_bytes, gpu_units_refusal
-from tests.harness import final_weights, losses, tiny_config, train_tiny
+from tests.harness import NO_AUTH, ROOT, SMALL, START_S, Cli, final_weights, losses, planes, tiny_config, train_tiny
 from tests.update_fixtures import CLIPS_SOMETIMES, UNITS, rows, run_held, same_bits, same_run, update_both_ways
 
 
@@ -34,6 +38,12 @@ def test_twenty_steps_are_bit_identical_with_any_number_of_units_on_the_device(t
         run = run_held(tmp_path / f"held-{held}", held, CLIPS_SOMETIMES)
         assert [r["gpu_units"] for r in rows(run)] == [held] * 20
         same_run(none, run)
+    clipped = sum(s < 1.0 for s in scales)
+    assert clipped_fraction(rows(run)) == clipped / 20
+    assert clipping_line(rows(run), 1.5) == (
+        f"clipping (optim.max_grad_norm 1.5): {clipped} of 20 steps clipped ({clipped / 20:.0%}); "
+        f"the optimizer of {UNITS} units held and updated on the GPU (engine.gpu_optimizer)"
+    )
 
 
 def test_without_clipping_every_unit_on_the_device_is_bit_identical(tmp_path: Path) -> None:
@@ -72,3 +82,62 @@ def test_auto_takes_the_most_units_from_the_first_that_fit() -> None:
     assert auto_gpu_units(layout, one - 1, 2) == 0
     assert auto_gpu_units(layout, two, 2) == 2
     assert auto_gpu_units(layout, 1 << 40, 2) == UNITS
+
+
+def _poison_step_two(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NaN in layer 0's gradient (a unit the GPU holds when two or more are) in the second step."""
+    from megatrain.actors.executor.streams import SyncSink  # noqa: PLC0415
+
+    real, seen = SyncSink.emit, {"n": 0}
+
+    def emit(self, unit: int, grad: torch.Tensor) -> None:  # noqa: ANN001
+        if unit == 1:
+            seen["n"] += 1
+            if seen["n"] == 2:
+                grad = grad.clone()
+                grad[3] = math.nan
+        real(self, unit, grad)
+
+    monkeypatch.setattr(SyncSink, "emit", emit)
+
+
+def test_a_non_finite_gradient_skips_the_step_whole_on_the_gpu_s_units_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _poison_step_two(monkeypatch)
+    none = run_held(tmp_path / "none", 0, steps=6)
+    monkeypatch.undo()
+    _poison_step_two(monkeypatch)  # the second run's own second step
+    every = run_held(tmp_path / "all", UNITS, steps=6)
+    assert [r["skipped"] for r in rows(every)] == [False, True, False, False, False, False]
+    assert [r["gpu_units"] for r in rows(every)] == [UNITS, 0, UNITS, UNITS, UNITS, UNITS]
+    same_run(none, every)
+
+
+@pytest.mark.slow
+def test_a_killed_executor_holding_the_optimizer_resumes_bit_for_bit_on_the_host_s(tmp_path: Path) -> None:
+    """Through Ray, one process per actor: the executor holding every unit's optimizer SIGKILLed after the
+    checkpoint of step 4; the run ends naming it, leaves nothing behind, and its resume with every update on
+    the host ends where an uninterrupted run does: every loss, weight and moment."""
+    from megatrain.launch.config.tree import load_config  # noqa: PLC0415
+    from megatrain.launch.run.driver import Trainer  # noqa: PLC0415
+
+    steps, common = 8, ["ipc.staging=resident", "train.save_every=2", "ipc.stall_timeout_s=300"]
+    ref = tmp_path / "ref"
+    overrides = [*SMALL, *common, f"train.steps={steps}", f"train.output_dir={ref}", "launch.runner=inprocess"]
+    Trainer(load_config(ROOT / "examples/default.yaml", [*overrides, "engine.gpu_optimizer=0"])).run()
+    cli = Cli(tmp_path / "run", *common, "engine.gpu_optimizer=4", steps=steps, env=NO_AUTH)
+    pids = cli.actor_pids()
+    cli.wait_for(r"checkpoint after step 4", timeout=START_S)
+    cli.snapshot()
+    os.kill(pids["gpu-executor"], signal.SIGKILL)
+    rc, err = cli.finish(timeout=90), "".join(cli.stderr)
+    assert rc == 1 and "died" in err and "actor 'gpu-executor'" in err, cli.text()
+    cli.assert_clean()
+    again = Cli(tmp_path / "run", *common, "engine.gpu_optimizer=0", steps=steps, env=NO_AUTH)
+    assert again.finish(timeout=START_S) == 0, again.text()
+    assert "resuming from" in "".join(again.stdout), again.text()
+    assert losses(again.out) == losses(ref)
+    mine, want = (ckpt.step_dir(d / "checkpoints", steps) for d in (again.out, ref))
+    assert planes(mine) == planes(want)
+    again.assert_clean()

@@ -261,7 +261,8 @@ def report(args: argparse.Namespace) -> int:
     plan = dataclasses.replace(plan, gpu_note=named or note)
     engine, n = resolve_engine(cfg.engine, cuda), executors_of(cfg, cuda)
     asked = timeplan.Asked(args.gpu, args.gpu_tflops, gpu_gib is not None, args.host_gib is not None)
-    timing = timeplan.plan_lines(cfg, engine, n, asked, hosts)
+    held = (plan.memory.gpu.gpu_units, plan.memory.gpu.gpu_units_why)
+    timing = timeplan.plan_lines(cfg, engine, n, asked, hosts, held)
     print(render(plan, cfg, timing + _weights_note(cfg)))
     return 0 if plan.fits() else 1
 

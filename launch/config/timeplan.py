@@ -164,10 +164,11 @@ def evaluation_flops(cfg: Config, arch: Arch, steps: int) -> float | None:
 
 
 def estimate(
-    cfg: Config, arch: Arch, basis: Basis, executors: int, steps: int, hosts: int = 1
+    cfg: Config, arch: Arch, basis: Basis, executors: int, steps: int, hosts: int = 1, gpu_units: int = 0
 ) -> steptime.Estimate | None:
     """`steps` steps (and the evaluations among them) of the run on `basis`'s machine, `executors` on each of
-    `hosts` (the batch split over all of them; each host's Adam over its slice); None without a rate."""
+    `hosts` (the batch split over all of them; each host's Adam over its slice, less the first `gpu_units`
+    units, whose update the GPU makes); None without a rate."""
     if basis.rate is None:
         return None
     rate = basis.rate
@@ -177,7 +178,7 @@ def estimate(
     evals = evaluation_flops(cfg, arch, steps)
     return steptime.step_estimate(
         flops,
-        -(-arch.layout.num_params // hosts),
+        -(-(arch.layout.num_params - gpu_params(arch, gpu_units)) // hosts),
         len(arch.layout.units),
         rate,
         basis.host_bytes_per_s,
@@ -186,16 +187,27 @@ def estimate(
     )
 
 
-def plan_lines(cfg: Config, engine: EngineConfig, executors: int, asked: Asked, hosts: int = 1) -> list[str]:
-    """The plan's time section for the machine planned for, `executors` on each of `hosts` like it."""
+def gpu_params(arch: Arch, units: int) -> int:
+    """The parameters of the first `units` units of the forward (engine.gpu_optimizer's)."""
+    order = [0, *range(1, arch.layout.num_layers + 1), arch.layout.num_layers + 1]
+    return sum(arch.layout.structure_of(u).numel for u in order[:units])
+
+
+def plan_lines(
+    cfg: Config, engine: EngineConfig, executors: int, asked: Asked, hosts: int = 1, gpu: tuple[int, str] = (0, "")
+) -> list[str]:
+    """The plan's time section for the machine planned for, `executors` on each of `hosts` like it; `gpu`: the
+    units whose optimizer the GPU holds, and why (the memory plan's choice)."""
     arch = arch_from_config(cfg.model, no_decay_1d=cfg.optim.no_decay_1d)
-    return lines(cfg, arch, plan_basis(cfg, arch, engine, executors, asked, hosts), executors, hosts)
+    return lines(cfg, arch, plan_basis(cfg, arch, engine, executors, asked, hosts), executors, hosts, gpu)
 
 
-def lines(cfg: Config, arch: Arch, basis: Basis, executors: int, hosts: int = 1) -> list[str]:
+def lines(
+    cfg: Config, arch: Arch, basis: Basis, executors: int, hosts: int = 1, gpu: tuple[int, str] = (0, "")
+) -> list[str]:
     """The plan's time section."""
     d, steps = cfg.data, cfg.train.steps
-    est = estimate(cfg, arch, basis, executors, steps, hosts)
+    est = estimate(cfg, arch, basis, executors, steps, hosts, gpu[0])
     if est is None or basis.rate is None:
         return [f"time: no estimate: {basis.why}"]
     head = f"time (an estimate): {steptime.duration(est.step_s)} a step; train.steps {steps:,}: "
@@ -217,11 +229,31 @@ def lines(cfg: Config, arch: Arch, basis: Basis, executors: int, hosts: int = 1)
         + (f" of each host's slice (1/{hosts})" if hosts > 1 else "")
         + f" at {basis.host_how}: {steptime.duration(est.adam_s)} a step"
         + (", beside the compute on the same cores" if basis.rate.cpu else ", a floor once the backward ends"),
+        *_held(cfg, arch, basis, executors, hosts, gpu, est),
         *_network(arch, hosts, not basis.rate.cpu, est.step_s),
     ]
     if est.total_s > DAY_S:
         out.append(f"  WARNING: {long_run(est)}")
     return out
+
+
+def _held(
+    cfg: Config, arch: Arch, basis: Basis, executors: int, hosts: int, gpu: tuple[int, str], est: steptime.Estimate
+) -> list[str]:
+    """The line of engine.gpu_optimizer: the units held, why, and the step without them."""
+    units, why = gpu
+    if basis.rate is None or basis.rate.cpu:
+        return []
+    head = f"  the optimizer on the GPU (engine.gpu_optimizer): {why or f'{units} units'}"
+    if not units:
+        return [head]
+    without = estimate(cfg, arch, basis, executors, cfg.train.steps, hosts, 0)
+    held, other = gpu_params(arch, units), steptime.duration(without.step_s) if without else "?"
+    return [
+        head,
+        f"    the host's Adam pass leaves out their {held / 1e6:,.1f}M parameters: "
+        f"{steptime.duration(est.step_s)} a step against {other} with every update on the host",
+    ]
 
 
 def _on_each(executors: int, hosts: int) -> str:

@@ -103,3 +103,32 @@ class RunSummary:
     staging: str = ""  # ipc.staging, resolved
     executors: int = 1  # each host's
     hosts: int = 1
+
+    @property
+    def clipped_fraction(self) -> float | None:
+        """The share of the steps trained whose gradients were clipped (clip scale below 1); None: none trained."""
+        return clipped_fraction(self.metrics)
+
+
+def clipped_fraction(rows: list[dict]) -> float | None:
+    """The share of `rows` (metrics rows) whose step clipped its gradients; None for no rows."""
+    if not rows:
+        return None
+    return sum(r.get("clip_scale", 1.0) < 1.0 for r in rows) / len(rows)
+
+
+def clipping_line(rows: list[dict], max_grad_norm: float) -> str:
+    """The end of a run's line on clipping and on the units whose optimizer the GPU held."""
+    share = clipped_fraction(rows)
+    if share is None:
+        return ""
+    clipped = sum(r.get("clip_scale", 1.0) < 1.0 for r in rows)
+    line = (
+        f"clipping (optim.max_grad_norm {max_grad_norm:g}): {clipped} of {len(rows)} steps clipped ({share:.0%})"
+        if max_grad_norm > 0
+        else "clipping off (optim.max_grad_norm 0)"
+    )
+    units = max(r.get("gpu_units") or 0 for r in rows)
+    if units:
+        line += f"; the optimizer of {units} units held and updated on the GPU (engine.gpu_optimizer)"
+    return line

@@ -33,7 +33,7 @@ from megatrain.launch.prepare.inputs import Inputs, check_first, read_inputs
 from megatrain.launch.prepare.outdir import OutputLock, prepare_output, resolve_output
 from megatrain.launch.prepare.resume import may_resume
 from megatrain.launch.report.describe import describe_memory, short
-from megatrain.launch.report.reporting import RunSummary
+from megatrain.launch.report.reporting import RunSummary, clipping_line
 from megatrain.launch.report.tensorboard import summary_writer
 from megatrain.launch.run import startup
 from megatrain.launch.run.checkpoints import Checkpointer, clear_torn, save_final
@@ -103,6 +103,9 @@ class Trainer:
     def _finish(self, run: PreparedRun, mem: HostMemory) -> None:
         """After the last step (not after a graceful stop)."""
         describe_memory(mem, run.spec.layout.num_params)
+        said = clipping_line(self.loop.metrics, run.cfg.optim.max_grad_norm)
+        if said:
+            log(said)
         if run.evaluator.examples and run.cfg.train.final_eval:
             log(
                 "held-out problems answered by greedy decoding after the last step:\n  "

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatrain.config.engine import EngineConfig
-from megatrain.errors import ConfigError, ResourceError
+from megatrain.errors import ConfigError, MegatrainError, ResourceError
 from megatrain.memory import autosize
 from megatrain.memory import budget as gpubudget
 from megatrain.memory.hosts import largest_slice
@@ -21,6 +21,7 @@ from megatrain.model.layout import StoreLayout
 # the plan's peak may be off by (allocator fragmentation), kept free of them.
 GPU_STATE_SCRATCH = 2 * (64 << 20) * 4
 GPU_STATE_MARGIN_FRACTION, GPU_STATE_MARGIN_LEAST = 0.05, 2 << 30
+GPU_STATE = "optimizer of the units the GPU holds (engine.gpu_optimizer)"
 REDUCE_CREDITS = 2  # fp32 gradients queued for their reduction on the GPU (actors/executor/reduce.py)
 REDUCTION = "fp32 gradients awaiting the executors' sum"
 
@@ -46,6 +47,8 @@ class GpuPart:
     free: int | None = None  # the GPU's free memory planned for (None: not known here)
     budget: int | None = None  # engine.gpu_memory_gib less the CUDA context; None: no budget
     budget_note: str = ""
+    gpu_units: int = 0  # engine.gpu_optimizer resolved: the units whose optimizer the GPU holds
+    gpu_units_why: str = ""
 
 
 def gpu_part(
@@ -58,10 +61,12 @@ def gpu_part(
     clip: bool,
     host_room: int | None,
     hosts: int = 1,
+    resident: bool = True,
 ) -> GpuPart:
     """Sizes and terms for `batch` sequences of `seq` tokens on each of `executors` GPUs with `gpu_free` free
     (None: the CPU device, or a GPU not measured here: the fixed sizes stand in), each executor's pinned
-    checkpoints within `host_room` bytes (None: not bounded here)."""
+    checkpoints within `host_room` bytes (None: not bounded here), then the units whose optimizer the GPU
+    holds beside them (`resident`: the store's staging mode is resident)."""
     cuda = engine.device == "cuda"
     sized, budget_note = gpubudget.planning_room(engine, gpu_free) if cuda else (None, "")
     reduction = reduction_bytes(arch.layout, hosts) if executors > 1 or hosts > 1 else 0
@@ -78,8 +83,17 @@ def gpu_part(
     terms = autosize.gpu_terms(arch, autosize.apply(engine, sizes), batch, seq, sizes)
     if reduction:
         terms[REDUCTION] = reduction
+    try:
+        room = None if sized is None else sized + reduction  # as the run's choose_sizes() measures it
+        held, held_why = resolve_gpu_units(engine, arch.layout, room, sum(terms.values()), executors, hosts, resident)
+    except MegatrainError as exc:
+        held, held_why, error = 0, "", error or str(exc)
+    if held:
+        terms[GPU_STATE] = gpu_state_bytes(arch.layout, held, 2 if engine.compute_dtype == "bf16" else 4)
     budget = gpubudget.budget_bytes(engine)
     return GpuPart(
+        gpu_units=held,
+        gpu_units_why=held_why,
         sizes=sizes,
         why=why,
         error=error,

@@ -146,7 +146,10 @@ def plan_memory(arch: Arch, shape: RunShape, machine: Machine, gpu_free: int | N
     plain = _host_plan(arch, shape, machine, None)
     room = plain.pinned_room
     each = None if room is None else room // shape.executors  # each executor pins its own checkpoints
-    gpu = gpu_part(arch, shape.engine, shape.batch, shape.seq, shape.executors, gpu_free, shape.clip, each, shape.hosts)
+    resident = plain.staging_mode == "resident"
+    gpu = gpu_part(
+        arch, shape.engine, shape.batch, shape.seq, shape.executors, gpu_free, shape.clip, each, shape.hosts, resident
+    )
     return dataclasses.replace(_host_plan(arch, shape, machine, gpu, plain.staging_mode), pinned_room=room)
 
 
@@ -156,6 +159,8 @@ def _host_plan(
     """The plan's host part with the GPU part `gpu` (None: the fixed sizes, no checkpoints pinned); `mode`:
     the staging mode decided (None: decided here, on the plan without pinned checkpoints)."""
     engine = fixed_sizes(shape.engine) if gpu is None else _applied(shape.engine, gpu.sizes)
+    if gpu is not None:  # engine.gpu_optimizer as the GPU part resolved it (0 on the CPU device)
+        engine = dataclasses.replace(engine, gpu_optimizer=gpu.gpu_units)
     if mode is None:
         resident = _plan(arch, shape, machine, engine, "resident", 0, gpu)
         mode = decide_staging(shape, resident.host_fits())
