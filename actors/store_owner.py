@@ -21,6 +21,7 @@ import torch
 
 from megatrain.actors.base import Role
 from megatrain.actors.lifeline import Lifeline, raylet
+from megatrain.config.engine import FIXED_SIZES
 from megatrain.errors import AbortError, ConfigError, Origin, ProtocolError
 from megatrain.formats import checkpoint as ckpt
 from megatrain.host.hostmem import fault_in
@@ -112,7 +113,7 @@ class StoreOwner(Role):
         # The activation checkpoints the executor will pin depend on the engine's sizes; while some are still
         # `auto` they are unknown (the fixed sizes would count every block's, where the chosen ones may keep
         # them on the GPU), so the store is checked alone now and with them in settle().
-        known = not any(v == "auto" for v in dataclasses.asdict(request.engine).values())
+        known = not any(getattr(request.engine, size) == "auto" for size in FIXED_SIZES)
         spec, ram_only = self._plan(fixed_sizes(self.request.engine), checkpoints=known)
         self._make(spec, ram_only)
         return spec

@@ -45,6 +45,11 @@ accumulator (k % G) % A:
   adam:        wait grads_ready once per piece; clip scale from the norms; update pieces in forward
                order, bumping version[piece] after each (one host; slabs run on one host only), which
                releases the next step's packers.
+The units whose optimizer the executor holds on its device (StoreSpec.on_gpu, engine.gpu_optimizer) have no
+slab, no version published per step and no update by Adam: their gradient stays on the device, their pieces'
+squared norms land in ctl as any unit's (one grads_ready each), Adam publishes its verdict on the step (the
+global norm and clip scale, ctl's flag words) and the executor updates them; it writes their state back into
+the planes, and publishes their versions, only before a checkpoint of them is taken.
 Without clipping there is no grads plane and no accumulator: the Adam updater itself waits
 g_full[s] (and the slab's IPC event), updates the piece straight from the slab, bumps its version and
 posts g_free[s], all while the executor is still running the backward.

@@ -16,6 +16,9 @@ decides by, and it hands each updated batch on.
   makes the same collective calls in the same order, and a decision to skip or stop rests on numbers summed
   over the hosts, so every host takes it alike instead of one waiting on a collective the others never enter.
 
+The units whose optimizer the executor holds (spec.on_gpu) count in the norm but are not updated here: once
+the norm is known (with clipping, before any update; without, after the last gradient) Adam publishes its
+verdict, the norm and the clip scale, and the executor updates them itself.
 With clipping every piece's gradient is in (the fp32 grads plane, or the resident copy) before the global
 norm is known; the pieces are then updated in forward order, so the next step's forward follows right
 behind. A non-finite norm skips the step whole: no piece is touched (a resident copy holding the gradient
