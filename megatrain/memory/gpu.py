@@ -170,8 +170,12 @@ def resolve_gpu_units(
             )
         return int(asked), "as set"
     refusal = gpu_units_refusal(1, n, resident, executors, hosts)
-    if free is None or refusal:
-        return 0, "the CPU device" if free is None else refusal
+    if engine.device != "cuda":
+        return 0, "the CPU device"
+    if refusal:
+        return 0, refusal
+    if free is None:
+        return 0, "the GPU's free memory is not measured here"
     room = gpu_state_room(free, peak)
     units = auto_gpu_units(layout, room, dtype_bytes)
     return units, (
