@@ -46,7 +46,7 @@ from megatrain.memory.machine import Machine
 from megatrain.memory.plan import MemoryPlan
 from megatrain.model.spec import ModelConfig, build_spec, family_classes, init_unit, meta_model, unit_seed
 from megatrain.model.weights import checkpoint_index, copy_slots, fill_tile, read_unit, slot_views
-from megatrain.roster import OWNER, Roster, build_roster
+from megatrain.roster import OWNER, Roster
 from megatrain.step.engine import EngineConfig, fixed_sizes
 
 STRAGGLER_S = 1.0  # how long workers get to exit after the driver's kill before they are ended by pid
@@ -240,25 +240,15 @@ class StoreOwner(Role):
         import numba
 
         cores = node_cores()
-        plan = cpu_plan(cores, self._roster(spec, cuda), request, numba.config.NUMBA_NUM_THREADS)
+        plan = cpu_plan(cores, self._roster(spec), request, numba.config.NUMBA_NUM_THREADS)
         spec = dataclasses.replace(spec, threads=plan, cores=cores)
         self.apply_threads(spec)  # the fill (init, import, resume) runs on this process's threads
         return spec
 
-    def _roster(self, spec: StoreSpec, cuda: bool) -> Roster:
-        """The driver's roster, which must be for the store's staging mode; without one (a store made outside
-        a run), every role of the spec, the writer included."""
-        roster = self.request.roster
-        if roster is None:
-            return build_roster(
-                executors=spec.num_executors,
-                packers=spec.num_packers,
-                accumulators=spec.num_accumulators,
-                cuda=cuda,
-                clip=spec.clip,
-                writer=True,
-                staging=spec.staging_mode,
-            )
+    def _roster(self, spec: StoreSpec) -> Roster:
+        """The run's roster, its memory plan's (the driver spawned its actors from the same), which must be for
+        the store's staging mode."""
+        roster = self.memory.roster
         if roster.staging != spec.staging_mode:
             raise ProtocolError(
                 f"the store is planned for weight staging {spec.staging_mode}, the run's actors for {roster.staging}"

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     from megatrain.config.model import ModelConfig
     from megatrain.memory.plan import MemoryPlan
     from megatrain.model.spec import ModelSpec
-    from megatrain.roster import Roster
 
 # How several executors' values of one StepReport field become the step's (each executor runs its rows of
 # the batch): the sum of their parts, the largest (the step waits for the slowest), or executor 0's (a
@@ -266,7 +265,6 @@ class StoreRequest:
     about: dict = field(default_factory=dict)
     executors: int = 1  # actors.num_gpus, resolved
     spec: ModelSpec | None = None  # the model's spec as the driver built it; None: built here from `model`
-    roster: Roster | None = None  # the run's actors, for `ipc.staging` resolved; None: the spec's whole roster
     memory: MemoryPlan  # the run's plan (launch/config/memplan.py run_plan): its staging mode and processes' reserve
     hosts: int = 1  # actors.num_hosts, resolved: the store is host `host`'s of `hosts` (its slice of the fp32 state)
     host: int = 0

@@ -310,7 +310,6 @@ def create_stores(
                 about=about,
                 executors=n,
                 spec=model,
-                roster=spawned.roster,
                 memory=memory,
                 hosts=hosts,
                 host=host,
