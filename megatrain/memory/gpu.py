@@ -126,7 +126,8 @@ def gpu_units_refusal(units: int, num_units: int, resident: bool, executors: int
         )
     if not resident:
         return (
-            "the GPU's units take their gradient's norm where the resident copy takes the others': ipc.staging resident"
+            "the units the GPU holds need the resident copy, where their gradients' norms go as any unit's: "
+            "ipc.staging resident"
         )
     return ""
 
