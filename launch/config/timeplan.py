@@ -14,6 +14,7 @@ from megatrain.flops import active_params, model_step_flops
 from megatrain.ipc.cpus import node_cores
 from megatrain.launch.config.tree import Config
 from megatrain.launch.control.placement import per_executor
+from megatrain.memory.gpu import gpu_params
 from megatrain.memory.hosts import network_bytes
 from megatrain.memory.machine import local_gpus
 from megatrain.model.arch import Arch, arch_from_config, arch_of_spec
@@ -178,19 +179,13 @@ def estimate(
     evals = evaluation_flops(cfg, arch, steps)
     return steptime.step_estimate(
         flops,
-        -(-(arch.layout.num_params - gpu_params(arch, gpu_units)) // hosts),
+        -(-(arch.layout.num_params - gpu_params(arch.layout, gpu_units)) // hosts),
         len(arch.layout.units),
         rate,
         basis.host_bytes_per_s,
         steps,
         None if evals is None else evals / executors,
     )
-
-
-def gpu_params(arch: Arch, units: int) -> int:
-    """The parameters of the first `units` units of the forward (engine.gpu_optimizer's)."""
-    order = [0, *range(1, arch.layout.num_layers + 1), arch.layout.num_layers + 1]
-    return sum(arch.layout.structure_of(u).numel for u in order[:units])
 
 
 def plan_lines(
@@ -248,7 +243,7 @@ def _held(
     if not units:
         return [head]
     without = estimate(cfg, arch, basis, executors, cfg.train.steps, hosts, 0)
-    held, other = gpu_params(arch, units), steptime.duration(without.step_s) if without else "?"
+    held, other = gpu_params(arch.layout, units), steptime.duration(without.step_s) if without else "?"
     return [
         head,
         f"    the host's Adam pass leaves out their {held / 1e6:,.1f}M parameters: "

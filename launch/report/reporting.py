@@ -122,9 +122,9 @@ def clipping_line(rows: list[dict], max_grad_norm: float) -> str:
     share = clipped_fraction(rows)
     if share is None:
         return ""
-    clipped = sum(r.get("clip_scale", 1.0) < 1.0 for r in rows)
     line = (
-        f"clipping (optim.max_grad_norm {max_grad_norm:g}): {clipped} of {len(rows)} steps clipped ({share:.0%})"
+        f"clipping (optim.max_grad_norm {max_grad_norm:g}): {round(share * len(rows))} of {len(rows)} steps "
+        f"clipped ({share:.0%})"
         if max_grad_norm > 0
         else "clipping off (optim.max_grad_norm 0)"
     )

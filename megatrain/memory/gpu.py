@@ -110,7 +110,13 @@ def gpu_state_bytes(layout: StoreLayout, units: int, dtype_bytes: int) -> int:
     if units <= 0:
         return 0
     per_param = 12 + dtype_bytes + (0 if dtype_bytes == 4 else dtype_bytes)
-    return sum(layout.structure_of(u).numel for u in _forward(layout)[:units]) * per_param + GPU_STATE_SCRATCH
+    return gpu_params(layout, units) * per_param + GPU_STATE_SCRATCH
+
+
+def gpu_params(layout: StoreLayout, units: int) -> int:
+    """The parameters of the first `units` units of the forward: embedding, layers, then the final norm and head."""
+    forward = [0, *range(1, layout.num_layers + 1), layout.num_layers + 1]
+    return sum(layout.structure_of(u).numel for u in forward[:units])
 
 
 def gpu_units_refusal(units: int, num_units: int, resident: bool, executors: int, hosts: int) -> str:
@@ -183,7 +189,3 @@ def resolve_gpu_units(
         f"{units} of {n} units ({gpubudget.gib(gpu_state_bytes(layout, units, dtype_bytes))}) in the "
         f"{gpubudget.gib(max(room, 0))} the GPU leaves beside the step's peak"
     )
-
-
-def _forward(layout: StoreLayout) -> list[int]:
-    return [0, *range(1, layout.num_layers + 1), layout.num_layers + 1]
