@@ -38,7 +38,16 @@ from megatrain.ipc.messages import AdamRequest, Applied
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.adam import HostsLink, Link, OneHost, update_clipped, update_unclipped
 from megatrain.ipc.protocol.plan import Item
+from megatrain.model.layout import STATE_PLANES
 from megatrain.roster import ADAM
+
+# Steps in a row that did not clip before a step speculates (ipc.spare_slots). A step that clips drops its
+# slots, and its speculation cost only the host's memory bandwidth while the backward ran, which nothing else
+# of the step takes then; the cut inside a step (the landed norms already clip) bounds it further. So the bar
+# only keeps the updater from speculating through a phase where steps clip (the first steps, warm-up, a loss
+# spike): one unclipped step between clipped ones is common where the norm hovers at max_grad_norm, two in a
+# row seldom, and a third step's wait costs at most one step's gain.
+SPECULATE_AFTER = 2
 
 
 class AdamUpdater(Role):
@@ -49,6 +58,7 @@ class AdamUpdater(Role):
         self.next_step = 0
         self.rendezvous = None  # host 0's, while the hosts' group forms
         self.link: Link | None = None  # to the other hosts: OneHost on one, HostsLink over several once joined
+        self.calm = 0  # steps in a row that did not clip (SPECULATE_AFTER)
         warm_up()  # compiled (or loaded from Numba's cache) while the store is being made, not in a step
         a = np.zeros(4, np.float32)
         adamw_update(a, a.copy(), a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0)
@@ -57,6 +67,10 @@ class AdamUpdater(Role):
         )
         bits = np.zeros(4, np.uint16)  # bf16 gradients in the resident copy (clipping)
         adamw_update(a, bits, a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0, bf16_out=bits)
+        spare = (a.copy(), a.copy(), a.copy())  # the speculative updates into spare slots (ipc.spare_slots)
+        out = np.zeros(4, np.uint16)
+        adamw_update(a, bits, a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0, bf16_out=out, into=spare)
+        adamw_update(a, a.copy(), a.copy(), a.copy(), step=1, lr=0.0, cfg=cfg, weight_decay=0.0, into=spare)
         self.mark("ready")
 
     def attach(self, spec: StoreSpec, start_step: int = 0) -> None:
@@ -64,6 +78,7 @@ class AdamUpdater(Role):
         self.next_step = start_step
         self.apply_threads(spec)  # Numba's for the update, torch's for the resident cast
         parts = spec.planes + (("resident",) if spec.resident else ()) + (() if spec.clip else ("staging",))
+        parts += spec.spare_parts()  # its speculative updates' spare slots (ipc.spare_slots)
         self.store = Store.attach(spec, parts, role=self.name)
         self.link = OneHost() if spec.hosts == 1 else None
         self.mark("attached")
@@ -120,7 +135,9 @@ class AdamUpdater(Role):
             t0 = time.perf_counter()
             store, link, update = self.store, self._link(step), functools.partial(self._piece, step + 1, lr)
             if store.spec.clip:
-                out = update_clipped(store, link, step, saving, self.cfg.max_grad_norm, update)
+                speculate = bool(store.spec.spares) and self.calm >= SPECULATE_AFTER
+                out = update_clipped(store, link, step, saving, self.cfg.max_grad_norm, update, speculate)
+                self.calm = self.calm + 1 if out.clip_scale == 1.0 and not out.skipped else 0
             else:
                 out = update_unclipped(store, link, self.events, step, saving, update)
             return dataclasses.replace(out, adam_s=time.perf_counter() - t0)
@@ -153,16 +170,20 @@ class AdamUpdater(Role):
                     )
                 self.turn.wait(ipc.poll_s)
 
-    def _piece(self, t: int, lr: float, item: Item, grad: np.ndarray, scale: float) -> None:
-        """The protocol's PieceUpdate: AdamW step `t` on the item's elements."""
-        self._update(item.unit, item.lo, item.hi, grad, t, lr, scale)
+    def _piece(self, t: int, lr: float, item: Item, grad: np.ndarray, scale: float, spare: bool) -> None:
+        """The protocol's PieceUpdate: AdamW step `t` on the item's elements (`spare`: into its spare slot)."""
+        self._update(item.unit, item.lo, item.hi, grad, t, lr, scale, spare)
 
-    def _update(self, unit: int, lo: int, hi: int, g: np.ndarray, t: int, lr: float, scale: float) -> None:
-        """AdamW on elements [lo, hi) of the unit's tiles (g holds exactly those)."""
+    def _update(
+        self, unit: int, lo: int, hi: int, g: np.ndarray, t: int, lr: float, scale: float, spare: bool = False
+    ) -> None:
+        """AdamW on elements [lo, hi) of the unit's tiles (g holds exactly those); `spare`: the new state into
+        the unit's spare slot, its state and gradient left as they are."""
         store = self.store
-        p, m, v = (store.span(part, unit, lo, hi) for part in ("params", "exp_avg", "exp_avg_sq"))
+        p, m, v = (store.span(part, unit, lo, hi) for part in STATE_PLANES)
+        into = tuple(store.span(part, unit, lo, hi, spare=True) for part in STATE_PLANES) if spare else None
         split = min(max(store.spec.layout.structure_of(unit).decay_split() - lo, 0), hi - lo)
-        fused = self._bf16_resident(unit, lo, hi)  # the copy the next forward streams, written in the same pass
+        fused = self._bf16_resident(unit, lo, hi, spare)  # the copy the next forward streams, in the same pass
         for sl, wd in ((slice(0, split), self.cfg.weight_decay), (slice(split, None), 0.0)):
             if p[sl].size:
                 adamw_update(
@@ -176,12 +197,14 @@ class AdamUpdater(Role):
                     weight_decay=wd,
                     grad_scale=scale,
                     bf16_out=None if fused is None else fused[sl],
+                    into=None if into is None else (into[0][sl], into[1][sl], into[2][sl]),
                 )
         if store.spec.resident and fused is None:  # another compute dtype: cast right after the update
-            store.refresh_resident(unit, lo, hi)
+            store.refresh_resident(unit, lo, hi, spare)
 
-    def _bf16_resident(self, unit: int, lo: int, hi: int) -> np.ndarray | None:
-        """The unit's bf16 resident copy [lo, hi) as uint16 bits, for the fused update; None otherwise."""
+    def _bf16_resident(self, unit: int, lo: int, hi: int, spare: bool = False) -> np.ndarray | None:
+        """The unit's bf16 resident copy [lo, hi) as uint16 bits (`spare`: its spare slot's), for the fused
+        update; None otherwise."""
         if not self.store.spec.resident or self.store.spec.staging_dtype != "bf16":
             return None
-        return self.store.resident_tile(unit)[lo:hi].view(torch.int16).numpy().view(np.uint16)
+        return self.store.resident_tile(unit, spare)[lo:hi].view(torch.int16).numpy().view(np.uint16)

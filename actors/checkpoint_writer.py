@@ -29,8 +29,6 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import numpy as np
-
 from megatrain.actors.base import Role, guarded
 from megatrain.errors import DiskFull, disk_full, free_bytes, human_bytes, is_disk_full
 from megatrain.formats import checkpoint as ckpt
@@ -38,6 +36,7 @@ from megatrain.ipc.messages import WriteRequest, Written
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.ipc.protocol.checkpoints import claim, written
 from megatrain.ipc.protocol.plan import Item
+from megatrain.memory.host import SPARE_PLANES
 from megatrain.roster import WRITER
 
 AHEAD = 2  # pieces in flight beyond the oldest: keeps every thread busy across piece boundaries
@@ -52,7 +51,7 @@ class CheckpointWriter(Role):
 
     def attach(self, spec: StoreSpec) -> None:
         self.apply_threads(spec)
-        self.store = Store.attach(spec, ckpt.PLANES, role=self.name)
+        self.store = Store.attach(spec, ckpt.PLANES + spec.spare_parts(SPARE_PLANES), role=self.name)
 
     @guarded
     def write(self, request: WriteRequest) -> Written:
@@ -225,9 +224,9 @@ class CheckpointWriter(Role):
         lo_b, hi_b = self._bytes(item)
         out = []
         for part in ckpt.PLANES:
-            raw = self.store.plane(part).view(np.uint8)
+            raw, first = self.store.state_bytes(part, item.unit)  # its tile, or its spare slot (ipc.spare_slots)
             for off, n in ckpt.chunks(lo_b, hi_b):
-                out.append((part, pool.submit(files[part].write, raw[off : off + n], off)))
+                out.append((part, pool.submit(files[part].write, raw[off - first : off - first + n], off)))
         return out
 
     def _bytes(self, item: Item) -> tuple[int, int]:

@@ -33,6 +33,7 @@ from megatrain.ipc.protocol import Store, StoreSpec, checkpoint_host_bytes, plan
 from megatrain.ipc.protocol.checkpoints import restore
 from megatrain.ipc.shared.segments import sweep
 from megatrain.ipc.shared.shm import (
+    HEADER_BYTES,
     check_space,
     mem_total_bytes,
     pss_split,
@@ -41,7 +42,7 @@ from megatrain.ipc.shared.shm import (
     seg_name,
     space_now,
 )
-from megatrain.memory.host import REAPER
+from megatrain.memory.host import REAPER, resolve_spares, spare_room
 from megatrain.memory.machine import Machine
 from megatrain.memory.plan import MemoryPlan
 from megatrain.model.spec import ModelConfig, build_spec, family_classes, init_unit, meta_model, unit_seed
@@ -124,8 +125,36 @@ class StoreOwner(Role):
         before it, and a store they no longer leave room for is refused with the numbers."""
         spec, ram_only = self._plan(engine)
         check_space(spec.part_bytes(), spec.ipc.shm_dir, ram_only, self.space)
+        spares = self._spares(spec, ram_only)
+        if spares:
+            spec = dataclasses.replace(spec, spares=spares)
+            check_space(spec.part_bytes(), spec.ipc.shm_dir, ram_only, self.space)
+            self.store.add_spares(spec)
         self.store.spec = spec
         return spec
+
+    def _spares(self, spec: StoreSpec, ram_only: dict[str, int]) -> int:
+        """ipc.spare_slots resolved against the memory as it was before the store: what the store, the pinned
+        checkpoints and the processes leave (megatrain/memory/host.py resolve_spares), said in the log."""
+        parts, (free, avail) = spec.part_bytes(), self.space
+        shm_need = sum(parts.values()) + len(parts) * HEADER_BYTES
+        machine = Machine(ram=avail, total=mem_total_bytes(), shm=free, threshold=ray_memory_threshold())
+        room = spare_room(free, machine.limit, machine.total, shm_need, shm_need + sum(ram_only.values()))
+        try:
+            count, why = resolve_spares(
+                self.request.ipc.spare_slots,
+                spec.layout,
+                spec.gpu_units,
+                resident=spec.resident,
+                clip=spec.clip,
+                hosts=spec.hosts,
+                room=room,
+                staging_bytes=spec.staging_bytes,
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        print(f"[{self.store.label(self.name)}] spare slots for speculative updates: {why}", flush=True)
+        return count
 
     def node_machine(self, shm_dir: str = "/dev/shm") -> Machine:
         """This node's memory now, with Ray's memory-monitor threshold as its workers have it: the machine a
@@ -219,7 +248,8 @@ class StoreOwner(Role):
     def _page_in(self, store: Store, stop: threading.Event) -> None:
         """page_in()'s thread. It leaves the bytes alone (hostmem.populate): the steps may already write them."""
         parts = [p for p in ("exp_avg", "exp_avg_sq", "grads") if p in store.spec.planes]
-        planes = [store.plane(part) for part in parts]
+        planes = [store.plane(part) for part in parts] + [store.region(p).numpy() for p in store.spec.spare_parts()]
+        parts += store.spec.spare_parts()
         t0 = time.perf_counter()
         done, pieces = fault_in([(a.ctypes.data, a.nbytes) for a in planes], PAGE_IN_THREADS, stop)
         me = store.label(self.name)  # over several hosts, with its host

@@ -106,6 +106,7 @@ ABLATIONS = {
     "resident": ["ipc.staging=resident"],
     "no-clip": ["optim.max_grad_norm=0"],
     "cpu-adam": ["engine.gpu_optimizer=0"],  # every unit's update on the host, as before engine.gpu_optimizer
+    "no-speculation": ["ipc.spare_slots=0"],  # no update before the global norm, as before ipc.spare_slots
     "no-lean": ["engine.lean_layers=0"],
     "hf-experts": ["engine.moe_experts=hf"],
 }

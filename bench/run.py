@@ -122,6 +122,9 @@ def megatrain_variant(
         "gpu_units": rows[-1].get("gpu_units", 0),
         "gpu_update_s": pick("gpu_update_s") if "gpu_update_s" in rows[-1] else 0.0,
         "clipped_steps": sum(r.get("clip_scale", 1.0) < 1.0 for r in summary.metrics),
+        # ipc.spare_slots: the steady steps' units speculated during the backward, and kept
+        "speculated": [r.get("speculated", 0) for r in rows],
+        "committed": [r.get("committed", 0) for r in rows],
         "h2d_GBps_avg": h2d_busy / med / 1e9,
         "d2h_GBps_avg": pick("d2h_bytes") / med / 1e9,
         "losses": [r["loss"] for r in summary.metrics],

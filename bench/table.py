@@ -97,7 +97,12 @@ def gpu_optimizer_cell(r: dict) -> str:
     included), and the steps that clipped; a peer: empty."""
     if "gpu_units" not in r:
         return ""
-    return f"{r['gpu_units']} ({r['gpu_update_s']:.3f}); {r['clipped_steps']} of {len(r['step_times_s'])}"
+    cell = f"{r['gpu_units']} ({r['gpu_update_s']:.3f}); {r['clipped_steps']} of {len(r['step_times_s'])}"
+    speculated = r.get("speculated") or []
+    if any(speculated):  # ipc.spare_slots: units speculated / kept, the steady steps' median
+        mid = len(speculated) // 2
+        cell += f"; speculated {sorted(speculated)[mid]}, kept {sorted(r['committed'])[mid]}"
+    return cell
 
 
 def load_stats(rows: list[dict]) -> dict | None:

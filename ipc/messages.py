@@ -158,6 +158,8 @@ class Applied:
     skipped: bool
     unit_spans: tuple[tuple[int, float, float], ...] = ()
     adam_s: float = 0.0
+    speculated: int = 0  # units updated speculatively into their spare slots during the backward
+    committed: int = 0  # of those, the ones whose slot became their state (the step did not clip)
 
     @staticmethod
     def merge(parts: list[Applied]) -> Applied:

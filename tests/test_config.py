@@ -352,11 +352,11 @@ def test_a_stalled_actor_is_named_within_30s_with_the_defaults(tmp_path: Path, r
     release, hung_at = threading.Event(), []
     real = AdamUpdater._update
 
-    def update(self, unit, lo, hi, g, t, lr, scale):  # noqa: ANN001
+    def update(self, unit, lo, hi, g, t, lr, scale, spare=False):  # noqa: ANN001
         if t == 2:
             hung_at.append(time.monotonic())
             release.wait(60)  # freed once the run has ended
-        real(self, unit, lo, hi, g, t, lr, scale)
+        real(self, unit, lo, hi, g, t, lr, scale, spare)
 
     monkeypatch.setattr(AdamUpdater, "_update", update)
     try:

@@ -48,11 +48,11 @@ def test_a_stalled_actor_is_named_not_its_victims(tmp_path, rid: str, monkeypatc
     release, hang_over = threading.Event(), threading.Event()
     real = AdamUpdater._update
 
-    def update(self, unit, lo, hi, g, t, lr, scale):  # noqa: ANN001
+    def update(self, unit, lo, hi, g, t, lr, scale, spare=False):  # noqa: ANN001
         if t == 2:
             release.wait(60)  # a hang the run must notice; freed once the run has ended
             hang_over.set()
-        real(self, unit, lo, hi, g, t, lr, scale)
+        real(self, unit, lo, hi, g, t, lr, scale, spare)
 
     monkeypatch.setattr(AdamUpdater, "_update", update)
     try:
@@ -131,10 +131,10 @@ def test_an_actor_that_raises_on_host_1_is_named_with_its_host(tmp_path, rid: st
 
     real = AdamUpdater._update
 
-    def update(self, unit, lo, hi, g, t, lr, scale):  # noqa: ANN001
+    def update(self, unit, lo, hi, g, t, lr, scale, spare=False):  # noqa: ANN001
         if t == 2 and self.store.spec.host == 1:
             raise RuntimeError("boom on host 1")
-        real(self, unit, lo, hi, g, t, lr, scale)
+        real(self, unit, lo, hi, g, t, lr, scale, spare)
 
     monkeypatch.setattr(AdamUpdater, "_update", update)
     with pytest.raises(MegatrainError) as info:

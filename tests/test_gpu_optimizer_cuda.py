@@ -39,3 +39,17 @@ def test_a_run_with_the_optimizer_on_the_gpu_is_the_host_s_bit_for_bit(tmp_path:
     }
     for name, tensor in final_weights(tmp_path / "host").items():
         assert torch.equal(tensor, final_weights(tmp_path / "again")[name]), name
+
+
+def test_a_run_with_speculative_updates_on_a_gpu_is_the_plain_host_s_bit_for_bit(tmp_path: Path) -> None:
+    """ipc.spare_slots on CUDA: the gradients land through the streamed sink's copies, the next forward streams
+    each unit's weights from whichever bank holds them (the spare slots' resident copy pinned as the resident's);
+    two units on the GPU and slots for the rest, against every update on the host after the norm."""
+    common = ("engine.device=cuda", "ipc.staging=resident", "optim.max_grad_norm=1.5")
+    train_tiny(tmp_path / "plain", "llama", *common, "engine.gpu_optimizer=0", "ipc.spare_slots=0", steps=20)
+    gc.collect()
+    train_tiny(tmp_path / "both", "llama", *common, "engine.gpu_optimizer=2", "ipc.spare_slots=auto", steps=20)
+    gc.collect()
+    got = rows(tmp_path / "both")
+    assert any(r["committed"] for r in got), [(r["clip_scale"], r["speculated"], r["committed"]) for r in got]
+    same_run(tmp_path / "plain", tmp_path / "both")

@@ -243,9 +243,9 @@ def _watched(adam: AdamUpdater) -> list[tuple[int, list[int]]]:
     seen: list[tuple[int, list[int]]] = []
     real = adam._piece
 
-    def piece(t: int, lr: float, item, grad: np.ndarray, scale: float) -> None:
+    def piece(t: int, lr: float, item, grad: np.ndarray, scale: float, spare: bool) -> None:
         seen.append((item.piece, list(adam.store.versions)))
-        real(t, lr, item, grad, scale)
+        real(t, lr, item, grad, scale, spare)
 
     adam._piece = piece  # the step binds its PieceUpdate from the instance
     return seen

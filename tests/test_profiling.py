@@ -158,12 +158,12 @@ def test_a_cpu_actor_is_sampled_over_its_step(tmp_path: Path, rid: str, capsys, 
         started.set()
         return said[-1]
 
-    def update(self, unit, lo, hi, g, t, lr, scale):  # noqa: ANN001
+    def update(self, unit, lo, hi, g, t, lr, scale, spare=False):  # noqa: ANN001
         # step 2's update runs (its pieces wait here) until the window that gathers it has py-spy sampling
         if t == 2 and started.wait(120) and said == [""]:
             _adam_at_work(self.sampler.proc.pid)
             worked.append(unit)
-        real_update(self, unit, lo, hi, g, t, lr, scale)
+        real_update(self, unit, lo, hi, g, t, lr, scale, spare)
 
     _py_spy()
     monkeypatch.setattr(Role, "profile_start", profile_start)

@@ -29,6 +29,7 @@ from megatrain.host.cudahost import use_expandable_segments
 from megatrain.ipc.messages import EvalRequest, EvalSums, GenerateRequest, StepReport, StepRequest
 from megatrain.ipc.protocol import Store, StoreSpec
 from megatrain.memory.budget import GpuCap, budget_bytes, cap_device, peak_bytes, sizes_of
+from megatrain.memory.host import SPARE_RESIDENT
 from megatrain.model.spec import ModelSpec, family_classes
 from megatrain.roster import Kind, role_name
 from megatrain.step.engine import EngineConfig, StepEngine, resolve_device, resolve_dtype
@@ -116,7 +117,8 @@ class GpuExecutor(Role):
         (spec.gpu_units: required then)."""
         self.apply_threads(spec)
         self.cfg = cfg = cfg or self.cfg
-        parts = ("staging", "resident") if spec.resident else ("staging",)
+        # the staging slabs, or the resident copy with its spare slots' (ipc.spare_slots), which it pins
+        parts = ("staging", "resident", *spec.spare_parts(SPARE_RESIDENT)) if spec.resident else ("staging",)
         held = STATE if spec.gpu_units else ()  # the planes its device's units are loaded from and written back to
         self.store = Store.attach(spec, parts + held, role=self.name)
         dtype = resolve_dtype(cfg, self.device)
@@ -125,7 +127,7 @@ class GpuExecutor(Role):
         if self.cuda:
             from megatrain.ipc.cuda_events import make_ipc_events, pin_while_alive
 
-            pinned = [self.store.region(part) for part in (("staging", "resident") if spec.resident else ("staging",))]
+            pinned = [self.store.region(part) for part in parts]
             pin_while_alive(self, pinned, self.device)
             self.mark("pinned")
             # the gradient slabs' events, for the processes that drain them (none: gradients into the copy)

@@ -23,6 +23,12 @@ With clipping every piece's gradient is in (the fp32 grads plane, or the residen
 norm is known; the pieces are then updated in forward order, so the next step's forward follows right
 behind. A non-finite norm skips the step whole: no piece is touched (a resident copy holding the gradient
 gets the unchanged weights back), every version is still published.
+With spare slots (StoreSpec.spare_units, one host, the resident copy) a clipped step may speculate: while the
+backward runs, each unit with a slot is updated as its gradients land, at clip scale 1, into its slot, never
+over its state nor its gradient; it stops speculating once the squared norms landed so far already clip. Once
+the global norm is known, a step that did not clip (finite, clip scale exactly 1) turns each speculated unit's
+bank, so its slot becomes its state: the same operations on the same inputs, so the same bits. Any other step
+drops the slots and updates every unit as without them.
 Without clipping each batch is updated as its gradients arrive, in the backward's order: from the gradient
 slab (its squared norm computed here, the slab freed after the update) or, with grads_in_resident, from the
 resident copy, where the executor wrote it and its squared norm.
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -50,8 +57,9 @@ from megatrain.ipc.protocol.sems import GRADS_READY
 from megatrain.ipc.protocol.store import Store
 from megatrain.ipc.protocol.workers import free_grad, take_grad, wait_all_grads
 
-# The AdamW update of one piece: (item, its gradient, elements [item.lo, item.hi) of the unit, the clip scale).
-PieceUpdate = Callable[[Item, np.ndarray, float], None]
+# The AdamW update of one piece: (item, its gradient, elements [item.lo, item.hi) of the unit, the clip scale,
+# whether into the unit's spare slot, its state left as it was: a speculative update).
+PieceUpdate = Callable[[Item, np.ndarray, float, bool], None]
 Batches = list[tuple[int, list[Item]]]  # (unit, this host's items of it to update together)
 
 
@@ -173,21 +181,35 @@ class HostsLink:
 
 
 def update_clipped(
-    store: Store, link: Link, step: int, saving: bool, max_grad_norm: float, update: PieceUpdate
+    store: Store,
+    link: Link,
+    step: int,
+    saving: bool,
+    max_grad_norm: float,
+    update: PieceUpdate,
+    speculate: bool = False,
 ) -> Applied:
     """Step `step` with global-norm clipping: this host's pieces, with the norm of every host's, batch by batch
     in forward order; each batch handed on (published, or its gather started) right after its update.
     `saving`: the checkpoint of the state after `step` steps is being written; each piece waits until the
-    writer has it. A non-finite norm (the same on every host) skips the step whole on every host."""
+    writer has it. A non-finite norm (the same on every host) skips the step whole on every host.
+    `speculate`: update the units with a spare slot while their gradients land (speculate); those the step keeps
+    are not updated again."""
     spec, version = store.spec, step + 1
-    wait_all_grads(store, step)
+    spans: list[tuple[int, float, float]] = []
+    speculated = speculate_landing(store, step, max_grad_norm, update, spans) if speculate else ()
+    if not speculate:
+        wait_all_grads(store, step)
     (total,) = link.totals(float(store.sqnorms[[it.piece for it in spec.update_items]].sum()))
     norm = math.sqrt(total)
-    finite, scale, spans, pending = math.isfinite(norm), clip_scale(norm, max_grad_norm), [], None
+    finite, scale, pending = math.isfinite(norm), clip_scale(norm, max_grad_norm), None
+    kept = frozenset(speculated) if finite and scale == 1.0 else frozenset()
     store.publish_verdict(step, norm, scale)  # the executor updates the units its device holds with it
     for unit, items in link.batches(spec.cpu_items, spec.forward_order):  # the next forward follows right behind
         pending = link.settle_done(store, pending, version)
-        for item in items:
+        if unit in kept:
+            _keep_speculated(store, unit, items, step, saving)
+        for item in () if unit in kept else items:
             start = time.time()
             _clipped_piece(store, item, step, saving, finite, scale, update)
             spans.append((item.unit, start, time.time()))
@@ -195,7 +217,65 @@ def update_clipped(
         link.settle(store, pending, version)
         pending = now
     link.settle(store, pending, version)
-    return Applied(grad_norm=norm, clip_scale=scale, skipped=not finite, unit_spans=tuple(spans))
+    return Applied(
+        grad_norm=norm,
+        clip_scale=scale,
+        skipped=not finite,
+        unit_spans=tuple(spans),
+        speculated=len(speculated),
+        committed=len(kept),
+    )
+
+
+def speculate_landing(
+    store: Store, step: int, max_grad_norm: float, update: PieceUpdate, spans: list[tuple[int, float, float]]
+) -> tuple[int, ...]:
+    """wait_all_grads, and meanwhile each unit with a spare slot updated into it at clip scale 1 once all its
+    pieces have landed (they land in the gradient order, one grads_ready each), whenever no landing waits to be
+    taken; none after the squared norms landed so far clip the step (they only grow), nor once every gradient
+    is in (the rest are updated after the norm, as without slots). The units speculated, in order."""
+    spec = store.spec
+    landing = [it for items in spec.emit_items for it in items]
+    left = {unit: len(spec.piece_table[unit]) for unit in spec.spare_units}
+    ready: deque[int] = deque()
+    done: list[int] = []
+    total, calm = 0.0, True
+    for k, item in enumerate(landing):
+        landed = False
+        while calm and ready and not landed:
+            landed = store.poll(GRADS_READY)
+            if not landed:  # nothing has landed meanwhile: speculate
+                done.append(_speculate_unit(store, ready.popleft(), update, spans))
+        if not landed:
+            store.wait(GRADS_READY, f"the gradients of step {step} ({k} of {len(landing)} pieces arrived)")
+        total += float(store.sqnorms[item.piece])
+        calm = calm and clip_scale(math.sqrt(total), max_grad_norm) == 1.0  # False for a NaN too
+        if item.unit in left:
+            left[item.unit] -= 1
+            if not left[item.unit]:
+                ready.append(item.unit)
+    return tuple(done)
+
+
+def _speculate_unit(store: Store, unit: int, update: PieceUpdate, spans: list[tuple[int, float, float]]) -> int:
+    """The unit's update at clip scale 1 into its spare slot, piece by piece (its gradient in its resident tile)."""
+    grads = store.grad_tile(unit)
+    for piece, lo, hi in store.spec.piece_table[unit]:
+        start = time.time()
+        update(Item(unit, lo, hi, -1, piece), grads[lo:hi], 1.0, True)
+        spans.append((unit, start, time.time()))
+    return unit
+
+
+def _keep_speculated(store: Store, unit: int, items: list[Item], step: int, saving: bool) -> None:
+    """A speculated unit whose slot the step keeps: turned to at its first piece (the batch is one piece on one
+    host), once the checkpoint writer has all of them."""
+    pieces = store.spec.piece_table[unit]
+    if items[0].piece != pieces[0][0]:
+        return
+    for piece, lo, hi in pieces if saving else ():
+        wait_taken(store, Item(unit, lo, hi, -1, piece), step)
+    store.turn_bank(unit)
 
 
 def _clipped_piece(
@@ -206,7 +286,7 @@ def _clipped_piece(
     if saving:
         wait_taken(store, item, step)
     if finite:  # else the step is skipped whole: no piece has been touched
-        update(item, grads[item.lo : item.hi], scale)
+        update(item, grads[item.lo : item.hi], scale, False)
     elif store.spec.grads_in_resident:  # the tile holds the gradient: the weights back, unchanged
         store.refresh_resident(item.unit, item.lo, item.hi)
 
@@ -240,7 +320,7 @@ def update_unclipped(
         summed += part
         pending = link.settle_done(store, pending, version)
         for item, grad in zip(items, grads, strict=True):
-            update(item, grad, 1.0)
+            update(item, grad, 1.0, False)
             spans.append((item.unit, start, start := time.time()))
         now = link.hand_off(store, unit, items, version, changed=True)
         for item in () if direct else items:

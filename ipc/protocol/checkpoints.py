@@ -134,6 +134,7 @@ def restore(store: Store, directory: Path, manifest: dict, going: Callable[[], N
     One host from a one-host checkpoint: each plane read whole, the resident copy cast from it."""
     spec = store.spec
     parts = parts_of(directory, manifest, spec.layout)
+    store.reset_banks()  # the state is read into every unit's own tile
     own = len(parts) == spec.hosts and all(
         parts[spec.host].slices[u] == (*spec.owned(u), spec.slice_offsets[u]) for u in range(spec.num_units)
     )

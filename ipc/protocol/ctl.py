@@ -10,7 +10,9 @@ StoreSpec (`megatrain-launch status`, ipc/status.py) go through. Byte offsets ar
   role table    one ROLE_BYTES row per worker slot: heartbeat, progress, calls and waits in flight, when the
                 wait began (float64/int64 words), then what it waits on (NUL-padded UTF-8)
   about         the run's description as JSON (role names by slot, pieces, model, output directory, steps)
-  per piece     version counters (int64), squared gradient norms (float64), saved steps (int64)
+  per piece     version counters (int64), squared gradient norms (float64), saved steps (int64), and a
+                word per unit (the array is sized by the pieces, which are at least as many): which of its
+                slots holds a unit's state, 0 its tile or 1 its spare slot (ipc.spare_slots)
 
 Kept free of torch and numba, so `status` reads a run's ctl segment without the training stack's imports.
 """
@@ -34,7 +36,7 @@ ROLE_TABLE_OFFSET = REASON_OFFSET + REASON_BYTES
 # About the run, as JSON: what `megatrain-launch status` needs to read a run from its control segment alone.
 ABOUT_OFFSET, ABOUT_BYTES = ROLE_TABLE_OFFSET + ROLE_BYTES * MAX_PIDS, 4096
 CTL_FIXED = ABOUT_OFFSET + ABOUT_BYTES
-PIECE_BYTES = 24  # per piece: version, squared gradient norm, saved step
+PIECE_BYTES = 32  # per piece: version, squared gradient norm, saved step, and a unit's bank
 
 # Role table row (float64/int64 words, then bytes): what the stall monitor reads.
 BEAT, PROGRESS, CALLS, WAITS, WAIT_SINCE = range(5)  # words 0-4
@@ -77,6 +79,9 @@ class CtlView:
         # Per piece, the step of the last checkpoint that has it on disk: Adam's update after that step
         # waits for it while that checkpoint is being written (see actors/checkpoint_writer.py).
         self.saved = at(np.int64, pieces, CTL_FIXED + 16 * pieces)
+        # Per unit (its index), the bank its state lives in: 0 its own tile, 1 its spare slot. Adam turns it
+        # when a speculative update becomes the state, before it publishes the unit's versions.
+        self.banks = at(np.int64, pieces, CTL_FIXED + 24 * pieces)
 
     @property
     def aborted(self) -> bool:

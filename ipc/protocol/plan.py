@@ -19,7 +19,14 @@ from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
 from megatrain.ipc.protocol.sems import semaphores
 from megatrain.ipc.shared.shm import MAX_PIDS
 from megatrain.memory.gpu import gpu_units_refusal
-from megatrain.memory.host import STAGING_BYTES, StoreShape, page_table_bytes, pinned_checkpoint_bytes
+from megatrain.memory.host import (
+    STAGING_BYTES,
+    StoreShape,
+    page_table_bytes,
+    pinned_checkpoint_bytes,
+    spare_part_bytes,
+    spare_refusal,
+)
 from megatrain.memory.hosts import host_of, host_slice, slice_offsets
 from megatrain.memory.plan import staging_by_rule
 from megatrain.model.layout import PLANES as PLANES  # megatrain.ipc.protocol.PLANES: the layout's, re-exported
@@ -83,6 +90,9 @@ class StoreSpec:
     # gradient the executor holds on its device and updates there (actors/executor/gpustate.py); Adam
     # updates the rest. Their state in the planes is what the executor last wrote back (for a checkpoint).
     gpu_units: int = 0
+    # ipc.spare_slots resolved (settled with the engine's sizes, like gpu_units): the first `spares` units of the
+    # gradient order have a spare slot, which Adam's speculative update writes into (ipc/protocol/adam.py).
+    spares: int = 0
 
     def __post_init__(self) -> None:
         if not 0 <= self.host < self.hosts:
@@ -90,6 +100,9 @@ class StoreSpec:
         refusal = gpu_units_refusal(self.gpu_units, self.num_units, self.resident, self.num_executors, self.hosts)
         if refusal:
             raise ProtocolError(f"engine.gpu_optimizer {self.gpu_units}: {refusal}")
+        refusal = spare_refusal(self.spares, self.num_units, self.gpu_units, self.resident, self.clip, self.hosts)
+        if refusal:
+            raise ProtocolError(f"ipc.spare_slots {self.spares}: {refusal}")
         refusal = slabs_refusal(self.num_executors, self.hosts)
         if refusal and not self.resident:
             raise ProtocolError(f"ipc.staging {self.staging_mode}: {refusal}")
@@ -149,7 +162,31 @@ class StoreSpec:
             ctl_fixed=CTL_FIXED,
             ctl_piece_bytes=PIECE_BYTES,
             hosts=self.hosts,
+            spares=self.spares,
         )
+
+    @cached_property
+    def spare_units(self) -> frozenset[int]:
+        """The units with a spare slot (StoreShape.spare_units)."""
+        return frozenset(self.shape.spare_units)
+
+    @cached_property
+    def spare_offsets(self) -> dict[int, int]:
+        """Per unit with a spare slot, where its slot starts in each plane's spare slots (elements)."""
+        out, at = {}, 0
+        for unit in self.shape.spare_units:
+            out[unit] = at
+            at += self.layout.units[unit].tile
+        return out
+
+    @property
+    def spare_elems(self) -> int:
+        return self.shape.spare_elems
+
+    def spare_parts(self, *wanted: str) -> tuple[str, ...]:
+        """The spare slots' segments this store has, of `wanted` (none: both): what a process that reads the
+        state, or the resident copy, attaches to beside the planes."""
+        return tuple(p for p in spare_part_bytes(self.spare_elems, 1) if not wanted or p in wanted)
 
     @cached_property
     def slab_elems(self) -> int:
@@ -302,7 +339,8 @@ class StoreSpec:
 
     def layout_hash(self) -> bytes:
         """What the segments' bytes mean. Not the checkpoint plan (K, the last block): it orders the walk,
-        not the memory, and is settled after the store is made (actors/store_owner.py)."""
+        not the memory, and is settled after the store is made (actors/store_owner.py); nor the spare slots,
+        settled then too, in segments of their own."""
         extra = (
             f"{self.clip}:{self.staging_mode}:"
             f"{self.staging_dtype}:{self.slab_elems}:{self.num_weight_slabs}:{self.num_grad_slabs}"
@@ -342,6 +380,7 @@ def plan_store(
     hosts: int = 1,
     host: int = 0,
     gpu_units: int = 0,
+    spares: int = 0,
 ) -> StoreSpec:
     """The store of ipc.staging as asked, or for 'auto' by staging_by_rule. Where the memory decides ('auto'
     on CUDA without clipping) the memory plan has decided it before (megatrain/memory/plan.py staging_mode):
@@ -363,6 +402,7 @@ def plan_store(
             hosts=hosts,
             host=host,
             gpu_units=gpu_units,
+            spares=spares,
         )
 
     mode = staging_by_rule(ipc.staging, cuda, clip, executors, hosts)

@@ -45,6 +45,8 @@ from megatrain.ipc.shared.shm import (
     run_of_host,
     seg_name,
 )
+from megatrain.memory.host import SPARE_PLANES, SPARE_RESIDENT
+from megatrain.model.layout import STATE_PLANES
 from megatrain.roster import on_host, shown
 
 BEAT_S = 1.0
@@ -69,6 +71,7 @@ class Store:
             self.ctl.role_bytes,
         )
         self.versions, self.sqnorms, self.saved = self.ctl.versions, self.ctl.sqnorms, self.ctl.saved
+        self.banks = self.ctl.banks  # per unit: 0 its state in its tile, 1 in its spare slot
         self.slot: int | None = None  # this process's role row, if it is a worker
         self._row_lock = threading.Lock()
 
@@ -113,6 +116,17 @@ class Store:
             store.pids[store.slot] = os.getpid()
             _Heartbeat.register(store)
         return store
+
+    def add_spares(self, spec: StoreSpec) -> None:
+        """Owner only: the store settled with its spare slots (`spec`, this store's with `spares` set): their
+        segments, made now (the memory they take is known only once the engine's sizes are), zeroed."""
+        if spec.layout_hash() != self.spec.layout_hash():
+            raise ProtocolError("the spare slots belong to another store's layout")
+        hdr = Header(spec.layout_hash(), spec.run_id)
+        for part, size in spec.part_bytes().items():
+            if part not in self.segments:
+                self.segments[part] = Segment.create(seg_name(spec.run_id, part), size, hdr)
+        self.spec = spec
 
     def write_about(self, extra: dict | None = None) -> None:
         """Owner only: describe the run in ctl (role names by slot, pieces, model, and what the driver adds:
@@ -169,36 +183,78 @@ class Store:
         """An fp32 plane whole: this host's slices of every unit (one host: every unit's tile)."""
         return np.frombuffer(self.segments[part].mm, np.float32, self.spec.plane_elems, HEADER_BYTES)
 
-    def tile(self, part: str, unit: int) -> np.ndarray:
+    def tile(self, part: str, unit: int, spare: bool = False) -> np.ndarray:
         """The unit's elements in an fp32 plane that this host holds: its whole tile on one host, its slice
-        (StoreSpec.owned) over several, whose element 0 is the slice's first."""
+        (StoreSpec.owned) over several, whose element 0 is the slice's first. Of a unit with a spare slot, the
+        bank that holds its state (ctl's bank word), or with `spare` the other one: where a speculative update
+        writes. The bank is read here, at each call: a reader after a version wait sees the bank Adam turned
+        before publishing it."""
         lo, hi = self.spec.owned(unit)
+        if self._in_spare(unit, spare):
+            k, spec = STATE_PLANES.index(part), self.spec
+            where = HEADER_BYTES + 4 * (k * spec.spare_elems + spec.spare_offsets[unit])
+            return np.frombuffer(self.segments[SPARE_PLANES].mm, np.float32, hi - lo, where)
         return np.frombuffer(
             self.segments[part].mm, np.float32, hi - lo, HEADER_BYTES + 4 * self.spec.slice_offsets[unit]
         )
 
-    def span(self, part: str, unit: int, lo: int, hi: int) -> np.ndarray:
+    def state_bytes(self, part: str, unit: int) -> tuple[np.ndarray, int]:
+        """(bytes, first): an fp32 state plane's bytes that hold the unit's state, padding included, and the byte
+        of the plane (its layout, as a checkpoint's files have it) where they start. In its tile: the whole
+        plane, from 0; in its spare slot: the slot alone, from where its tile starts."""
+        if not self._in_spare(unit, False):
+            return self.plane(part).view(np.uint8), 0
+        spec = self.spec
+        where = HEADER_BYTES + 4 * (STATE_PLANES.index(part) * spec.spare_elems + spec.spare_offsets[unit])
+        slot = np.frombuffer(self.segments[SPARE_PLANES].mm, np.uint8, 4 * spec.layout.units[unit].tile, where)
+        return slot, 4 * spec.slice_offsets[unit]
+
+    def _in_spare(self, unit: int, spare: bool) -> bool:
+        """Whether the unit's bank asked for (its state's, or with `spare` the other) is its spare slot."""
+        if unit not in self.spec.spare_units:
+            if spare:
+                raise ProtocolError(f"unit {unit} has no spare slot (ipc.spare_slots {self.spec.spares})")
+            return False
+        return bool(self.banks[unit]) != spare
+
+    def turn_bank(self, unit: int) -> None:
+        """Adam: the unit's spare slot, written by a speculative update, becomes its state (and its tile the
+        spare slot). Before the unit's versions are published, which order it for every reader."""
+        if unit not in self.spec.spare_units:
+            raise ProtocolError(f"unit {unit} has no spare slot to turn to (ipc.spare_slots {self.spec.spares})")
+        self.banks[unit] ^= 1
+
+    def reset_banks(self) -> None:
+        """Every unit's state in its own tile (a store whose planes were just read back from a checkpoint)."""
+        self.banks[:] = 0
+
+    def span(self, part: str, unit: int, lo: int, hi: int, spare: bool = False) -> np.ndarray:
         """Elements [lo, hi) of the unit's tile (the tile's own numbering) in an fp32 plane; they must be this
-        host's."""
+        host's. `spare`: in the bank that does not hold its state (Store.tile)."""
         first, last = self.spec.owned(unit)
         if not first <= lo <= hi <= last:
             raise ProtocolError(
                 f"elements [{lo}, {hi}) of unit {unit} are not in host {self.spec.host}'s slice [{first}, {last})"
             )
-        return self.tile(part, unit)[lo - first : hi - first]
+        return self.tile(part, unit, spare)[lo - first : hi - first]
 
     def torch_tile(self, part: str, unit: int) -> torch.Tensor:
         return torch.from_numpy(self.tile(part, unit))
 
-    def resident_tile(self, unit: int) -> torch.Tensor:
-        """The unit's compute-dtype copy (resident mode)."""
-        u = self.spec.layout.units[unit]
-        n = self.spec.layout.structure_of(unit).numel
+    def resident_tile(self, unit: int, spare: bool = False) -> torch.Tensor:
+        """The unit's compute-dtype copy (resident mode), in the bank that holds its state (`spare`: the other)."""
+        spec = self.spec
+        n = spec.layout.structure_of(unit).numel
+        part, at = (
+            (SPARE_RESIDENT, spec.spare_offsets[unit])
+            if self._in_spare(unit, spare)
+            else ("resident", spec.layout.units[unit].offset)
+        )
         return torch.frombuffer(
-            self.segments["resident"].mm,
-            dtype=STAGING[self.spec.staging_dtype][0],
+            self.segments[part].mm,
+            dtype=STAGING[spec.staging_dtype][0],
             count=n,
-            offset=HEADER_BYTES + u.offset * self.spec.staging_bytes,
+            offset=HEADER_BYTES + at * spec.staging_bytes,
         )
 
     def grad_tile(self, unit: int) -> np.ndarray:
@@ -210,12 +266,13 @@ class Store:
         tile = self.resident_tile(unit)
         return tile.view(torch.int16).numpy().view(np.uint16) if tile.dtype == torch.bfloat16 else tile.numpy()
 
-    def refresh_resident(self, unit: int, lo: int | None = None, hi: int | None = None) -> None:
+    def refresh_resident(self, unit: int, lo: int | None = None, hi: int | None = None, spare: bool = False) -> None:
         """Rewrite elements [lo, hi) of the unit's compute-dtype copy from its fp32 params (torch's cast:
-        round to nearest even)."""
+        round to nearest even); `spare`: in the bank that does not hold its state."""
         first, last = self.spec.owned(unit)  # default: all this host holds
         lo, hi = first if lo is None else lo, last if hi is None else hi
-        self.resident_tile(unit)[lo:hi].copy_(torch.from_numpy(self.span("params", unit, lo, hi)))
+        params = torch.from_numpy(self.span("params", unit, lo, hi, spare))
+        self.resident_tile(unit, spare)[lo:hi].copy_(params)
 
     def weight_slab(self, i: int) -> torch.Tensor:
         dtype, size = STAGING[self.spec.staging_dtype]
@@ -324,6 +381,16 @@ class Store:
                         raise WaitTimeout(f"waited {cfg.wait_timeout_s:g}s for {what}") from None
         finally:
             self._waiting(what, -1)
+
+    def poll(self, key: str) -> bool:
+        """Acquire semaphore `key` if it is available now (True), without waiting (False)."""
+        self.check_abort()
+        try:
+            self.sems[key].acquire(0)
+        except posix_ipc.BusyError:
+            return False
+        self.progressed()
+        return True
 
     def post(self, key: str) -> None:
         self.sems[key].release()

@@ -262,7 +262,8 @@ def report(args: argparse.Namespace) -> int:
     engine, n = resolve_engine(cfg.engine, cuda), executors_of(cfg, cuda)
     asked = timeplan.Asked(args.gpu, args.gpu_tflops, gpu_gib is not None, args.host_gib is not None)
     held = (plan.memory.gpu.gpu_units, plan.memory.gpu.gpu_units_why)
-    timing = timeplan.plan_lines(cfg, engine, n, asked, hosts, held)
+    spares = (plan.memory.spares, plan.memory.spares_why)
+    timing = timeplan.plan_lines(cfg, engine, n, asked, hosts, held, spares)
     print(render(plan, cfg, timing + _weights_note(cfg)))
     return 0 if plan.fits() else 1
 

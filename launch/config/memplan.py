@@ -151,6 +151,7 @@ def run_shape(cfg: Config, cuda: bool, executors: int | None = None, hosts: int 
         ctl_fixed=CTL_FIXED,
         ctl_piece_bytes=PIECE_BYTES,
         hosts=hosts,
+        spare_slots=cfg.ipc.spare_slots,
     )
 
 

@@ -15,6 +15,7 @@ from megatrain.ipc.cpus import node_cores
 from megatrain.launch.config.tree import Config
 from megatrain.launch.control.placement import per_executor
 from megatrain.memory.gpu import gpu_params
+from megatrain.memory.host import spare_order
 from megatrain.memory.hosts import network_bytes
 from megatrain.memory.machine import local_gpus
 from megatrain.model.arch import Arch, arch_from_config, arch_of_spec
@@ -189,16 +190,29 @@ def estimate(
 
 
 def plan_lines(
-    cfg: Config, engine: EngineConfig, executors: int, asked: Asked, hosts: int = 1, gpu: tuple[int, str] = (0, "")
+    cfg: Config,
+    engine: EngineConfig,
+    executors: int,
+    asked: Asked,
+    hosts: int = 1,
+    gpu: tuple[int, str] = (0, ""),
+    spares: tuple[int, str] = (0, ""),
 ) -> list[str]:
     """The plan's time section for the machine planned for, `executors` on each of `hosts` like it; `gpu`: the
-    units whose optimizer the GPU holds, and why (the memory plan's choice)."""
+    units whose optimizer the GPU holds, and why; `spares`: the units with a spare slot, and why (the memory
+    plan's choices)."""
     arch = arch_from_config(cfg.model, no_decay_1d=cfg.optim.no_decay_1d)
-    return lines(cfg, arch, plan_basis(cfg, arch, engine, executors, asked, hosts), executors, hosts, gpu)
+    return lines(cfg, arch, plan_basis(cfg, arch, engine, executors, asked, hosts), executors, hosts, gpu, spares)
 
 
 def lines(
-    cfg: Config, arch: Arch, basis: Basis, executors: int, hosts: int = 1, gpu: tuple[int, str] = (0, "")
+    cfg: Config,
+    arch: Arch,
+    basis: Basis,
+    executors: int,
+    hosts: int = 1,
+    gpu: tuple[int, str] = (0, ""),
+    spares: tuple[int, str] = (0, ""),
 ) -> list[str]:
     """The plan's time section."""
     d, steps = cfg.data, cfg.train.steps
@@ -225,6 +239,7 @@ def lines(
         + f" at {basis.host_how}: {steptime.duration(est.adam_s)} a step"
         + (", beside the compute on the same cores" if basis.rate.cpu else ", a floor once the backward ends"),
         *_held(cfg, arch, basis, executors, hosts, gpu, est),
+        *_speculated(arch, basis, spares, est),
         *_network(arch, hosts, not basis.rate.cpu, est.step_s),
     ]
     if est.total_s > DAY_S:
@@ -248,6 +263,28 @@ def _held(
         head,
         f"    the host's Adam pass leaves out their {held / 1e6:,.1f}M parameters: "
         f"{steptime.duration(est.step_s)} a step against {other} with every update on the host",
+    ]
+
+
+def _speculated(arch: Arch, basis: Basis, spares: tuple[int, str], est: steptime.Estimate) -> list[str]:
+    """The line of ipc.spare_slots: the units with a slot, why, their share of the host's Adam pass, and the step
+    that does not clip with them: their update runs during the backward (as much of it as the backward's time
+    holds at the host's bandwidth), no longer after it."""
+    units, why = spares
+    if basis.rate is None or basis.rate.cpu or not why:
+        return []
+    head = f"  speculative updates (ipc.spare_slots): {why}"
+    if not units:
+        return [head]
+    params = sum(arch.layout.structure_of(u).numel for u in spare_order(arch.layout)[:units])
+    share = params / max(arch.layout.num_params, 1)
+    backward = steptime.BACKWARD_SHARE * est.compute_s
+    early = min(est.adam_s * share, backward)
+    step = max(est.compute_s, backward + est.adam_s - early)
+    return [
+        head,
+        f"    {params / 1e6:,.1f}M parameters ({share:.0%} of the host's Adam pass) updated during the backward: "
+        f"{steptime.duration(step)} a step that does not clip, {steptime.duration(est.step_s)} one that does",
     ]
 
 

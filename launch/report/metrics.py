@@ -41,6 +41,10 @@ METRICS: dict[str, str] = {
     "skipped": "the step was skipped whole (a non-finite gradient, with clipping on)",
     "adam_s": "the Adam updater's time for the step (waits for the gradients included)",
     "adam_update_s": "the Adam updater's time updating (the sum over its pieces, no waits)",
+    "speculated": "ipc.spare_slots: the units Adam updated speculatively into their spare slots while the backward "
+    "ran (0 where the step did not speculate: too few unclipped steps before it, or none without clipping)",
+    "committed": "ipc.spare_slots: of those, the units whose spare slot became their state (all of them where the "
+    "step did not clip, else none)",
     "eval_loss": "evaluation steps only: mean token loss on the evaluation set",
     "eval_ppl": "evaluation steps only: exp(eval_loss)",
     "eval_tokens": "evaluation steps only: labelled tokens evaluated",

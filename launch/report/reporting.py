@@ -51,6 +51,8 @@ class Reporter:
             "skipped": adam.skipped,
             "adam_s": adam.adam_s,
             "adam_update_s": sum(end - start for _, start, end in adam.unit_spans),
+            "speculated": adam.speculated,
+            "committed": adam.committed,
         }
         self.file.write_row(row)
         tflops = self.flops / row["step_time_s"] / 1e12
@@ -131,4 +133,11 @@ def clipping_line(rows: list[dict], max_grad_norm: float) -> str:
     units = max(r.get("gpu_units") or 0 for r in rows)
     if units:
         line += f"; the optimizer of {units} units held and updated on the GPU (engine.gpu_optimizer)"
+    speculated = sum(r.get("speculated") or 0 for r in rows)
+    if speculated:
+        kept = sum(r.get("committed") or 0 for r in rows)
+        line += (
+            f"; {speculated} unit updates speculated during the backward, {kept} of them kept "
+            f"({kept / speculated:.0%}; ipc.spare_slots)"
+        )
     return line

@@ -48,6 +48,7 @@ from megatrain.launch.run.stopping import Background
 from megatrain.memory import autosize
 from megatrain.memory import budget as gpubudget
 from megatrain.memory.gpu import reduction_bytes, resolve_gpu_units
+from megatrain.memory.host import spare_refusal
 from megatrain.memory.plan import MemoryPlan, staging_by_rule, staging_mode
 from megatrain.model.arch import arch_of_spec
 from megatrain.model.spec import ModelSpec, pretrained_config
@@ -220,6 +221,16 @@ def choose_sizes(
     held, why = resolve_gpu_units(engine, model.layout, free, peak, len(executors), crew.hosts, staging == "resident")
     engine = dataclasses.replace(engine, gpu_optimizer=held)
     log(f"optimizer on the GPU: {why} (engine.gpu_optimizer: {cfg.engine.gpu_optimizer})")
+    spares = cfg.ipc.spare_slots  # a count set must leave out the units the GPU now holds (the owner settles it)
+    refusal = (
+        ""
+        if spares == "auto"
+        else spare_refusal(
+            int(spares), len(model.layout.units), held, staging == "resident", cfg.optim.clips, crew.hosts
+        )
+    )
+    if refusal:
+        raise ConfigError(f"ipc.spare_slots {spares}: {refusal}")
     for n in executors:
         crew.call_one(n, GpuExecutor.warm_up, model=model, cfg=engine, batch=batch, seq=cfg.data.seq_len)
     return engine

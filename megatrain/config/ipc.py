@@ -48,6 +48,16 @@ class IpcConfig:
         "(resident on cuda when it fits in memory, else slabs).",
     )
     shm_dir: str = opt("/dev/shm", "Where POSIX shared memory lives (checked for free space before creating).")
+    spare_slots: int | str = opt(
+        "auto",
+        "With clipping: units (the LM head, then the layers from the last) whose Adam update the host runs "
+        "speculatively during the backward, as each one's gradient lands, into a spare slot (a second copy of "
+        "its fp32 state and resident weights); once the global norm is known the slot becomes the state if the "
+        "step did not clip (its clip factor exactly 1), else it is dropped and the unit is updated as without "
+        "one: the result is the same bit for bit either way. 0 = none. auto: as many as the host memory left "
+        "beside the run holds (none without clipping, the resident copy or over several hosts); "
+        "megatrain-launch plan shows the choice.",
+    )
 
     def __post_init__(self) -> None:
         if self.weight_slabs < 1 or self.grad_slabs < 1:
@@ -60,6 +70,9 @@ class IpcConfig:
             raise ValueError("ipc.wait_timeout_s and ipc.poll_s must be > 0")
         if self.stall_timeout_s != "auto" and (isinstance(self.stall_timeout_s, str) or self.stall_timeout_s < 0):
             raise ValueError(f"ipc.stall_timeout_s must be auto or >= 0 (0 = off), not {self.stall_timeout_s!r}")
+        spare = self.spare_slots
+        if spare != "auto" and (isinstance(spare, (str, bool)) or spare < 0):
+            raise ValueError(f"ipc.spare_slots must be 'auto' or an integer >= 0 (0 = none), not {spare!r}")
 
     def stall_seconds(self) -> float:
         """The stall timeout in seconds (an unresolved auto: the floor)."""

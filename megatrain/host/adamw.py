@@ -66,36 +66,75 @@ def _grad_at_impl(g, i):  # pragma: no cover - compiled
     return lambda g, i: g[i]
 
 
+@numba.njit(inline="always")
+def _moments(g, m, v, i, w1, b2, w2, gscale):  # pragma: no cover - compiled
+    """Element i's new moments: m + w1 (g - m) and v b2 + (w2 g) g, g scaled by the clip scale."""
+    gi = _grad_at(g, i) * gscale
+    return m[i] + w1 * (gi - m[i]), v[i] * b2 + w2 * gi * gi
+
+
+@numba.njit(inline="always")
+def _weight(p, mi, vi, decay, step, bc2_sqrt, eps):  # pragma: no cover - compiled
+    """An element's new weight from its old one and its new moments."""
+    return p * decay - step * (mi / (np.sqrt(vi) / bc2_sqrt + eps))
+
+
+@numba.njit(inline="always")
+def _bf16(p, bits):  # pragma: no cover - compiled
+    """The bfloat16 bits of the fp32 `p` whose bits are `bits`: torch's rounding (c10::BFloat16), to nearest
+    even, any NaN to the quiet NaN 0x7FC0."""
+    if p != p:
+        return np.uint16(0x7FC0)
+    u = np.uint64(bits)
+    return np.uint16((u + ((u >> np.uint64(16)) & np.uint64(1)) + np.uint64(0x7FFF)) >> np.uint64(16))
+
+
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _adamw(p, g, m, v, decay, w1, b2, w2, step, bc2_sqrt, eps, gscale):  # pragma: no cover - compiled
     for i in numba.prange(p.size):
-        gi = _grad_at(g, i) * gscale
-        mi = m[i] + w1 * (gi - m[i])
-        vi = v[i] * b2 + w2 * gi * gi
+        mi, vi = _moments(g, m, v, i, w1, b2, w2, gscale)
         m[i] = mi
         v[i] = vi
-        p[i] = p[i] * decay - step * (mi / (np.sqrt(vi) / bc2_sqrt + eps))
+        p[i] = _weight(p[i], mi, vi, decay, step, bc2_sqrt, eps)
 
 
 @numba.njit(parallel=True, cache=True, nogil=True)
 def _adamw_bf16(p, pbits, out, g, m, v, decay, w1, b2, w2, step, bc2_sqrt, eps, gscale):  # pragma: no cover
     """_adamw, and the new weight's bfloat16 bits into `out` in the same pass (the resident copy): one read
-    of p instead of two. `pbits` is p viewed as uint32. The rounding is torch's (c10::BFloat16): round to
-    nearest even, any NaN to the quiet NaN 0x7FC0. `out` may be `g` itself (bf16 gradients waiting in the
+    of p instead of two. `pbits` is p viewed as uint32. `out` may be `g` itself (bf16 gradients waiting in the
     resident copy): element i of g is read before element i of out is written."""
     for i in numba.prange(p.size):
-        gi = _grad_at(g, i) * gscale
-        mi = m[i] + w1 * (gi - m[i])
-        vi = v[i] * b2 + w2 * gi * gi
+        mi, vi = _moments(g, m, v, i, w1, b2, w2, gscale)
         m[i] = mi
         v[i] = vi
-        pi = p[i] * decay - step * (mi / (np.sqrt(vi) / bc2_sqrt + eps))
+        pi = _weight(p[i], mi, vi, decay, step, bc2_sqrt, eps)
         p[i] = pi
-        if pi != pi:
-            out[i] = 0x7FC0
-        else:
-            u = np.uint64(pbits[i])
-            out[i] = np.uint16((u + ((u >> np.uint64(16)) & np.uint64(1)) + np.uint64(0x7FFF)) >> np.uint64(16))
+        out[i] = _bf16(pi, pbits[i])
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _adamw_into(p, g, m, v, p2, m2, v2, decay, w1, b2, w2, step, bc2_sqrt, eps, gscale):  # pragma: no cover
+    """_adamw with the new state written to (p2, m2, v2), the inputs left as they were (a speculative update
+    into a spare slot): the same operations, so the same bits."""
+    for i in numba.prange(p.size):
+        mi, vi = _moments(g, m, v, i, w1, b2, w2, gscale)
+        m2[i] = mi
+        v2[i] = vi
+        p2[i] = _weight(p[i], mi, vi, decay, step, bc2_sqrt, eps)
+
+
+@numba.njit(parallel=True, cache=True, nogil=True)
+def _adamw_bf16_into(
+    p, g, m, v, p2, p2bits, m2, v2, out, decay, w1, b2, w2, step, bc2_sqrt, eps, gscale
+):  # pragma: no cover
+    """_adamw_bf16 into (p2, m2, v2) and `out` (p2bits: p2 viewed as uint32), the inputs left as they were."""
+    for i in numba.prange(p.size):
+        mi, vi = _moments(g, m, v, i, w1, b2, w2, gscale)
+        m2[i] = mi
+        v2[i] = vi
+        pi = _weight(p[i], mi, vi, decay, step, bc2_sqrt, eps)
+        p2[i] = pi
+        out[i] = _bf16(pi, p2bits[i])
 
 
 def adamw_scalars(
@@ -130,13 +169,21 @@ def adamw_update(
     weight_decay: float,
     grad_scale: float = 1.0,
     bf16_out: np.ndarray | None = None,
+    into: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> None:
     """One AdamW step in place over fp32 arrays; `step` is 1-based (bias correction). `g` is fp32, or bf16 as
     uint16 bits. `bf16_out` (uint16, p's size): also write the new weights there as bfloat16 bits, in the
-    same pass (it may be `g` itself). The scalars are adamw_scalars'.
+    same pass (it may be `g` itself). `into`: (p, m, v) of the new state instead, the old left unchanged (they
+    must not overlap it, nor `g`). The scalars are adamw_scalars'.
     """
     scalars = adamw_scalars(step=step, lr=lr, cfg=cfg, weight_decay=weight_decay, grad_scale=grad_scale)
-    if bf16_out is None:
+    if into is not None:
+        p2, m2, v2 = into
+        if bf16_out is None:
+            _adamw_into(p, g, m, v, p2, m2, v2, *scalars)
+        else:
+            _adamw_bf16_into(p, g, m, v, p2, p2.view(np.uint32), m2, v2, bf16_out, *scalars)
+    elif bf16_out is None:
         _adamw(p, g, m, v, *scalars)
     else:
         _adamw_bf16(p, p.view(np.uint32), bf16_out, g, m, v, *scalars)

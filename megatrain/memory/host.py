@@ -46,6 +46,9 @@ class StoreShape:
     ctl_fixed: int  # the control segment's bytes besides its pieces'
     ctl_piece_bytes: int  # and per piece
     hosts: int = 1  # the run's hosts: each holds its slice of the fp32 planes (megatrain/memory/hosts.py)
+    # ipc.spare_slots resolved: the first `spares` units of the gradient order each have a spare slot (a second
+    # tile in every fp32 state plane and in the resident copy) that Adam's speculative update writes into.
+    spares: int = 0
 
     @property
     def resident(self) -> bool:
@@ -101,6 +104,18 @@ class StoreShape:
         """Elements of each fp32 plane on each host of the run (one host: the whole plane)."""
         return host_plane_elems(self.layout, self.hosts)
 
+    @property
+    def spare_units(self) -> tuple[int, ...]:
+        """The units with a spare slot: the first `spares` of the gradient order (the LM head, then the layers
+        from the last), whose gradients land first in the backward, so that their speculative update has the
+        rest of the backward to run in."""
+        return spare_order(self.layout)[: self.spares]
+
+    @property
+    def spare_elems(self) -> int:
+        """Elements of each plane's spare slots: the spare units' tiles, one after the other."""
+        return spare_elems(self.layout, self.spares)
+
     def part_bytes(self) -> dict[str, int]:
         """Each segment's data bytes (without its header), on each host of the run."""
         plane = self.plane_elems * 4
@@ -109,7 +124,69 @@ class StoreShape:
         staging = max(staging, TILE_ALIGN)  # every run has the segment; with no slabs it is a page
         ctl = self.ctl_fixed + self.num_pieces * self.ctl_piece_bytes
         resident = {"resident": self.layout.total * staging_bytes} if self.resident else {}
-        return {**dict.fromkeys(self.planes, plane), "staging": staging, **resident, "ctl": ctl}
+        spares = spare_part_bytes(self.spare_elems, staging_bytes)
+        return {**dict.fromkeys(self.planes, plane), "staging": staging, **resident, **spares, "ctl": ctl}
+
+
+SPARE_PLANES = "spare-planes"  # the spare slots' fp32 state: params, exp_avg, exp_avg_sq, one after the other
+SPARE_RESIDENT = "spare-resident"  # and their compute-dtype copies (the executor pins it, as `resident`)
+SPARE_FIXED = 1 << 20  # bytes kept beside the spare slots' own (page tables, the segments' headers)
+
+
+def spare_part_bytes(elems: int, staging_bytes: int) -> dict[str, int]:
+    """The spare slots' segments for `elems` elements of each plane's spare slots (none for 0)."""
+    if not elems:
+        return {}
+    return {SPARE_PLANES: 3 * 4 * elems, SPARE_RESIDENT: staging_bytes * elems}
+
+
+def spare_elems(layout: StoreLayout, spares: int) -> int:
+    """Elements of each plane's spare slots for the first `spares` units of spare_order."""
+    return sum(layout.units[u].tile for u in spare_order(layout)[:spares])
+
+
+def spare_order(layout: StoreLayout) -> tuple[int, ...]:
+    """The units in the order they take spare slots: the gradient order (LM head, last layer first, embedding)."""
+    last = len(layout.units) - 1
+    return (last, *range(last - 1, 0, -1), 0) if last > 0 else (0,)
+
+
+def spare_refusal(spares: int, units: int, gpu_units: int, resident: bool, clip: bool, hosts: int) -> str:
+    """Why `spares` spare slots cannot be (empty: they can). Speculation needs clipping (without it Adam updates
+    each unit as its gradient lands: nothing waits to speculate on), the resident copy (the gradients wait there,
+    landed in the gradient order, one post per piece) and one host (over several each unit's update is
+    gathered between the hosts); a unit whose optimizer the GPU holds needs no slot."""
+    if not spares:
+        return ""
+    if not clip:
+        return "speculative updates serve clipping (optim.max_grad_norm > 0)"
+    if not resident:
+        return "speculative updates need the resident copy (ipc.staging resident)"
+    if hosts > 1:
+        return "speculative updates run on one host"
+    if spares + gpu_units > units:
+        held = f"{gpu_units} of them on the GPU (engine.gpu_optimizer)"
+        return f"the model has {units} units, {held}: at most {units - gpu_units} spare slots"
+    return ""
+
+
+def spare_bytes(layout: StoreLayout, unit: int, staging_bytes: int) -> int:
+    """Host memory one unit's spare slot takes: its tile in the three fp32 state planes and the resident copy, and
+    the page tables of their mappings."""
+    data = layout.units[unit].tile * (12 + staging_bytes)
+    return data + page_table_bytes({"spare": data})
+
+
+def auto_spares(layout: StoreLayout, gpu_units: int, room: int, staging_bytes: int) -> int:
+    """ipc.spare_slots auto: as many units, in spare_order, as `room` bytes of host memory hold, past those whose
+    optimizer the GPU holds."""
+    count, left = 0, room - SPARE_FIXED
+    for unit in spare_order(layout)[: max(len(layout.units) - gpu_units, 0)]:
+        left -= spare_bytes(layout, unit, staging_bytes)
+        if left < 0:
+            break
+        count += 1
+    return count
 
 
 def page_table_bytes(parts: Mapping[str, int]) -> int:
@@ -167,3 +244,45 @@ def host_terms(
     host.update(processes)
     host[PAGE_TABLES] = page_table_bytes(parts)
     return host
+
+
+# What host memory auto spare slots leave free: this share of the node's RAM, at least SPARE_HEADROOM_MIN (the
+# processes' transient allocations, the page cache a data loader reads through, the plan's own error).
+SPARE_HEADROOM_FRACTION, SPARE_HEADROOM_MIN = 0.03, 2 * GIB
+
+
+def spare_room(shm_free: int, limit: int, total: int, shm_need: int, need: int) -> int:
+    """Host memory spare slots may take beside a run that needs `need` bytes of RAM, `shm_need` of them in
+    shared memory, on a node with `shm_free` free there, `limit` a run may take (Machine.limit) and `total` RAM."""
+    headroom = max(int(SPARE_HEADROOM_FRACTION * total), SPARE_HEADROOM_MIN)
+    return max(min(shm_free - shm_need, limit - need) - headroom, 0)
+
+
+def resolve_spares(
+    asked: int | str,
+    layout: StoreLayout,
+    gpu_units: int,
+    *,
+    resident: bool,
+    clip: bool,
+    hosts: int,
+    room: int,
+    staging_bytes: int,
+) -> tuple[int, str]:
+    """ipc.spare_slots resolved: (units with a spare slot, why), `room`: spare_room's bytes. A count that cannot
+    be is refused with the reason (ValueError)."""
+    units = len(layout.units)
+    if asked != "auto":
+        refusal = spare_refusal(int(asked), units, gpu_units, resident, clip, hosts)
+        if refusal:
+            raise ValueError(f"ipc.spare_slots {asked}: {refusal}")
+        return int(asked), f"{asked}, as set"
+    refusal = spare_refusal(1, units, gpu_units, resident, clip, hosts)
+    if refusal or gpu_units >= units:
+        return 0, f"none: {refusal or 'the GPU holds every unit'}"
+    count = auto_spares(layout, gpu_units, room, staging_bytes)
+    taken = sum(spare_bytes(layout, u, staging_bytes) for u in spare_order(layout)[:count])
+    return count, (
+        f"{count} of the {units - gpu_units} units Adam updates on the host, {taken / GIB:.1f} GiB, in the "
+        f"{room / GIB:.1f} GiB of host memory left beside the run"
+    )

@@ -12,7 +12,21 @@ from typing import Any
 from megatrain.config.engine import EngineConfig, fixed_sizes
 from megatrain.errors import ConfigError
 from megatrain.memory.gpu import GpuPart, gpu_part
-from megatrain.memory.host import PINNED, REAPER, StoreShape, host_terms, pinned_checkpoint_bytes, process_terms
+from megatrain.memory.host import (
+    PAGE_TABLES,
+    PINNED,
+    REAPER,
+    STAGING_BYTES,
+    StoreShape,
+    host_terms,
+    page_table_bytes,
+    pinned_checkpoint_bytes,
+    process_terms,
+    resolve_spares,
+    spare_elems,
+    spare_part_bytes,
+    spare_room,
+)
 from megatrain.memory.machine import Machine
 from megatrain.model.arch import Arch
 from megatrain.roster import OWNER, Roster, build_roster, slabs_refusal
@@ -45,6 +59,7 @@ class RunShape:
     ctl_fixed: int  # the control segment's fixed part (ipc/protocol/ctl.py)
     ctl_piece_bytes: int  # and its bytes per piece
     hosts: int = 1  # the hosts of the run: the plan is each one's (megatrain/memory/hosts.py)
+    spare_slots: int | str = 0  # ipc.spare_slots as asked
 
     @property
     def cuda(self) -> bool:
@@ -64,6 +79,8 @@ class MemoryPlan:
     pinned_room: int | None  # host RAM the executors' pinned checkpoints may take in all; None: not bounded
     gpu: GpuPart
     engine: EngineConfig  # with the sizes the GPU part chose
+    spares: int = 0  # ipc.spare_slots resolved: the units with a spare slot (the store owner settles its own)
+    spares_why: str = ""
 
     @property
     def shm_part(self) -> int:
@@ -150,7 +167,38 @@ def plan_memory(arch: Arch, shape: RunShape, machine: Machine, gpu_free: int | N
     gpu = gpu_part(
         arch, shape.engine, shape.batch, shape.seq, shape.executors, gpu_free, shape.clip, each, shape.hosts, resident
     )
-    return dataclasses.replace(_host_plan(arch, shape, machine, gpu, plain.staging_mode), pinned_room=room)
+    return _with_spares(
+        arch, dataclasses.replace(_host_plan(arch, shape, machine, gpu, plain.staging_mode), pinned_room=room)
+    )
+
+
+def _with_spares(arch: Arch, plan: MemoryPlan) -> MemoryPlan:
+    """The plan with ipc.spare_slots resolved in the host memory it leaves (megatrain/memory/host.py
+    resolve_spares), their segments among its terms. The store owner decides the same way on its node, against
+    the memory there once the engine's sizes are known."""
+    shape, machine, engine = plan.shape, plan.machine, plan.engine
+    held = engine.gpu_optimizer if isinstance(engine.gpu_optimizer, int) else 0
+    room = spare_room(machine.shm, machine.limit, machine.total, plan.shm_part, sum(plan.host.values()))
+    try:
+        count, why = resolve_spares(
+            shape.spare_slots,
+            arch.layout,
+            held,
+            resident=plan.staging_mode == "resident",
+            clip=shape.clip,
+            hosts=shape.hosts,
+            room=room,
+            staging_bytes=STAGING_BYTES.get(engine.compute_dtype, 2),
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if count:
+        parts = spare_part_bytes(spare_elems(arch.layout, count), STAGING_BYTES.get(engine.compute_dtype, 2))
+        host = dict(plan.host)
+        host.update({f"shm: {k}": v + shape.header_bytes for k, v in parts.items()})
+        host[PAGE_TABLES] += page_table_bytes(parts)
+        plan = dataclasses.replace(plan, store_parts={**plan.store_parts, **parts}, host=host)
+    return dataclasses.replace(plan, spares=count, spares_why=why)
 
 
 def _host_plan(
