@@ -50,6 +50,11 @@ slab, no version published per step and no update by Adam: their gradient stays 
 squared norms land in ctl as any unit's (one grads_ready each), Adam publishes its verdict on the step (the
 global norm and clip scale, ctl's flag words) and the executor updates them; it writes their state back into
 the planes, and publishes their versions, only before a checkpoint of them is taken.
+Spare slots (StoreSpec.spare_units, ipc.spare_slots): segments spare-planes (the three fp32 state planes'
+slots) and spare-resident (their compute-dtype copies, pinned by the executor as `resident`). ctl's bank word
+of such a unit says which copy holds its state; Adam writes a speculative update into the other copy and, when
+the step keeps it, turns the bank before it publishes the unit's versions; every reader resolves the bank at
+each access (Store.tile, Store.resident_tile, Store.state_bytes), after its version wait.
 Without clipping there is no grads plane and no accumulator: the Adam updater itself waits
 g_full[s] (and the slab's IPC event), updates the piece straight from the slab, bumps its version and
 posts g_free[s], all while the executor is still running the backward.
