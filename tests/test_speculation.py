@@ -15,9 +15,10 @@ from megatrain.config.optim import OptimConfig
 from megatrain.errors import ConfigError
 from megatrain.formats import checkpoint as ckpt
 from megatrain.host.adamw import adamw_update
+from megatrain.launch.cli.fidelity import compare
 from megatrain.launch.report.reporting import clipping_line
 from megatrain.memory.host import GIB, auto_spares, resolve_spares, spare_bytes, spare_order, spare_room
-from tests.harness import final_weights, losses, tiny_config, train_tiny
+from tests.harness import check, final_weights, losses, tiny_config, train_tiny
 from tests.update_fixtures import UNITS, rows, run_held, same_run
 
 # A threshold among the tiny llama's gradient norms (1.3 to 1.8) where the steps clip at first, then mostly do
@@ -127,3 +128,14 @@ def test_auto_takes_the_units_whose_gradients_land_first_as_the_room_holds() -> 
     assert spare_room(100 * GIB, 80 * GIB, 100 * GIB, 10 * GIB, 30 * GIB) == 47 * GIB
     assert spare_room(100 * GIB, 80 * GIB, 10 * GIB, 10 * GIB, 30 * GIB) == 48 * GIB
     assert spare_room(GIB, GIB, GIB, 2 * GIB, 2 * GIB) == 0
+
+
+def test_speculative_updates_match_plain_pytorch_and_adamw(tmp_path: Path) -> None:
+    """The reference test's run (tests/test_equivalence.py) with a threshold its steps cross both ways, so that
+    some steps speculate and keep their slots: the same losses, norms and weights as HF + torch.optim.AdamW."""
+    extra = ["ipc.staging=resident", "optim.max_grad_norm=1.6"]
+    rep = compare(tiny_config("llama", False, 2, tmp_path, extra=extra), tmp_path)
+    got = rep["summary"].metrics
+    assert any(r["committed"] for r in got), [(r["clip_scale"], r["speculated"], r["committed"]) for r in got]
+    assert any(r["clip_scale"] < 1.0 for r in got)
+    check(rep, tied=False)
