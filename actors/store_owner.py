@@ -136,6 +136,8 @@ class StoreOwner(Role):
     def _spares(self, spec: StoreSpec, ram_only: dict[str, int]) -> int:
         """ipc.spare_slots resolved against the memory as it was before the store: what the store, the pinned
         checkpoints and the processes leave (megatrain/memory/host.py resolve_spares), said in the log."""
+        if self.store.spec.spares:  # settled before: its segments are made, with their sizes
+            return self.store.spec.spares
         parts, (free, avail) = spec.part_bytes(), self.space
         shm_need = sum(parts.values()) + len(parts) * HEADER_BYTES
         machine = Machine(ram=avail, total=mem_total_bytes(), shm=free, threshold=ray_memory_threshold())

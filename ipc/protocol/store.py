@@ -190,7 +190,7 @@ class Store:
         writes. The bank is read here, at each call: a reader after a version wait sees the bank Adam turned
         before publishing it."""
         lo, hi = self.spec.owned(unit)
-        if self._in_spare(unit, spare):
+        if part in STATE_PLANES and self._in_spare(unit, spare):  # the gradient plane has no spare slots
             k, spec = STATE_PLANES.index(part), self.spec
             where = HEADER_BYTES + 4 * (k * spec.spare_elems + spec.spare_offsets[unit])
             return np.frombuffer(self.segments[SPARE_PLANES].mm, np.float32, hi - lo, where)

@@ -281,6 +281,8 @@ def resolve_spares(
     if refusal or gpu_units >= units:
         return 0, f"none: {refusal or 'the GPU holds every unit'}"
     count = auto_spares(layout, gpu_units, room, staging_bytes)
+    if not count:
+        return 0, f"none: the {room / GIB:.1f} GiB of host memory left beside the run holds no unit's slot"
     taken = sum(spare_bytes(layout, u, staging_bytes) for u in spare_order(layout)[:count])
     return count, (
         f"{count} of the {units - gpu_units} units Adam updates on the host, {taken / GIB:.1f} GiB, in the "
