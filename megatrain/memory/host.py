@@ -277,9 +277,11 @@ def resolve_spares(
         if refusal:
             raise ValueError(f"ipc.spare_slots {asked}: {refusal}")
         return int(asked), f"{asked}, as set"
+    if gpu_units >= units:
+        return 0, "none: the GPU holds every unit's optimizer (engine.gpu_optimizer)"
     refusal = spare_refusal(1, units, gpu_units, resident, clip, hosts)
-    if refusal or gpu_units >= units:
-        return 0, f"none: {refusal or 'the GPU holds every unit'}"
+    if refusal:
+        return 0, f"none: {refusal}"
     count = auto_spares(layout, gpu_units, room, staging_bytes)
     if not count:
         return 0, f"none: the {room / GIB:.1f} GiB of host memory left beside the run holds no unit's slot"
