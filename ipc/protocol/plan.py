@@ -20,11 +20,12 @@ from megatrain.ipc.protocol.sems import semaphores
 from megatrain.ipc.shared.shm import MAX_PIDS
 from megatrain.memory.gpu import gpu_units_refusal
 from megatrain.memory.host import (
+    SPARE_PLANES,
+    SPARE_RESIDENT,
     STAGING_BYTES,
     StoreShape,
     page_table_bytes,
     pinned_checkpoint_bytes,
-    spare_part_bytes,
     spare_refusal,
 )
 from megatrain.memory.hosts import host_of, host_slice, slice_offsets
@@ -186,7 +187,7 @@ class StoreSpec:
     def spare_parts(self, *wanted: str) -> tuple[str, ...]:
         """The spare slots' segments this store has, of `wanted` (none: both): what a process that reads the
         state, or the resident copy, attaches to beside the planes."""
-        return tuple(p for p in spare_part_bytes(self.spare_elems, 1) if not wanted or p in wanted)
+        return tuple(p for p in (SPARE_PLANES, SPARE_RESIDENT) if self.spares and (not wanted or p in wanted))
 
     @cached_property
     def slab_elems(self) -> int:

@@ -179,6 +179,7 @@ def _with_spares(arch: Arch, plan: MemoryPlan) -> MemoryPlan:
     shape, machine, engine = plan.shape, plan.machine, plan.engine
     held = engine.gpu_optimizer if isinstance(engine.gpu_optimizer, int) else 0
     room = spare_room(machine.shm, machine.limit, machine.total, plan.shm_part, sum(plan.host.values()))
+    staging_bytes = STAGING_BYTES.get(engine.compute_dtype, 2)
     try:
         count, why = resolve_spares(
             shape.spare_slots,
@@ -188,12 +189,12 @@ def _with_spares(arch: Arch, plan: MemoryPlan) -> MemoryPlan:
             clip=shape.clip,
             hosts=shape.hosts,
             room=room,
-            staging_bytes=STAGING_BYTES.get(engine.compute_dtype, 2),
+            staging_bytes=staging_bytes,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if count:
-        parts = spare_part_bytes(spare_elems(arch.layout, count), STAGING_BYTES.get(engine.compute_dtype, 2))
+        parts = spare_part_bytes(spare_elems(arch.layout, count), staging_bytes)
         host = dict(plan.host)
         host.update({f"shm: {k}": v + shape.header_bytes for k, v in parts.items()})
         host[PAGE_TABLES] += page_table_bytes(parts)
