@@ -76,6 +76,17 @@ def running(pid: int) -> bool:
         return True  # not readable (another user's): trust the signal check
 
 
+def stopped(pid: int, ticks: int = 0) -> bool:
+    """The process (the one started at `ticks`, when given) is stopped: by SIGSTOP, a terminal's Ctrl-Z or a
+    debugger's trace. It runs no code until it is continued, so it answers nothing meanwhile."""
+    if not pid_alive(pid, ticks):
+        return False
+    try:
+        return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP)
+    except (psutil.Error, OSError):
+        return False
+
+
 def descendants(roots: list[int]) -> list[int]:
     """Every process below `roots` in the process tree (children, grandchildren, ...)."""
     children: dict[int, list[int]] = {}

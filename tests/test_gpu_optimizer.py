@@ -116,25 +116,31 @@ def test_a_non_finite_gradient_skips_the_step_whole_on_the_gpu_s_units_too(
 
 @pytest.mark.slow
 def test_a_killed_executor_holding_the_optimizer_resumes_bit_for_bit_on_the_host_s(tmp_path: Path) -> None:
-    """Through Ray, one process per actor: the executor holding every unit's optimizer SIGKILLed after the
-    checkpoint of step 4; the run ends naming it, leaves nothing behind, and its resume with every update on
-    the host ends where an uninterrupted run does: every loss, weight and moment."""
+    """Through Ray, one process per actor: the executor holding the first units' optimizer SIGKILLed after the
+    checkpoint of step 6, while the host's Adam keeps the rest's speculative updates in their spare slots (a
+    threshold above the run's norms: no step clips). The run ends naming it, leaves nothing behind, and its
+    resume with every update on the host and no slots ends where an uninterrupted run does: every loss,
+    weight and moment."""
     from megatrain.launch.config.tree import load_config  # noqa: PLC0415
     from megatrain.launch.run.driver import Trainer  # noqa: PLC0415
 
-    steps, common = 8, ["ipc.staging=resident", "train.save_every=2", "ipc.stall_timeout_s=300"]
+    steps = 8
+    common = ["ipc.staging=resident", "train.save_every=2", "ipc.stall_timeout_s=300", "optim.max_grad_norm=100"]
+    plain = ["engine.gpu_optimizer=0", "ipc.spare_slots=0"]
     ref = tmp_path / "ref"
     overrides = [*SMALL, *common, f"train.steps={steps}", f"train.output_dir={ref}", "launch.runner=inprocess"]
-    Trainer(load_config(ROOT / "examples/default.yaml", [*overrides, "engine.gpu_optimizer=0"])).run()
-    cli = Cli(tmp_path / "run", *common, "engine.gpu_optimizer=4", steps=steps, env=NO_AUTH)
+    Trainer(load_config(ROOT / "examples/default.yaml", [*overrides, *plain])).run()
+    cli = Cli(tmp_path / "run", *common, "engine.gpu_optimizer=2", "ipc.spare_slots=auto", steps=steps, env=NO_AUTH)
     pids = cli.actor_pids()
-    cli.wait_for(r"checkpoint after step 4", timeout=START_S)
+    cli.wait_for(r"checkpoint after step 6", timeout=START_S)
     cli.snapshot()
     os.kill(pids["gpu-executor"], signal.SIGKILL)
     rc, err = cli.finish(timeout=90), "".join(cli.stderr)
     assert rc == 1 and "died" in err and "actor 'gpu-executor'" in err, cli.text()
     cli.assert_clean()
-    again = Cli(tmp_path / "run", *common, "engine.gpu_optimizer=0", steps=steps, env=NO_AUTH)
+    got = rows(cli.out)
+    assert all(r["gpu_units"] == 2 for r in got) and any(r["committed"] for r in got), got
+    again = Cli(tmp_path / "run", *common, *plain, steps=steps, env=NO_AUTH)
     assert again.finish(timeout=START_S) == 0, again.text()
     assert "resuming from" in "".join(again.stdout), again.text()
     assert losses(again.out) == losses(ref)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from megatrain.host import hostmem
 from megatrain.ipc import procs
 from megatrain.ipc.shared import mapping, segments, shm
 from megatrain.ipc.shared.shm import HEADER_BYTES, Header, Segment, seg_name, sem_name
-from tests.harness import sleeps_seen
+from tests.harness import sleeps_seen, wait_until
 from tests.shm_fixtures import DEAD_OWNER, HASH, SHM, child_env, leftovers, owned, remove_all
 
 # Runs without a live owner (segments without a control segment, dead and reused owner pids): another run's
@@ -438,6 +439,23 @@ def test_a_zombie_is_alive_but_not_running_and_maps_nothing() -> None:
     finally:
         child.wait()
     assert not procs.pid_alive(child.pid) and not procs.running(child.pid)
+
+
+def test_a_stopped_process_is_stopped_until_continued() -> None:
+    """What lets a failure's report skip the calls of an actor that cannot answer (launch/control/crew.py)."""
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        ticks = procs.start_ticks(child.pid)
+        assert not procs.stopped(child.pid, ticks)
+        os.kill(child.pid, signal.SIGSTOP)
+        assert wait_until(lambda: procs.stopped(child.pid, ticks), 30)
+        assert not procs.stopped(child.pid, ticks + 1)  # another process under a reused pid
+        os.kill(child.pid, signal.SIGCONT)
+        assert wait_until(lambda: not procs.stopped(child.pid, ticks), 30)
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+        child.communicate(b"")
+    assert not procs.stopped(child.pid)
 
 
 def test_maps_path_and_descendants(rid: str) -> None:

@@ -15,7 +15,7 @@ from megatrain.actors.base import Role
 from megatrain.actors.store_owner import StoreOwner
 from megatrain.errors import AbortError, ActorFailure, MegatrainError, ProtocolError, is_stall_verdict
 from megatrain.ipc.messages import ActorInfo
-from megatrain.ipc.procs import live, start_ticks
+from megatrain.ipc.procs import live, start_ticks, stopped
 from megatrain.launch.control.failures import ABORTED, Heard, root_cause
 from megatrain.launch.control.handles import Handle, Pending, Runner
 from megatrain.launch.control.placement import Demand
@@ -261,7 +261,11 @@ class Crew:
         words |= {self.call(n, Role.info): n for n in self.actors if n not in dead}  # alive, or found dead
         self.sentinels.clear()
         start = time.monotonic()
-        waiting = calls | words
+        # A stopped process on this node (SIGSTOP, Ctrl-Z, a debugger) answers nothing until it is continued: its
+        # calls are not waited for, where they would hold the report of the failure for HEAR_S.
+        frozen = {n for n, (pid, ticks) in self.local.items() if stopped(pid, ticks)}
+        waiting = {p: n for p, n in (calls | words).items() if n not in frozen}
+        self.unsettled += [p for p, n in (calls | words).items() if n in frozen]
         heard: list[Heard] = []
         while waiting:
             limit = STALL_HEAR_S if stall else HEAR_S if any(p in words for p in waiting) else VICTIMS_S
