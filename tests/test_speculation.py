@@ -82,6 +82,18 @@ def test_twenty_steps_are_bit_identical_with_and_without_spare_slots(tmp_path: P
     assert f"{speculated} unit updates speculated during the backward, {committed} of them kept" in line
 
 
+@pytest.mark.parametrize("hosts", [2, 3])
+def test_several_hosts_speculate_on_their_slices_bit_for_bit(tmp_path: Path, hosts: int) -> None:
+    """Each host's Adam speculates on its own slices (three hosts: a host owns no piece of the smallest units)
+    and every host keeps or drops its slots alike: losses, weights and every checkpoint's parts as without."""
+    over = [f"actors.num_hosts={hosts}"]
+    none = _speculating(tmp_path / "none", *over, "ipc.spare_slots=0")
+    every = _speculating(tmp_path / "auto", *over)
+    got = rows(every)
+    assert any(r["committed"] for r in got), [(r["clip_scale"], r["speculated"], r["committed"]) for r in got]
+    same_run(none, every)
+
+
 def test_a_checkpoint_taken_with_slots_as_the_state_resumes_without_them_bit_for_bit(tmp_path: Path) -> None:
     whole = _speculating(tmp_path / "whole", "ipc.spare_slots=0", steps=16)
     first = _speculating(tmp_path / "first", steps=16)
@@ -123,7 +135,9 @@ def test_auto_takes_the_units_whose_gradients_land_first_as_the_room_holds() -> 
     count, why = resolve_spares("auto", layout, 0, resident=False, clip=True, hosts=1, room=1 << 40, staging_bytes=2)
     assert count == 0 and "resident copy" in why
     count, _ = resolve_spares("auto", layout, 0, resident=True, clip=True, hosts=2, room=1 << 40, staging_bytes=2)
-    assert count == 0
+    assert count == UNITS
+    # over several hosts a slot holds the host's slice of the fp32 state, beside the whole unit's resident copy
+    assert all(spare_bytes(layout, u, 2, hosts=2) < spare_bytes(layout, u, 2) for u in order)
     # the headroom: 3 % of the node's RAM, at least 2 GiB, never below nothing
     assert spare_room(100 * GIB, 80 * GIB, 100 * GIB, 10 * GIB, 30 * GIB) == 47 * GIB
     assert spare_room(100 * GIB, 80 * GIB, 10 * GIB, 10 * GIB, 30 * GIB) == 48 * GIB

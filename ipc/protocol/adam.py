@@ -23,12 +23,14 @@ With clipping every piece's gradient is in (the fp32 grads plane, or the residen
 norm is known; the pieces are then updated in forward order, so the next step's forward follows right
 behind. A non-finite norm skips the step whole: no piece is touched (a resident copy holding the gradient
 gets the unchanged weights back), every version is still published.
-With spare slots (StoreSpec.spare_units, one host, the resident copy) a clipped step may speculate: while the
-backward runs, each unit with a slot is updated as its gradients land, at clip scale 1, into its slot, never
-over its state nor its gradient; it stops speculating once the squared norms landed so far already clip. Once
-the global norm is known, a step that did not clip (finite, clip scale exactly 1) turns each speculated unit's
-bank, so its slot becomes its state: the same operations on the same inputs, so the same bits. Any other step
-drops the slots and updates every unit as without them.
+With spare slots (StoreSpec.spare_units, the resident copy) a clipped step may speculate: while the backward
+runs, each unit with a slot is updated (this host's slice of it) as its gradients land, at clip scale 1, into
+its slot, never over its state nor its gradient; it stops speculating once the squared norms landed so far
+already clip (this host's: over several hosts they are part of the sum, so the sum clips too). Once the global
+norm is known, a step that did not clip (finite, clip scale exactly 1) turns each speculated unit's bank, so
+its slot becomes its state: the same operations on the same inputs, so the same bits. Any other step drops the
+slots and updates every unit as without them. Every host takes the same decision (the norm is summed over the
+hosts); which units each speculated is its own, and a unit is gathered and published as without slots.
 Without clipping each batch is updated as its gradients arrive, in the backward's order: from the gradient
 slab (its squared norm computed here, the slab freed after the update) or, with grads_in_resident, from the
 resident copy, where the executor wrote it and its squared norm.
@@ -235,8 +237,8 @@ def speculate_landing(
     taken; none after the squared norms landed so far clip the step (they only grow), nor once every gradient
     is in (the rest are updated after the norm, as without slots). The units speculated, in order."""
     spec = store.spec
-    landing = [it for items in spec.emit_items for it in items]
-    left = {unit: len(spec.piece_table[unit]) for unit in spec.spare_units}
+    landing = [it for items in spec.emit_items for it in items]  # this host's pieces
+    left = {unit: len(spec.pieces_of(unit)) for unit in spec.spare_units if spec.pieces_of(unit)}
     ready: deque[int] = deque()
     done: list[int] = []
     total, calm = 0.0, True
@@ -258,9 +260,10 @@ def speculate_landing(
 
 
 def _speculate_unit(store: Store, unit: int, update: PieceUpdate, spans: list[tuple[int, float, float]]) -> int:
-    """The unit's update at clip scale 1 into its spare slot, piece by piece (its gradient in its resident tile)."""
+    """The unit's update at clip scale 1 into its spare slot, this host's pieces one by one (its gradient in its
+    resident tile)."""
     grads = store.grad_tile(unit)
-    for piece, lo, hi in store.spec.piece_table[unit]:
+    for piece, lo, hi in store.spec.pieces_of(unit):
         start = time.time()
         update(Item(unit, lo, hi, -1, piece), grads[lo:hi], 1.0, True)
         spans.append((unit, start, time.time()))
@@ -268,10 +271,10 @@ def _speculate_unit(store: Store, unit: int, update: PieceUpdate, spans: list[tu
 
 
 def _keep_speculated(store: Store, unit: int, items: list[Item], step: int, saving: bool) -> None:
-    """A speculated unit whose slot the step keeps: turned to at its first piece (the batch is one piece on one
-    host), once the checkpoint writer has all of them."""
-    pieces = store.spec.piece_table[unit]
-    if items[0].piece != pieces[0][0]:
+    """A speculated unit whose slot the step keeps: turned to at this host's first piece of it (one host: a batch
+    is one piece; several: this host's slice), once the checkpoint writer has all of this host's."""
+    pieces = store.spec.pieces_of(unit)
+    if not items or items[0].piece != pieces[0][0]:
         return
     for piece, lo, hi in pieces if saving else ():
         wait_taken(store, Item(unit, lo, hi, -1, piece), step)

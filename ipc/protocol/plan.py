@@ -28,7 +28,7 @@ from megatrain.memory.host import (
     pinned_checkpoint_bytes,
     spare_refusal,
 )
-from megatrain.memory.hosts import host_of, host_slice, slice_offsets
+from megatrain.memory.hosts import host_of, host_slice, largest_slice, slice_offsets
 from megatrain.memory.plan import staging_by_rule
 from megatrain.model.layout import PLANES as PLANES  # megatrain.ipc.protocol.PLANES: the layout's, re-exported
 from megatrain.model.layout import StoreLayout
@@ -101,7 +101,7 @@ class StoreSpec:
         refusal = gpu_units_refusal(self.gpu_units, self.num_units, self.resident, self.num_executors, self.hosts)
         if refusal:
             raise ProtocolError(f"engine.gpu_optimizer {self.gpu_units}: {refusal}")
-        refusal = spare_refusal(self.spares, self.num_units, self.gpu_units, self.resident, self.clip, self.hosts)
+        refusal = spare_refusal(self.spares, self.num_units, self.gpu_units, self.resident, self.clip)
         if refusal:
             raise ProtocolError(f"ipc.spare_slots {self.spares}: {refusal}")
         refusal = slabs_refusal(self.num_executors, self.hosts)
@@ -173,12 +173,31 @@ class StoreSpec:
 
     @cached_property
     def spare_offsets(self) -> dict[int, int]:
-        """Per unit with a spare slot, where its slot starts in each plane's spare slots (elements)."""
+        """Per unit with a spare slot, where its slot starts in each fp32 plane's spare slots (elements): its
+        largest slice each (one host: its tile), as the planes lay out the units' slices."""
+        return self._spare_offsets(self.hosts)
+
+    @cached_property
+    def spare_resident_offsets(self) -> dict[int, int]:
+        """Per unit with a spare slot, where its slot starts in the resident copy's spare slots: its whole tile
+        each, as the resident copy holds every unit whole."""
+        return self._spare_offsets(1)
+
+    def _spare_offsets(self, hosts: int) -> dict[int, int]:
         out, at = {}, 0
         for unit in self.shape.spare_units:
             out[unit] = at
-            at += self.layout.units[unit].tile
+            at += largest_slice(self.layout.units[unit].tile, hosts)
         return out
+
+    def slot_elems(self, unit: int) -> int:
+        """Elements of the unit's spare slot in each fp32 plane: its largest slice (one host: its tile)."""
+        return largest_slice(self.layout.units[unit].tile, self.hosts)
+
+    def pieces_of(self, unit: int) -> tuple[tuple[int, int, int], ...]:
+        """The unit's pieces in this host's slice, as piece_table has them (one host: every piece)."""
+        pieces = self.piece_table[unit]
+        return pieces if self.hosts == 1 else tuple(p for p in pieces if self.owns(Item(unit, p[1], p[2], -1, p[0])))
 
     @property
     def spare_elems(self) -> int:

@@ -206,7 +206,7 @@ class Store:
             return self.plane(part).view(np.uint8), 0
         spec = self.spec
         where = HEADER_BYTES + 4 * (STATE_PLANES.index(part) * spec.spare_elems + spec.spare_offsets[unit])
-        slot = np.frombuffer(self.segments[SPARE_PLANES].mm, np.uint8, 4 * spec.layout.units[unit].tile, where)
+        slot = np.frombuffer(self.segments[SPARE_PLANES].mm, np.uint8, 4 * spec.slot_elems(unit), where)
         return slot, 4 * spec.slice_offsets[unit]
 
     def _in_spare(self, unit: int, spare: bool) -> bool:
@@ -246,7 +246,7 @@ class Store:
         spec = self.spec
         n = spec.layout.structure_of(unit).numel
         part, at = (
-            (SPARE_RESIDENT, spec.spare_offsets[unit])
+            (SPARE_RESIDENT, spec.spare_resident_offsets[unit])
             if self._in_spare(unit, spare)
             else ("resident", spec.layout.units[unit].offset)
         )

@@ -225,9 +225,7 @@ def choose_sizes(
     refusal = (
         ""
         if spares == "auto"
-        else spare_refusal(
-            int(spares), len(model.layout.units), held, staging == "resident", cfg.optim.clips, crew.hosts
-        )
+        else spare_refusal(int(spares), len(model.layout.units), held, staging == "resident", cfg.optim.clips)
     )
     if refusal:
         raise ConfigError(f"ipc.spare_slots {spares}: {refusal}")

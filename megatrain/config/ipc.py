@@ -55,7 +55,7 @@ class IpcConfig:
         "its fp32 state and resident weights); once the global norm is known the slot becomes the state if the "
         "step did not clip (its clip factor exactly 1), else it is dropped and the unit is updated as without "
         "one: the result is the same bit for bit either way. 0 = none. auto: as many as the host memory left "
-        "beside the run holds (none without clipping, the resident copy or over several hosts); "
+        "beside the run holds (none without clipping or the resident copy); "
         "megatrain-launch plan shows the choice.",
     )
 

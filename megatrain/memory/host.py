@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from megatrain.config.engine import EngineConfig, fixed_sizes
-from megatrain.memory.hosts import host_plane_elems, unit_pieces
+from megatrain.memory.hosts import host_plane_elems, largest_slice, unit_pieces
 from megatrain.model.layout import PLANES, STATE_PLANES, TILE_ALIGN, StoreLayout, round_up
 from megatrain.roster import EXECUTOR, Kind, kind_of
 from megatrain.step.blocks import blocks
@@ -113,7 +113,14 @@ class StoreShape:
 
     @property
     def spare_elems(self) -> int:
-        """Elements of each plane's spare slots: the spare units' tiles, one after the other."""
+        """Elements of each fp32 plane's spare slots on each host: the spare units' slices (one host: tiles), one
+        after the other."""
+        return spare_elems(self.layout, self.spares, self.hosts)
+
+    @property
+    def spare_resident_elems(self) -> int:
+        """Elements of the resident copy's spare slots: the spare units' whole tiles (every host's copy holds the
+        whole unit, the other hosts' slices gathered into it)."""
         return spare_elems(self.layout, self.spares)
 
     def part_bytes(self) -> dict[str, int]:
@@ -124,7 +131,7 @@ class StoreShape:
         staging = max(staging, TILE_ALIGN)  # every run has the segment; with no slabs it is a page
         ctl = self.ctl_fixed + self.num_pieces * self.ctl_piece_bytes
         resident = {"resident": self.layout.total * staging_bytes} if self.resident else {}
-        spares = spare_part_bytes(self.spare_elems, staging_bytes)
+        spares = spare_part_bytes(self.spare_elems, self.spare_resident_elems, staging_bytes)
         return {**dict.fromkeys(self.planes, plane), "staging": staging, **resident, **spares, "ctl": ctl}
 
 
@@ -133,16 +140,18 @@ SPARE_RESIDENT = "spare-resident"  # and their compute-dtype copies (the executo
 SPARE_FIXED = 1 << 20  # bytes kept beside the spare slots' own (page tables, the segments' headers)
 
 
-def spare_part_bytes(elems: int, staging_bytes: int) -> dict[str, int]:
-    """The spare slots' segments for `elems` elements of each plane's spare slots (none for 0)."""
+def spare_part_bytes(elems: int, resident_elems: int, staging_bytes: int) -> dict[str, int]:
+    """The spare slots' segments for `elems` elements of each fp32 plane's spare slots and `resident_elems` of the
+    resident copy's (none for 0)."""
     if not elems:
         return {}
-    return {SPARE_PLANES: 3 * 4 * elems, SPARE_RESIDENT: staging_bytes * elems}
+    return {SPARE_PLANES: 3 * 4 * elems, SPARE_RESIDENT: staging_bytes * resident_elems}
 
 
-def spare_elems(layout: StoreLayout, spares: int) -> int:
-    """Elements of each plane's spare slots for the first `spares` units of spare_order."""
-    return sum(layout.units[u].tile for u in spare_order(layout)[:spares])
+def spare_elems(layout: StoreLayout, spares: int, hosts: int = 1) -> int:
+    """Elements of each fp32 plane's spare slots on each of `hosts` hosts (a unit's largest slice each; one host:
+    its tile) for the first `spares` units of spare_order; hosts 1 also gives the resident copy's."""
+    return sum(largest_slice(layout.units[u].tile, hosts) for u in spare_order(layout)[:spares])
 
 
 def spare_order(layout: StoreLayout) -> tuple[int, ...]:
@@ -151,38 +160,37 @@ def spare_order(layout: StoreLayout) -> tuple[int, ...]:
     return (last, *range(last - 1, 0, -1), 0) if last > 0 else (0,)
 
 
-def spare_refusal(spares: int, units: int, gpu_units: int, resident: bool, clip: bool, hosts: int) -> str:
+def spare_refusal(spares: int, units: int, gpu_units: int, resident: bool, clip: bool) -> str:
     """Why `spares` spare slots cannot be (empty: they can). Speculation needs clipping (without it Adam updates
-    each unit as its gradient lands: nothing waits to speculate on), the resident copy (the gradients wait there,
-    landed in the gradient order, one post per piece) and one host (over several each unit's update is
-    gathered between the hosts); a unit whose optimizer the GPU holds needs no slot."""
+    each unit as its gradient lands: nothing waits to speculate on) and the resident copy (the gradients wait
+    there, landed in the gradient order, one post per piece); a unit whose optimizer the GPU holds needs no
+    slot."""
     if not spares:
         return ""
     if not clip:
         return "speculative updates serve clipping (optim.max_grad_norm > 0)"
     if not resident:
         return "speculative updates need the resident copy (ipc.staging resident)"
-    if hosts > 1:
-        return "speculative updates run on one host"
     if spares + gpu_units > units:
         held = f"{gpu_units} of them on the GPU (engine.gpu_optimizer)"
         return f"the model has {units} units, {held}: at most {units - gpu_units} spare slots"
     return ""
 
 
-def spare_bytes(layout: StoreLayout, unit: int, staging_bytes: int) -> int:
-    """Host memory one unit's spare slot takes: its tile in the three fp32 state planes and the resident copy, and
-    the page tables of their mappings."""
-    data = layout.units[unit].tile * (12 + staging_bytes)
+def spare_bytes(layout: StoreLayout, unit: int, staging_bytes: int, hosts: int = 1) -> int:
+    """Host memory one unit's spare slot takes on each of `hosts` hosts: its slice in the three fp32 state planes
+    (one host: its tile), its whole tile in the resident copy, and the page tables of their mappings."""
+    tile = layout.units[unit].tile
+    data = largest_slice(tile, hosts) * 12 + tile * staging_bytes
     return data + page_table_bytes({"spare": data})
 
 
-def auto_spares(layout: StoreLayout, gpu_units: int, room: int, staging_bytes: int) -> int:
+def auto_spares(layout: StoreLayout, gpu_units: int, room: int, staging_bytes: int, hosts: int = 1) -> int:
     """ipc.spare_slots auto: as many units, in spare_order, as `room` bytes of host memory hold, past those whose
     optimizer the GPU holds."""
     count, left = 0, room - SPARE_FIXED
     for unit in spare_order(layout)[: max(len(layout.units) - gpu_units, 0)]:
-        left -= spare_bytes(layout, unit, staging_bytes)
+        left -= spare_bytes(layout, unit, staging_bytes, hosts)
         if left < 0:
             break
         count += 1
@@ -273,19 +281,19 @@ def resolve_spares(
     be is refused with the reason (ValueError)."""
     units = len(layout.units)
     if asked != "auto":
-        refusal = spare_refusal(int(asked), units, gpu_units, resident, clip, hosts)
+        refusal = spare_refusal(int(asked), units, gpu_units, resident, clip)
         if refusal:
             raise ValueError(f"ipc.spare_slots {asked}: {refusal}")
         return int(asked), f"{asked}, as set"
     if gpu_units >= units:
         return 0, "none: the GPU holds every unit's optimizer (engine.gpu_optimizer)"
-    refusal = spare_refusal(1, units, gpu_units, resident, clip, hosts)
+    refusal = spare_refusal(1, units, gpu_units, resident, clip)
     if refusal:
         return 0, f"none: {refusal}"
-    count = auto_spares(layout, gpu_units, room, staging_bytes)
+    count = auto_spares(layout, gpu_units, room, staging_bytes, hosts)
     if not count:
         return 0, f"none: the {room / GIB:.1f} GiB of host memory left beside the run holds no unit's slot"
-    taken = sum(spare_bytes(layout, u, staging_bytes) for u in spare_order(layout)[:count])
+    taken = sum(spare_bytes(layout, u, staging_bytes, hosts) for u in spare_order(layout)[:count])
     return count, (
         f"{count} of the {units - gpu_units} units Adam updates on the host, {taken / GIB:.1f} GiB, in the "
         f"{room / GIB:.1f} GiB of host memory left beside the run"

@@ -194,7 +194,9 @@ def _with_spares(arch: Arch, plan: MemoryPlan) -> MemoryPlan:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if count:
-        parts = spare_part_bytes(spare_elems(arch.layout, count), staging_bytes)
+        parts = spare_part_bytes(
+            spare_elems(arch.layout, count, shape.hosts), spare_elems(arch.layout, count), staging_bytes
+        )
         host = dict(plan.host)
         host.update({f"shm: {k}": v + shape.header_bytes for k, v in parts.items()})
         host[PAGE_TABLES] += page_table_bytes(parts)
