@@ -114,6 +114,13 @@ class Group:
         opts.rootRank, opts.reduceOp = 0, dist.ReduceOp.SUM
         return self.grads.reduce([t], opts)
 
+    def broadcast_(self, t: torch.Tensor, src: int, part: str = "grads") -> None:
+        """Rank `src`'s `t` into every rank's `t`, in place, over the `part` group ('grads': from the reducer's
+        thread; 'stats': from the compute thread), finished as `finish` finishes."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        self.finish((self.grads if part == "grads" else self.stats).broadcast([t], opts))
+
     def reduce_scatter_(self, full: torch.Tensor, out: torch.Tensor) -> None:
         """Sum `full` (`size` chunks of len(out) elements) over the ranks; rank r's `out` gets chunk r of the
         sum (the grads group: a run over several hosts, each host's slice of a unit's gradient), finished as

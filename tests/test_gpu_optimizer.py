@@ -15,7 +15,7 @@ import torch
 from megatrain.errors import ConfigError
 from megatrain.formats import checkpoint as ckpt
 from megatrain.launch.report.reporting import clipped_fraction, clipping_line
-from megatrain.memory.gpu import auto_gpu_units, gpu_state_bytes, gpu_units_refusal
+from megatrain.memory.gpu import GPU_STATE_SCRATCH, auto_gpu_units, gpu_owners, gpu_state_bytes, gpu_units_refusal
 from tests.harness import NO_AUTH, ROOT, SMALL, START_S, Cli, final_weights, losses, planes, tiny_config, train_tiny
 from tests.update_fixtures import CLIPS_SOMETIMES, UNITS, rows, run_held, same_bits, same_run, update_both_ways
 
@@ -69,7 +69,8 @@ def test_the_count_a_run_cannot_hold_is_refused_naming_the_key(tmp_path: Path) -
         train_tiny(tmp_path / "slabs", "llama", "ipc.staging=slabs", "engine.gpu_optimizer=2", steps=1)
     with pytest.raises(ConfigError, match=rf"engine.gpu_optimizer {UNITS + 1}: the model has {UNITS} units"):
         train_tiny(tmp_path / "many", "llama", "ipc.staging=resident", f"engine.gpu_optimizer={UNITS + 1}", steps=1)
-    assert "one executor on one host" in gpu_units_refusal(1, UNITS, True, executors=2, hosts=1)
+    assert gpu_units_refusal(1, UNITS, True, executors=2, hosts=1) == ""
+    assert "actors.num_hosts 1" in gpu_units_refusal(1, UNITS, True, executors=1, hosts=2)
     assert gpu_units_refusal(0, UNITS, False, executors=4, hosts=2) == ""
 
 
@@ -82,6 +83,33 @@ def test_auto_takes_the_most_units_from_the_first_that_fit() -> None:
     assert auto_gpu_units(layout, one - 1, 2) == 0
     assert auto_gpu_units(layout, two, 2) == 2
     assert auto_gpu_units(layout, 1 << 40, 2) == UNITS
+
+
+def test_several_executors_share_the_units_evenly() -> None:
+    from megatrain.model.spec import build_spec  # noqa: PLC0415
+
+    layout = build_spec(tiny_config("llama", False, 1, "/tmp").model).layout
+    numel = [layout.structure_of(u).numel for u in range(UNITS)]
+    assert gpu_owners(layout, UNITS, 1) == dict.fromkeys(range(UNITS), 0)
+    two = gpu_owners(layout, UNITS, 2)
+    assert sorted(two) == list(range(UNITS)) and set(two.values()) == {0, 1}
+    shares = [sum(n for u, n in enumerate(numel) if two[u] == r) for r in (0, 1)]
+    assert abs(shares[0] - shares[1]) <= max(numel)  # as even as whole units go
+    # the GPU holding most: its share's state and the other units' weights in the compute dtype
+    want = max(16 * own + 2 * (sum(numel) - own) for own in shares) + GPU_STATE_SCRATCH
+    assert gpu_state_bytes(layout, UNITS, 2, executors=2) == want < gpu_state_bytes(layout, UNITS, 2)
+
+
+@pytest.mark.parametrize("gpus", [2, 3])
+def test_several_executors_share_the_units_bit_for_bit(tmp_path: Path, gpus: int) -> None:
+    """Executors sharing one store (the CPU device's) each hold and update their share of the units and send the
+    others the new weights: 20 steps, clipping on some, with none, some and every unit held, alike."""
+    over = [f"actors.num_gpus={gpus}", "data.batch_size=6"]
+    none = run_held(tmp_path / "none", 0, CLIPS_SOMETIMES, *over)
+    for held in (2, UNITS) if gpus == 2 else (UNITS,):
+        got = run_held(tmp_path / f"held-{held}", held, CLIPS_SOMETIMES, *over)
+        assert {r["gpu_units"] for r in rows(got)} == {held}, rows(got)
+        same_run(none, got)
 
 
 def _poison_step_two(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -53,3 +53,16 @@ def test_a_run_with_speculative_updates_on_a_gpu_is_the_plain_host_s_bit_for_bit
     got = rows(tmp_path / "both")
     assert any(r["committed"] for r in got), [(r["clip_scale"], r["speculated"], r["committed"]) for r in got]
     same_run(tmp_path / "plain", tmp_path / "both")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_share_the_units_bit_for_bit(tmp_path: Path) -> None:
+    """Two executors over one store: each holds and updates its share of the units (their summed gradient
+    broadcast from executor 0 through NCCL) and sends the other the new weights; every unit held against none."""
+    common = ("engine.device=cuda", "ipc.staging=resident", CLIPS_SOMETIMES, "actors.num_gpus=2")
+    train_tiny(tmp_path / "host", "llama", *common, "engine.gpu_optimizer=0", steps=10)
+    gc.collect()
+    train_tiny(tmp_path / "gpus", "llama", *common, f"engine.gpu_optimizer={UNITS}", steps=10)
+    gc.collect()
+    assert [r["gpu_units"] for r in rows(tmp_path / "gpus")] == [UNITS] * 10
+    same_run(tmp_path / "host", tmp_path / "gpus")

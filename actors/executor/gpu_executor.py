@@ -143,7 +143,7 @@ class GpuExecutor(Role):
                 raise ProtocolError(
                     f"engine.gpu_optimizer {spec.gpu_units}: the executor attaches with the optim settings"
                 )
-            self.gpu_state = GpuState(self.store, self.device, dtype, optim)
+            self.gpu_state = GpuState(self.store, self.device, dtype, optim, self.rank)
         self.source.gpu_state = self.sink.gpu_state = self.gpu_state
         self.mark("attached")
 
@@ -197,11 +197,12 @@ class GpuExecutor(Role):
         Returns once every member of `stats` is there."""
         self.group = self.engine.group = stats
         inner = self.sink if self.rank == 0 else None
+        held = self.gpu_state
         if self.cuda:
-            self.sink = StreamedReducingSink(self.store, local, self.device, inner, hosts)
+            self.sink = StreamedReducingSink(self.store, local, self.device, inner, hosts, held, self.rank)
             self._on_compute(self.sink.warm)
         else:
-            self.sink = SyncReducingSink(self.store, local, inner, hosts)
+            self.sink = SyncReducingSink(self.store, local, inner, hosts, held, self.rank)
         self._on_compute(stats.barrier)
         return stats.backend
 
@@ -364,7 +365,9 @@ class GpuExecutor(Role):
             return {}
         t0 = time.perf_counter()
         norm, scale = self.store.wait_verdict(step)
-        units = self.gpu_state.update(step, lr, norm, scale)
+        # the units' new weights from their owners to every executor of the host (the run's group, one host)
+        group = self.group if self.store.spec.num_executors > 1 else None
+        units = self.gpu_state.update(step, lr, norm, scale, group)
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()  # the update's time, not its launch's
         return {"gpu_units": units, "gpu_update_s": time.perf_counter() - t0}

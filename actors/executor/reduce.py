@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from megatrain.actors.executor.gpustate import GpuState
 from megatrain.actors.executor.streams import StreamedSink, SyncSink
 from megatrain.actors.executor.threads import Worker
 from megatrain.collective import Group
@@ -64,23 +65,52 @@ class HostScatter:
 
 
 def _summed(
-    unit: int, g: torch.Tensor, group: Group | None, hosts: HostScatter | None, last: bool
+    unit: int,
+    g: torch.Tensor,
+    group: Group | None,
+    hosts: HostScatter | None,
+    last: bool,
+    held: GpuState | None = None,
+    rank: int = 0,
 ) -> torch.Tensor | None:
     """The gradient summed over this host's executors (`group`, into executor 0) and, on executor 0 (`last`)
-    over several hosts, over the hosts (its own slice); None where this executor's part ends with the sum."""
+    over several hosts, over the hosts (its own slice); None where this executor's part ends with the sum.
+    A unit whose optimizer another executor holds (`held`, this executor's) is handed to it (_hand_off)."""
     if group is not None:
         group.finish(group.reduce_(g))
+        _hand_off(unit, g, group, held, rank)
     if not last:
         return None
     return g if hosts is None else hosts(unit, g)
+
+
+def _hand_off(unit: int, g: torch.Tensor, group: Group, held: GpuState | None, rank: int) -> None:
+    """A unit whose optimizer an executor other than 0 holds: the sum the reduction left on executor 0 goes to
+    every executor of the host (a broadcast: gloo has no send a poll sees complete) and its owner keeps it in
+    the dtype executor 0's sink lands gradients in, the same bits. Executor 0's sink still gives Adam the
+    unit's squared norms."""
+    if held is None or unit not in held.units or held.owner[unit] == 0:
+        return
+    group.broadcast_(g, 0)
+    if held.owner[unit] == rank:
+        held.keep(unit, g.detach().to(held.grad_dtype))
 
 
 class SyncReducingSink:
     """CPU device: each gradient is reduced on the spot (the host waits); executor 0 then emits it.
     `group`: this host's executors (None: one per host); `hosts`: executor 0's sum over several hosts."""
 
-    def __init__(self, store: Store, group: Group | None, inner: SyncSink | None, hosts: HostScatter | None = None):
+    def __init__(
+        self,
+        store: Store,
+        group: Group | None,
+        inner: SyncSink | None,
+        hosts: HostScatter | None = None,
+        held: GpuState | None = None,
+        rank: int = 0,
+    ):
         self.store, self.group, self.inner, self.hosts = store, group, inner, hosts
+        self.held, self.rank = held, rank  # the units whose optimizer the executors hold (gpustate.py)
         self.begin()
 
     def begin(self) -> None:
@@ -95,7 +125,7 @@ class SyncReducingSink:
 
     def emit(self, unit: int, grad: torch.Tensor) -> None:
         self.order.next(unit)
-        g = _summed(unit, _fp32(grad), self.group, self.hosts, self.inner is not None)
+        g = _summed(unit, _fp32(grad), self.group, self.hosts, self.inner is not None, self.held, self.rank)
         if self.inner is not None:
             self.inner.emit(unit, g)
 
@@ -113,8 +143,11 @@ class StreamedReducingSink:
         device: torch.device,
         inner: StreamedSink | None,
         hosts: HostScatter | None = None,
+        held: GpuState | None = None,
+        rank: int = 0,
     ):
         self.store, self.group, self.device, self.inner, self.hosts = store, group, device, inner, hosts
+        self.held, self.rank = held, rank  # the units whose optimizer the executors hold (gpustate.py)
         self.comm = torch.cuda.Stream(device)
         self.worker = Worker(store, "reducer")
         self.todo: queue.Queue = queue.Queue()
@@ -172,7 +205,7 @@ class StreamedReducingSink:
             with torch.cuda.stream(self.comm), torch.cuda.nvtx.range(f"reduce:{unit}"):
                 self.comm.wait_event(done)
                 # the comm stream waits for the sums; a padded buffer is made on it (freed in its order)
-                total = _summed(unit, g, self.group, self.hosts, self.inner is not None)
+                total = _summed(unit, g, self.group, self.hosts, self.inner is not None, self.held, self.rank)
                 if self.inner is not None:
                     self.inner.emit(unit, total)  # its copy waits on the comm stream (its current stream)
                 del total

@@ -18,7 +18,7 @@ from megatrain.ipc.cpus import Threads
 from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
 from megatrain.ipc.protocol.sems import semaphores
 from megatrain.ipc.shared.shm import MAX_PIDS
-from megatrain.memory.gpu import gpu_units_refusal
+from megatrain.memory.gpu import gpu_owners, gpu_units_refusal
 from megatrain.memory.host import (
     SPARE_PLANES,
     SPARE_RESIDENT,
@@ -325,8 +325,14 @@ class StoreSpec:
 
     @cached_property
     def on_gpu(self) -> frozenset[int]:
-        """The units whose optimizer the executor holds on its device (the first gpu_units of forward_order)."""
+        """The units whose optimizer the executors hold on their devices (the first gpu_units of forward_order)."""
         return frozenset(self.forward_order[: self.gpu_units])
+
+    @cached_property
+    def gpu_owner(self) -> dict[int, int]:
+        """Per unit of on_gpu, the executor that holds its state and updates it (megatrain/memory/gpu.py
+        gpu_owners); the others receive its new weights from it."""
+        return gpu_owners(self.layout, self.gpu_units, self.num_executors)
 
     @cached_property
     def cpu_items(self) -> list[Item]:

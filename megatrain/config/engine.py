@@ -96,9 +96,10 @@ class EngineConfig:
         "whose fp32 master weights, Adam moments and gradient live on the GPU, where the executor updates them "
         "right after the global norm is known, bit for bit as the host's Adam would: the next forward starts "
         "on them at once while the host updates the rest ahead of it. Their gradients come last in the "
-        "backward, so no overlap hides their host update. 0 = none. auto: as many as the GPU memory the plan "
-        "leaves beside the step's peak holds (none on the CPU device, with several executors or hosts, or with "
-        "ipc.staging slabs); megatrain-launch plan shows the choice.",
+        "backward, so no overlap hides their host update. With several GPUs sharing one store the units are "
+        "shared among them: each updates its share and sends the others the new weights. 0 = none. auto: as "
+        "many as the GPU memory the plan leaves beside the step's peak holds (none on the CPU device, over "
+        "several hosts, or with ipc.staging slabs); megatrain-launch plan shows the choice.",
     )
     gpu_memory_gib: float | str | None = opt(
         None,

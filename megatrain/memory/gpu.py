@@ -89,7 +89,7 @@ def gpu_part(
     except MegatrainError as exc:
         held, held_why, error = 0, "", error or str(exc)
     if held:
-        terms[GPU_STATE] = gpu_state_bytes(arch.layout, held, 2 if engine.compute_dtype == "bf16" else 4)
+        terms[GPU_STATE] = gpu_state_bytes(arch.layout, held, 2 if engine.compute_dtype == "bf16" else 4, executors)
     budget = gpubudget.budget_bytes(engine)
     return GpuPart(
         gpu_units=held,
@@ -104,19 +104,46 @@ def gpu_part(
     )
 
 
-def gpu_state_bytes(layout: StoreLayout, units: int, dtype_bytes: int) -> int:
-    """GPU memory of the optimizer of the first `units` units of the forward (embedding, layers, head), the
-    update's scratch included (0 for none)."""
+def gpu_state_bytes(layout: StoreLayout, units: int, dtype_bytes: int, executors: int = 1) -> int:
+    """GPU memory of the optimizer of the first `units` units of the forward (embedding, layers, head) on the
+    GPU that holds the most of it, the update's scratch included (0 for none). With several executors each
+    holds the state of its share (gpu_owners) and the weights of the others' in the compute dtype, which their
+    owners send it after each update."""
     if units <= 0:
         return 0
     per_param = 12 + dtype_bytes + (0 if dtype_bytes == 4 else dtype_bytes)
-    return gpu_params(layout, units) * per_param + GPU_STATE_SCRATCH
+    held = gpu_params(layout, units)
+    shares = _shares(layout, units, executors)
+    return max(own * per_param + (held - own) * dtype_bytes for own in shares) + GPU_STATE_SCRATCH
 
 
 def gpu_params(layout: StoreLayout, units: int) -> int:
     """The parameters of the first `units` units of the forward: embedding, layers, then the final norm and head."""
-    forward = [0, *range(1, layout.num_layers + 1), layout.num_layers + 1]
-    return sum(layout.structure_of(u).numel for u in forward[:units])
+    return sum(layout.structure_of(u).numel for u in _forward(layout)[:units])
+
+
+def _forward(layout: StoreLayout) -> list[int]:
+    return [0, *range(1, layout.num_layers + 1), layout.num_layers + 1]
+
+
+def gpu_owners(layout: StoreLayout, units: int, executors: int) -> dict[int, int]:
+    """Which executor holds the state of each of the first `units` units of the forward and updates it: each in
+    turn to the one holding the fewest parameters so far (the lowest rank on a tie), so that the shares, and the
+    update's time, come out even."""
+    owners, load = {}, [0] * max(executors, 1)
+    for unit in _forward(layout)[:units]:
+        rank = min(range(len(load)), key=lambda r: (load[r], r))
+        owners[unit] = rank
+        load[rank] += layout.structure_of(unit).numel
+    return owners
+
+
+def _shares(layout: StoreLayout, units: int, executors: int) -> list[int]:
+    """The parameters each executor holds the state of."""
+    shares = [0] * max(executors, 1)
+    for unit, rank in gpu_owners(layout, units, executors).items():
+        shares[rank] += layout.structure_of(unit).numel
+    return shares
 
 
 def gpu_units_refusal(units: int, num_units: int, resident: bool, executors: int, hosts: int) -> str:
@@ -125,11 +152,8 @@ def gpu_units_refusal(units: int, num_units: int, resident: bool, executors: int
         return ""
     if units < 0 or units > num_units:
         return f"the model has {num_units} units (embedding, layers, final norm and head): 0 to {num_units}"
-    if executors > 1 or hosts > 1:
-        return (
-            "the optimizer is held on the GPU by a run of one executor on one host "
-            "(actors.num_gpus 1, actors.num_hosts 1)"
-        )
+    if hosts > 1:
+        return "the optimizer is held on the GPUs of a run on one host (actors.num_hosts 1)"
     if not resident:
         return (
             "the units the GPU holds need the resident copy, where their gradients' norms go as any unit's: "
@@ -138,10 +162,10 @@ def gpu_units_refusal(units: int, num_units: int, resident: bool, executors: int
     return ""
 
 
-def auto_gpu_units(layout: StoreLayout, room: int, dtype_bytes: int) -> int:
-    """The most units, from the forward's first, whose optimizer fits `room` bytes of GPU memory."""
+def auto_gpu_units(layout: StoreLayout, room: int, dtype_bytes: int, executors: int = 1) -> int:
+    """The most units, from the forward's first, whose optimizer fits `room` bytes of each executor's GPU."""
     units = 0
-    while units < len(layout.units) and gpu_state_bytes(layout, units + 1, dtype_bytes) <= room:
+    while units < len(layout.units) and gpu_state_bytes(layout, units + 1, dtype_bytes, executors) <= room:
         units += 1
     return units
 
@@ -168,7 +192,7 @@ def resolve_gpu_units(
         refusal = gpu_units_refusal(int(asked), n, resident, executors, hosts)
         if refusal:
             raise ConfigError(f"engine.gpu_optimizer {asked}: {refusal}")
-        need = gpu_state_bytes(layout, int(asked), dtype_bytes)
+        need = gpu_state_bytes(layout, int(asked), dtype_bytes, executors)
         if free is not None and need > gpu_state_room(free, peak):
             raise ResourceError(
                 f"engine.gpu_optimizer {asked}: their optimizer takes {gpubudget.gib(need)} of GPU memory; beside "
@@ -184,8 +208,9 @@ def resolve_gpu_units(
     if free is None:
         return 0, "the GPU's free memory is not measured here"
     room = gpu_state_room(free, peak)
-    units = auto_gpu_units(layout, room, dtype_bytes)
+    units = auto_gpu_units(layout, room, dtype_bytes, executors)
+    shared = f" on each GPU at most, the units shared among {executors}" if executors > 1 else ""
     return units, (
-        f"{units} of {n} units ({gpubudget.gib(gpu_state_bytes(layout, units, dtype_bytes))}) in the "
-        f"{gpubudget.gib(max(room, 0))} the GPU leaves beside the step's peak"
+        f"{units} of {n} units ({gpubudget.gib(gpu_state_bytes(layout, units, dtype_bytes, executors))}{shared}) "
+        f"in the {gpubudget.gib(max(room, 0))} the GPU leaves beside the step's peak"
     )
