@@ -17,6 +17,7 @@ from megatrain.ipc.messages import StoreRequest
 from megatrain.ipc.protocol.ctl import CTL_FIXED, PIECE_BYTES
 from megatrain.ipc.shared import shm
 from megatrain.ipc.shared.shm import HEADER_BYTES
+from megatrain.memory.gpu import GPU_STATE, gpu_state_bytes
 from megatrain.memory.machine import Machine
 from megatrain.memory.plan import CHECKPOINT_HEADROOM_FRACTION, MemoryPlan, RunShape, plan_memory, staging_mode
 from megatrain.model.arch import arch_of_spec
@@ -157,7 +158,12 @@ def test_the_gpu_terms_at_explicit_sizes(counted: Counted) -> None:
     assert gpu["activation checkpoints on the GPU (0)"] == 0  # all three pinned in host RAM
     assert gpu["fp32 gradients awaiting the executors' sum"] == 3 * counted.layer * 4  # two credits and one reducing
     assert plan.gpu_limit == 80 * GIB and plan.gpu_fits()
-    assert not counted.plan(executors=2, gpu_free=sum(gpu.values()) - 1).gpu_fits()
+    # auto holds every unit's optimizer, shared between the two GPUs: the GPU holding most is the term
+    held = plan.gpu.gpu_units
+    assert held == len(counted.units)
+    assert gpu[GPU_STATE] == gpu_state_bytes(arch_of_spec(build_spec(counted.config)).layout, held, 2, executors=2)
+    pinned = dataclasses.replace(ENGINE, gpu_optimizer=held)  # one byte less would only make auto hold fewer
+    assert not counted.plan(executors=2, engine=pinned, gpu_free=sum(gpu.values()) - 1).gpu_fits()
 
 
 def test_the_staging_mode_is_decided_on_the_stores_node() -> None:
