@@ -1,6 +1,7 @@
 """engine.gpu_optimizer on a GPU (skipped without one; MEGATRAIN_TEST_CUDA=1 pytest -m cuda): the update on the
 device is the host kernel's bit for bit, and a run whose optimizer the GPU holds whole (auto, on a model this
-small) is the run with every update on the host, checkpoints included, and resumes on the host's."""
+small) is the run with every update on the host, checkpoints included, and resumes on the host's; with two GPUs,
+the units shared by two executors of one host, and sliced over two hosts."""
 
 from __future__ import annotations
 
@@ -63,6 +64,19 @@ def test_two_gpus_share_the_units_bit_for_bit(tmp_path: Path) -> None:
     train_tiny(tmp_path / "host", "llama", *common, "engine.gpu_optimizer=0", steps=10)
     gc.collect()
     train_tiny(tmp_path / "gpus", "llama", *common, f"engine.gpu_optimizer={UNITS}", steps=10)
+    gc.collect()
+    assert [r["gpu_units"] for r in rows(tmp_path / "gpus")] == [UNITS] * 10
+    same_run(tmp_path / "host", tmp_path / "gpus")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_hosts_hold_their_slices_bit_for_bit(tmp_path: Path) -> None:
+    """Two hosts of one GPU each: each holds its slice of every unit's state, updates it from the hosts'
+    reduce-scatter (NCCL) and sends it to the other host's executor; every unit held against none."""
+    common = ("engine.device=cuda", "ipc.staging=resident", CLIPS_SOMETIMES, "actors.num_hosts=2")
+    train_tiny(tmp_path / "host", "llama", *common, "engine.gpu_optimizer=0", "data.batch_size=4", steps=10)
+    gc.collect()
+    train_tiny(tmp_path / "gpus", "llama", *common, f"engine.gpu_optimizer={UNITS}", "data.batch_size=4", steps=10)
     gc.collect()
     assert [r["gpu_units"] for r in rows(tmp_path / "gpus")] == [UNITS] * 10
     same_run(tmp_path / "host", tmp_path / "gpus")

@@ -67,7 +67,8 @@ def rows(out: Path) -> list[dict]:
 
 
 def same_run(a: Path, b: Path) -> None:
-    assert losses(a) == losses(b)
+    la, lb = losses(a), losses(b)
+    assert la == lb, {s: (la.get(s), lb.get(s)) for s in sorted(set(la) | set(lb)) if la.get(s) != lb.get(s)}
     wa, wb = final_weights(a), final_weights(b)
     assert wa.keys() == wb.keys()
     for name in wa:

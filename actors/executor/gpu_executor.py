@@ -261,7 +261,7 @@ class GpuExecutor(Role):
 
     def _walks(self, step: int, count: int, fn: Callable[[], Any]) -> list:
         if self.gpu_state is not None:
-            self.gpu_state.load(step)
+            self.gpu_state.load(step, self._held_group())
         out = []
         for _ in range(count):
             self.source.begin(step, "forward")
@@ -322,7 +322,7 @@ class GpuExecutor(Role):
         prof: StepProfile | None = None,
     ) -> StepReport:
         if self.gpu_state is not None:
-            self.gpu_state.load(step)
+            self.gpu_state.load(step, self._held_group())
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         if timeline and self.cuda:
@@ -365,12 +365,15 @@ class GpuExecutor(Role):
             return {}
         t0 = time.perf_counter()
         norm, scale = self.store.wait_verdict(step)
-        # the units' new weights from their owners to every executor of the host (the run's group, one host)
-        group = self.group if self.store.spec.num_executors > 1 else None
-        units = self.gpu_state.update(step, lr, norm, scale, group)
+        units = self.gpu_state.update(step, lr, norm, scale, self._held_group())
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()  # the update's time, not its launch's
         return {"gpu_units": units, "gpu_update_s": time.perf_counter() - t0}
+
+    def _held_group(self) -> Group | None:
+        """The group the held units' weights go to every executor over: the run's (None: one executor alone)."""
+        spec = self.store.spec
+        return self.group if spec.num_executors * spec.hosts > 1 else None
 
     @staticmethod
     def _phases(marks: Marks) -> dict:

@@ -14,7 +14,10 @@ before the final weights are read; the checkpoint writer takes those pieces at t
 
 With several executors sharing one store the units are shared among them (StoreSpec.gpu_owner): each holds the
 state of its own, receives their summed gradient (actors/executor/reduce.py), updates them, and sends their new
-weights to the others, which hold every unit's weights in the compute dtype.
+weights to the others, which hold every unit's weights in the compute dtype. Over several hosts each host holds
+the state of its own slice of a unit (StoreSpec.owned, as its planes do) on the GPU of the unit's owner among its
+executors, which updates that slice from the run's summed gradient of it (the hosts' reduce-scatter) and sends
+it to every executor of every host: a unit's new weights come from one executor of each host, slice by slice.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class GpuState:
         self.state: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # p, m, v (fp32)
         self.served: dict[int, torch.Tensor] = {}  # the weights the engine reads (p itself in fp32)
         self.grads: dict[int, torch.Tensor] = {}  # this step's, until the update
+        self.slices = {u: spec.owned(u) for u in self.units}  # this host's elements of each (one host: all)
         self.dirty = False  # updated since the last write-back
         self.for_writer: int | None = None  # the step the last write-back was published at, for the writer
 
@@ -54,18 +58,29 @@ class GpuState:
     def loaded(self) -> bool:
         return bool(self.served) or not self.units
 
-    def load(self, step: int) -> None:
-        """The units' state from the planes (once, before the first walk): the weights after step-1's update."""
+    def load(self, step: int, group: Group | None = None) -> None:
+        """The units' state from the planes (once, before the first walk): the weights after step-1's update.
+        Over several hosts the other hosts' slices of the weights come from their owners over `group` (every
+        executor of the run, each loading at its first walk)."""
         if self.loaded:
             return
         for unit in self.order:
             self.store.wait_version(unit, step, f"unit {unit}'s state before step {step} (to hold it on the GPU)")
-            numel = self.store.spec.layout.structure_of(unit).numel
-            parts = STATE if unit in self.mine else STATE[:1]  # another executor's: its weights alone
-            held = [self._to_device(self.store.span(part, unit, 0, numel)) for part in parts]
+            lo, hi = self.slices[unit]
+            served = torch.empty(self.store.spec.layout.structure_of(unit).numel, dtype=self.dtype, device=self.device)
+            # another executor's unit: this host's slice of its weights alone
+            parts = STATE if unit in self.mine else STATE[:1]
+            held = [self._to_device(self.store.span(part, unit, lo, hi)) for part in parts]
+            if self.dtype == torch.float32:  # the master weights are what the engine reads: one tensor
+                served[lo:hi] = held[0]
+                held[0] = served[lo:hi]
+            else:
+                served[lo:hi] = held[0].to(self.dtype)
             if unit in self.mine:
                 self.state[unit] = (held[0], held[1], held[2])
-            self.served[unit] = held[0] if self.dtype == torch.float32 else held[0].to(self.dtype)
+            self.served[unit] = served
+        if self.store.spec.hosts > 1:
+            self._share(group)
 
     def _to_device(self, host) -> torch.Tensor:  # noqa: ANN001 - a numpy view of a plane
         out = torch.empty(host.shape, dtype=torch.float32, device=self.device)
@@ -77,16 +92,20 @@ class GpuState:
         return self.served[unit].detach()
 
     def keep(self, unit: int, grad: torch.Tensor) -> None:
-        """The unit's gradient of the step, in the dtype the host's Adam would read it in (another executor's
-        unit: not kept here, its owner keeps it)."""
-        if unit in self.mine:
-            self.grads[unit] = grad
+        """The unit's gradient of the step (its whole length; over several hosts only this host's slice holds the
+        run's sum, and only it is kept), in the dtype the host's Adam would read it in (another executor's unit:
+        not kept here, its owner keeps it)."""
+        if unit not in self.mine:
+            return
+        lo, hi = self.slices[unit]
+        # a copy of a slice: a view would keep the whole gradient alive until the update
+        self.grads[unit] = grad.detach()[lo:hi].to(self.grad_dtype, copy=hi - lo < grad.numel())
 
     def update(self, step: int, lr: float, norm: float, scale: float, group: Group | None = None) -> int:
         """AdamW step `step` (0-based) on every unit this executor owns, with Adam's verdict (a non-finite norm:
         the step is skipped whole, as on the host), then each unit's new weights from its owner to the others
-        over `group` (every executor of the host; None: one executor). The units this executor updated (a step's
-        report sums the executors')."""
+        over `group` (every executor of the run; None: one executor of one host). The units this executor updated
+        (a step's report sums the executors')."""
         grads, self.grads = self.grads, {}
         if set(grads) != set(self.mine):
             missing = sorted(set(self.mine) - set(grads))
@@ -98,8 +117,10 @@ class GpuState:
             if self.device.type == "cuda":  # made on the reducer's stream: not reused before the update is done
                 grads[unit].record_stream(torch.cuda.current_stream(self.device))
             p, m, v = self.state[unit]
-            served = self.served[unit]
-            split = layout.structure_of(unit).decay_split()
+            lo, hi = self.slices[unit]
+            out = None if self.dtype == torch.float32 else self.served[unit][lo:hi]  # fp32: p is the served slice
+            # the slice's decayed elements first (the unit's are its first `split`), as the host's pieces split
+            split = min(max(layout.structure_of(unit).decay_split() - lo, 0), hi - lo)
             for sl, wd in ((slice(0, split), self.optim.weight_decay), (slice(split, None), 0.0)):
                 if p[sl].numel():
                     adamw_tensors(
@@ -112,12 +133,25 @@ class GpuState:
                         cfg=self.optim,
                         weight_decay=wd,
                         grad_scale=scale,
-                        out=None if served is p else served[sl],
+                        out=None if out is None else out[sl],
                     )
-        for unit in self.order if group is not None else ():
-            group.broadcast_(self.served[unit], self.owner[unit], part="stats")
+        self._share(group)
         self.dirty = True
-        return len(self.mine)
+        # a unit once in the run's count: over several hosts each updates its slice, the first's never empty
+        return len(self.mine) if self.store.spec.host == 0 else 0
+
+    def _share(self, group: Group | None) -> None:
+        """Each unit's weights from its owners to every executor of the run over `group` (None: one executor of
+        one host): the owner's on each host sends that host's slice (one host: the whole unit)."""
+        if group is None:
+            return
+        spec = self.store.spec
+        for unit in self.order:
+            for host in range(spec.hosts):
+                lo, hi = spec.slice_of(unit, host)
+                if hi > lo:
+                    src = host * spec.num_executors + self.owner[unit]  # the run's group: host-major ranks
+                    group.broadcast_(self.served[unit][lo:hi], src, part="stats")
 
     def flush(self, step: int | None) -> int:
         """Write the state of the units this executor owns back into the planes; `step`: the checkpoint writer
@@ -126,20 +160,19 @@ class GpuState:
         store, written = self.store, 0
         if self.for_writer is not None:  # the writer may still read the last write-back's pieces
             for unit in self.mine:
-                for piece in range(store.spec.piece_range(unit).start, store.spec.piece_range(unit).stop):
+                for piece, _, _ in store.spec.pieces_of(unit):
                     store.wait_saved(piece, self.for_writer, f"the checkpoint writer to take unit {unit}")
             self.for_writer = None
         if self.dirty or step is not None:
             for unit in self.mine:
+                lo, hi = self.slices[unit]
                 for part, tensor in zip(STATE, self.state[unit], strict=True):
-                    host = store.span(part, unit, 0, tensor.numel())
-                    torch.from_numpy(host).copy_(tensor)
+                    torch.from_numpy(store.span(part, unit, lo, hi)).copy_(tensor)
                     written += tensor.numel() * 4
             self.dirty = False
         if step is not None:
             for unit in self.mine:
-                rng = store.spec.piece_range(unit)
-                for piece in range(rng.start, rng.stop):
+                for piece, _, _ in store.spec.pieces_of(unit):
                     store.publish_version(piece, step)
             self.for_writer = step
         return written

@@ -75,25 +75,28 @@ def _summed(
 ) -> torch.Tensor | None:
     """The gradient summed over this host's executors (`group`, into executor 0) and, on executor 0 (`last`)
     over several hosts, over the hosts (its own slice); None where this executor's part ends with the sum.
-    A unit whose optimizer another executor holds (`held`, this executor's) is handed to it (_hand_off)."""
+    A unit whose optimizer another executor holds (`held`, this executor's) is then handed to it (_hand_off)."""
     if group is not None:
         group.finish(group.reduce_(g))
+    if last and hosts is not None:
+        g = hosts(unit, g)
+    if group is not None:
         _hand_off(unit, g, group, held, rank)
-    if not last:
-        return None
-    return g if hosts is None else hosts(unit, g)
+    return g if last else None
 
 
 def _hand_off(unit: int, g: torch.Tensor, group: Group, held: GpuState | None, rank: int) -> None:
-    """A unit whose optimizer an executor other than 0 holds: the sum the reduction left on executor 0 goes to
-    every executor of the host (a broadcast: gloo has no send a poll sees complete) and its owner keeps it in
-    the dtype executor 0's sink lands gradients in, the same bits. Executor 0's sink still gives Adam the
-    unit's squared norms."""
+    """A unit whose optimizer an executor other than 0 holds: the sum the reduction left on executor 0 (over
+    several hosts, this host's slice of the hosts' sum) goes to every executor of the host (a broadcast: gloo
+    has no send a poll sees complete) and its owner keeps it in the dtype executor 0's sink lands gradients in,
+    the same bits. Executor 0's sink still gives Adam the unit's squared norms."""
     if held is None or unit not in held.units or held.owner[unit] == 0:
         return
-    group.broadcast_(g, 0)
+    lo, hi = held.slices[unit]
+    if hi > lo:
+        group.broadcast_(g[lo:hi], 0)
     if held.owner[unit] == rank:
-        held.keep(unit, g.detach().to(held.grad_dtype))
+        held.keep(unit, g)
 
 
 class SyncReducingSink:

@@ -207,7 +207,9 @@ def update_clipped(
     finite, scale, pending = math.isfinite(norm), clip_scale(norm, max_grad_norm), None
     kept = frozenset(speculated) if finite and scale == 1.0 else frozenset()
     store.publish_verdict(step, norm, scale)  # the executor updates the units its device holds with it
-    for unit, items in link.batches(spec.cpu_items, spec.forward_order):  # the next forward follows right behind
+    # the next forward follows right behind; the units the executors hold are theirs to update and hand on
+    cpu_order = [unit for unit in spec.forward_order if unit not in spec.on_gpu]
+    for unit, items in link.batches(spec.cpu_items, cpu_order):
         pending = link.settle_done(store, pending, version)
         if unit in kept:
             _keep_speculated(store, unit, items, step, saving)

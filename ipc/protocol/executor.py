@@ -70,7 +70,9 @@ def grad_sent(store: Store, item: Item) -> None:
 
 def grads_landed(store: Store, items: Sequence[Item], sqnorms: np.ndarray | Sequence[float]) -> None:
     """Consecutive pieces' gradients are in their resident tiles: their squared norms into ctl, then Adam is
-    told, one grads_ready per piece (a semaphore: memory-synchronizing)."""
+    told, one grads_ready per piece (a semaphore: memory-synchronizing). None: a unit this host owns no piece of."""
+    if not items:
+        return
     store.sqnorms[items[0].piece : items[-1].piece + 1] = sqnorms
     for _ in items:
         store.post(GRADS_READY)

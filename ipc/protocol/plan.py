@@ -98,7 +98,7 @@ class StoreSpec:
     def __post_init__(self) -> None:
         if not 0 <= self.host < self.hosts:
             raise ProtocolError(f"host {self.host} is not one of the run's {self.hosts} hosts")
-        refusal = gpu_units_refusal(self.gpu_units, self.num_units, self.resident, self.num_executors, self.hosts)
+        refusal = gpu_units_refusal(self.gpu_units, self.num_units, self.resident)
         if refusal:
             raise ProtocolError(f"engine.gpu_optimizer {self.gpu_units}: {refusal}")
         refusal = spare_refusal(self.spares, self.num_units, self.gpu_units, self.resident, self.clip)

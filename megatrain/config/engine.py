@@ -97,9 +97,10 @@ class EngineConfig:
         "right after the global norm is known, bit for bit as the host's Adam would: the next forward starts "
         "on them at once while the host updates the rest ahead of it. Their gradients come last in the "
         "backward, so no overlap hides their host update. With several GPUs sharing one store the units are "
-        "shared among them: each updates its share and sends the others the new weights. 0 = none. auto: as "
-        "many as the GPU memory the plan leaves beside the step's peak holds (none on the CPU device, over "
-        "several hosts, or with ipc.staging slabs); megatrain-launch plan shows the choice.",
+        "shared among them: each updates its share and sends the others the new weights; over several hosts "
+        "each host holds and updates its slice of their state, as its store holds its slice of the rest. "
+        "0 = none. auto: as many as the GPU memory the plan leaves beside the step's peak holds (none on the "
+        "CPU device or with ipc.staging slabs); megatrain-launch plan shows the choice.",
     )
     gpu_memory_gib: float | str | None = opt(
         None,

@@ -89,7 +89,8 @@ def gpu_part(
     except MegatrainError as exc:
         held, held_why, error = 0, "", error or str(exc)
     if held:
-        terms[GPU_STATE] = gpu_state_bytes(arch.layout, held, 2 if engine.compute_dtype == "bf16" else 4, executors)
+        dtype_bytes = 2 if engine.compute_dtype == "bf16" else 4
+        terms[GPU_STATE] = gpu_state_bytes(arch.layout, held, dtype_bytes, executors, hosts)
     budget = gpubudget.budget_bytes(engine)
     return GpuPart(
         gpu_units=held,
@@ -104,17 +105,18 @@ def gpu_part(
     )
 
 
-def gpu_state_bytes(layout: StoreLayout, units: int, dtype_bytes: int, executors: int = 1) -> int:
+def gpu_state_bytes(layout: StoreLayout, units: int, dtype_bytes: int, executors: int = 1, hosts: int = 1) -> int:
     """GPU memory of the optimizer of the first `units` units of the forward (embedding, layers, head) on the
     GPU that holds the most of it, the update's scratch included (0 for none). With several executors each
     holds the state of its share (gpu_owners) and the weights of the others' in the compute dtype, which their
-    owners send it after each update."""
+    owners send it after each update; over several hosts the state of its host's slice of its share (the
+    first host's, the largest) and every held unit's weights whole."""
     if units <= 0:
         return 0
-    per_param = 12 + dtype_bytes + (0 if dtype_bytes == 4 else dtype_bytes)
-    held = gpu_params(layout, units)
-    shares = _shares(layout, units, executors)
-    return max(own * per_param + (held - own) * dtype_bytes for own in shares) + GPU_STATE_SCRATCH
+    # per element of state: fp32 moments and the gradient; the fp32 weights apart where the engine reads bf16
+    state = 8 + dtype_bytes + (4 if dtype_bytes != 4 else 0)
+    served = gpu_params(layout, units) * dtype_bytes
+    return max(own * state for own in _shares(layout, units, executors, hosts)) + served + GPU_STATE_SCRATCH
 
 
 def gpu_params(layout: StoreLayout, units: int) -> int:
@@ -138,22 +140,21 @@ def gpu_owners(layout: StoreLayout, units: int, executors: int) -> dict[int, int
     return owners
 
 
-def _shares(layout: StoreLayout, units: int, executors: int) -> list[int]:
-    """The parameters each executor holds the state of."""
+def _shares(layout: StoreLayout, units: int, executors: int, hosts: int = 1) -> list[int]:
+    """The elements each executor of the first host (the largest slices) holds the state of."""
     shares = [0] * max(executors, 1)
     for unit, rank in gpu_owners(layout, units, executors).items():
-        shares[rank] += layout.structure_of(unit).numel
+        numel = layout.structure_of(unit).numel
+        shares[rank] += min(numel, largest_slice(layout.units[unit].tile, hosts))
     return shares
 
 
-def gpu_units_refusal(units: int, num_units: int, resident: bool, executors: int, hosts: int) -> str:
+def gpu_units_refusal(units: int, num_units: int, resident: bool) -> str:
     """Why a run cannot hold the optimizer of `units` units on its GPU ("" where it can)."""
     if units == 0:
         return ""
     if units < 0 or units > num_units:
         return f"the model has {num_units} units (embedding, layers, final norm and head): 0 to {num_units}"
-    if hosts > 1:
-        return "the optimizer is held on the GPUs of a run on one host (actors.num_hosts 1)"
     if not resident:
         return (
             "the units the GPU holds need the resident copy, where their gradients' norms go as any unit's: "
@@ -162,10 +163,10 @@ def gpu_units_refusal(units: int, num_units: int, resident: bool, executors: int
     return ""
 
 
-def auto_gpu_units(layout: StoreLayout, room: int, dtype_bytes: int, executors: int = 1) -> int:
+def auto_gpu_units(layout: StoreLayout, room: int, dtype_bytes: int, executors: int = 1, hosts: int = 1) -> int:
     """The most units, from the forward's first, whose optimizer fits `room` bytes of each executor's GPU."""
     units = 0
-    while units < len(layout.units) and gpu_state_bytes(layout, units + 1, dtype_bytes, executors) <= room:
+    while units < len(layout.units) and gpu_state_bytes(layout, units + 1, dtype_bytes, executors, hosts) <= room:
         units += 1
     return units
 
@@ -189,10 +190,10 @@ def resolve_gpu_units(
     asked, n = engine.gpu_optimizer, len(layout.units)
     dtype_bytes = 2 if engine.compute_dtype == "bf16" else 4
     if asked != "auto":
-        refusal = gpu_units_refusal(int(asked), n, resident, executors, hosts)
+        refusal = gpu_units_refusal(int(asked), n, resident)
         if refusal:
             raise ConfigError(f"engine.gpu_optimizer {asked}: {refusal}")
-        need = gpu_state_bytes(layout, int(asked), dtype_bytes, executors)
+        need = gpu_state_bytes(layout, int(asked), dtype_bytes, executors, hosts)
         if free is not None and need > gpu_state_room(free, peak):
             raise ResourceError(
                 f"engine.gpu_optimizer {asked}: their optimizer takes {gpubudget.gib(need)} of GPU memory; beside "
@@ -200,7 +201,7 @@ def resolve_gpu_units(
                 f"{gpubudget.gib(max(gpu_state_room(free, peak), 0))} (less a margin): fewer units, or auto"
             )
         return int(asked), "as set"
-    refusal = gpu_units_refusal(1, n, resident, executors, hosts)
+    refusal = gpu_units_refusal(1, n, resident)
     if engine.device != "cuda":
         return 0, "the CPU device"
     if refusal:
@@ -208,9 +209,11 @@ def resolve_gpu_units(
     if free is None:
         return 0, "the GPU's free memory is not measured here"
     room = gpu_state_room(free, peak)
-    units = auto_gpu_units(layout, room, dtype_bytes, executors)
+    units = auto_gpu_units(layout, room, dtype_bytes, executors, hosts)
     shared = f" on each GPU at most, the units shared among {executors}" if executors > 1 else ""
+    shared += f", each host holding its slice of their state (of {hosts})" if hosts > 1 else ""
+    held = gpubudget.gib(gpu_state_bytes(layout, units, dtype_bytes, executors, hosts))
     return units, (
-        f"{units} of {n} units ({gpubudget.gib(gpu_state_bytes(layout, units, dtype_bytes, executors))}{shared}) "
+        f"{units} of {n} units ({held}{shared}) "
         f"in the {gpubudget.gib(max(room, 0))} the GPU leaves beside the step's peak"
     )
