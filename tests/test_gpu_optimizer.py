@@ -139,13 +139,15 @@ def test_several_hosts_hold_their_slices_bit_for_bit(tmp_path: Path, hosts: int,
         same_run(none, got)
 
 
-def test_a_resume_of_several_hosts_holding_the_units_on_one_continues_bit_for_bit(tmp_path: Path) -> None:
-    """The checkpoint of step 5 written by two hosts holding every unit's slices, resumed on one host with two
-    units held: the same as the one-host run that never stopped."""
-    whole = run_held(tmp_path / "whole", 0, CLIPS_SOMETIMES, steps=10)
-    first = run_held(tmp_path / "first", UNITS, CLIPS_SOMETIMES, "actors.num_hosts=2", steps=10)
+@pytest.mark.parametrize("first_run", ["actors.num_hosts=2", "actors.num_gpus=2"])
+def test_a_resume_on_another_count_of_hosts_or_gpus_continues_bit_for_bit(tmp_path: Path, first_run: str) -> None:
+    """The checkpoint of step 5 written by two hosts holding every unit's slices, or by two executors sharing
+    the units, resumed by one executor with two units held: the same as the one-executor run that never
+    stopped."""
+    whole = run_held(tmp_path / "whole", 0, CLIPS_SOMETIMES, "data.batch_size=4", steps=10)
+    first = run_held(tmp_path / "first", UNITS, CLIPS_SOMETIMES, "data.batch_size=4", first_run, steps=10)
     resume = str(ckpt.step_dir(first / "checkpoints", 5))
-    again = run_held(tmp_path / "again", 2, CLIPS_SOMETIMES, f"train.resume={resume}", steps=10)
+    again = run_held(tmp_path / "again", 2, CLIPS_SOMETIMES, "data.batch_size=4", f"train.resume={resume}", steps=10)
     assert {s: x for s, x in losses(again).items() if s > 5} == {s: x for s, x in losses(whole).items() if s > 5}
     for name, tensor in final_weights(whole).items():
         assert torch.equal(tensor, final_weights(again)[name]), name
