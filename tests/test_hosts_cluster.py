@@ -14,20 +14,24 @@ from megatrain.ipc.shared.shm import host_run_id
 from megatrain.launch.config.tree import load_config
 from megatrain.launch.run.driver import Trainer
 from tests.harness import NO_AUTH, NODES, ROOT, SMALL, Cli, final_weights, losses, run_leftovers
+from tests.update_fixtures import rows
 
 pytestmark = pytest.mark.slow
 
 
 def test_two_hosts_of_a_ray_cluster_follow_one_host(cluster, tmp_path, monkeypatch) -> None:
-    """Six steps over two nodes of the cluster equal six in one process on one host (to fp32 rounding: the
-    gradients' sums are ordered otherwise), the losses and the final weights exported from the hosts' slices.
+    """Six steps over two nodes of the cluster, each host's executor updating its slice of the first two units,
+    equal six in one process on one host (to fp32 rounding: the gradients' sums are ordered otherwise), the
+    losses and the final weights exported from the hosts' slices.
     The launcher's machine has a Ray token and no RAY_AUTH_MODE, the cluster no authentication: it joins
     without the token (sent, its actors died before they started)."""
     monkeypatch.delenv("RAY_AUTH_MODE")
     (tmp_path / "home").mkdir()
     token = {"HOME": str(tmp_path / "home"), "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     over = ["engine.device=cpu", "train.save_every=0", "train.save_final=true", "train.final_eval=false"]
-    cli = Cli(tmp_path / "two", "actors.num_hosts=2", *over, "--address", cluster.address, steps=6, env=token)
+    # each host's executor holds its slice of the first two units' optimizer, through real processes
+    two = ["actors.num_hosts=2", "engine.gpu_optimizer=2", *over]
+    cli = Cli(tmp_path / "two", *two, "--address", cluster.address, steps=6, env=token)
     assert cli.finish(timeout=300) == 0, cli.text()
     cli.assert_clean()
     assert run_leftovers(host_run_id(cli.run_id, 1)) == []
@@ -35,6 +39,7 @@ def test_two_hosts_of_a_ray_cluster_follow_one_host(cluster, tmp_path, monkeypat
     Trainer(load_config(ROOT / "examples" / "default.yaml", one)).run()
     two_losses, one_losses = (losses(d) for d in (cli.out, tmp_path / "one"))
     assert sorted(two_losses) == list(range(1, 7))
+    assert {r["gpu_units"] for r in rows(cli.out)} == {2}
     for s in one_losses:
         assert abs(two_losses[s] - one_losses[s]) <= 1e-5 * abs(one_losses[s]), s
     two_w, one_w = final_weights(cli.out), final_weights(tmp_path / "one")

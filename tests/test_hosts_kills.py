@@ -21,7 +21,9 @@ pytestmark = pytest.mark.slow
 # A two-host run on the CPU: its roles on every host (packers and accumulators need a GPU's slabs). The
 # checkpoint writer is spawned with the run when checkpoints are due: one is, far beyond the steps run.
 ROLES = ("store-owner", "gpu-executor", "adam-updater", "checkpoint-writer")
+# Each host's executor holds its slice of the first two units' optimizer too (engine.gpu_optimizer).
 RUN = ["actors.num_hosts=2", "engine.device=cpu", "train.save_every=100000", "train.final_eval=false"]
+RUN += ["engine.gpu_optimizer=2"]
 
 
 def actors(cli: Cli) -> dict[str, int]:
