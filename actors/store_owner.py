@@ -24,7 +24,7 @@ from megatrain.actors.lifeline import Lifeline, raylet
 from megatrain.config.engine import FIXED_SIZES
 from megatrain.errors import AbortError, ConfigError, Origin, ProtocolError
 from megatrain.formats import checkpoint as ckpt
-from megatrain.host.hostmem import fault_in
+from megatrain.host.hostmem import fault_in, ranges_without
 from megatrain.ipc.cpus import ThreadRequest, cpu_plan, node_cores
 from megatrain.ipc.messages import FillReport, HostMemory, StoreRequest
 from megatrain.ipc.monitor import Monitor
@@ -251,13 +251,17 @@ class StoreOwner(Role):
         """page_in()'s thread. It leaves the bytes alone (hostmem.populate): the steps may already write them."""
         parts = [p for p in ("exp_avg", "exp_avg_sq", "grads") if p in store.spec.planes]
         planes = [store.plane(part) for part in parts] + [store.region(p).numpy() for p in store.spec.spare_parts()]
+        # not the tiles of the units the GPU holds: their state leaves the host once the executor has it
+        held = [[store.tile(part, u) for u in store.spec.on_gpu] for part in parts]
+        holes = held + [[]] * (len(planes) - len(held))
+        ranges = [r for plane, tiles in zip(planes, holes, strict=True) for r in ranges_without(plane, tiles)]
         parts += store.spec.spare_parts()
         t0 = time.perf_counter()
-        done, pieces = fault_in([(a.ctypes.data, a.nbytes) for a in planes], PAGE_IN_THREADS, stop)
+        done, pieces = fault_in(ranges, PAGE_IN_THREADS, stop)
         me = store.label(self.name)  # over several hosts, with its host
         if pieces and done == pieces:
             print(
-                f"[{me}] paged in {', '.join(parts)} ({sum(a.nbytes for a in planes) / 2**30:.1f} GiB) "
+                f"[{me}] paged in {', '.join(parts)} ({sum(n for _, n in ranges) / 2**30:.1f} GiB) "
                 f"in {time.perf_counter() - t0:.1f} s",
                 flush=True,
             )

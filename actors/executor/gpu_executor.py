@@ -260,8 +260,7 @@ class GpuExecutor(Role):
                 raise ResourceError(self.cap.oom(exc, self.planned)) from None
 
     def _walks(self, step: int, count: int, fn: Callable[[], Any]) -> list:
-        if self.gpu_state is not None:
-            self.gpu_state.load(step, self._held_group())
+        self._load_held(step)
         out = []
         for _ in range(count):
             self.source.begin(step, "forward")
@@ -321,8 +320,7 @@ class GpuExecutor(Role):
         lr: float = 0.0,
         prof: StepProfile | None = None,
     ) -> StepReport:
-        if self.gpu_state is not None:
-            self.gpu_state.load(step, self._held_group())
+        self._load_held(step)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         if timeline and self.cuda:
@@ -369,6 +367,20 @@ class GpuExecutor(Role):
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()  # the update's time, not its launch's
         return {"gpu_units": units, "gpu_update_s": time.perf_counter() - t0}
+
+    def _load_held(self, step: int) -> None:
+        """The held units' state onto the device before the first walk; the host's pages of it given back."""
+        held = self.gpu_state
+        if held is None or held.loaded:
+            return
+        held.load(step)
+        if held.released:
+            units = len(held.mine)
+            print(
+                f"[{self.name}] {units} units' optimizer on the GPU: {held.released / 2**30:.2f} GiB of the host's "
+                "state planes given back (written back for checkpoints only)",
+                flush=True,
+            )
 
     def _held_group(self) -> Group | None:
         """The group the held units' weights go to every executor over: the run's (None: one executor alone)."""

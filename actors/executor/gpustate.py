@@ -9,8 +9,11 @@ counts them), and once Adam has published its verdict on the step (the norm and 
 updates them with the same arithmetic, bit for bit, as the host's kernel (megatrain/host/adamw.py
 adamw_tensors): the next forward starts at once while Adam updates the other units ahead of it.
 
-Their state in the store's planes is what was last written back (flush): before a checkpoint is written, and
-before the final weights are read; the checkpoint writer takes those pieces at the version flush publishes.
+Once loaded, their state leaves the host: its pages in the store's planes are given back to the system (the
+planes read zeros there). It is written back (flush) before a checkpoint is written, and before the final
+weights are read; the checkpoint writer takes those pieces at the version flush publishes, and once it has them
+on disk the pages are given back again (settle, at the next update). The host's peak is the start-up's: the
+store owner fills every unit's state before the executor takes the held ones'.
 
 With several executors sharing one store the units are shared among them (StoreSpec.gpu_owner): each holds the
 state of its own, receives their summed gradient (actors/executor/reduce.py), updates them, and sends their new
@@ -51,36 +54,56 @@ class GpuState:
         self.served: dict[int, torch.Tensor] = {}  # the weights the engine reads (p itself in fp32)
         self.grads: dict[int, torch.Tensor] = {}  # this step's, until the update
         self.slices = {u: spec.owned(u) for u in self.units}  # this host's elements of each (one host: all)
-        self.dirty = False  # updated since the last write-back
+        self.dirty = False  # the planes do not hold the state: updated, or given back, since the last write-back
         self.for_writer: int | None = None  # the step the last write-back was published at, for the writer
+        self.released = 0  # bytes of the planes given back so far (a report's)
 
     @property
     def loaded(self) -> bool:
         return bool(self.served) or not self.units
 
-    def load(self, step: int, group: Group | None = None) -> None:
-        """The units' state from the planes (once, before the first walk): the weights after step-1's update.
-        Over several hosts the other hosts' slices of the weights come from their owners over `group` (every
-        executor of the run, each loading at its first walk)."""
+    def load(self, step: int) -> None:
+        """The units' state (once, before the first walk): the weights after step-1's update. Every unit's
+        weights whole from the resident copy (the compute dtype, every host's copy whole, as the store was filled
+        or restored: no executor waits for another, so a walk of one alone, an evaluation, may load), and the
+        state of this executor's own (this host's slice of them) from the planes, whose pages are then given
+        back to the system (release): the host keeps none of it until a write-back."""
         if self.loaded:
             return
         for unit in self.order:
             self.store.wait_version(unit, step, f"unit {unit}'s state before step {step} (to hold it on the GPU)")
+            resident = self.store.resident_tile(unit)
+            if resident.dtype != self.dtype:
+                raise ProtocolError(f"unit {unit}: the resident copy is {resident.dtype}, the engine's {self.dtype}")
+            served = torch.empty(resident.numel(), dtype=self.dtype, device=self.device)
+            served.copy_(resident)
+            self.served[unit] = served
+            if unit not in self.mine:
+                continue
             lo, hi = self.slices[unit]
-            served = torch.empty(self.store.spec.layout.structure_of(unit).numel, dtype=self.dtype, device=self.device)
-            # another executor's unit: this host's slice of its weights alone
-            parts = STATE if unit in self.mine else STATE[:1]
-            held = [self._to_device(self.store.span(part, unit, lo, hi)) for part in parts]
+            held = [self._to_device(self.store.span(part, unit, lo, hi)) for part in STATE]
             if self.dtype == torch.float32:  # the master weights are what the engine reads: one tensor
                 served[lo:hi] = held[0]
                 held[0] = served[lo:hi]
-            else:
-                served[lo:hi] = held[0].to(self.dtype)
-            if unit in self.mine:
-                self.state[unit] = (held[0], held[1], held[2])
-            self.served[unit] = served
-        if self.store.spec.hosts > 1:
-            self._share(group)
+            self.state[unit] = (held[0], held[1], held[2])
+            self._release(unit)
+
+    def _release(self, unit: int) -> None:
+        """Give the unit's pages in the state planes back (Store.release): its state is on the device, copied
+        (_to_device waits for the copy). Given back, the planes no longer hold it: the next flush writes it."""
+        given = sum(self.store.release(part, unit) for part in STATE)
+        self.released += given
+        self.dirty = self.dirty or given > 0
+
+    def settle(self) -> None:
+        """Give back the pages of the last write-back once nothing on the host reads them any more: the
+        checkpoint writer has the pieces on disk (a write-back for the final weights stays: the run ends)."""
+        step, spec = self.for_writer, self.store.spec
+        if step is None or not all(self.store.has_saved(p, step) for u in self.mine for p, _, _ in spec.pieces_of(u)):
+            return
+        self.for_writer = None
+        for unit in self.mine:
+            self._release(unit)
 
     def _to_device(self, host) -> torch.Tensor:  # noqa: ANN001 - a numpy view of a plane
         out = torch.empty(host.shape, dtype=torch.float32, device=self.device)
@@ -106,6 +129,7 @@ class GpuState:
         the step is skipped whole, as on the host), then each unit's new weights from its owner to the others
         over `group` (every executor of the run; None: one executor of one host). The units this executor updated
         (a step's report sums the executors')."""
+        self.settle()
         grads, self.grads = self.grads, {}
         if set(grads) != set(self.mine):
             missing = sorted(set(self.mine) - set(grads))
@@ -158,6 +182,8 @@ class GpuState:
         takes it as the state after `step` steps (published at that version), None: for a reader without versions
         (the final weights). The bytes written."""
         store, written = self.store, 0
+        if not self.loaded:  # no step has run: the planes hold the state as the store was filled
+            return 0
         if self.for_writer is not None:  # the writer may still read the last write-back's pieces
             for unit in self.mine:
                 for piece, _, _ in store.spec.pieces_of(unit):

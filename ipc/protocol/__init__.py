@@ -48,8 +48,10 @@ accumulator (k % G) % A:
 The units whose optimizer the executor holds on its device (StoreSpec.on_gpu, engine.gpu_optimizer) have no
 slab, no version published per step and no update by Adam: their gradient stays on the device, their pieces'
 squared norms land in ctl as any unit's (one grads_ready each), Adam publishes its verdict on the step (the
-global norm and clip scale, ctl's flag words) and the executor updates them; it writes their state back into
-the planes, and publishes their versions, only before a checkpoint of them is taken.
+global norm and clip scale, ctl's flag words) and the executor updates them. Their tiles' pages in the planes
+are given back to the system once the executor has them (Store.release); it writes their state back, and
+publishes their versions, only before a checkpoint of them is taken (the pages given back again once the writer
+has them on disk) or the final weights are read.
 Spare slots (StoreSpec.spare_units, ipc.spare_slots): segments spare-planes (the three fp32 state planes'
 slots) and spare-resident (their compute-dtype copies, pinned by the executor as `resident`). ctl's bank word
 of such a unit says which copy holds its state; Adam writes a speculative update into the other copy and, when

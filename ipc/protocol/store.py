@@ -15,6 +15,7 @@ import posix_ipc
 import torch
 
 from megatrain.errors import AbortError, Origin, ProtocolError, ResourceError, WaitTimeout
+from megatrain.host.hostmem import release_range
 from megatrain.ipc.protocol.ctl import (
     ABORT_AT,
     ABORT_ORIGIN,
@@ -238,6 +239,13 @@ class Store:
             )
         return self.tile(part, unit, spare)[lo - first : hi - first]
 
+    def release(self, part: str, unit: int) -> int:
+        """Give the pages of the unit's tile in an fp32 plane back to the system (megatrain/host/hostmem.py
+        release_range), for every process mapping it: the state of a unit the GPU holds (StoreSpec.on_gpu) while
+        nothing on the host reads it. It reads as zeros until written again. The bytes given back."""
+        tile = self.tile(part, unit)
+        return release_range(tile.ctypes.data, tile.nbytes)
+
     def torch_tile(self, part: str, unit: int) -> torch.Tensor:
         return torch.from_numpy(self.tile(part, unit))
 
@@ -436,6 +444,10 @@ class Store:
         """The checkpoint writer has the piece's state after `step` on disk: Adam may update it again."""
         publish(self.saved, piece, step)
         self.progressed()
+
+    def has_saved(self, piece: int, step: int) -> bool:
+        """Whether the checkpoint writer has the piece's state after `step` on disk (no wait)."""
+        return reached(self.saved, piece, piece + 1, step)
 
     def wait_saved(self, piece: int, step: int, what: str) -> None:
         """Adam, before updating a piece while the checkpoint of `step` is written: wait for the writer."""

@@ -263,6 +263,10 @@ def _held(
         head,
         f"    the host's Adam pass leaves out their {held / 1e6:,.1f}M parameters: "
         f"{steptime.duration(est.step_s)} a step against {other} with every update on the host",
+        # the planes' pages of the held state are given back once the GPU has it (actors/executor/gpustate.py)
+        f"    their fp32 state ({held * 12 / hosts / 2**30:.1f} GiB{' a host' if hosts > 1 else ''}) leaves the "
+        "host's planes once the GPU has it: the host holds it at start-up and while a checkpoint's writer or the "
+        "final export reads it",
     ]
 
 

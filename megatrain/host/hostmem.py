@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 MADV_POPULATE_WRITE = 23  # Linux 5.14: fault pages in writable without touching their bytes
+MADV_REMOVE = 9  # free a shared mapping's pages and their backing (a tmpfs file's: a hole that reads as zeros)
 PIECE_BYTES = 1 << 28  # one madvise call: a stop request waits for at most one per thread
 _LIBC: ctypes.CDLL | None = None
 
@@ -38,6 +39,29 @@ def populate_range(start: int, nbytes: int) -> bool:
     False where the kernel cannot (older than 5.14, or a sandbox's): nothing done."""
     lo = start - start % mmap.PAGESIZE
     return libc().madvise(lo, start + nbytes - lo, MADV_POPULATE_WRITE) == 0
+
+
+def release_range(start: int, nbytes: int) -> int:
+    """Give the pages wholly inside [start, start + nbytes) of a shared mapping back to the system, their
+    backing included (MADV_REMOVE: a tmpfs file keeps a hole there, which reads as zeros and is paged in again
+    by the next write). The partial pages at either end are kept: their other bytes may be another's. The
+    bytes given back; 0 where the kernel or the file system cannot (nothing done, the bytes kept)."""
+    lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    hi = (start + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if hi <= lo:
+        return 0
+    return hi - lo if libc().madvise(lo, hi - lo, MADV_REMOVE) == 0 else 0
+
+
+def ranges_without(whole: np.ndarray, holes: list[np.ndarray]) -> list[tuple[int, int]]:
+    """(address, bytes) stretches of `whole` (a view of a mapping) that leave out the arrays `holes` (views
+    inside it)."""
+    start, end, out = whole.ctypes.data, whole.ctypes.data + whole.nbytes, []
+    for hole in sorted(holes, key=lambda a: a.ctypes.data):
+        if hole.ctypes.data > start:
+            out.append((start, hole.ctypes.data - start))
+        start = max(start, hole.ctypes.data + hole.nbytes)
+    return out + ([(start, end - start)] if end > start else [])
 
 
 def populate(array: np.ndarray) -> bool:
