@@ -1,13 +1,15 @@
 """The largest Qwen2.5-shaped dense model per host size, from the memory plan (launch/config/memplan.py).
 
-  python bench/capacity.py [--hosts 64,128,256,512,1536] [--batch 16] [--seq 4096]
+  python bench/capacity.py [--hosts 64,128,256,512,1536] [--batch 16] [--seq 4096] [--width 7B]
 
 For each host (all of its RAM free, /dev/shm as large, Ray's memory monitor at a private instance's
 threshold) and each Qwen2.5 width (7B, 14B, 32B, 72B: hidden, FFN and heads of the released models),
 the most layers whose plan fits with the default config (clipping on), on a GPU with the H200's free
 memory; the largest of those is the row. For it: parameters, host bytes per parameter, the plan's GPU
 peak on the H200, and the least GPU memory with which the whole plan fits at that batch. Then the
-released models' host need. Prints Markdown tables.
+released models' host need. With --width, the depth study instead: for each host the deepest model of that
+width alone. Prints Markdown tables. The host need is the run's least: no spare slots (ipc.spare_slots, auto,
+fill whatever RAM a host has left, so they would make every host look full).
 """
 
 from __future__ import annotations
@@ -42,7 +44,14 @@ def config(width: str, layers: int, batch: int, seq: int):
         "use_sliding_window": False,
     }
     return load_config(
-        None, ["model.family=qwen2", f"model.hf={json.dumps(hf)}", f"data.batch_size={batch}", f"data.seq_len={seq}"]
+        None,
+        [
+            "model.family=qwen2",
+            f"model.hf={json.dumps(hf)}",
+            f"data.batch_size={batch}",
+            f"data.seq_len={seq}",
+            "ipc.spare_slots=0",
+        ],
     )
 
 
@@ -115,12 +124,32 @@ def released(batch: int, seq: int) -> None:
         )
 
 
-def main() -> None:
+def depth(width: str, hosts: list[float], batch: int, seq: int) -> None:
+    """The depth study: per host, the deepest model of one width (its parameters and host need)."""
+    print(
+        f"| host RAM | the deepest Qwen2.5-{width} width (clipping on, {batch}x{seq}) | parameters | host RAM needed |"
+    )
+    print("|---|---|---|---|")
+    for host_gib in hosts:
+        layers = most_layers(width, host_gib, batch, seq)
+        if not layers:
+            print(f"| {host_gib:g} GiB | none | | |", flush=True)
+            continue
+        p = plan(width, layers, host_gib, H200_FREE, batch, seq)
+        need = sum(p.host.values())
+        print(f"| {host_gib:g} GiB | {layers} layers | {p.num_params / 1e9:.1f}B | {need / GIB:.0f} GiB |", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", default="64,128,256,512,1536", help="host RAM sizes in GiB")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=4096)
-    args = ap.parse_args()
+    ap.add_argument("--width", choices=sorted(WIDTHS), help="the depth study of this width alone")
+    args = ap.parse_args(argv)
+    if args.width:
+        depth(args.width, [float(h) for h in args.hosts.split(",")], args.batch, args.seq)
+        return
     print(
         f"| host RAM | largest model (clipping on, {args.batch}x{args.seq}) | parameters | host bytes/param "
         f"| GPU peak GiB on an H200 | least GPU GiB |"

@@ -91,9 +91,18 @@ QWEN14B = {
     "num_attention_heads": 40,
     "num_key_value_heads": 8,
 }
+# Qwen/Qwen2.5-72B's layer shape (80 layers: 72.7B parameters): the Qwen2.5 family's widest.
+QWEN72B = {
+    **QWEN7B,
+    "hidden_size": 8192,
+    "intermediate_size": 29568,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+}
 MODELS = {
     "qwen2.5-7b": ("qwen2", QWEN7B, "Qwen2.5-7B shape"),
     "qwen2.5-14b": ("qwen2", QWEN14B, "Qwen2.5-14B shape"),
+    "qwen2.5-72b": ("qwen2", QWEN72B, "Qwen2.5-72B shape"),
     "olmoe-1b-7b": ("olmoe", OLMOE_1B_7B, "OLMoE-1B-7B shape"),
     "gpt-oss-20b": ("gpt_oss", GPT_OSS_20B, "GPT-OSS-20B shape"),
     "gpt-oss-120b": ("gpt_oss", GPT_OSS_120B, "GPT-OSS-120B shape"),

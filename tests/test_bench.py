@@ -179,3 +179,34 @@ def test_a_peer_rank_the_kernel_kills_is_the_rows_result_not_the_benchs_end() ->
     res = spawn_ranks("peer", killed_rank, (), 2)
     assert isinstance(res, dict) and res["status"].startswith("error: rank 1 killed by SIGKILL"), res
     assert "OOM killer" in res["status"]
+
+
+@pytest.mark.parametrize(("model", "total"), [("qwen2.5-14b", 14.77e9), ("qwen2.5-72b", 72.7e9)])
+def test_the_dense_width_presets_are_the_published_models(tmp_path: Path, model: str, total: float) -> None:
+    """The width study's presets: Qwen2.5-14B (48 layers) and Qwen2.5-72B (80 layers) at their model cards'
+    parameter counts, to 1 %."""
+    from megatrain.launch.config.tree import load_config
+    from megatrain.model.spec import build_spec
+
+    layers = {"qwen2.5-14b": 48, "qwen2.5-72b": 80}[model]
+    args = bench_run.parse(["--out", str(tmp_path), "--model", model, "--layers", str(layers)])
+    args.hf, extra = bench_run.bench_model(args.model, args.layers, args.extra)
+    spec = build_spec(load_config(None, bench_run.overrides(args, tmp_path, extra)).model)
+    assert spec.layout.num_params == pytest.approx(total, rel=0.01)
+
+
+def test_the_depth_study_is_the_deepest_the_plan_fits_on_each_host(capsys) -> None:
+    """bench/capacity.py --width: on each host the deepest model of the width fits by the plan and one layer
+    more does not, deeper on a larger host, and the host need it prints is the least (no spare slots, which
+    would fill any host). The plan alone: no GPU here."""
+    from bench import capacity
+
+    deepest = {h: capacity.most_layers("7B", h, 4, 4096) for h in (64.0, 128.0)}
+    assert 0 < deepest[64.0] < deepest[128.0]
+    for host, layers in deepest.items():
+        assert capacity.plan("7B", layers, host, capacity.H200_FREE, 4, 4096).host_fits()
+        assert not capacity.plan("7B", layers + 1, host, capacity.H200_FREE, 4, 4096).host_fits()
+    capacity.main(["--width", "7B", "--hosts", "64", "--batch", "4"])
+    need = sum(capacity.plan("7B", deepest[64.0], 1024.0, capacity.H200_FREE, 4, 4096).host.values())
+    assert f"| 64 GiB | {deepest[64.0]} layers |" in (out := capsys.readouterr().out)
+    assert f"| {need / 2**30:.0f} GiB |" in out and need < 64 * 2**30
