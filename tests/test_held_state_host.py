@@ -24,8 +24,8 @@ STEP = 3  # the state after this many steps: the store's versions, and the check
 
 def held_blocks(rid: str, part: str) -> int:
     """Bytes the system holds for a plane's segment (every shard of it)."""
-    stem = f"megatrain-{rid}-{part}"
-    return sum(os.stat(f"{SHM}/{n}").st_blocks * 512 for n in os.listdir(SHM) if n.startswith(stem))
+    stem = f"megatrain-{rid}-{part}"  # its first shard, then stem.1, stem.2, ...
+    return sum(os.stat(f"{SHM}/{n}").st_blocks * 512 for n in os.listdir(SHM) if n.split(".")[0] == stem)
 
 
 def filled(store: Store) -> dict[str, dict[int, np.ndarray]]:
