@@ -20,29 +20,20 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.presets import QWEN7B, QWEN14B, QWEN72B  # noqa: E402
 from megatrain.launch.config.memplan import make_plan, this_host  # noqa: E402
 from megatrain.launch.config.tree import load_config  # noqa: E402
 
 GIB = 2**30
 H200_FREE = 139.3  # GiB free after the CUDA context (measured)
-WIDTHS = {  # the released Qwen2.5 models' shapes; layers are what the search varies
-    "7B": {"hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28, "num_key_value_heads": 4},
-    "14B": {"hidden_size": 5120, "intermediate_size": 13824, "num_attention_heads": 40, "num_key_value_heads": 8},
-    "32B": {"hidden_size": 5120, "intermediate_size": 27648, "num_attention_heads": 40, "num_key_value_heads": 8},
-    "72B": {"hidden_size": 8192, "intermediate_size": 29568, "num_attention_heads": 64, "num_key_value_heads": 8},
-}
+# The released Qwen2.5 models' shapes (the bench's presets; 32B: the 14B's width with a wider FFN); layers are
+# what the search varies.
+WIDTHS = {"7B": QWEN7B, "14B": QWEN14B, "32B": {**QWEN14B, "intermediate_size": 27648}, "72B": QWEN72B}
 RELEASED_LAYERS = {"7B": 28, "14B": 48, "32B": 64, "72B": 80}
 
 
 def config(width: str, layers: int, batch: int, seq: int):
-    hf = {
-        **WIDTHS[width],
-        "num_hidden_layers": layers,
-        "vocab_size": 152064,
-        "max_position_embeddings": 32768,
-        "tie_word_embeddings": False,
-        "use_sliding_window": False,
-    }
+    hf = {**WIDTHS[width], "num_hidden_layers": layers}
     return load_config(
         None,
         [
